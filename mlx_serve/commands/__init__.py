@@ -1,0 +1,1 @@
+"""CLI subcommands; see mlx_serve.cli for the contract each module follows."""

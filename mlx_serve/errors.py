@@ -1,0 +1,50 @@
+"""Errors a caller can act on. Each maps to one HTTP status in the server."""
+
+from __future__ import annotations
+
+
+class MlxServeError(Exception):
+    status_code = 500
+    error_type = "server_error"
+    param: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if param is not None:
+            self.param = param
+
+
+class InvalidRequest(MlxServeError):
+    """Bad input: wrong type, invalid sampling value, empty prompt."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """The prompt (plus max_tokens, where the caller asked for it) does not fit the model's context."""
+
+    error_type = "invalid_request_error"
+
+
+class ModelNotFound(MlxServeError):
+    status_code = 404
+    error_type = "not_found_error"
+
+
+class UnsupportedModel(MlxServeError):
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class QueueFull(MlxServeError):
+    """The waiting queue is at its limit: try again later."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+
+
+class EngineStopped(MlxServeError):
+    status_code = 503
+    error_type = "server_error"

@@ -1,0 +1,81 @@
+"""The step plan the engine executes and the outcome it reports back. Plain data, no MLX.
+
+One step is one forward pass over a ragged batch of rows (see ARCHITECTURE.md): the plan lists the lanes, each
+one request's consecutive rows, with the positions and KV blocks the runner needs.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+class Path(str, enum.Enum):
+    GPU = "gpu"  # MLX on the default device (GPU, or the CPU backend in CI)
+    ANE = "ane"  # the Core ML lane (or its labelled CPU stand-in)
+
+
+class LaneKind(str, enum.Enum):
+    DECODE = "decode"
+    PREFILL = "prefill"
+
+
+@dataclass(frozen=True, slots=True)
+class Lane:
+    """One request's consecutive rows in a step."""
+
+    request_id: str
+    kind: LaneKind
+    token_ids: tuple[int, ...]  # the rows' input tokens
+    start: int  # position of the first row == tokens already in KV (the lane's history)
+    block_ids: tuple[int, ...]  # KV blocks covering positions [0, start + rows)
+    samples: bool  # the last row's logits pick the request's next token
+    path: Path = Path.GPU
+
+    @property
+    def rows(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def history(self) -> int:
+        return self.start
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """What one step runs, and why (every field is visible to tracing)."""
+
+    step_id: int
+    lanes: tuple[Lane, ...]
+    row_budget: int  # prefill rows this step may carry
+    budget_reason: str  # "uncontended", "contended", "halved:<n>", "decode-debt", ...
+    predicted_ms: float | None  # cost model's prediction for the planned step, None if not predicted
+    contended: bool  # at least one stream was decoding when planned
+    released_request_ids: tuple[str, ...] = ()  # finished/cancelled/preempted since the last plan
+    preempted_request_ids: tuple[str, ...] = ()
+
+    @property
+    def num_rows(self) -> int:
+        return sum(lane.rows for lane in self.lanes)
+
+    @property
+    def prefill_rows(self) -> int:
+        return sum(lane.rows for lane in self.lanes if lane.kind is LaneKind.PREFILL)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.lanes
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutcome:
+    """What the runner reports after executing a plan."""
+
+    sampled_tokens: Mapping[str, int]  # request_id -> next token, for every lane with samples=True
+    elapsed_ms: float  # wall time of the step as measured by the runner
+    failed: Mapping[str, str] = field(default_factory=dict)  # request_id -> error; those requests finish ERROR

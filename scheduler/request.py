@@ -1,0 +1,86 @@
+"""The scheduler's view of a request: token ids, progress and state. No text, no MLX."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # queued, nothing computed yet
+    PREFILLING = "prefilling"  # some prompt rows computed, more to go
+    DECODING = "decoding"  # every known token is in KV but the last sampled one
+    PREEMPTED = "preempted"  # KV dropped; waits to be recomputed from its tokens
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # a stop token or stop string
+    LENGTH = "length"  # max_tokens or the context length
+    CANCELLED = "cancelled"  # the client went away or asked
+    ERROR = "error"  # the engine failed this request (others carry on)
+
+
+class Priority(enum.IntEnum):
+    """Lower value is served first."""
+
+    HIGH = 0
+    NORMAL = 1
+    LOW = 2
+
+
+@dataclass(eq=False)
+class Request:
+    """A request as the scheduler tracks it.
+
+    Its tokens are `prompt_ids + output_ids`; `num_computed` of them have KV in the pool. Prefill and decode are
+    the same thing here: a request needs `num_tokens - num_computed` rows computed, and a decode lane is the
+    case where that is 1. Preemption by recomputation sets `num_computed` back to 0.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    priority: int = Priority.NORMAL
+    cache_salt: str | None = None
+    stop_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = 0.0
+    # progress, owned by the scheduler
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on first admission
+    block_ids: list[int] = field(default_factory=list)
+    state: RequestState = RequestState.WAITING
+    finish_reason: FinishReason | None = None
+    times_overtaken: int = 0
+    times_preempted: int = 0
+    last_token_time: float | None = None  # when its last token was committed (decode debt)
+    in_flight_path: str | None = None  # a chunk committed to a lane that has not reported yet
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_remaining(self) -> int:
+        """Rows that still need computing before the next token can be sampled."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.state is RequestState.DECODING
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state is RequestState.FINISHED
+
+    def token_at(self, position: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[position] if position < n else self.output_ids[position - n]
+
+    def tokens(self, start: int, end: int) -> tuple[int, ...]:
+        return tuple(self.token_at(i) for i in range(start, end))
