@@ -1,0 +1,51 @@
+"""Shared fixtures: tiny dummy checkpoints of real architectures, built once per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+def _build(tmp_path_factory: pytest.TempPathFactory, name: str, **kwargs) -> Path:
+    from mlx_serve.checkpoints import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp(name) / name, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _build(tmp_path_factory, "qwen3", arch="qwen3", preset="tiny", seed=0, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _build(tmp_path_factory, "llama", arch="llama", preset="tiny", seed=1, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _build(tmp_path_factory, "qwen2", arch="qwen2", preset="tiny", seed=2, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # MoE gather_mm runs only in float32 on MLX's CPU backend
+    return _build(tmp_path_factory, "qwen3_moe", arch="qwen3_moe", preset="tiny", seed=3, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_4bit(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _build(tmp_path_factory, "qwen3_q4", arch="qwen3", preset="tiny", seed=4, dtype="float32", quantize_bits=4)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_8bit(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _build(tmp_path_factory, "qwen3_q8", arch="qwen3", preset="tiny", seed=5, dtype="float32", quantize_bits=8)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_4bit(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _build(
+        tmp_path_factory, "qwen3_moe_q4", arch="qwen3_moe", preset="tiny", seed=6, dtype="float32", quantize_bits=4
+    )
