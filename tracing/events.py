@@ -56,7 +56,11 @@ class StepPlanned:
 
 @dataclass(frozen=True, slots=True)
 class StepExecuted:
-    """The runner's report for one step: measured time and the engine phases inside it."""
+    """The runner's report for one step: measured time and the engine phases inside it.
+
+    `t` is when the step's results were consumed (its end); it started `measured_ms` earlier. Rows are the actual
+    rows after any cut.
+    """
 
     kind: ClassVar[str] = "step_executed"
     t: float
