@@ -1,0 +1,229 @@
+"""Model configs (config.json contents) for each architecture and size preset.
+
+The big presets copy the shapes of real checkpoints (Qwen3-0.6B/8B/30B-A3B, Qwen2.5-0.5B/7B, Llama-3.2-1B,
+Llama-3.1-8B, Mistral-7B-v0.3); `tiny` is a small model of the same architecture for CPU tests.
+"""
+
+from __future__ import annotations
+
+from mlx_serve.errors import InvalidRequest
+
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")
+PRESETS = ("tiny", "0.6b", "8b", "30b-a3b")
+DTYPES = ("bfloat16", "float16", "float32")
+
+TINY_VOCAB = 2048
+TINY_CONTEXT = 4096
+
+_HF_CLASS = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+
+_TINY_SHAPE = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "vocab_size": TINY_VOCAB,
+    "max_position_embeddings": TINY_CONTEXT,
+}
+
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+# (arch, preset) -> the shape keys of the real checkpoint it imitates
+_REAL_SHAPES: dict[tuple[str, str], dict] = {
+    ("qwen3", "0.6b"): dict(
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+    ),
+    ("qwen3", "8b"): dict(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+    ),
+    ("qwen3_moe", "30b-a3b"): dict(
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+    ),
+    ("qwen2", "0.6b"): dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+    ),
+    ("qwen2", "8b"): dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+    ),
+    ("llama", "0.6b"): dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+        rope_scaling={**_LLAMA3_ROPE, "factor": 32.0},
+    ),
+    ("llama", "8b"): dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+        rope_scaling={**_LLAMA3_ROPE, "factor": 8.0},
+    ),
+    ("mistral", "8b"): dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=32768,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+    ),
+}
+
+_REFUSALS = {
+    ("mistral", "0.6b"): "Mistral has no model near 0.6B; use --preset tiny or 8b",
+    ("mistral", "30b-a3b"): "30b-a3b is a mixture-of-experts preset; use --arch qwen3_moe",
+    ("llama", "30b-a3b"): "30b-a3b is a mixture-of-experts preset; use --arch qwen3_moe",
+    ("qwen2", "30b-a3b"): "30b-a3b is a mixture-of-experts preset; use --arch qwen3_moe",
+    ("qwen3", "30b-a3b"): "30b-a3b is a mixture-of-experts preset; use --arch qwen3_moe",
+    ("qwen3_moe", "0.6b"): "Qwen3-MoE has no 0.6B model; use --preset tiny or 30b-a3b",
+    ("qwen3_moe", "8b"): "Qwen3-MoE has no 8B model; use --preset tiny or 30b-a3b",
+}
+
+
+def _family_defaults(arch: str) -> dict:
+    """Keys every checkpoint of the family carries, as the Hugging Face configs spell them."""
+    if arch in ("qwen2", "qwen3", "qwen3_moe"):
+        base = dict(
+            hidden_act="silu",
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            rope_scaling=None,
+            attention_dropout=0.0,
+            initializer_range=0.02,
+            use_cache=True,
+            use_sliding_window=False,
+            sliding_window=None,
+            max_window_layers=28,
+        )
+        if arch != "qwen2":
+            base["attention_bias"] = False
+        if arch == "qwen3_moe":
+            base.update(
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+                norm_topk_prob=True,
+                output_router_logits=False,
+                router_aux_loss_coef=0.001,
+            )
+        return base
+    if arch == "llama":
+        return dict(
+            hidden_act="silu",
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+            rope_scaling=None,
+            attention_bias=False,
+            attention_dropout=0.0,
+            mlp_bias=False,
+            initializer_range=0.02,
+            pretraining_tp=1,
+            use_cache=True,
+        )
+    return dict(
+        hidden_act="silu",
+        rms_norm_eps=1e-5,
+        rope_theta=1000000.0,
+        sliding_window=None,
+        attention_dropout=0.0,
+        initializer_range=0.02,
+        use_cache=True,
+    )
+
+
+def _tiny_shape(arch: str) -> dict:
+    shape = dict(_TINY_SHAPE, tie_word_embeddings=arch in ("qwen2", "qwen3"))
+    if arch == "qwen2":
+        shape.pop("head_dim")  # Qwen2 derives head_dim from hidden_size / heads
+    if arch == "qwen3_moe":
+        shape.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128)
+    return shape
+
+
+def check_combo(arch: str, preset: str, dtype: str = "float32") -> None:
+    """Raise InvalidRequest, with the reason, for an architecture/preset/dtype that make no sense together."""
+    if arch not in ARCHS:
+        raise InvalidRequest(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    if preset not in PRESETS:
+        raise InvalidRequest(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    if dtype not in DTYPES:
+        raise InvalidRequest(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if (arch, preset) in _REFUSALS:
+        raise InvalidRequest(f"--arch {arch} --preset {preset} makes no sense: {_REFUSALS[arch, preset]}")
+
+
+def model_config(arch: str, preset: str, dtype: str = "float32") -> dict:
+    """The config.json of the checkpoint (without tokenizer ids, which `token_ids_config` adds)."""
+    check_combo(arch, preset, dtype)
+    shape = _tiny_shape(arch) if preset == "tiny" else dict(_REAL_SHAPES[arch, preset])
+    config = {"architectures": [_HF_CLASS[arch]], "model_type": arch, **_family_defaults(arch), **shape}
+    config["torch_dtype"] = dtype
+    if arch in ("qwen3", "qwen3_moe"):
+        config["max_window_layers"] = shape["num_hidden_layers"]
+    return config

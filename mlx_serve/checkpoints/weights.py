@@ -1,0 +1,83 @@
+"""Random weights of the real architecture, named as the Hugging Face checkpoint names them.
+
+Shapes come from mlx-lm's own `Model` built from the config (its parameters stay lazy, so building even an
+8B model costs no memory). Each tensor has its own RNG stream seeded by (seed, name): the bytes depend only
+on the seed, never on the order tensors are made in.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import zlib
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_serve.checkpoints.shards import TensorSpec
+
+_STACKED_EXPERTS = re.compile(r"^(.*)\.mlp\.switch_mlp\.(gate_proj|up_proj|down_proj)\.weight$")
+_MX_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+# Embedding rows of std 1 and fan-in-scaled projections keep the residual stream O(1), so attention and MLP
+# both move the logits and greedy decoding varies with the prompt instead of repeating one token.
+EMBED_STD = 0.02
+PROJECTION_GAIN = 1.0
+
+
+def build_mlx_model(config: dict):
+    """mlx-lm's `Model` for this config (model_type remapped as mlx-lm does, e.g. mistral -> llama)."""
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    model_type = MODEL_REMAPPING.get(config["model_type"], config["model_type"])
+    module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    return module.Model(module.ModelArgs.from_dict(config))
+
+
+def hf_tensor_specs(config: dict, dtype: str) -> list[TensorSpec]:
+    """Every tensor of the HF checkpoint: mlx-lm's names, with MoE experts unstacked as HF stores them."""
+    from mlx.utils import tree_flatten
+
+    itemsize = _MX_DTYPES[dtype].size
+    specs: list[TensorSpec] = []
+    for name, param in tree_flatten(build_mlx_model(config).parameters()):
+        shape = tuple(param.shape)
+        stacked = _STACKED_EXPERTS.match(name)
+        if stacked:
+            prefix, proj = stacked.groups()
+            per_expert = shape[1:]
+            specs.extend(
+                TensorSpec(
+                    f"{prefix}.mlp.experts.{e}.{proj}.weight", per_expert, _count(per_expert) * itemsize
+                )
+                for e in range(shape[0])
+            )
+        else:
+            specs.append(TensorSpec(name, shape, _count(shape) * itemsize))
+    return specs
+
+
+def _count(shape: tuple[int, ...]) -> int:
+    return int(np.prod(shape, dtype=np.int64))
+
+
+def init_std(name: str, shape: tuple[int, ...]) -> float:
+    """Standard deviation of the normal init for one tensor (0 means: the norm's ones)."""
+    if name.endswith("norm.weight"):
+        return 0.0
+    if "embed_tokens" in name:
+        return EMBED_STD
+    if name.endswith(".bias"):
+        return 0.02
+    return PROJECTION_GAIN / float(np.sqrt(shape[-1]))
+
+
+def make_tensor(spec: TensorSpec, seed: int, dtype: str) -> mx.array:
+    """The tensor for `spec`, a pure function of (seed, name, shape, dtype)."""
+    std = init_std(spec.name, spec.shape)
+    if std == 0.0:
+        return mx.ones(spec.shape, dtype=_MX_DTYPES[dtype])
+    rng = np.random.default_rng([seed, zlib.crc32(spec.name.encode())])
+    values = rng.standard_normal(spec.shape, dtype=np.float32)
+    values *= np.float32(std)
+    return mx.array(values).astype(_MX_DTYPES[dtype])
