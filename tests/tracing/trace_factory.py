@@ -166,3 +166,27 @@ def simulate(config: SimConfig | None = None) -> list:
     sim.t += cfg.idle_gap_s
     sim.run_until_idle([(lambda s: True, SimRequest("late", 32, 6, 0.0))])
     return sim.events
+
+
+def prefill_steps(count: int = 300, seed: int = 0, ane_share: float = 0.0) -> list:
+    """Plan/execute pairs of contended prefill steps whose time grows with history (attention pairs), so a model
+    that separates history bands should beat one global ms-per-row figure."""
+    rng = random.Random(seed)
+    events, t = [], 0.0
+    for sid in range(1, count + 1):
+        width = rng.choice((1, 1, 2, 3))
+        path = "ane" if rng.random() < ane_share else "gpu"
+        lanes = tuple(
+            ev.LaneInfo(f"r{sid}-{i}", "prefill", rng.choice((64, 128, 256, 512)),
+                        rng.choice((0, 512, 2048, 8192, 20000)), path)
+            for i in range(width)
+        )
+        chunks = [(lane.rows, lane.history) for lane in lanes]
+        measured = Simulator(SimConfig()).cost_ms(chunks, 4) * (1.6 if path == "ane" else 1.0)
+        measured *= rng.lognormvariate(0, 0.05)
+        rows = sum(r for r, _ in chunks)
+        events.append(ev.StepPlanned(t, sid, lanes, 2048, "contended", None, True, 0))
+        t += measured / 1000
+        events.append(ev.StepExecuted(t, sid, measured, rows + 4, rows, 4, width,
+                                      sum(r * h for r, h in chunks) / rows, path))
+    return events
