@@ -79,3 +79,7 @@ class StepOutcome:
     sampled_tokens: Mapping[str, int]  # request_id -> next token, for every lane with samples=True
     elapsed_ms: float  # wall time of the step as measured by the runner
     failed: Mapping[str, str] = field(default_factory=dict)  # request_id -> error; those requests finish ERROR
+    # added after the first contract: measured time of the ANE lanes (None: not measured, so no training),
+    # and whether auxiliary work (KV restore/prefix copy, images) rode along (then no cost model trains)
+    ane_elapsed_ms: float | None = None
+    auxiliary: bool = False

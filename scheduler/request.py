@@ -56,6 +56,11 @@ class Request:
     times_preempted: int = 0
     last_token_time: float | None = None  # when its last token was committed (decode debt)
     in_flight_path: str | None = None  # a chunk committed to a lane that has not reported yet
+    # scheduler bookkeeping (added after the first contract; nothing above changed)
+    last_token_gap: float | None = None  # seconds between its last two tokens (decode debt)
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)  # chained hashes of its full blocks
+    num_published_blocks: int = 0  # leading blocks already offered to the prefix cache
+    arrival_seq: int = 0  # order of add() calls: ties and overtakes are judged by it
 
     @property
     def num_tokens(self) -> int:

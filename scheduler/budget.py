@@ -1,0 +1,73 @@
+"""Row budgets: the ceiling when uncontended; halved toward the floor while a contended step is predicted over
+the target; none at all for one step when a stream is in decode debt.
+
+The prediction changes only which budget is chosen: the order of the lanes and who is admitted are decided
+elsewhere and never look at it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from scheduler.config import SchedulerConfig
+from scheduler.cost_models import CostModel, PrefillChunk, StepShape
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetDecision:
+    row_budget: int  # prefill rows the step may carry
+    reason: str  # "uncontended", "contended", "contended-untrained", "halved:<n>", "decode-debt"
+    halvings: int
+    predicted_ms: float | None  # the cost model's prediction for the planned prefill at this budget
+
+
+def fill_shortest_first(demand: Sequence[PrefillChunk], budget: int) -> tuple[PrefillChunk, ...]:
+    """Chunks in the given order until the budget is spent; the last one is cut to fit."""
+    chunks = []
+    left = budget
+    for wanted in demand:
+        if left <= 0:
+            break
+        rows = min(wanted.rows, left)
+        if rows > 0:
+            chunks.append(PrefillChunk(rows=rows, history=wanted.history))
+            left -= rows
+    return tuple(chunks)
+
+
+def choose_row_budget(
+    config: SchedulerConfig,
+    model: CostModel,
+    demand: Sequence[PrefillChunk],
+    decode_lanes: int,
+    in_debt: bool,
+) -> BudgetDecision:
+    """The prefill row budget for a step whose ordered prefill demand is `demand`."""
+
+    def predict(budget: int) -> float | None:
+        chunks = fill_shortest_first(demand, budget)
+        return model.predict(StepShape(chunks, decode_lanes)) if chunks else None
+
+    budget = config.row_ceiling
+    if decode_lanes == 0:
+        return BudgetDecision(budget, "uncontended", 0, predict(budget))
+    if in_debt:
+        return BudgetDecision(0, "decode-debt", 0, None)
+    halvings = 0
+    predicted = predict(budget)
+    while predicted is not None and predicted > config.step_target_ms and budget > config.row_floor:
+        budget = max(config.row_floor, budget // 2)
+        halvings += 1
+        predicted = predict(budget)
+    if halvings:
+        reason = f"halved:{halvings}"
+    else:
+        reason = "contended-untrained" if predicted is None and demand else "contended"
+    return BudgetDecision(budget, reason, halvings, predicted)
+
+
+def stream_in_debt(waited_s: float, last_gap_s: float | None, target_ms: float) -> bool:
+    """A stream is in debt when it has waited, or its last inter-token gap lasted, longer than the target."""
+    limit_s = target_ms / 1000.0
+    return waited_s > limit_s or (last_gap_s is not None and last_gap_s > limit_s)

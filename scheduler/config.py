@@ -1,0 +1,51 @@
+"""The scheduler's configuration: one frozen, slotted dataclass (every field is a CLI flag upstream)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+COST_MODEL_ENV = "MLX_SERVE_PREFILL_COST_MODEL"
+COST_MODELS = ("ema", "bucketed", "affine")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    num_blocks: int  # KV pool size in blocks
+    block_size: int = 16
+    max_running: int = 64  # requests holding KV at once
+    queue_limit: int = 1024  # waiting requests; past it add() raises QueueFull
+    max_model_len: int = 32768  # a request finishes LENGTH when its tokens reach this
+    row_ceiling: int = 2048
+    row_floor: int = 64
+    # 500 ms is the seed's Apple-GPU value; a fast GPU (H200) wants ~50-100 ms.
+    step_target_ms: float = 500.0
+    cost_model: str = "ema"  # "ema" | "bucketed" | "affine" (env MLX_SERVE_PREFILL_COST_MODEL overrides)
+    max_overtakes: int = 4
+    decode_debt: bool = True
+    enable_prefix_cache: bool = True
+    ane_lane: bool = False  # whether prefill chunks may be placed on Path.ANE
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 1 or self.block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        if not 1 <= self.row_floor <= self.row_ceiling:
+            raise ValueError(f"need 1 <= row_floor <= row_ceiling, got {self.row_floor}, {self.row_ceiling}")
+        if self.max_running < 1 or self.queue_limit < 0 or self.max_overtakes < 0:
+            raise ValueError("max_running must be >= 1; queue_limit and max_overtakes >= 0")
+        if not self.step_target_ms > 0:
+            raise ValueError(f"step_target_ms must be > 0, got {self.step_target_ms}")
+        if self.cost_model not in COST_MODELS:
+            raise ValueError(f"cost_model must be one of {COST_MODELS}, got {self.cost_model!r}")
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def resolved_cost_model(self, environ: dict[str, str] | None = None) -> str:
+        """The cost model to use: the environment variable, when set, overrides the field."""
+        env = os.environ if environ is None else environ
+        name = env.get(COST_MODEL_ENV, "").strip().lower() or self.cost_model
+        if name not in COST_MODELS:
+            raise ValueError(f"{COST_MODEL_ENV} must be one of {COST_MODELS}, got {name!r}")
+        return name

@@ -1,0 +1,314 @@
+"""The scheduler: every step, which decode lanes run, which prompts get prefill rows and how many, and where.
+
+The engine loop is three calls: `plan = scheduler.schedule(now)`, `outcome = runner.execute(plan)`,
+`scheduler.update(plan, outcome, now)`. Rules (SCHEDULER.md): decode lanes first (a stream that cannot get a
+block preempts the newest running request by recomputation); then prefill rows, priority class first, then
+overtaken-K-times, then shortest remaining; a row budget from `budget.py`; KV admission with a decode reserve.
+Requests at the pool's edge finish LENGTH: a request never grows past the whole pool.
+"""
+
+from __future__ import annotations
+
+from scheduler.budget import BudgetDecision, choose_row_budget, stream_in_debt
+from scheduler.config import SchedulerConfig
+from scheduler.cost_models import make_cost_model
+from scheduler.errors import QueueFull, RequestTooLarge
+from scheduler.kv_blocks import BlockManager, chain_hash
+from scheduler.learning import train_cost_model
+from scheduler.plan import Lane, LaneKind, StepOutcome, StepPlan
+from scheduler.prefill import PrefillPlanner
+from scheduler.request import FinishReason, Request, RequestState
+from scheduler.stats import SchedulerStats
+from scheduler.tracing_hooks import emit_admitted, emit_step_planned
+from tracing.sink import NULL_SINK, TraceSink
+
+_HOLDS_KV = (RequestState.PREFILLING, RequestState.DECODING)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, trace: TraceSink = NULL_SINK) -> None:
+        self.config = config
+        self.trace = trace
+        self.blocks = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_cache)
+        self.cost_model = make_cost_model(config.resolved_cost_model())
+        self.stats = SchedulerStats()
+        self.max_len = min(config.max_model_len, config.pool_tokens)
+        self._waiting: list[Request] = []  # WAITING or PREEMPTED: no KV held
+        self._running: list[Request] = []  # PREFILLING or DECODING: hold KV, oldest admission first
+        self._live: dict[str, Request] = {}
+        self._released: list[str] = []
+        self._arrivals = 0
+        self._step_id = 0
+        self._last_step_was_debt = False
+
+    # ---- queries
+    @property
+    def has_work(self) -> bool:
+        return bool(self._live)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def get(self, request_id: str) -> Request | None:
+        return self._live.get(request_id)
+
+    def requests(self) -> list[Request]:
+        """Every unfinished request, running ones first."""
+        return [*self._running, *self._waiting]
+
+    # ---- arrivals and departures
+    def add(self, request: Request) -> None:
+        """Queue a request; raises QueueFull past the queue limit, RequestTooLarge if it can never fit."""
+        if request.request_id in self._live:
+            raise ValueError(f"request id {request.request_id!r} is already queued or running")
+        if not request.prompt_ids or request.max_tokens < 1:
+            raise ValueError("a request needs a non-empty prompt and max_tokens >= 1")
+        needed = -(-len(request.prompt_ids) // self.config.block_size)
+        if needed > self.config.num_blocks:
+            raise RequestTooLarge(
+                f"prompt of {len(request.prompt_ids)} tokens needs {needed} KV blocks; the pool has "
+                f"{self.config.num_blocks} ({self.config.pool_tokens} tokens)"
+            )
+        if len(self._waiting) >= self.config.queue_limit:
+            raise QueueFull(f"{len(self._waiting)} requests are waiting (limit {self.config.queue_limit})")
+        request.state = RequestState.WAITING
+        request.arrival_seq = self._arrivals
+        self._arrivals += 1
+        self._waiting.append(request)
+        self._live[request.request_id] = request
+
+    def cancel(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> Request | None:
+        """Finish a request in any state, freeing its KV at once; None if it is unknown or already finished."""
+        request = self._live.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, reason)
+        return request
+
+    # ---- the step
+    def schedule(self, now: float) -> StepPlan:
+        """Plan one step (possibly empty)."""
+        self._step_id += 1
+        preempted: list[str] = []
+        while True:
+            decode_lanes = self._plan_decodes(preempted)
+            planner = PrefillPlanner(self, decode_lanes)
+            decision = self._choose_budget(planner, decode_lanes, now)
+            prefill_lanes, overtaken = planner.plan(decision.row_budget)
+            if decode_lanes or prefill_lanes or not self._stalled():
+                break
+            preempted.append(self._preempt(self._running[-1]).request_id)
+        self._last_step_was_debt = decision.reason == "decode-debt"
+        self.stats.decode_debt_steps += self._last_step_was_debt
+        self.stats.budget_halvings += decision.halvings
+        self.stats.overtakes += len(overtaken)
+        lanes = (*decode_lanes, *prefill_lanes)
+        for lane in lanes:
+            self._live[lane.request_id].in_flight_path = lane.path.value
+        plan = StepPlan(
+            step_id=self._step_id,
+            lanes=lanes,
+            row_budget=decision.row_budget,
+            budget_reason=decision.reason,
+            predicted_ms=decision.predicted_ms,
+            contended=bool(decode_lanes),
+            released_request_ids=tuple(self._released),
+            preempted_request_ids=tuple(preempted),
+        )
+        self._released.clear()
+        if self.trace.enabled:
+            emit_step_planned(self.trace, plan, decision, overtaken)
+        return plan
+
+    def update(self, plan: StepPlan, outcome: StepOutcome, now: float) -> list[Request]:
+        """Apply a step's outcome; returns the requests that got a token (finished ones are FINISHED)."""
+        got_token: list[Request] = []
+        for lane in plan.lanes:
+            request = self._live.get(lane.request_id)
+            if request is None or request.state not in _HOLDS_KV or request.num_computed != lane.start:
+                continue  # cancelled (or otherwise released) while the step ran
+            request.in_flight_path = None
+            if lane.request_id in outcome.failed:
+                self._finish(request, FinishReason.ERROR)
+                continue
+            self._count_rows(plan, lane)
+            request.num_computed = lane.end
+            self._publish_full_blocks(request)
+            if not lane.samples:
+                request.state = RequestState.PREFILLING
+                continue
+            token = outcome.sampled_tokens.get(lane.request_id)
+            if token is None:
+                self._finish(request, FinishReason.ERROR)
+                continue
+            self._append_token(request, token, now)
+            got_token.append(request)
+        for request_id in outcome.failed:
+            if request_id in self._live:
+                self._finish(self._live[request_id], FinishReason.ERROR)
+        if plan.lanes:
+            self.stats.steps += 1
+        if plan.contended:
+            train_cost_model(self.cost_model, plan, outcome)
+        return got_token
+
+    # ---- internals used by PrefillPlanner
+    def admit(self, request: Request, hit_blocks: list[int]) -> None:
+        """Move a waiting request to running, holding its prefix-cache hits (`grow` adds fresh blocks)."""
+        self.blocks.acquire(hit_blocks)
+        cached_tokens = len(hit_blocks) * self.config.block_size
+        request.block_ids = list(hit_blocks)
+        request.num_computed = cached_tokens
+        request.num_published_blocks = len(hit_blocks)
+        if request.times_preempted == 0:
+            request.num_cached_tokens = cached_tokens
+        request.state = RequestState.PREFILLING
+        self.stats.prefix_hit_tokens += cached_tokens
+        self._waiting.remove(request)
+        self._running.append(request)
+        if self.trace.enabled:
+            emit_admitted(self.trace, request, cached_tokens)
+
+    def waiting_requests(self) -> list[Request]:
+        return list(self._waiting)
+
+    def running_requests(self) -> list[Request]:
+        return list(self._running)
+
+    def decoding_streams(self) -> list[Request]:
+        return [r for r in self._running if r.state is RequestState.DECODING]
+
+    # ---- internals
+    def _plan_decodes(self, preempted: list[str]) -> list[Lane]:
+        """One lane per decoding stream, oldest admission first; the newest running request is preempted
+        whenever a stream cannot get the block its next row needs."""
+        lanes: list[Lane] = []
+        for request in list(self._running):
+            if len(lanes) >= self.config.row_ceiling:
+                break
+            if request.state is not RequestState.DECODING or request.in_flight_path is not None:
+                continue
+            while not self.grow(request, request.num_computed + 1):
+                preempted.append(self._preempt(self._newest_preemptable()).request_id)
+                if request.state is not RequestState.DECODING:
+                    break
+            if request.state is RequestState.DECODING:
+                lanes.append(self.make_lane(request, LaneKind.DECODE, 1))
+        return lanes
+
+    def _choose_budget(self, planner: PrefillPlanner, decode_lanes: list[Lane], now: float) -> BudgetDecision:
+        in_debt = False
+        if self.config.decode_debt and decode_lanes and not self._last_step_was_debt:
+            target = self.config.step_target_ms
+            in_debt = any(
+                stream_in_debt(now - r.last_token_time, r.last_token_gap, target)
+                for r in self.decoding_streams()
+                if r.last_token_time is not None
+            )
+        return choose_row_budget(self.config, self.cost_model, planner.demand(), len(decode_lanes), in_debt)
+
+    def _stalled(self) -> bool:
+        """Nothing could be planned although requests hold KV and none of them is in flight."""
+        return bool(self._running) and all(r.in_flight_path is None for r in self._running)
+
+    def _newest_preemptable(self) -> Request:
+        for request in reversed(self._running):
+            if request.in_flight_path is None:
+                return request
+        raise RuntimeError("every running request is in flight: nothing can be preempted")
+
+    def grow(self, request: Request, num_tokens: int) -> bool:
+        """Give `request` blocks covering `num_tokens` positions; False (changing nothing) if the pool is out."""
+        needed = -(-num_tokens // self.config.block_size) - len(request.block_ids)
+        if needed <= 0:
+            return True
+        fresh = self.blocks.allocate(needed)
+        if fresh is None:
+            return False
+        request.block_ids.extend(fresh)
+        return True
+
+    def make_lane(self, request: Request, kind: LaneKind, rows: int) -> Lane:
+        start = request.num_computed
+        end = start + rows
+        return Lane(
+            request_id=request.request_id,
+            kind=kind,
+            token_ids=request.tokens(start, end),
+            start=start,
+            block_ids=tuple(request.block_ids[: -(-end // self.config.block_size)]),
+            samples=end == request.num_tokens,
+        )
+
+    def _preempt(self, request: Request) -> Request:
+        self._release_blocks(request)
+        request.num_computed = 0
+        request.state = RequestState.PREEMPTED
+        request.times_preempted += 1
+        self._running.remove(request)
+        self._waiting.append(request)
+        self._released.append(request.request_id)
+        self.stats.preemptions += 1
+        return request
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        if request.state in _HOLDS_KV:
+            self._running.remove(request)
+        else:
+            self._waiting.remove(request)
+        self._release_blocks(request)
+        request.state = RequestState.FINISHED
+        request.finish_reason = reason
+        request.in_flight_path = None
+        del self._live[request.request_id]
+        self._released.append(request.request_id)
+
+    def _release_blocks(self, request: Request) -> None:
+        self.blocks.free(request.block_ids)
+        request.block_ids = []
+        request.num_published_blocks = 0
+
+    def _append_token(self, request: Request, token: int, now: float) -> None:
+        request.output_ids.append(token)
+        if request.last_token_time is not None:
+            request.last_token_gap = now - request.last_token_time
+        request.last_token_time = now
+        request.state = RequestState.DECODING
+        if token in request.stop_token_ids:
+            self._finish(request, FinishReason.STOP)
+        elif len(request.output_ids) >= request.max_tokens or request.num_tokens >= self.max_len:
+            self._finish(request, FinishReason.LENGTH)
+
+    def _publish_full_blocks(self, request: Request) -> None:
+        """Offer every full, computed block to the prefix cache once."""
+        full = request.num_computed // self.config.block_size
+        if full <= request.num_published_blocks or not self.config.enable_prefix_cache:
+            return
+        hashes = self.block_hashes(request, full)
+        for index in range(request.num_published_blocks, full):
+            self.blocks.register(request.block_ids[index], hashes[index])
+        request.num_published_blocks = full
+
+    def block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
+        """The chained hashes of the request's first `num_blocks` full blocks (computed once, kept)."""
+        size = self.config.block_size
+        hashes = request.block_hashes
+        while len(hashes) < num_blocks:
+            index = len(hashes)
+            parent = hashes[-1] if hashes else None
+            tokens = request.tokens(index * size, (index + 1) * size)
+            hashes.append(chain_hash(parent, tokens, request.cache_salt))
+        return hashes
+
+    def _count_rows(self, plan: StepPlan, lane: Lane) -> None:
+        if lane.kind is LaneKind.DECODE:
+            self.stats.decode_rows += lane.rows
+            return
+        self.stats.prefill_rows += lane.rows
+        if plan.contended:
+            self.stats.contended_prefill_rows += lane.rows

@@ -1,0 +1,31 @@
+"""Training the cost model from a step's outcome: contended prefill steps only, each path on its own time."""
+
+from __future__ import annotations
+
+from scheduler.cost_models import CostModel, PrefillChunk, StepShape
+from scheduler.plan import LaneKind, Path, StepOutcome, StepPlan
+
+
+def step_shapes(plan: StepPlan, auxiliary: bool = False) -> dict[Path, StepShape]:
+    """The plan's prefill chunks grouped by the path each was committed to (decode lanes run on the GPU)."""
+    chunks: dict[Path, list[PrefillChunk]] = {}
+    decode_lanes = 0
+    for lane in plan.lanes:
+        if lane.kind is LaneKind.DECODE:
+            decode_lanes += 1
+        else:
+            chunks.setdefault(lane.path, []).append(PrefillChunk(lane.rows, lane.history))
+    return {
+        path: StepShape(tuple(path_chunks), decode_lanes if path is Path.GPU else 0, path, auxiliary)
+        for path, path_chunks in chunks.items()
+    }
+
+
+def train_cost_model(model: CostModel, plan: StepPlan, outcome: StepOutcome) -> None:
+    """Feed the measured times of a contended step to the model (it filters what it cannot learn from)."""
+    if not plan.contended or outcome.failed:
+        return
+    for path, shape in step_shapes(plan, outcome.auxiliary).items():
+        elapsed_ms = outcome.elapsed_ms if path is Path.GPU else outcome.ane_elapsed_ms
+        if elapsed_ms is not None:
+            model.observe(shape, elapsed_ms)

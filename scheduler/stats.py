@@ -1,0 +1,21 @@
+"""The scheduler's counters (read by /v1/status and /metrics)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    steps: int = 0  # non-empty steps whose outcome was applied
+    prefill_rows: int = 0
+    decode_rows: int = 0
+    contended_prefill_rows: int = 0  # prefill rows run in steps that also had decode lanes
+    prefix_hit_tokens: int = 0
+    preemptions: int = 0
+    budget_halvings: int = 0
+    overtakes: int = 0
+    decode_debt_steps: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
