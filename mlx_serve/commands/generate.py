@@ -1,15 +1,83 @@
-"""Placeholder: this command is being built."""
+"""`generate`: run one prompt through the engine and print the completion."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+import time
 
-HELP = "(not built yet)"
+HELP = "generate text for one prompt (offline, through the engine)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pass
+    parser.add_argument("--model", default=None, help="model directory or hub id (default: the built-in tiny dummy model)")
+    parser.add_argument("--prompt", required=True, help="the user message (the chat template is applied)")
+    parser.add_argument("--raw", action="store_true", help="use the prompt as is, without the chat template")
+    parser.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0: off)")
+    parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (default 0: off)")
+    parser.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--memory-budget-gb", type=float, default=None, help="weights + KV pool budget in GiB")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
 
 
 def run(args: argparse.Namespace) -> int:
-    raise SystemExit("not built yet")
+    from mlx_serve.engine import Engine, EngineConfig
+    from mlx_serve.types import GenerationRequest, SamplingParams
+
+    t_load = time.perf_counter()
+    engine = Engine.load(EngineConfig(model=args.model, memory_budget_gb=args.memory_budget_gb))
+    load_s = time.perf_counter() - t_load
+    try:
+        if args.raw:
+            prompt_ids = engine.tokenizer.encode(args.prompt)
+        else:
+            messages = [{"role": "user", "content": args.prompt}]
+            prompt_ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+        request = GenerationRequest(
+            prompt_ids=tuple(prompt_ids), max_tokens=args.max_tokens, sampling=sampling, stop=tuple(args.stop)
+        )
+        t0 = time.perf_counter()
+        handle = engine.submit(request)
+        token_ids, pieces, first = [], [], None
+        finish, error = None, None
+        for event in handle:
+            first = first or time.perf_counter()
+            if event.token_id is not None:
+                token_ids.append(event.token_id)
+            pieces.append(event.text)
+            if not args.json:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+            finish, error = event.finish_reason, event.error
+        total = time.perf_counter() - t0
+    finally:
+        engine.shutdown()
+    if error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    if args.json:
+        decode_s = total - (first - t0) if first else 0.0
+        print(
+            json.dumps(
+                {
+                    "token_ids": token_ids,
+                    "text": "".join(pieces),
+                    "finish_reason": finish,
+                    "prompt_tokens": len(prompt_ids),
+                    "timings": {
+                        "load_s": round(load_s, 4),
+                        "ttft_s": round((first - t0) if first else 0.0, 4),
+                        "total_s": round(total, 4),
+                        "decode_tokens_per_s": round((len(token_ids) - 1) / decode_s, 2) if decode_s > 0 else None,
+                    },
+                }
+            )
+        )
+    else:
+        print()
+    return 0

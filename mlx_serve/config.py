@@ -1,0 +1,29 @@
+"""Engine configuration: one slotted dataclass, mapped one to one onto `serve` flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # local dir or hub id; None = the built-in tiny dummy model
+    memory_budget_gb: float | None = None  # weights + KV pool; None = a share of the machine's memory
+    kv_blocks: int | None = None  # exact pool size in blocks (overrides the budget; tests use it)
+    block_size: int = 16
+    max_running: int = 64
+    queue_limit: int = 1024
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    step_target_ms: float = 500.0
+    row_ceiling: int = 2048  # most rows one step carries (SCHEDULER.md)
+    row_floor: int = 64  # fewest prefill rows a contended step is cut to
+    cost_model: str = "ema"
+    max_overtakes: int = 4
+    enable_prefix_cache: bool = True
+    decode_debt: bool = True
+    decode_attention: str = "reference"  # "auto" | "reference" | "kernel": attention of single-row lanes
+    ane_lane: str = "off"  # "off" | "cpu" (MLX CPU stand-in) | "ane" (Core ML, macOS only)
+    trace: Any = None  # a tracing sink; None = the null sink
+    observer: Any = None  # metrics hooks (see mlx_serve.engine.EngineObserver)
+    progress: bool = False  # show a progress bar while the model loads

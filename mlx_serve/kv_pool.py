@@ -1,0 +1,58 @@
+"""The paged KV pool: MLX arrays per layer, addressed by slot = block_id * block_size + offset.
+
+Block *accounting* (which blocks are free, shared, cached) lives in `scheduler.kv_blocks`; this module only
+holds the arrays and moves rows in and out of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: mx.Dtype
+
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.size
+
+
+class KVPool:
+    """Keys and values of every layer, `[num_blocks * block_size, kv_heads, head_dim]` each."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, block_size: int) -> None:
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (num_blocks * block_size, layout.num_kv_heads, layout.head_dim)
+        self.keys = [mx.zeros(shape, layout.dtype) for _ in range(layout.num_layers)]
+        self.values = [mx.zeros(shape, layout.dtype) for _ in range(layout.num_layers)]
+        mx.eval(self.keys, self.values)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.block_size * self.layout.bytes_per_token()
+
+    def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
+        """Store rows `[T, kv_heads, head_dim]` at `slots` `[T]`."""
+        self.keys[layer][slots] = keys
+        self.values[layer][slots] = values
+
+    def gather(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
+        """Rows at `slots` as `[1, kv_heads, len(slots), head_dim]`, ready for SDPA."""
+        keys = self.keys[layer][slots].transpose(1, 0, 2)[None]
+        values = self.values[layer][slots].transpose(1, 0, 2)[None]
+        return keys, values
+
+    def state(self) -> list[mx.array]:
+        return self.keys + self.values
+
+
+def slots_for(block_ids: tuple[int, ...], start: int, end: int, block_size: int) -> list[int]:
+    """Pool slots of positions [start, end) for a request with these blocks."""
+    return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]

@@ -1,0 +1,104 @@
+"""Loading a model for the engine: resolve, check, load through mlx-lm, size the KV pool."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from mlx_serve.config import EngineConfig
+from mlx_serve.errors import MlxServeError
+from mlx_serve.kv_pool import KVLayout
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    model: Any
+    tokenizer: Any
+    path: Path | None
+    model_id: str
+    config: dict
+    weight_bytes: int
+    layout: KVLayout
+    context_length: int
+    vocab_size: int
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    import mlx_lm
+
+    from mlx_serve.checkpoints import default_model_path
+    from mlx_serve.model_source import check_supported, resolve_model
+
+    path = resolve_model(config.model) if config.model else default_model_path()
+    model_config = read_config(path)
+    check_supported(model_config)
+    model, tokenizer = mlx_lm.load(str(path))
+    model_id = config.model or f"mlx-serve/{path.name}"
+    return describe_model(model, tokenizer, model_config, model_id, config, path)
+
+
+def describe_model(
+    model: Any, tokenizer: Any, model_config: dict, model_id: str, config: EngineConfig, path: Path | None = None
+) -> LoadedModel:
+    """What the engine needs to know about a loaded mlx-lm model (also for models built in memory)."""
+    from mlx.utils import tree_flatten
+
+    weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    args = model.args
+    n_heads = args.num_attention_heads
+    head_dim = getattr(args, "head_dim", None) or args.hidden_size // n_heads
+    kv_heads = getattr(args, "num_key_value_heads", None) or n_heads
+    dtype = model.model.layers[0].input_layernorm.weight.dtype
+    layout = KVLayout(len(model.model.layers), kv_heads, head_dim, dtype)
+    context = config.max_model_len or int(model_config.get("max_position_embeddings", 4096))
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        path=path,
+        model_id=model_id,
+        config=model_config,
+        weight_bytes=weight_bytes,
+        layout=layout,
+        context_length=context,
+        vocab_size=int(args.vocab_size),
+    )
+
+
+def read_config(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+def machine_memory_bytes() -> int:
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
+        if key in info:
+            return int(info[key])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def kv_pool_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
+    """Blocks that fit the memory budget after the weights, capped at what max_running requests can use."""
+    block_bytes = loaded.layout.bytes_per_token() * config.block_size
+    cap = math.ceil(config.max_running * loaded.context_length / config.block_size)
+    if config.kv_blocks is not None:
+        return config.kv_blocks
+    budget = config.memory_budget_gb * GIB if config.memory_budget_gb else 0.5 * machine_memory_bytes()
+    # a tenth of what is left stays free for activations of the largest step
+    kv_bytes = (budget - loaded.weight_bytes) * 0.9
+    blocks = min(int(kv_bytes // block_bytes), cap)
+    needed = math.ceil(min(loaded.context_length, 2048) / config.block_size)
+    if blocks < needed:
+        raise MlxServeError(
+            f"memory budget {budget / GIB:.2f} GiB leaves room for {max(blocks, 0)} KV blocks after "
+            f"{loaded.weight_bytes / GIB:.2f} GiB of weights; at least {needed} are needed "
+            f"({block_bytes} bytes per block of {config.block_size} tokens). Raise --memory-budget-gb."
+        )
+    return blocks

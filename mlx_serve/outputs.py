@@ -1,0 +1,89 @@
+"""Turning committed tokens into stream events: incremental detokenization, stop strings, usage.
+
+Runs on the engine thread. Text that could still become a stop string is held back until it cannot.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from mlx_serve.types import GenerationRequest, TokenEvent, TokenLogprob, Usage
+
+
+def _held_back(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest
+
+
+@dataclass(slots=True)
+class RequestStream:
+    """Per-request output state."""
+
+    request_id: str
+    request: GenerationRequest
+    detokenizer: Any  # mlx-lm's streaming detokenizer
+    arrival: float
+    emitted: int = 0  # characters of detokenizer text already sent
+    token_ids: list[int] = field(default_factory=list)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished: bool = False
+
+    def add_token(
+        self,
+        token_id: int,
+        logprob: float | None,
+        top: tuple[TokenLogprob, ...] | None,
+        finish_reason: str | None,
+        is_stop_token: bool,
+    ) -> tuple[TokenEvent, bool]:
+        """The event for one committed token; the flag says a stop string ended the request here."""
+        now = time.perf_counter()
+        self.first_token_time = self.first_token_time or now
+        self.last_token_time = now
+        index = len(self.token_ids)
+        self.token_ids.append(token_id)
+        if not is_stop_token:
+            self.detokenizer.add_token(token_id)
+        if finish_reason is not None:
+            self.detokenizer.finalize()
+        text = self.detokenizer.text
+        stop_hit = False
+        stops = self.request.stop
+        if stops:
+            cut = _find_stop(text, stops, max(0, self.emitted - max(len(s) for s in stops)))
+            if cut is not None:
+                text, stop_hit, finish_reason = text[:cut], True, "stop"
+        end = len(text) if (finish_reason or not stops) else len(text) - _held_back(text, stops)
+        delta = text[self.emitted : max(end, self.emitted)]
+        self.emitted = max(end, self.emitted)
+        event = TokenEvent(
+            request_id=self.request_id,
+            token_id=token_id,
+            text=delta,
+            logprob=logprob,
+            top_logprobs=top,
+            finish_reason=finish_reason,
+            index=index,
+        )
+        return event, stop_hit
+
+    def final_text(self) -> str:
+        return self.detokenizer.text
+
+
+def _find_stop(text: str, stops: tuple[str, ...], search_from: int) -> int | None:
+    hits = [i for i in (text.find(s, search_from) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def with_usage(event: TokenEvent, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> TokenEvent:
+    return replace(event, usage=Usage(prompt_tokens, completion_tokens, cached_tokens))

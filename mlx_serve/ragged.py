@@ -1,0 +1,126 @@
+"""Ragged steps through mlx-lm's own model classes (ARCHITECTURE.md, "The ragged step").
+
+The model gets input `[T, 1]`: every row is its own batch element of length 1. Each layer gets a
+`RaggedLayerCache` whose `offset` is the rows' positions `[T]` (mlx-lm's RoPE takes per-batch offsets), whose
+`update_and_fetch` writes the rows' K/V into the pool, and whose `make_mask` returns None. The models'
+`scaled_dot_product_attention` name is replaced by a dispatcher that hands our caches' calls to the step's
+ragged attention and leaves every other call to mlx-lm.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from mlx_serve.kv_pool import KVPool
+
+
+@dataclass(frozen=True, slots=True)
+class LaneRows:
+    """Where one lane's rows sit in the step and where its KV lives in the pool."""
+
+    row_start: int
+    rows: int
+    kv_slots: mx.array  # pool slots of positions [0, end): history plus this lane's rows
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeRows:
+    """The step's single-row lanes, which come first in the step (rows [0, count)).
+
+    Attention for them is one call of a `DecodeAttention` function over paged KV: `block_tables[i]` lists lane
+    i's blocks (padded with 0), `lengths[i]` its KV length including the new row.
+    """
+
+    count: int
+    block_tables: mx.array  # [count, max_blocks] int32
+    lengths: mx.array  # [count] int32
+    block_size: int
+    lanes: tuple[LaneRows, ...]  # the same lanes, for the reference path
+
+
+# (queries [n, heads, 1, head_dim], pool keys [slots, kv_heads, head_dim], pool values, rows, scale) -> like queries
+DecodeAttention = Callable[[mx.array, mx.array, mx.array, DecodeRows, float], mx.array]
+
+
+def reference_decode_attention(
+    queries: mx.array, pool_keys: mx.array, pool_values: mx.array, rows: DecodeRows, scale: float
+) -> mx.array:
+    """One SDPA per lane over its gathered KV: exact, and the yardstick every fast path is tested against."""
+    outputs = []
+    for i, lane in enumerate(rows.lanes):
+        keys = pool_keys[lane.kv_slots].transpose(1, 0, 2)[None]
+        values = pool_values[lane.kv_slots].transpose(1, 0, 2)[None]
+        q = queries[i : i + 1].transpose(2, 1, 0, 3)
+        outputs.append(mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale).transpose(2, 1, 0, 3))
+    return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
+
+
+@dataclass(frozen=True, slots=True)
+class StepLayout:
+    """Per-step metadata every layer's cache shares. Single-row lanes first, then multi-row (prefill) lanes."""
+
+    positions: mx.array  # [T] int32
+    write_slots: mx.array  # [T] pool slot of every row
+    decode: DecodeRows | None
+    lanes: tuple[LaneRows, ...]  # the multi-row lanes, after the decode rows
+    decode_attention: DecodeAttention = reference_decode_attention
+
+
+class RaggedLayerCache:
+    """mlx-lm's cache protocol for one layer of one ragged step."""
+
+    def __init__(self, pool: KVPool, layer: int, step: StepLayout) -> None:
+        self.pool = pool
+        self.layer = layer
+        self.step = step
+        self.offset = step.positions
+
+    def make_mask(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        # keys: [T, kv_heads, 1, head_dim] -> rows [T, kv_heads, head_dim]
+        self.pool.write(self.layer, self.step.write_slots, keys[:, :, 0, :], values[:, :, 0, :])
+        return keys, values
+
+    def attention(self, queries: mx.array, scale: float) -> mx.array:
+        """Each lane attends causally to its own request's KV. queries: [T, heads, 1, head_dim]."""
+        outputs = []
+        decode = self.step.decode
+        if decode is not None:
+            pool_keys, pool_values = self.pool.keys[self.layer], self.pool.values[self.layer]
+            outputs.append(self.step.decode_attention(queries[: decode.count], pool_keys, pool_values, decode, scale))
+        for lane in self.step.lanes:
+            q = queries[lane.row_start : lane.row_start + lane.rows].transpose(2, 1, 0, 3)  # [1, H, n, D]
+            keys, values = self.pool.gather(self.layer, lane.kv_slots)
+            mask = "causal" if lane.rows > 1 else None
+            out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+            outputs.append(out.transpose(2, 1, 0, 3))  # back to [n, H, 1, D]
+        return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
+
+
+def _dispatching_sdpa(original):
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, **kwargs):
+        if isinstance(cache, RaggedLayerCache):
+            if kwargs.get("sinks") is not None:
+                raise NotImplementedError("attention sinks are not supported by ragged steps")
+            return cache.attention(queries, scale)
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
+
+    scaled_dot_product_attention.ragged_dispatcher = True
+    return scaled_dot_product_attention
+
+
+def install_ragged_attention(model: Any) -> None:
+    """Route the model module's attention through the dispatcher (idempotent, per model module)."""
+    module = sys.modules[type(model).__module__]
+    current = getattr(module, "scaled_dot_product_attention", None)
+    if current is None:
+        raise RuntimeError(f"{module.__name__} has no scaled_dot_product_attention to route")
+    if not getattr(current, "ragged_dispatcher", False):
+        module.scaled_dot_product_attention = _dispatching_sdpa(current)

@@ -1,0 +1,173 @@
+"""The model runner: the only code that turns a `StepPlan` into MLX work.
+
+`execute(plan)` lays the plan's lanes out as `[T, 1]` rows, runs mlx-lm's model once over them with one
+`RaggedLayerCache` per layer, computes logits only for the rows that sample, samples each with its request's
+own parameters, and reports the tokens and the step's wall time.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from mlx_serve.kv_pool import KVPool, slots_for
+from mlx_serve.ragged import (
+    DecodeAttention,
+    DecodeRows,
+    LaneRows,
+    RaggedLayerCache,
+    StepLayout,
+    install_ragged_attention,
+    reference_decode_attention,
+)
+from mlx_serve.sampling import RequestSampler, sample_rows, top_logprobs
+from mlx_serve.types import SamplingParams, TokenLogprob
+from scheduler import StepOutcome, StepPlan
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    token_id: int
+    logprob: float | None
+    top_logprobs: tuple[TokenLogprob, ...] | None
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerOutput:
+    outcome: StepOutcome
+    samples: dict[str, SampledToken]
+    phase_ms: dict[str, float] = field(default_factory=dict)  # preparation, submission, consumption
+
+
+@dataclass(frozen=True, slots=True)
+class _PreparedStep:
+    inputs: mx.array  # [T, 1]
+    layout: StepLayout
+    sample_rows: mx.array  # [S] row index of each sampling lane's last row
+    sample_ids: tuple[str, ...]  # request id of each sampling row
+
+
+class ModelRunner:
+    def __init__(self, model: Any, pool: KVPool, decode_attention: DecodeAttention | None = None) -> None:
+        self.model = model
+        self.pool = pool
+        self.decode_attention = decode_attention or reference_decode_attention
+        self.samplers: dict[str, RequestSampler] = {}
+        install_ragged_attention(model)
+        self._tied = bool(getattr(getattr(model, "args", None), "tie_word_embeddings", False))
+
+    # request lifecycle -------------------------------------------------------------------------------
+    def add_request(self, request_id: str, params: SamplingParams) -> None:
+        self.samplers[request_id] = RequestSampler.create(params)
+
+    def release(self, request_ids: tuple[str, ...] | list[str]) -> None:
+        for request_id in request_ids:
+            self.samplers.pop(request_id, None)
+
+    # the step ----------------------------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> RunnerOutput:
+        t0 = time.perf_counter()
+        self.release(plan.released_request_ids)
+        prepared = self._prepare(plan)
+        t1 = time.perf_counter()
+        hidden = self._forward(prepared)
+        samplers = [self.samplers[rid] for rid in prepared.sample_ids]
+        if samplers:
+            sampled = sample_rows(self._logits(hidden[prepared.sample_rows]), samplers)
+            mx.async_eval(sampled.tokens, self.pool.state())
+        else:  # a prefill-only step: only the KV writes are needed (MLX skips the unused last MLP)
+            sampled = None
+            mx.async_eval(self.pool.state())
+        t2 = time.perf_counter()
+        samples = self._read_samples(prepared.sample_ids, samplers, sampled)
+        mx.eval(self.pool.state())
+        t3 = time.perf_counter()
+        elapsed_ms = (t3 - t0) * 1e3
+        outcome = StepOutcome({rid: s.token_id for rid, s in samples.items()}, elapsed_ms)
+        phases = {"preparation": (t1 - t0) * 1e3, "submission": (t2 - t1) * 1e3, "consumption": (t3 - t2) * 1e3}
+        return RunnerOutput(outcome, samples, phases)
+
+    def _prepare(self, plan: StepPlan) -> _PreparedStep:
+        block_size = self.pool.block_size
+        # single-row lanes first: their attention is one batched call (see ragged.DecodeRows)
+        ordered = sorted(plan.lanes, key=lambda lane: lane.rows != 1)
+        tokens: list[int] = []
+        positions: list[int] = []
+        write_slots: list[int] = []
+        lanes: list[LaneRows] = []
+        sample_rows: list[int] = []
+        sample_ids: list[str] = []
+        for lane in ordered:
+            row_start = len(tokens)
+            tokens.extend(lane.token_ids)
+            positions.extend(range(lane.start, lane.end))
+            write_slots.extend(slots_for(lane.block_ids, lane.start, lane.end, block_size))
+            kv_slots = slots_for(lane.block_ids, 0, lane.end, block_size)
+            lanes.append(LaneRows(row_start, lane.rows, mx.array(kv_slots, dtype=mx.int32)))
+            sampler = self.samplers.get(lane.request_id)
+            if sampler is not None:
+                sampler.observe(lane.start, lane.token_ids)
+            if lane.samples:
+                sample_rows.append(row_start + lane.rows - 1)
+                sample_ids.append(lane.request_id)
+        num_single = sum(1 for lane in ordered if lane.rows == 1)
+        layout = StepLayout(
+            positions=mx.array(positions, dtype=mx.int32),
+            write_slots=mx.array(write_slots, dtype=mx.int32),
+            decode=self._decode_rows(ordered[:num_single], lanes[:num_single]) if num_single else None,
+            lanes=tuple(lanes[num_single:]),
+            decode_attention=self.decode_attention,
+        )
+        return _PreparedStep(
+            inputs=mx.array(tokens, dtype=mx.int32)[:, None],
+            layout=layout,
+            sample_rows=mx.array(sample_rows, dtype=mx.int32),
+            sample_ids=tuple(sample_ids),
+        )
+
+    def _decode_rows(self, plan_lanes: list, rows: list[LaneRows]) -> DecodeRows:
+        width = max(len(lane.block_ids) for lane in plan_lanes)
+        tables = [list(lane.block_ids) + [0] * (width - len(lane.block_ids)) for lane in plan_lanes]
+        return DecodeRows(
+            count=len(plan_lanes),
+            block_tables=mx.array(tables, dtype=mx.int32),
+            lengths=mx.array([lane.end for lane in plan_lanes], dtype=mx.int32),
+            block_size=self.pool.block_size,
+            lanes=tuple(rows),
+        )
+
+    def _forward(self, prepared: _PreparedStep) -> mx.array:
+        """Hidden states after the final norm, `[T, hidden]`."""
+        caches = [RaggedLayerCache(self.pool, layer, prepared.layout) for layer in range(len(self.pool.keys))]
+        return self.model.model(prepared.inputs, cache=caches)[:, 0, :]
+
+    def _logits(self, hidden: mx.array) -> mx.array:
+        # the LM head runs only on sampling rows: prefill rows never need vocabulary-sized logits
+        if self._tied:
+            return self.model.model.embed_tokens.as_linear(hidden)
+        return self.model.lm_head(hidden)
+
+    def _read_samples(
+        self, sample_ids: tuple[str, ...], samplers: list[RequestSampler], sampled: Any
+    ) -> dict[str, SampledToken]:
+        if not sample_ids:
+            return {}
+        token_ids = sampled.tokens.tolist()
+        wanted = [i for i, s in enumerate(samplers) if s.params.logprobs is not None]
+        chosen: dict[int, float] = {}
+        tops: dict[int, tuple[TokenLogprob, ...]] = {}
+        if wanted:
+            rows = mx.array(wanted)
+            chosen_lp = sampled.logprobs[rows, mx.array([token_ids[i] for i in wanted])].tolist()
+            chosen = dict(zip(wanted, chosen_lp))
+            for i in wanted:
+                k = samplers[i].params.logprobs
+                if k:
+                    ids, values = top_logprobs(sampled.logprobs[i], k)
+                    tops[i] = tuple(TokenLogprob(t, lp) for t, lp in zip(ids.tolist(), values.tolist()))
+        return {
+            rid: SampledToken(token_ids[i], chosen.get(i), tops.get(i)) for i, rid in enumerate(sample_ids)
+        }

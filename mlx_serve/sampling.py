@@ -1,0 +1,104 @@
+"""Per-request sampling inside a batched step.
+
+Every sampling row has its own parameters. Greedy rows without logits processors are decided by one argmax;
+the others go through mlx-lm's own logits processors and filters (top-p, min-p, top-k) one row at a time.
+A seeded request draws from its own key chain, so its tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+
+from mlx_serve.types import SamplingParams
+
+
+@dataclass(slots=True)
+class RequestSampler:
+    """A request's sampling state across steps."""
+
+    params: SamplingParams
+    processors: list = field(default_factory=list)
+    key: mx.array | None = None
+    history: list[int] = field(default_factory=list)  # tokens seen so far, for the penalties
+
+    @classmethod
+    def create(cls, params: SamplingParams) -> RequestSampler:
+        processors = make_logits_processors(
+            logit_bias=dict(params.logit_bias) if params.logit_bias else None,
+            repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None,
+            repetition_context_size=params.penalty_context,
+            presence_penalty=params.presence_penalty or None,
+            presence_context_size=params.penalty_context,
+            frequency_penalty=params.frequency_penalty or None,
+            frequency_context_size=params.penalty_context,
+        )
+        key = mx.random.key(params.seed) if params.seed is not None else None
+        return cls(params=params, processors=processors, key=key)
+
+    def observe(self, start: int, token_ids: tuple[int, ...]) -> None:
+        """Track the tokens that pass through the model; a lane starting at 0 is a (re)computation."""
+        if not self.processors:
+            return
+        if start == 0:
+            self.history.clear()
+        self.history.extend(token_ids)
+
+    @property
+    def is_plain_greedy(self) -> bool:
+        return self.params.greedy and not self.processors
+
+    def next_key(self) -> mx.array | None:
+        if self.key is None:
+            return None
+        self.key, sub = mx.random.split(self.key)
+        return sub
+
+
+@dataclass(frozen=True, slots=True)
+class SampledRows:
+    tokens: mx.array  # [S] int32
+    logprobs: mx.array  # [S, V] log-probabilities after processors (what the token was drawn from)
+
+
+def _process(sampler: RequestSampler, logits: mx.array) -> mx.array:
+    if sampler.processors:
+        tokens = mx.array(sampler.history[-sampler.params.penalty_context :]) if sampler.history else mx.array([])
+        for processor in sampler.processors:
+            logits = processor(tokens, logits)
+    return logits
+
+
+def _draw(sampler: RequestSampler, logprobs: mx.array) -> mx.array:
+    params = sampler.params
+    if params.greedy:
+        return mx.argmax(logprobs, axis=-1)
+    if 0 < params.top_p < 1.0:
+        logprobs = apply_top_p(logprobs, params.top_p)
+    if params.min_p > 0:
+        logprobs = apply_min_p(logprobs, params.min_p)
+    if 0 < params.top_k < logprobs.shape[-1]:
+        logprobs = apply_top_k(logprobs, params.top_k)
+    return mx.random.categorical(logprobs * (1.0 / params.temperature), key=sampler.next_key())
+
+
+def sample_rows(logits: mx.array, samplers: list[RequestSampler]) -> SampledRows:
+    """Pick one token per row of `logits` `[S, V]`, row i with `samplers[i]`."""
+    if any(s.processors for s in samplers):
+        rows = [_process(s, logits[i : i + 1]) for i, s in enumerate(samplers)]
+        logits = mx.concatenate(rows, axis=0)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    if all(s.is_plain_greedy for s in samplers):
+        return SampledRows(mx.argmax(logprobs, axis=-1).astype(mx.int32), logprobs)
+    tokens = [_draw(s, logprobs[i : i + 1]).reshape(1) for i, s in enumerate(samplers)]
+    return SampledRows(mx.concatenate(tokens).astype(mx.int32), logprobs)
+
+
+def top_logprobs(logprobs: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """The k most likely token ids and their log-probabilities for one row `[V]`, most likely first."""
+    ids = mx.argpartition(-logprobs, kth=k - 1)[:k]
+    values = logprobs[ids]
+    order = mx.argsort(-values)
+    return ids[order], values[order]

@@ -1,0 +1,34 @@
+"""mlx-lm's own generation, the reference every engine output is compared with."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import mlx.core as mx
+
+
+@functools.lru_cache(maxsize=8)
+def load_reference(path: str):
+    import mlx_lm
+
+    return mlx_lm.load(path)
+
+
+def reference_tokens(path: Path, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """Greedy tokens from mlx-lm's generate_step, cut after the first eos (the engine stops there too)."""
+    from mlx_lm.generate import generate_step
+
+    model, tokenizer = load_reference(str(path))
+    eos = set(tokenizer.eos_token_ids)
+    out: list[int] = []
+    for token, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens):
+        out.append(int(token))
+        if token in eos:
+            break
+    return out
+
+
+def prompt_of(length: int, seed: int, vocab: int = 200, offset: int = 10) -> list[int]:
+    """A deterministic prompt of ordinary (non-special) token ids."""
+    return [offset + (seed * 7919 + i * 104729) % vocab for i in range(length)]
