@@ -1,15 +1,100 @@
-"""Placeholder: this command is being built."""
+"""`serve`: the OpenAI- and Anthropic-compatible HTTP server (starlette on hypercorn)."""
 
 from __future__ import annotations
 
 import argparse
 
-HELP = "(not built yet)"
+HELP = "Serve a model over an OpenAI- and Anthropic-compatible HTTP API."
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pass
+    add_engine_arguments(parser)
+    http = parser.add_argument_group("HTTP")
+    http.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    http.add_argument("--port", type=int, default=8080, help="port to listen on (default: %(default)s)")
+    http.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
+                      help="extra name clients may use in the `model` field (repeatable); the model path and "
+                           "its folder name are always accepted")
+    http.add_argument("--drain-timeout", type=float, default=10.0, metavar="SECONDS",
+                      help="on Ctrl-C/SIGTERM, stop accepting and let open requests finish for this long, then "
+                           "cancel the rest (default: %(default)s)")
+    http.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    http.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                      help="logging level (default: %(default)s)")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Engine and scheduler flags, one per `EngineConfig` field (shared with `chat`)."""
+    g = parser.add_argument_group("model and engine")
+    g.add_argument("--model", default=None, metavar="DIR_OR_ID",
+                   help="model directory or Hugging Face id (default: the built-in tiny dummy model)")
+    g.add_argument("--memory-budget-gb", type=float, default=None, metavar="GB",
+                   help="memory for weights plus the KV pool; sizes the pool (default: a share of the machine)")
+    g.add_argument("--kv-blocks", type=int, default=None, metavar="N",
+                   help="exact KV pool size in blocks (overrides --memory-budget-gb)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
+    g.add_argument("--max-running", type=int, default=64,
+                   help="most requests holding KV at once (default: %(default)s)")
+    g.add_argument("--queue-limit", type=int, default=1024,
+                   help="most waiting requests; past it new ones get HTTP 429 (default: %(default)s)")
+    g.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
+                   help="context length limit (default: the model's max_position_embeddings)")
+    s = parser.add_argument_group("scheduler")
+    s.add_argument("--step-target-ms", type=float, default=500.0, metavar="MS",
+                   help="a contended step's row budget is halved while its predicted time exceeds this; 500 suits "
+                        "Apple GPUs, fast datacenter GPUs want far less (default: %(default)s)")
+    s.add_argument("--row-ceiling", type=int, default=2048, help="most rows (tokens) per step (default: %(default)s)")
+    s.add_argument("--row-floor", type=int, default=64,
+                   help="fewest prefill rows a contended step is cut to (default: %(default)s)")
+    s.add_argument("--prefill-cost-model", choices=["ema", "bucketed"], default="ema",
+                   help="step-time predictor for row budgets: one EMA ms-per-row, or the 96-cell bucketed table "
+                        "(default: %(default)s; env MLX_SERVE_PREFILL_COST_MODEL overrides)")
+    s.add_argument("--max-overtakes", type=int, default=4,
+                   help="how often a waiting request may be overtaken by shorter ones before it goes first "
+                        "(default: %(default)s)")
+    s.add_argument("--no-prefix-cache", action="store_true", help="do not reuse KV blocks of shared prefixes")
+    s.add_argument("--no-decode-debt", action="store_true",
+                   help="turn off decode debt (a late stream normally blocks new prefill rows for a step)")
+    s.add_argument("--ane-lane", choices=["off", "cpu", "ane"], default="off",
+                   help="where prefill chunks may also run: off; cpu = the MLX CPU stand-in for testing the lane; "
+                        "ane = Core ML on the Neural Engine (macOS only) (default: %(default)s)")
+    s.add_argument("--trace", default=None, metavar="FILE",
+                   help="capture trace events in memory and write them to FILE (JSONL) at exit")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar while the model loads")
+
+
+def engine_config(args: argparse.Namespace, observer: object | None = None) -> object:
+    from mlx_serve.engine import EngineConfig
+    from tracing import sink_from_env
+
+    return EngineConfig(
+        model=args.model, memory_budget_gb=args.memory_budget_gb, kv_blocks=args.kv_blocks,
+        block_size=args.block_size, max_running=args.max_running, queue_limit=args.queue_limit,
+        max_model_len=args.max_model_len, step_target_ms=args.step_target_ms, row_ceiling=args.row_ceiling,
+        row_floor=args.row_floor, cost_model=args.prefill_cost_model, max_overtakes=args.max_overtakes,
+        enable_prefix_cache=not args.no_prefix_cache, decode_debt=not args.no_decode_debt,
+        ane_lane=args.ane_lane, trace=sink_from_env(args.trace), observer=observer,
+        progress=not args.no_progress,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    raise SystemExit("not built yet")
+    import logging
+
+    from mlx_serve.engine import Engine
+    from mlx_serve.server import ServerMetrics, create_app
+    from mlx_serve.server.http import hypercorn_config, serve_until_signalled
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    metrics = ServerMetrics()
+    engine = Engine.load(engine_config(args, observer=metrics))
+    app = create_app(engine, metrics, aliases=args.served_model_name)
+    log = logging.getLogger("mlx_serve.server")
+    log.info("listening on http://%s:%d (model %s)", args.host, args.port, engine.model_id)
+    host = f"[{args.host}]" if ":" in args.host else args.host  # IPv6 literals need brackets
+    try:
+        serve_until_signalled(app, hypercorn_config(f"{host}:{args.port}", args.drain_timeout, args.access_log))
+    finally:
+        log.info("stopping the engine")
+        engine.shutdown(timeout_s=min(args.drain_timeout, 5.0))
+    return 0

@@ -1,0 +1,210 @@
+"""Anthropic Messages API: POST /v1/messages, streaming and not.
+
+Messages and tools are converted to the OpenAI shapes that chat templates understand, so one rendering
+and one tool-call path serve both APIs.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from mlx_serve.errors import InvalidRequest
+from mlx_serve.server.openai_format import ChoiceState, GenerationFailed
+from mlx_serve.server.protocol import (
+    Job,
+    ModelInfo,
+    anthropic_error_body,
+    build_requests,
+    parse_json_object,
+    read_bool,
+)
+from mlx_serve.server.streaming import collect_events, guard_stream, merge_events, sse, submit_all
+from mlx_serve.server.tools import make_splitter, normalize_messages, render_chat, validate_tools
+
+STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "cancelled": "end_turn"}
+
+
+def parse_messages(body: dict[str, Any], tokenizer: Any, model: ModelInfo) -> Job:
+    model.check_name(body.get("model"))
+    if body.get("max_tokens") is None:
+        raise InvalidRequest("max_tokens is required", param="max_tokens")
+    tools = validate_tools(_openai_tools(body.get("tools")))
+    messages = _system_messages(body.get("system")) + _openai_messages(body.get("messages"))
+    prompt = render_chat(tokenizer, normalize_messages(messages), tools)
+    requests = build_requests(body, prompt, model, logprobs=None, max_token_fields=("max_tokens",),
+                              stop_field="stop_sequences")
+    return Job(requests, stream=read_bool(body, "stream"), tools=tools)
+
+
+def _system_messages(system: object) -> list[dict[str, Any]]:
+    if system is None:
+        return []
+    return [{"role": "system", "content": _text_of(system, "system")}]
+
+
+def _text_of(content: object, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text" for b in content):
+        return "".join(str(b.get("text", "")) for b in content)
+    raise InvalidRequest(f"{param} must be a string or a list of text blocks", param=param)
+
+
+def _openai_messages(messages: object) -> list[dict[str, Any]]:
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("messages must be a non-empty list", param="messages")
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+            raise InvalidRequest(f"messages[{i}] must have role user or assistant", param=f"messages[{i}]")
+        out += _convert_message(message, f"messages[{i}]")
+    return out
+
+
+def _convert_message(message: dict[str, Any], param: str) -> list[dict[str, Any]]:
+    content = message.get("content")
+    if isinstance(content, str):
+        return [{"role": message["role"], "content": content}]
+    if not isinstance(content, list):
+        raise InvalidRequest(f"{param}.content must be a string or a list of blocks", param=f"{param}.content")
+    text, calls, results = "", [], []
+    for block in content:
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text":
+            text += str(block.get("text", ""))
+        elif kind == "tool_use":
+            calls.append({"id": block.get("id"), "type": "function",
+                          "function": {"name": block.get("name"), "arguments": block.get("input") or {}}})
+        elif kind == "tool_result":
+            results.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
+                            "content": _text_of(block.get("content", ""), f"{param}.content")})
+        else:
+            raise InvalidRequest(f"{param}: unsupported content block type {kind!r}", param=f"{param}.content")
+    own = [{"role": message["role"], "content": text, **({"tool_calls": calls} if calls else {})}]
+    return results + (own if text or calls else [])
+
+
+def _openai_tools(tools: object) -> object:
+    if not isinstance(tools, list):
+        return tools
+    return [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description", ""),
+                                              "parameters": t.get("input_schema", {})}}
+            if isinstance(t, dict) else t for t in tools]
+
+
+async def messages(request: Request) -> Response:
+    engine, model = request.state.engine, request.state.model
+    body = parse_json_object(await request.body())
+    job = await run_in_threadpool(parse_messages, body, engine.tokenizer, model)
+    message_id = f"msg_{uuid.uuid4().hex}"
+    handles = submit_all(engine, [replace(job.requests[0], request_id=message_id)])
+    choice = ChoiceState(0, engine.tokenizer, False, make_splitter(engine.tokenizer, job.tools), job.tools)
+    if job.stream:
+        chunks = _message_stream(handles, choice, job, message_id, model.model_id)
+        return StreamingResponse(guard_stream(handles, chunks), media_type="text/event-stream")
+    (events,) = await collect_events(handles, request)
+    for event in events:
+        choice.add(event)
+    return JSONResponse({
+        "id": message_id, "type": "message", "role": "assistant", "model": model.model_id,
+        "content": _content_blocks(choice), **_stop_fields(choice, job, events, engine.tokenizer),
+        "usage": _usage(choice, len(job.requests[0].prompt_ids)),
+    })
+
+
+def _content_blocks(choice: ChoiceState) -> list[dict[str, Any]]:
+    blocks = [{"type": "text", "text": choice.text}] if choice.text or not choice.tool_calls else []
+    return blocks + [_tool_use_block(call) for call in choice.tool_calls]
+
+
+def _tool_use_block(call: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
+            "input": json.loads(call["function"]["arguments"] or "{}")}
+
+
+def _stop_fields(choice: ChoiceState, job: Job, token_ids: list[Any], tokenizer: Any) -> dict[str, Any]:
+    """stop_reason, and which stop sequence ended the text (found again in the decoded output tokens)."""
+    reason = STOP_REASONS.get(choice.finish_reason or "", "end_turn")
+    stops = job.requests[0].stop
+    if reason == "end_turn" and stops:
+        full = tokenizer.decode([e.token_id for e in token_ids if e.token_id is not None])
+        found = sorted((full.find(s, len(choice.text)), s) for s in stops if full.find(s, len(choice.text)) >= 0)
+        if found:
+            return {"stop_reason": "stop_sequence", "stop_sequence": found[0][1]}
+    return {"stop_reason": reason, "stop_sequence": None}
+
+
+def _usage(choice: ChoiceState, prompt_tokens: int) -> dict[str, Any]:
+    usage = choice.usage
+    return {"input_tokens": usage.prompt_tokens if usage else prompt_tokens,
+            "output_tokens": usage.completion_tokens if usage else 0,
+            "cache_read_input_tokens": usage.cached_tokens if usage else 0}
+
+
+async def _message_stream(handles: list[Any], choice: ChoiceState, job: Job, message_id: str,
+                          model: str) -> AsyncIterator[bytes]:
+    """message_start, content blocks (text deltas, whole tool_use blocks), message_delta, message_stop."""
+    prompt_tokens = len(job.requests[0].prompt_ids)
+    yield sse({"type": "message_start", "message": {
+        "id": message_id, "type": "message", "role": "assistant", "content": [], "model": model,
+        "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}},
+        "message_start")
+    blocks = _BlockWriter()
+    events = []
+    async for _, event in merge_events(handles):
+        events.append(event)
+        try:
+            delta = choice.add(event)
+        except GenerationFailed as exc:
+            yield sse(anthropic_error_body(exc), "error")
+            return
+        for chunk in blocks.text(delta.text) + [c for call in delta.tool_calls for c in blocks.tool_use(call)]:
+            yield chunk
+    for chunk in blocks.close():
+        yield chunk
+    stop = _stop_fields(choice, job, events, choice.tokenizer)
+    yield sse({"type": "message_delta", "delta": stop, "usage": {"output_tokens": _usage(choice, 0)["output_tokens"]}},
+              "message_delta")
+    yield sse({"type": "message_stop"}, "message_stop")
+
+
+class _BlockWriter:
+    """Numbers content blocks and opens/closes the text block around tool_use blocks."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.text_open = False
+
+    def text(self, text: str) -> list[bytes]:
+        if not text:
+            return []
+        out = [] if self.text_open else self._start({"type": "text", "text": ""})
+        self.text_open = True
+        return out + [sse({"type": "content_block_delta", "index": self.index,
+                           "delta": {"type": "text_delta", "text": text}}, "content_block_delta")]
+
+    def tool_use(self, call: dict[str, Any]) -> list[bytes]:
+        block = _tool_use_block(call)
+        out = self.close() + self._start({**block, "input": {}})
+        delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+        return out + [sse({"type": "content_block_delta", "index": self.index, "delta": delta},
+                          "content_block_delta")] + self.close(force=True)
+
+    def close(self, force: bool = False) -> list[bytes]:
+        if not (self.text_open or force):
+            return []
+        self.text_open = False
+        return [sse({"type": "content_block_stop", "index": self.index}, "content_block_stop")]
+
+    def _start(self, block: dict[str, Any]) -> list[bytes]:
+        self.index += 1
+        return [sse({"type": "content_block_start", "index": self.index, "content_block": block},
+                    "content_block_start")]

@@ -1,0 +1,161 @@
+"""OpenAI response bodies: per-choice accumulation of engine events, logprobs, usage, chunks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlx_serve.errors import MlxServeError
+from mlx_serve.server.tools import ToolCallSplitter, parse_tool_calls
+from mlx_serve.types import TokenEvent, Usage
+
+
+class GenerationFailed(MlxServeError):
+    """The engine ended a request with an error."""
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """What one event adds to a choice: visible text, finished tool calls, logprob entries."""
+
+    text: str
+    tool_calls: list[dict[str, Any]]
+    logprobs: list[dict[str, Any]]
+
+    @property
+    def empty(self) -> bool:
+        return not (self.text or self.tool_calls or self.logprobs)
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    """One choice of a request, built up event by event (streaming and not)."""
+
+    index: int
+    tokenizer: Any
+    want_logprobs: bool
+    splitter: ToolCallSplitter | None = None
+    tools: list[dict[str, Any]] | None = None
+    text: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+    def add(self, event: TokenEvent) -> Delta:
+        if event.finish_reason == "error":
+            raise GenerationFailed(f"generation failed: {event.error or 'unknown engine error'}")
+        text, call_texts = event.text, []
+        if self.splitter is not None:
+            text, call_texts = self.splitter.feed(event.text)
+            if event.finish_reason is not None:
+                tail, last_calls = self.splitter.finish()
+                text, call_texts = text + tail, call_texts + last_calls
+        calls = parse_tool_calls(self.tokenizer, call_texts, self.tools, len(self.tool_calls))
+        entries = [logprob_entry(self.tokenizer, event)] if self.want_logprobs and event.token_id is not None \
+            and event.logprob is not None else []
+        self.text += text
+        self.tool_calls += calls
+        self.logprobs += entries
+        if event.finish_reason is not None:
+            self.finish_reason = _finish_reason(event.finish_reason, bool(self.tool_calls))
+            self.usage = event.usage
+        return Delta(text, calls, entries)
+
+
+def _finish_reason(engine_reason: str, made_tool_calls: bool) -> str:
+    if engine_reason == "stop" and made_tool_calls:
+        return "tool_calls"
+    return engine_reason
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+def logprob_entry(tokenizer: Any, event: TokenEvent) -> dict[str, Any]:
+    """A chat-style logprob entry for the event's token, with its top alternatives."""
+    token = token_text(tokenizer, event.token_id)
+    top = [{"token": (alt := token_text(tokenizer, t.token_id)), "logprob": t.logprob,
+            "bytes": list(alt.encode())} for t in (event.top_logprobs or ())]
+    return {"token": token, "logprob": event.logprob, "bytes": list(token.encode()), "top_logprobs": top}
+
+
+def completion_logprobs(entries: Sequence[dict[str, Any]], text_offset: int = 0) -> dict[str, Any]:
+    """The legacy completions logprobs object from chat-style entries."""
+    offsets = []
+    for entry in entries:
+        offsets.append(text_offset)
+        text_offset += len(entry["token"])
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def usage_body(choices: Sequence[ChoiceState]) -> dict[str, Any]:
+    """Usage over all choices: the prompt is counted once (as OpenAI does for n > 1)."""
+    usages = [c.usage for c in choices if c.usage is not None]
+    prompt = usages[0].prompt_tokens if usages else 0
+    completion = sum(u.completion_tokens for u in usages)
+    cached = usages[0].cached_tokens if usages else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def chat_message(choice: ChoiceState) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": choice.text or None}
+    if choice.tool_calls:
+        message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in choice.tool_calls]
+    elif message["content"] is None:
+        message["content"] = ""
+    return message
+
+
+def chat_response(job_id: str, model: str, created: int, choices: Sequence[ChoiceState],
+                  with_logprobs: bool) -> dict[str, Any]:
+    return {
+        "id": job_id, "object": "chat.completion", "created": created, "model": model,
+        "choices": [{"index": c.index, "message": chat_message(c), "finish_reason": c.finish_reason,
+                     "logprobs": {"content": c.logprobs} if with_logprobs else None} for c in choices],
+        "usage": usage_body(choices),
+    }
+
+
+def completion_response(job_id: str, model: str, created: int, choices: Sequence[ChoiceState],
+                        with_logprobs: bool) -> dict[str, Any]:
+    return {
+        "id": job_id, "object": "text_completion", "created": created, "model": model,
+        "choices": [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
+                     "logprobs": completion_logprobs(c.logprobs) if with_logprobs else None} for c in choices],
+        "usage": usage_body(choices),
+    }
+
+
+def chat_chunk(job_id: str, model: str, created: int, index: int, delta: dict[str, Any],
+               finish_reason: str | None = None, logprobs: list[dict[str, Any]] | None = None,
+               include_usage: bool = False) -> dict[str, Any]:
+    chunk = {"id": job_id, "object": "chat.completion.chunk", "created": created, "model": model,
+             "choices": [{"index": index, "delta": delta, "finish_reason": finish_reason,
+                          "logprobs": {"content": logprobs} if logprobs else None}]}
+    if include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def completion_chunk(job_id: str, model: str, created: int, index: int, text: str,
+                     finish_reason: str | None = None, logprobs: dict[str, Any] | None = None,
+                     include_usage: bool = False) -> dict[str, Any]:
+    chunk = {"id": job_id, "object": "text_completion", "created": created, "model": model,
+             "choices": [{"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}]}
+    if include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def usage_chunk(job_id: str, model: str, created: int, obj: str, choices: Sequence[ChoiceState]) -> dict[str, Any]:
+    return {"id": job_id, "object": obj, "created": created, "model": model, "choices": [],
+            "usage": usage_body(choices)}

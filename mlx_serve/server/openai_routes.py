@@ -1,0 +1,147 @@
+"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from mlx_serve.errors import InvalidRequest
+from mlx_serve.server import openai_format as fmt
+from mlx_serve.server.protocol import (
+    MAX_CHOICES,
+    Job,
+    ModelInfo,
+    build_requests,
+    openai_error_body,
+    parse_json_object,
+    read_bool,
+    read_int,
+    read_prompt_ids,
+    read_stream_options,
+)
+from mlx_serve.server.streaming import collect_events, guard_stream, merge_events, sse, submit_all
+from mlx_serve.server.tools import make_splitter, normalize_messages, render_chat, validate_tools
+
+
+def parse_chat(body: dict[str, Any], tokenizer: Any, model: ModelInfo) -> Job:
+    model.check_name(body.get("model"))
+    stream = read_bool(body, "stream")
+    tools = None if body.get("tool_choice") == "none" else validate_tools(body.get("tools"))
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise InvalidRequest("chat_template_kwargs must be an object", param="chat_template_kwargs")
+    prompt = render_chat(tokenizer, normalize_messages(body.get("messages")), tools, kwargs)
+    want_logprobs = read_bool(body, "logprobs")
+    top = read_int(body, "top_logprobs", low=0, high=20)
+    if top is not None and not want_logprobs:
+        raise InvalidRequest("top_logprobs needs logprobs set to true", param="top_logprobs")
+    requests = build_requests(body, prompt, model, logprobs=(top or 0) if want_logprobs else None,
+                              max_token_fields=("max_completion_tokens", "max_tokens"),
+                              n=read_int(body, "n", 1, low=1, high=MAX_CHOICES))
+    return Job(requests, stream, read_stream_options(body, stream), want_logprobs, tools)
+
+
+def parse_completion(body: dict[str, Any], tokenizer: Any, model: ModelInfo) -> Job:
+    model.check_name(body.get("model"))
+    stream = read_bool(body, "stream")
+    if "prompt" not in body:
+        raise InvalidRequest("prompt is required", param="prompt")
+    prompt = read_prompt_ids(body["prompt"], tokenizer, model.vocab_size)
+    top = read_int(body, "logprobs", low=0, high=20)
+    requests = build_requests(body, prompt, model, logprobs=top, max_token_fields=("max_tokens",),
+                              n=read_int(body, "n", 1, low=1, high=MAX_CHOICES))
+    return Job(requests, stream, read_stream_options(body, stream), top is not None)
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _serve(request, parse_chat, "chatcmpl", _chat_stream, fmt.chat_response)
+
+
+async def completions(request: Request) -> Response:
+    return await _serve(request, parse_completion, "cmpl", _completion_stream, fmt.completion_response)
+
+
+async def list_models(request: Request) -> Response:
+    model: ModelInfo = request.state.model
+    return JSONResponse({"object": "list", "data": [
+        {"id": model.model_id, "object": "model", "created": 0, "owned_by": "mlx_serve",
+         "max_model_len": model.context_length}]})
+
+
+async def _serve(request: Request, parse: Callable[..., Job], prefix: str, stream: Callable[..., Any],
+                 respond: Callable[..., dict[str, Any]]) -> Response:
+    """Parse, submit one engine request per choice, then stream or answer in one body."""
+    engine, model = request.state.engine, request.state.model
+    body = parse_json_object(await request.body())
+    job = await run_in_threadpool(parse, body, engine.tokenizer, model)
+    job_id = f"{prefix}-{uuid.uuid4().hex}"
+    requests = [replace(r, request_id=f"{job_id}-{i}") for i, r in enumerate(job.requests)]
+    handles = submit_all(engine, requests)
+    created = int(time.time())
+    if job.stream:
+        chunks = stream(job, handles, engine.tokenizer, job_id, model.model_id, created)
+        return StreamingResponse(guard_stream(handles, chunks), media_type="text/event-stream")
+    choices = _choices(job, engine.tokenizer)
+    for index, events in enumerate(await collect_events(handles, request)):
+        for event in events:
+            choices[index].add(event)
+    return JSONResponse(respond(job_id, model.model_id, created, choices, job.want_logprobs))
+
+
+def _choices(job: Job, tokenizer: Any) -> list[fmt.ChoiceState]:
+    return [fmt.ChoiceState(i, tokenizer, job.want_logprobs, make_splitter(tokenizer, job.tools), job.tools)
+            for i in range(len(job.requests))]
+
+
+async def _chat_stream(job: Job, handles: Sequence[Any], tokenizer: Any, job_id: str, model: str,
+                       created: int) -> AsyncIterator[bytes]:
+    choices = _choices(job, tokenizer)
+
+    def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
+        return sse(fmt.chat_chunk(job_id, model, created, index, delta, finish, logprobs, job.include_usage))
+
+    for choice in choices:
+        yield chunk(choice.index, {"role": "assistant", "content": ""})
+    async for index, event in merge_events(handles):
+        try:
+            delta = choices[index].add(event)
+        except fmt.GenerationFailed as exc:
+            yield sse(openai_error_body(exc))
+            return
+        if not delta.empty:
+            body: dict[str, Any] = {"content": delta.text} if delta.text else {}
+            if delta.tool_calls:
+                body["tool_calls"] = delta.tool_calls
+            yield chunk(index, body, logprobs=delta.logprobs)
+        if event.finish_reason is not None:
+            yield chunk(index, {}, choices[index].finish_reason)
+    if job.include_usage:
+        yield sse(fmt.usage_chunk(job_id, model, created, "chat.completion.chunk", choices))
+    yield sse("[DONE]")
+
+
+async def _completion_stream(job: Job, handles: Sequence[Any], tokenizer: Any, job_id: str, model: str,
+                             created: int) -> AsyncIterator[bytes]:
+    choices = _choices(job, tokenizer)
+    async for index, event in merge_events(handles):
+        choice = choices[index]
+        offset = len(choice.text)
+        try:
+            delta = choice.add(event)
+        except fmt.GenerationFailed as exc:
+            yield sse(openai_error_body(exc))
+            return
+        if not delta.empty or event.finish_reason is not None:
+            logprobs = fmt.completion_logprobs(delta.logprobs, offset) if job.want_logprobs else None
+            yield sse(fmt.completion_chunk(job_id, model, created, index, delta.text, choice.finish_reason,
+                                           logprobs, job.include_usage))
+    if job.include_usage:
+        yield sse(fmt.usage_chunk(job_id, model, created, "text_completion", choices))
+    yield sse("[DONE]")

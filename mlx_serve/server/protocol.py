@@ -1,0 +1,245 @@
+"""Request-body parsing shared by the OpenAI and Anthropic routes, and the error bodies of both APIs.
+
+Everything here is plain Python: it reads a JSON body, checks types and ranges, and builds the engine's
+`GenerationRequest`s. Bad input raises `InvalidRequest` naming the offending field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from mlx_serve.errors import ContextLengthExceeded, InvalidRequest, MlxServeError, ModelNotFound
+from mlx_serve.types import GenerationRequest, SamplingParams
+
+MAX_CHOICES = 16
+MAX_STOP_STRINGS = 16
+_MISSING = object()
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the routes need to know about the served model (read once from the engine)."""
+
+    model_id: str
+    aliases: frozenset[str]
+    context_length: int
+    vocab_size: int
+
+    def check_name(self, name: object) -> None:
+        if name is None:
+            return
+        if not isinstance(name, str):
+            raise InvalidRequest(f"model must be a string, got {type(name).__name__}", param="model")
+        if name != self.model_id and name not in self.aliases:
+            raise ModelNotFound(f"The model '{name}' does not exist; this server serves '{self.model_id}'",
+                                param="model")
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or `InvalidRequest`."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"The request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest(f"The request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _type_error(name: str, expected: str, value: object) -> InvalidRequest:
+    return InvalidRequest(f"{name} must be {expected}, got {json.dumps(value)[:80]}", param=name)
+
+
+def read_number(body: Mapping[str, Any], name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _type_error(name, "a finite number", value)
+    return float(value)
+
+
+def read_int(body: Mapping[str, Any], name: str, default: Any = None, *, low: int | None = None,
+             high: int | None = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _type_error(name, "an integer", value)
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f"[{low if low is not None else '-inf'}, {high if high is not None else 'inf'}]"
+        raise InvalidRequest(f"{name} must be in {bounds}, got {value}", param=name)
+    return value
+
+
+def read_bool(body: Mapping[str, Any], name: str, default: bool = False) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _type_error(name, "a boolean", value)
+    return value
+
+
+def read_str(body: Mapping[str, Any], name: str, default: Any = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise _type_error(name, "a string", value)
+    return value
+
+
+def read_stop(body: Mapping[str, Any], name: str = "stop") -> tuple[str, ...]:
+    value = body.get(name)
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise _type_error(name, "a non-empty string or a list of non-empty strings", value)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"{name} takes at most {MAX_STOP_STRINGS} strings", param=name)
+    return tuple(stops)
+
+
+def read_logit_bias(body: Mapping[str, Any]) -> dict[int, float] | None:
+    value = body.get("logit_bias")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise _type_error("logit_bias", "an object mapping token ids to biases", value)
+    bias: dict[int, float] = {}
+    for key, amount in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise InvalidRequest(f"logit_bias key {key!r} is not a token id", param="logit_bias") from None
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)):
+            raise _type_error("logit_bias", "an object of numbers", value)
+        bias[token] = float(amount)
+    return bias
+
+
+def read_sampling(body: Mapping[str, Any], logprobs: int | None) -> SamplingParams:
+    """The sampling fields both APIs share (OpenAI names; Anthropic's are the same where they exist)."""
+    return SamplingParams(
+        temperature=read_number(body, "temperature", 1.0),
+        top_p=read_number(body, "top_p", 1.0),
+        top_k=read_int(body, "top_k", 0),
+        min_p=read_number(body, "min_p", 0.0),
+        repetition_penalty=read_number(body, "repetition_penalty", 1.0),
+        presence_penalty=read_number(body, "presence_penalty", 0.0),
+        frequency_penalty=read_number(body, "frequency_penalty", 0.0),
+        logit_bias=read_logit_bias(body),
+        seed=read_int(body, "seed"),
+        logprobs=logprobs,
+    )
+
+
+def read_max_tokens(body: Mapping[str, Any], prompt_len: int, model: ModelInfo, *names: str) -> int:
+    """The caller's output limit, or whatever room the context leaves after the prompt."""
+    if prompt_len >= model.context_length:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {model.context_length} tokens, "
+            f"but the prompt has {prompt_len} tokens", param="messages")
+    for name in names:
+        value = read_int(body, name, low=1)
+        if value is not None:
+            return value
+    return model.context_length - prompt_len
+
+
+def build_requests(body: Mapping[str, Any], prompt_ids: list[int], model: ModelInfo, *,
+                   logprobs: int | None, max_token_fields: tuple[str, ...], stop_field: str = "stop",
+                   n: int = 1) -> tuple[GenerationRequest, ...]:
+    """One `GenerationRequest` per choice; a given seed becomes seed + i for choice i."""
+    if not prompt_ids:
+        raise InvalidRequest("The prompt is empty", param="prompt")
+    sampling = read_sampling(body, logprobs)
+    sampling.validate(model.vocab_size)
+    base = GenerationRequest(
+        prompt_ids=tuple(prompt_ids),
+        max_tokens=read_max_tokens(body, len(prompt_ids), model, *max_token_fields),
+        sampling=sampling,
+        stop=read_stop(body, stop_field),
+        stop_token_ids=tuple(_read_token_ids(body, "stop_token_ids", model.vocab_size)),
+        ignore_eos=read_bool(body, "ignore_eos"),
+        priority=read_int(body, "priority", 1, low=0, high=2),
+        cache_salt=read_str(body, "cache_salt"),
+    )
+    if sampling.seed is None:
+        return (base,) * n
+    return tuple(replace(base, sampling=replace(sampling, seed=sampling.seed + i)) for i in range(n))
+
+
+def _read_token_ids(body: Mapping[str, Any], name: str, vocab_size: int) -> list[int]:
+    value = body.get(name, _MISSING)
+    if value is _MISSING or value is None:
+        return []
+    if not isinstance(value, list) or not all(_is_token_id(t, vocab_size) for t in value):
+        raise _type_error(name, f"a list of token ids in [0, {vocab_size})", value)
+    return value
+
+
+def _is_token_id(value: object, vocab_size: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
+
+
+def read_prompt_ids(value: object, tokenizer: Any, vocab_size: int) -> list[int]:
+    """A completions prompt: a string, a list of token ids, or a one-element list of either."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if isinstance(value, str):
+        return list(tokenizer.encode(value))
+    if isinstance(value, list) and value and all(_is_token_id(t, vocab_size) for t in value):
+        return list(value)
+    raise _type_error("prompt", "a string or a list of token ids (one prompt per request)", value)
+
+
+def openai_error_body(exc: MlxServeError) -> dict[str, Any]:
+    return {"error": {"message": exc.message, "type": exc.error_type, "param": exc.param,
+                      "code": _error_code(exc)}}
+
+
+def _error_code(exc: MlxServeError) -> str | None:
+    if isinstance(exc, ContextLengthExceeded):
+        return "context_length_exceeded"
+    if isinstance(exc, ModelNotFound):
+        return "model_not_found"
+    return None
+
+
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error",
+                    503: "overloaded_error"}
+
+
+def anthropic_error_body(exc: MlxServeError) -> dict[str, Any]:
+    kind = _ANTHROPIC_TYPES.get(exc.status_code, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": exc.message}}
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """A parsed API call: one engine request per choice and how the answer should be shaped."""
+
+    requests: tuple[GenerationRequest, ...]
+    stream: bool = False
+    include_usage: bool = False
+    want_logprobs: bool = False
+    tools: list[dict[str, Any]] | None = None
+
+
+def read_stream_options(body: Mapping[str, Any], stream: bool) -> bool:
+    """Whether the caller asked for a final usage chunk."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise _type_error("stream_options", "an object", options)
+    if not stream:
+        raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
+    return read_bool(options, "include_usage")
