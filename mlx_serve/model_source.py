@@ -1,0 +1,100 @@
+"""Where a model comes from: a local directory, the local Hugging Face cache, or (when online) the Hub.
+
+Also which architectures we serve, and how many bytes a loaded model's weights take.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from mlx_serve.errors import ModelNotFound, UnsupportedModel
+
+# model_type values whose mlx-lm model classes the engine drives (mistral loads through mlx-lm's llama)
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache, read from the environment now (HF_HUB_CACHE, else HF_HOME/hub)."""
+    if cache := os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE"):
+        return Path(cache).expanduser()
+    hf_home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "huggingface"
+    return Path(hf_home).expanduser() / "hub"
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
+
+
+def is_hub_id(spec: str) -> bool:
+    """`org/name` that is not a local path spelling (no leading `.`, `/` or `~`)."""
+    return bool(_HUB_ID.match(spec)) and not spec.startswith((".", "/", "~"))
+
+
+def resolve_model(spec: str) -> Path:
+    """The local directory holding the model named by `spec`.
+
+    `spec` is a directory, or a Hub id found in the local Hugging Face cache, or (unless HF_HUB_OFFLINE
+    is set) a Hub id downloaded with mlx-lm's file patterns. Raises ModelNotFound naming what was tried.
+    """
+    local = Path(spec).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise ModelNotFound(f"model directory {local} has no config.json", param="model")
+        return local
+    if not is_hub_id(spec):
+        raise ModelNotFound(f"model {spec!r} not found: {local.resolve()} is not a directory", param="model")
+    cached = _from_hub_cache(spec)
+    if cached is not None:
+        return cached
+    where = f"no directory {local.resolve()} and no snapshot of {spec} in the Hugging Face cache {hub_cache_dir()}"
+    if hub_offline():
+        raise ModelNotFound(f"model {spec!r} not found: {where} (HF_HUB_OFFLINE is set)", param="model")
+    return _download(spec, where)
+
+
+def _from_hub_cache(repo_id: str) -> Path | None:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        path = Path(snapshot_download(repo_id, cache_dir=hub_cache_dir(), local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, FileNotFoundError):
+        return None
+    return path if (path / "config.json").is_file() else None
+
+
+def _download(repo_id: str, where: str) -> Path:
+    """Fetch the files mlx-lm itself fetches (its DEFAULT_ALLOW_PATTERNS) into the hub cache."""
+    from huggingface_hub import snapshot_download
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+    try:
+        return Path(
+            snapshot_download(repo_id, cache_dir=hub_cache_dir(), allow_patterns=DEFAULT_ALLOW_PATTERNS)
+        )
+    except Exception as exc:  # the Hub raises many kinds (network, auth, missing repo); all mean "not found"
+        message = f"model {repo_id!r} not found: {where}, and downloading it failed: {exc}"
+        raise ModelNotFound(message, param="model") from exc
+
+
+def check_supported(config: dict) -> None:
+    """Raise UnsupportedModel unless config.json names an architecture we serve."""
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModel(
+            f"model_type {model_type!r} is not supported; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}",
+            param="model",
+        )
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes held by the model's parameters as loaded (packed weights, scales and biases when quantized)."""
+    from mlx.utils import tree_flatten
+
+    return sum(value.nbytes for _, value in tree_flatten(model.parameters()))
