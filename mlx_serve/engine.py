@@ -118,7 +118,7 @@ class Engine:
             num_blocks=num_blocks,
             block_size=c.block_size,
             max_running=c.max_running,
-            queue_limit=c.queue_limit,
+            queue_limit=c.queue_limit + c.max_running,  # the engine refuses first, synchronously, in submit()
             max_model_len=self.context_length,
             step_target_ms=c.step_target_ms,
             row_ceiling=c.row_ceiling,

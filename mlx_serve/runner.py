@@ -70,7 +70,6 @@ class ModelRunner:
     # the step ----------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> RunnerOutput:
         t0 = time.perf_counter()
-        self.release(plan.released_request_ids)
         prepared = self._prepare(plan)
         t1 = time.perf_counter()
         hidden = self._forward(prepared)

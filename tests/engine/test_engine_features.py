@@ -1,0 +1,169 @@
+"""Prefix caching, salts, seeded sampling, pool exhaustion, stop strings, cancellation, logprobs, errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+
+from mlx_serve.engine import Engine, EngineConfig
+from mlx_serve.errors import ContextLengthExceeded, InvalidRequest, QueueFull
+from mlx_serve.types import GenerationRequest, SamplingParams
+from tests.engine.reference import load_reference, prompt_of, reference_tokens
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_qwen3):
+    engine = Engine.load(EngineConfig(model=str(tiny_qwen3), block_size=16, kv_blocks=256))
+    yield engine
+    engine.shutdown()
+
+
+def _run(engine: Engine, prompt: list[int], **kwargs):
+    [completion] = engine.generate([GenerationRequest(prompt_ids=tuple(prompt), **kwargs)])
+    return completion
+
+
+def test_prefix_hit_gives_cold_tokens_and_computes_only_uncached_rows(engine, tiny_qwen3):
+    prompt = prompt_of(83, seed=11)
+    cold = _run(engine, prompt, max_tokens=8, cache_salt="prefix-test")
+    before = engine.stats()
+    warm = _run(engine, prompt, max_tokens=8, cache_salt="prefix-test")
+    after = engine.stats()
+    assert warm.token_ids == cold.token_ids == tuple(reference_tokens(tiny_qwen3, prompt, 8))
+    assert cold.usage.cached_tokens == 0
+    assert warm.usage.cached_tokens == 80  # five full blocks of 16; never the last prompt token
+    assert after["prefix_hit_tokens_total"] - before["prefix_hit_tokens_total"] == 80
+    assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == 83 - 80
+
+
+def test_different_salts_never_share_blocks(engine):
+    prompt = prompt_of(64, seed=12)
+    _run(engine, prompt, max_tokens=2, cache_salt="tenant-a")
+    other = _run(engine, prompt, max_tokens=2, cache_salt="tenant-b")
+    unsalted = _run(engine, prompt, max_tokens=2)
+    same = _run(engine, prompt, max_tokens=2, cache_salt="tenant-a")
+    assert other.usage.cached_tokens == 0
+    assert unsalted.usage.cached_tokens == 0
+    assert same.usage.cached_tokens == 48  # the last block holds the last prompt token: recomputed
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(engine):
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+    prompt = prompt_of(21, seed=13)
+    alone = _run(engine, prompt, max_tokens=20, sampling=params)
+    busy = [GenerationRequest(prompt_ids=tuple(prompt_of(5 + 9 * i, seed=30 + i)), max_tokens=25,
+                              sampling=SamplingParams(temperature=1.0 + 0.1 * i)) for i in range(7)]
+    busy.insert(3, GenerationRequest(prompt_ids=tuple(prompt), max_tokens=20, sampling=params))
+    completions = engine.generate(busy)
+    assert completions[3].token_ids == alone.token_ids
+    assert len(set(alone.token_ids)) > 1  # it really sampled
+    reseeded = _run(engine, prompt, max_tokens=20, sampling=SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=99))
+    assert reseeded.token_ids != alone.token_ids
+
+
+def test_pool_exhaustion_waits_or_preempts_and_keeps_reference_tokens(tiny_qwen3):
+    # 10 blocks of 16 = 160 tokens of KV for 6 requests needing 64 each
+    engine = Engine.load(EngineConfig(model=str(tiny_qwen3), block_size=16, kv_blocks=10, enable_prefix_cache=False))
+    prompts = [prompt_of(30 + 3 * i, seed=40 + i) for i in range(6)]
+    try:
+        completions = engine.generate([GenerationRequest(prompt_ids=tuple(p), max_tokens=30) for p in prompts])
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    for prompt, completion in zip(prompts, completions):
+        assert list(completion.token_ids) == reference_tokens(tiny_qwen3, prompt, 30)
+    assert stats["kv_blocks_used"] == 0
+
+
+def test_stop_string_cuts_the_text(engine):
+    prompt = prompt_of(19, seed=14)
+    full = _run(engine, prompt, max_tokens=24)
+    assert len(full.text) > 6, full.text
+    stop = full.text[4:7]
+    stopped = _run(engine, prompt, max_tokens=24, stop=(stop,))
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == full.text[: full.text.index(stop)]
+
+
+def test_cancel_frees_kv_at_once(engine):
+    handle = engine.submit(GenerationRequest(prompt_ids=tuple(prompt_of(50, seed=15)), max_tokens=1000, ignore_eos=True))
+    events = []
+    for event in handle:
+        events.append(event)
+        if len(events) == 3:
+            handle.cancel()
+    assert events[-1].finish_reason == "cancelled"
+    assert events[-1].usage is not None
+    stats = engine.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["running"] == 0
+
+
+def test_logprobs_match_mlx_lm(engine, tiny_qwen3):
+    from mlx_lm.generate import generate_step
+
+    prompt = prompt_of(12, seed=16)
+    handle = engine.submit(GenerationRequest(prompt_ids=tuple(prompt), max_tokens=5, sampling=SamplingParams(logprobs=3)))
+    events = [e for e in handle if e.token_id is not None]
+    model, _ = load_reference(str(tiny_qwen3))
+    for event, (token, logprobs) in zip(events, generate_step(mx.array(prompt), model, max_tokens=5)):
+        assert event.token_id == int(token)
+        assert event.logprob == pytest.approx(logprobs[int(token)].item(), abs=1e-5)
+        assert len(event.top_logprobs) == 3
+        assert event.top_logprobs[0].token_id == event.token_id
+        values = [t.logprob for t in event.top_logprobs]
+        assert values == sorted(values, reverse=True)
+
+
+def test_bad_requests_are_refused_and_the_engine_carries_on(engine):
+    with pytest.raises(InvalidRequest):
+        engine.submit(GenerationRequest(prompt_ids=()))
+    with pytest.raises(InvalidRequest, match="temperature"):
+        engine.submit(GenerationRequest(prompt_ids=(1, 2), sampling=SamplingParams(temperature=-1)))
+    with pytest.raises(InvalidRequest, match="vocabulary"):
+        engine.submit(GenerationRequest(prompt_ids=(1, 10**9)))
+    with pytest.raises(ContextLengthExceeded, match="maximum context length"):
+        engine.submit(GenerationRequest(prompt_ids=(1, 2), max_tokens=engine.context_length))
+    assert _run(engine, prompt_of(5, seed=17), max_tokens=3).finish_reason in ("length", "stop")
+
+
+def test_full_queue_is_refused(tiny_qwen3):
+    engine = Engine.load(EngineConfig(model=str(tiny_qwen3), queue_limit=1, max_running=1, kv_blocks=64))
+    try:
+        long = GenerationRequest(prompt_ids=tuple(prompt_of(10, seed=18)), max_tokens=500, ignore_eos=True)
+        handles = [engine.submit(long), engine.submit(long)]
+        with pytest.raises(QueueFull):
+            engine.submit(long)
+        for h in handles:
+            h.cancel()
+        assert {list(h)[-1].finish_reason for h in handles} <= {"cancelled", "length"}
+        short = GenerationRequest(prompt_ids=(5, 6, 7), max_tokens=2)
+        assert list(engine.submit(short))[-1].finish_reason in ("length", "stop")  # room again
+    finally:
+        engine.shutdown()
+
+
+def test_generate_cli_json(tiny_qwen3):
+    out = subprocess.run(
+        [sys.executable, "-m", "mlx_serve", "generate", "--model", str(tiny_qwen3), "--prompt", "hello there",
+         "--max-tokens", "6", "--json"],
+        capture_output=True, text=True, timeout=300, check=True,
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    _, tokenizer = load_reference(str(tiny_qwen3))
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hello there"}], add_generation_prompt=True)
+    assert result["token_ids"] == reference_tokens(tiny_qwen3, prompt, 6)
+    assert result["finish_reason"] in ("length", "stop")
+    assert set(result["timings"]) >= {"ttft_s", "total_s"}
+
+
+def test_generate_cli_bad_model_exits_non_zero(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "mlx_serve", "generate", "--model", str(tmp_path / "nope"), "--prompt", "x"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode != 0
+    assert "nope" in out.stderr
