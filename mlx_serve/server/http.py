@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
 import threading
@@ -57,7 +58,8 @@ class BackgroundServer:
         self.socket = socket.create_server((host, port))
         self.host, self.port = self.socket.getsockname()[:2]
         self.url = f"http://{self.host}:{self.port}"
-        self._config = hypercorn_config(f"fd://{self.socket.fileno()}", graceful_timeout_s)
+        # hypercorn closes the socket it is given: hand it a duplicate so this object can close its own
+        self._config = hypercorn_config(f"fd://{os.dup(self.socket.fileno())}", graceful_timeout_s)
         self._loop = asyncio.new_event_loop()
         self._stop = asyncio.Event()
         self._thread = threading.Thread(target=self._run, args=(app,), name="mlx-serve-http", daemon=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,3 +31,34 @@ def fake_client(fake_engine: FakeEngine) -> Iterator[TestClient]:
     app = create_app(fake_engine, ServerMetrics())
     with TestClient(app, raise_server_exceptions=False) as client:
         yield client
+
+
+@dataclass(frozen=True)
+class Served:
+    """A real engine on the tiny model behind a real hypercorn server on loopback."""
+
+    url: str
+    engine: Any
+    metrics: ServerMetrics
+    model_path: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+
+@pytest.fixture(scope="module")
+def served(request: pytest.FixtureRequest, tiny_qwen3: Path) -> Iterator[Served]:
+    """One server per test module; a module may set ENGINE_CONFIG (EngineConfig overrides)."""
+    from mlx_serve.engine import Engine, EngineConfig
+    from mlx_serve.server.http import BackgroundServer
+
+    overrides = {"kv_blocks": 1024, **getattr(request.module, "ENGINE_CONFIG", {})}
+    metrics = ServerMetrics()
+    engine = Engine.load(EngineConfig(model=str(tiny_qwen3), observer=metrics, **overrides))
+    server = BackgroundServer(create_app(engine, metrics))
+    try:
+        yield Served(server.url, engine, metrics, tiny_qwen3)
+    finally:
+        server.close()
+        engine.shutdown(timeout_s=2.0)
