@@ -13,8 +13,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
-import numpy as np
-
 from mlx_serve.ane import contract
 from mlx_serve.ane.spec import DenseSpec, dense_spec
 
@@ -176,7 +174,19 @@ def _check_sizes(chunk_sizes: Sequence[int], max_context: int) -> None:
         raise ValueError("max_context must be a multiple of 32 (Neural Engine tensor alignment)")
 
 
-def random_hidden(geometry: contract.ChunkGeometry, seed: int = 0) -> np.ndarray:
-    """Test helper: plausible fp16 activations for a chunk."""
-    rng = np.random.default_rng(seed)
-    return rng.standard_normal((1, geometry.hidden_size, 1, geometry.rows)).astype(np.float16)
+def package_geometries(package: Path) -> dict[int, contract.ChunkGeometry]:
+    """Chunk rows -> geometry, read from a saved package's own function descriptions (works on Linux)."""
+    import coremltools as ct
+
+    spec = ct.models.MLModel(str(package), skip_model_load=True).get_spec()
+    geometries = {}
+    for function in spec.description.functions:
+        shapes = {f.name: tuple(f.type.multiArrayType.shape) for f in function.input}
+        _, hidden_size, _, rows = shapes["hidden"]
+        _, num_kv_heads, max_context, head_dim = shapes[contract.past_key_name(0)]
+        num_layers = sum(1 for name in shapes if name.startswith("past_k_"))
+        geo = contract.ChunkGeometry(rows, max_context, hidden_size, num_kv_heads, head_dim, num_layers)
+        if geo.function_name != function.name:
+            raise ValueError(f"{package}: function {function.name!r} does not follow the prefill contract")
+        geometries[rows] = geo
+    return dict(sorted(geometries.items()))

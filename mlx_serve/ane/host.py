@@ -20,7 +20,7 @@ def rope_tables(model, start: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
     Rotating the unit vector (1...1, 0...0) through the model's RoPE yields (cos, sin) in its two halves.
     """
     rope = model.layers[0].self_attn.rope
-    head_dim = round(model.layers[0].self_attn.scale**-2)
+    head_dim = round(model.layers[0].self_attn.scale ** -2)
     half = head_dim // 2
     unit = mx.concatenate([mx.ones((1, 1, rows, half)), mx.zeros((1, 1, rows, half))], axis=-1)
     rotated = np.array(rope(unit, offset=start).astype(mx.float32))[0, 0]  # (rows, D)
@@ -30,25 +30,26 @@ def rope_tables(model, start: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def chunk_inputs(
-    model,
     geometry: contract.ChunkGeometry,
     embeddings: np.ndarray,
     start: int,
     past_keys: Sequence[np.ndarray],
     past_values: Sequence[np.ndarray],
+    tables: tuple[np.ndarray, np.ndarray],
 ) -> dict[str, np.ndarray]:
-    """The named inputs of one chunk call.
+    """The named inputs of one call (NumPy only: safe off the engine thread).
 
-    embeddings: (n, C) for the chunk's n <= rows real tokens; past_keys/values[i]: (1, KVH, start, D).
+    embeddings: (n, C) for n <= rows real tokens; past_keys/values[i]: (1, KVH, start, D);
+    tables: `rope_tables(model, start, >= rows)`, cut here to the call's rows.
     """
     n = embeddings.shape[0]
     if n > geometry.rows:
         raise ValueError(f"{n} tokens do not fit a {geometry.rows}-row chunk")
-    cos, sin = rope_tables(model, start, geometry.rows)
+    cos, sin = tables
     inputs = {
         "hidden": contract.channels_first(embeddings, geometry.rows),
-        "rope_cos": cos,
-        "rope_sin": sin,
+        "rope_cos": cos[..., : geometry.rows],
+        "rope_sin": sin[..., : geometry.rows],
         "attn_mask": contract.attention_mask(start, geometry.rows, geometry.max_context),
     }
     for layer in range(geometry.num_layers):

@@ -61,7 +61,11 @@ def _blockwise_shift_scale(op, values: Mapping[str, np.ndarray]) -> np.ndarray:
     offset = values.get("offset")
     repeats = [d // s for d, s in zip(data.shape, scale.shape)]
     if offset is not None:
-        data = data - np.tile(offset.astype(np.float32), repeats) if offset.shape != data.shape else data - offset
+        data = (
+            data - np.tile(offset.astype(np.float32), repeats)
+            if offset.shape != data.shape
+            else data - offset
+        )
     full_scale = scale
     for axis, repeat in enumerate(repeats):
         full_scale = np.repeat(full_scale, repeat, axis=axis)

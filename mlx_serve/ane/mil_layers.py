@@ -107,7 +107,9 @@ def mlp(h, weights: LayerWeights, prefix: str):
     return linear(mb.mul(x=mb.silu(x=gate), y=up), weights.down, f"{prefix}_down_proj")
 
 
-def decoder_layer(x, weights: LayerWeights, spec: DenseSpec, layer_io, rope_tables, mask, rows: int, index: int):
+def decoder_layer(
+    x, weights: LayerWeights, spec: DenseSpec, layer_io, rope_tables, mask, rows: int, index: int
+):
     """One pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). Returns (x, k_new, v_new)."""
     prefix = f"layer{index}"
     normed = rms_norm(x, weights.input_norm, spec.rms_norm_eps, axis=1, name=f"{prefix}_input_norm")
