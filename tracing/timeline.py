@@ -62,7 +62,7 @@ def draw_streams(axis, lines: list[RequestTimeline]) -> None:
             worst = max(range(len(gaps)), key=gaps.__getitem__)
             axis.plot(line.token_times[worst:worst + 2], [row, row], color="tab:red", linewidth=3)
     axis.set_yticks(range(len(lines)))
-    axis.set_yticklabels([line.request_id for line in lines], fontsize="small")
+    axis.set_yticklabels([line.request_id[:24] for line in lines], fontsize="small")
     axis.invert_yaxis()
     axis.set_ylabel("requests")
     axis.set_title("gray: waiting or prefilling; ticks: committed tokens; red: longest gap", fontsize="small")
