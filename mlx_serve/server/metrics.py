@@ -24,7 +24,7 @@ STAT_GAUGES = {
 }
 STAT_COUNTERS = {
     "prefix_hit_tokens_total": ("prefix_hit_tokens", "Prompt tokens served from the prefix cache"),
-    "prompt_tokens_total": ("prompt_tokens", "Prompt tokens of admitted requests"),
+    "prompt_tokens_total": ("prompt_tokens", "Prompt tokens computed by prefill (prefix-cache hits excluded)"),
     "generation_tokens_total": ("generation_tokens", "Tokens generated"),
     "steps_total": ("steps", "Engine steps run"),
     "budget_halvings_total": ("budget_halvings", "Row-budget halvings in contended steps"),
@@ -46,8 +46,10 @@ class EngineStatsCollector(Collector):
         for key, (name, doc) in STAT_COUNTERS.items():
             if key in stats:
                 yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=stats[key])
-        prompt = stats.get("prompt_tokens_total", 0)
-        hit_rate = stats.get("prefix_hit_tokens_total", 0) / prompt if prompt else 0.0
+        # the engine counts computed prefill rows, so the prompt tokens seen are hits plus computed rows
+        hits = stats.get("prefix_hit_tokens_total", 0)
+        seen = hits + stats.get("prompt_tokens_total", 0)
+        hit_rate = hits / seen if seen else 0.0
         yield GaugeMetricFamily(f"{PREFIX}_prefix_hit_rate", "Share of prompt tokens served from the prefix cache",
                                 value=hit_rate)
 

@@ -28,6 +28,8 @@ class ModelInfo:
     aliases: frozenset[str]
     context_length: int
     vocab_size: int
+    kv_capacity: int  # tokens the KV pool holds: a request can never use more
+
 
     def check_name(self, name: object) -> None:
         if name is None:
@@ -141,16 +143,17 @@ def read_sampling(body: Mapping[str, Any], logprobs: int | None) -> SamplingPara
 
 
 def read_max_tokens(body: Mapping[str, Any], prompt_len: int, model: ModelInfo, *names: str) -> int:
-    """The caller's output limit, or whatever room the context leaves after the prompt."""
-    if prompt_len >= model.context_length:
+    """The caller's output limit, or whatever room the context (and KV pool) leaves after the prompt."""
+    limit = min(model.context_length, model.kv_capacity)
+    if prompt_len >= limit:
         raise ContextLengthExceeded(
-            f"This model's maximum context length is {model.context_length} tokens, "
-            f"but the prompt has {prompt_len} tokens", param="messages")
+            f"This model's maximum context length is {limit} tokens, but the prompt has {prompt_len} tokens",
+            param="messages")
     for name in names:
         value = read_int(body, name, low=1)
         if value is not None:
             return value
-    return model.context_length - prompt_len
+    return limit - prompt_len
 
 
 def build_requests(body: Mapping[str, Any], prompt_ids: list[int], model: ModelInfo, *,
