@@ -1,0 +1,168 @@
+"""Decode attention over the paged KV pool: a CUDA kernel, a batched pure-MLX path, and the choice between them.
+
+Every function here has the `mlx_serve.ragged.DecodeAttention` signature: queries `[n, heads, 1, head_dim]`,
+pool keys/values `[num_blocks * block_size, kv_heads, head_dim]`, the step's `DecodeRows`, the softmax scale;
+it returns `[n, heads, 1, head_dim]` in the queries' dtype. `reference_decode_attention` (one gather and one
+SDPA per lane) stays the yardstick; `tests/kernels/` checks both paths here against it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from mlx_serve.kernels.paged_attention_cuda import HEADER, PARTIAL_SOURCE, REDUCE_SOURCE
+from mlx_serve.ragged import DecodeAttention, DecodeRows, reference_decode_attention
+
+WARPS = 4
+MAX_PARTITION = 256  # history tokens one thread block reads before the split-K merge takes over
+MIN_PARTITION = 64
+TARGET_BLOCKS = 264  # two thread blocks per multiprocessor of an H100/H200 (132 SMs)
+KINDS = ("auto", "kernel", "batched", "reference")
+
+
+def batched_decode_attention(
+    queries: mx.array, pool_keys: mx.array, pool_values: mx.array, rows: DecodeRows, scale: float
+) -> mx.array:
+    """Gather every lane's blocks padded to the widest table, then one masked SDPA for all lanes."""
+    n, width = rows.block_tables.shape
+    offsets = mx.arange(rows.block_size, dtype=mx.int32)
+    slots = (rows.block_tables[:, :, None] * rows.block_size + offsets).reshape(n, width * rows.block_size)
+    keys = pool_keys[slots].transpose(0, 2, 1, 3)  # [n, kv_heads, L, D]
+    values = pool_values[slots].transpose(0, 2, 1, 3)
+    positions = mx.arange(width * rows.block_size, dtype=mx.int32)
+    mask = (positions[None, :] < rows.lengths[:, None])[:, None, None, :]  # [n, 1, 1, L]
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+@dataclass(frozen=True, slots=True)
+class _Kernels:
+    single: object  # writes the normalised output when one partition covers the history
+    partial: object  # writes per-partition (output, max, sum)
+    reduce: object  # merges the partitions
+
+
+@functools.cache
+def _kernels() -> _Kernels:
+    inputs = ["queries", "k_pool", "v_pool", "tables", "lengths", "part_size", "scale"]
+    return _Kernels(
+        single=mx.fast.cuda_kernel(
+            "mlx_serve_paged_decode", inputs, ["out"], PARTIAL_SOURCE, header=HEADER + "#define PA_SPLIT 0\n"
+        ),
+        partial=mx.fast.cuda_kernel(
+            "mlx_serve_paged_decode_partial",
+            inputs,
+            ["o_part", "ml_part"],
+            PARTIAL_SOURCE,
+            header=HEADER + "#define PA_SPLIT 1\n",
+        ),
+        reduce=mx.fast.cuda_kernel(
+            "mlx_serve_paged_decode_reduce", ["o_part", "ml_part"], ["out"], REDUCE_SOURCE, header=HEADER
+        ),
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _scalar(value: float | int, dtype: mx.Dtype) -> mx.array:
+    # kernel scalars arrive as pointers: one cached device array per value
+    return mx.array([value], dtype=dtype)
+
+
+def kernel_supports(queries: mx.array, pool_keys: mx.array) -> bool:
+    """Whether the kernel's load layout fits: a head is whole 16-byte vectors shared by a power of two threads."""
+    head_dim = pool_keys.shape[-1]
+    per_load = 16 // pool_keys.dtype.size
+    threads = head_dim // per_load
+    return (
+        head_dim % per_load == 0
+        and threads <= 32
+        and 32 % threads == 0
+        and queries.shape[1] % pool_keys.shape[1] == 0
+        and queries.dtype in (mx.float16, mx.bfloat16, mx.float32)
+        and pool_keys.dtype in (mx.float16, mx.bfloat16, mx.float32)
+    )
+
+
+def partition_size(lanes: int, kv_heads: int, max_len: int) -> int:
+    """History tokens per thread block: split long histories until the grid fills the GPU."""
+    size = MAX_PARTITION
+    while size > MIN_PARTITION and lanes * kv_heads * math.ceil(max_len / size) < TARGET_BLOCKS:
+        size //= 2
+    return size
+
+
+def paged_decode_attention(
+    queries: mx.array, pool_keys: mx.array, pool_values: mx.array, rows: DecodeRows, scale: float
+) -> mx.array:
+    """The CUDA kernel: reads K/V straight from the pool through the block tables, fp32 online softmax."""
+    if not kernel_supports(queries, pool_keys):
+        return batched_decode_attention(queries, pool_keys, pool_values, rows, scale)
+    n, heads, _, head_dim = queries.shape
+    kv_heads = pool_keys.shape[1]
+    max_len = rows.block_tables.shape[1] * rows.block_size
+    size = partition_size(n, kv_heads, max_len)
+    parts = math.ceil(max_len / size)
+    kernels = _kernels()
+    inputs = [
+        queries,
+        pool_keys,
+        pool_values,
+        rows.block_tables.astype(mx.int32),
+        rows.lengths.astype(mx.int32),
+        _scalar(size, mx.int32),
+        _scalar(float(scale), mx.float32),
+    ]
+    template = [
+        ("TQ", queries.dtype),
+        ("TK", pool_keys.dtype),
+        ("D", head_dim),
+        ("G", heads // kv_heads),
+        ("BS", rows.block_size),
+        ("WARPS", WARPS),
+    ]
+    grid = (parts * WARPS * 32, kv_heads, n)
+    if parts == 1:
+        return kernels.single(
+            inputs=inputs,
+            template=template,
+            grid=grid,
+            threadgroup=(WARPS * 32, 1, 1),
+            output_shapes=[queries.shape],
+            output_dtypes=[queries.dtype],
+        )[0]
+    o_part, ml_part = kernels.partial(
+        inputs=inputs,
+        template=template,
+        grid=grid,
+        threadgroup=(WARPS * 32, 1, 1),
+        output_shapes=[(n, heads, parts, head_dim), (n, heads, parts, 2)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
+    return kernels.reduce(
+        inputs=[o_part, ml_part],
+        template=[("TQ", queries.dtype), ("D", head_dim)],
+        grid=(32, heads, n),
+        threadgroup=(32, 1, 1),
+        output_shapes=[queries.shape],
+        output_dtypes=[queries.dtype],
+    )[0]
+
+
+def cuda_available() -> bool:
+    return mx.cuda.is_available() and mx.default_device().type == mx.gpu
+
+
+def select_decode_attention(kind: str = "auto") -> DecodeAttention:
+    """Pick by kind: "auto" is the kernel on a CUDA GPU and the reference elsewhere; the others force one."""
+    if kind not in KINDS:
+        raise ValueError(f"decode attention must be one of {', '.join(KINDS)}, not {kind!r}")
+    if kind == "kernel" and not cuda_available():
+        raise ValueError("the paged decode-attention kernel needs MLX's CUDA backend on a GPU")
+    if kind == "kernel" or (kind == "auto" and cuda_available()):
+        return paged_decode_attention
+    if kind == "batched":
+        return batched_decode_attention
+    return reference_decode_attention
