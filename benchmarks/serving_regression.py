@@ -186,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     model = resolve_model(args)
     out = args.out or REPO / "benchmarks" / "out" / f"serving-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
     out.mkdir(parents=True, exist_ok=True)
+    if out.parent == REPO / "benchmarks" / "out":
+        (out.parent / ".gitignore").write_text("*\n")  # run outputs are not source; RESULTS.md quotes what matters
     arms = {"A": parse_arm(args.a_label or args.a, args.a), "B": parse_arm(args.b_label or args.b, args.b)}
     plan = build_plan(args, Path(model))
     slots = run_rounds(args, arms, model, plan, out)
