@@ -53,7 +53,7 @@ class FakeHandle:
 
 class FakeEngine:
     model_id = "fake-model"
-    context_length = 256
+    context_length = 4096
 
     def __init__(self, tokenizer: Any, queue_limit: int = 64, token_delay_s: float = 0.0) -> None:
         self.tokenizer = tokenizer
@@ -65,7 +65,7 @@ class FakeEngine:
         self.cancelled: list[str] = []
         self.submitted: list[GenerationRequest] = []
         self.fail_with: str | None = None  # make every stream end in an engine error
-        self.script: list[int] | None = None  # when set, every request outputs these tokens, in order
+        self.script: list[int] | None = None  # when set, every request outputs these tokens, then stops
         self._ids = itertools.count()
 
     def submit(self, request: GenerationRequest) -> FakeHandle:
@@ -95,7 +95,8 @@ class FakeEngine:
             text += self.tokenizer.decode([token])
             self.produced[handle.request_id] = position + 1
             cut = min((text.find(s) for s in request.stop if s in text), default=-1)
-            reason = "stop" if cut >= 0 else ("length" if position + 1 == request.max_tokens else None)
+            script_done = self.script is not None and position + 1 == len(self.script)
+            reason = "stop" if cut >= 0 or script_done else ("length" if position + 1 == request.max_tokens else None)
             end = cut if cut >= 0 else len(text)
             handle.events.put_nowait(self._event(handle, token, text[shown:end], position, reason))
             shown = end
@@ -116,10 +117,10 @@ class FakeEngine:
                      "output_tokens": self.produced.get(h.request_id, 0), "cached_tokens": 0, "arrival_s": 0.0}
                     for h in self.active.values()]
         return {"model": self.model_id, "requests": requests, "counters": {"steps": 0},
-                "kv": {"blocks_total": 64, "blocks_used": len(self.active), "blocks_cached": 0, "block_size": 16}}
+                "kv": {"blocks_total": 1024, "blocks_used": len(self.active), "blocks_cached": 0, "block_size": 16}}
 
     def stats(self) -> dict[str, Any]:
-        return {"queue_depth": 0, "running": len(self.active), "kv_blocks_total": 64,
+        return {"queue_depth": 0, "running": len(self.active), "kv_blocks_total": 1024,
                 "kv_blocks_used": len(self.active), "kv_blocks_cached": 0, "prefix_hit_tokens_total": 5,
                 "prompt_tokens_total": 20, "generation_tokens_total": sum(self.produced.values()),
                 "steps_total": 3, "budget_halvings_total": 0, "preemptions_total": 0}
