@@ -1,0 +1,75 @@
+"""The lane contract as the runner will use it: K/V from the engine's KV pool in, new K/V back into it."""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from ane_reference import mlx_forward, prompt
+
+from mlx_serve.ane.lane import LaneError, LayerKV, MlxCpuStandInLane, make_lane
+from mlx_serve.kv_pool import KVLayout, KVPool, slots_for
+
+BLOCK_SIZE = 16
+
+
+def _pool(model) -> KVPool:
+    attn = model.layers[0].self_attn
+    layout = KVLayout(len(model.layers), attn.n_kv_heads, round(attn.scale**-2), mx.float32)
+    return KVPool(layout, num_blocks=8, block_size=BLOCK_SIZE)
+
+
+def _prefill_through_lane(lane, model, tokens: list[int], chunk: int):
+    """Exactly the runner recipe in lane.py's docstring, one chunk after another."""
+    pool = _pool(model)
+    block_ids = tuple(range(8))
+    hidden, labels = [], set()
+    for start in range(0, len(tokens), chunk):
+        piece = tokens[start : start + chunk]
+        past = mx.array(slots_for(block_ids, 0, start, BLOCK_SIZE), dtype=mx.int32)
+        kv_in = [LayerKV(*pool.gather(layer, past)) for layer in range(len(model.layers))] if start else []
+        result = lane.submit(f"req-{start}", piece, start, kv_in).result(timeout_s=60.0)
+        new_slots = mx.array(slots_for(block_ids, start, start + len(piece), BLOCK_SIZE), dtype=mx.int32)
+        for layer, kv in enumerate(result.kv):
+            pool.write(layer, new_slots, kv.keys[0].transpose(1, 0, 2), kv.values[0].transpose(1, 0, 2))
+        hidden.append(result.hidden)
+        labels.add(result.label)
+        assert result.finished_s >= result.submitted_s
+    all_slots = mx.array(slots_for(block_ids, 0, len(tokens), BLOCK_SIZE), dtype=mx.int32)
+    kv = [pool.gather(layer, all_slots) for layer in range(len(model.layers))]
+    return mx.concatenate(hidden), kv, labels
+
+
+def test_stand_in_reproduces_mlx_prefill_and_kv(qwen3_model) -> None:
+    tokens = prompt(40, qwen3_model.args.vocab_size, seed=5)
+    expected = mlx_forward(qwen3_model, tokens)
+    lane = MlxCpuStandInLane(qwen3_model)
+    hidden, kv, labels = _prefill_through_lane(lane, qwen3_model, tokens, chunk=12)
+    assert labels == {"mlx-cpu-standin"}
+    np.testing.assert_allclose(np.array(hidden), expected.hidden, atol=1e-4, rtol=1e-4)
+    for layer, (keys, values) in enumerate(kv):
+        np.testing.assert_allclose(np.array(keys), expected.keys[layer], atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(np.array(values), expected.values[layer], atol=1e-4, rtol=1e-4)
+    last_logits = np.array(lane.logits(hidden[-1:]))
+    assert int(last_logits.argmax()) == int(expected.logits[-1].argmax())
+
+
+def test_stand_in_accepts_within_its_context(qwen3_model) -> None:
+    lane = MlxCpuStandInLane(qwen3_model, max_context=64)
+    assert lane.accepts(0, 16) and lane.accepts(64, 16)
+    assert not lane.accepts(65, 16) and not lane.accepts(0, 0)
+
+
+def test_make_lane_modes(qwen3_model) -> None:
+    assert make_lane("off", qwen3_model) is None
+    assert isinstance(make_lane("cpu", qwen3_model), MlxCpuStandInLane)
+    with pytest.raises(ValueError):
+        make_lane("gpu", qwen3_model)
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="checks the refusal off macOS")
+def test_coreml_lane_refuses_off_macos(qwen3_model, qwen3_package) -> None:
+    with pytest.raises(LaneError, match="only on macOS"):
+        make_lane("coreml", qwen3_model, package=qwen3_package)
