@@ -19,13 +19,14 @@ import numpy as np
 
 from mlx_serve.ane import host
 from mlx_serve.ane.builder import package_geometries
-from mlx_serve.ane.lane import ChunkResult, LaneError, LayerKV
+from mlx_serve.ane.lane import ChunkResult, Clock, LaneError, LayerKV
 from mlx_serve.ane.pieces import run_pieces
 
 
 class _PredictingChunk:
-    def __init__(self, future: Future, request_id: str, start: int, submitted: float) -> None:
+    def __init__(self, future: Future, request_id: str, start: int, submitted: float, clock: Clock) -> None:
         self._future = future
+        self._clock = clock
         self._request_id = request_id
         self._start = start
         self._submitted = submitted
@@ -41,7 +42,7 @@ class _PredictingChunk:
         except Exception as exc:  # noqa: BLE001 - any Core ML failure means: fall back to the GPU
             raise LaneError(f"ANE chunk of {self._request_id} failed: {exc}") from exc
         layers = tuple(LayerKV(mx.array(k), mx.array(v)) for k, v in zip(arrays.keys, arrays.values))
-        finished = time.perf_counter()
+        finished = self._clock()
         hidden = mx.array(arrays.hidden)
         return ChunkResult(
             self._request_id, self._start, hidden, layers, CoreMLLane.label, self._submitted, finished
@@ -51,7 +52,9 @@ class _PredictingChunk:
 class CoreMLLane:
     label = "coreml-ane"
 
-    def __init__(self, model, package: Path | str, compute_units: str = "CPU_AND_NE") -> None:
+    def __init__(
+        self, model, package: Path | str, compute_units: str = "CPU_AND_NE", clock: Clock = time.perf_counter
+    ) -> None:
         if sys.platform != "darwin":
             raise LaneError(
                 f"the Core ML lane runs only on macOS (this is {sys.platform}); use --ane-lane cpu"
@@ -61,6 +64,7 @@ class CoreMLLane:
         import coremltools as ct
 
         self.model = model
+        self.clock = clock
         self.geometries = package_geometries(Path(package))
         self.max_context = next(iter(self.geometries.values())).max_context
         units = getattr(ct.ComputeUnit, compute_units)
@@ -80,7 +84,7 @@ class CoreMLLane:
     ) -> _PredictingChunk:
         if not self.accepts(start, len(token_ids)):
             raise LaneError(f"chunk at {start} of {len(token_ids)} rows exceeds the package's context")
-        submitted = time.perf_counter()
+        submitted = self.clock()
         # MLX work (embedding, RoPE tables, reading the past KV) stays on this, the engine's, thread
         embeddings = np.array(host.embed(self.model, token_ids).astype(mx.float32))
         tables = host.rope_tables(self.model, start, len(token_ids) + max(self.geometries))
@@ -88,7 +92,7 @@ class CoreMLLane:
         future = self._worker.submit(
             run_pieces, self.geometries, self._predict, embeddings, start, past_keys, past_values, tables
         )
-        return _PredictingChunk(future, request_id, start, submitted)
+        return _PredictingChunk(future, request_id, start, submitted, self.clock)
 
     def run_chunk(
         self, request_id: str, token_ids: Sequence[int], start: int, kv_in: Sequence[LayerKV]

@@ -2,7 +2,7 @@
 
 How the runner uses a lane (one engine thread; only `CoreMLLane`'s predict runs on a worker thread):
 
-    lane = make_lane("cpu" | "coreml", model, package=...)      # once, at engine load; "off" -> no lane
+    lane = make_lane("cpu" | "coreml", model, package=..., clock=sink.now)   # at load; "off" -> None
     # a plan lane with path == Path.ANE (a PREFILL chunk of one request):
     if not lane.accepts(plan_lane.start, plan_lane.rows): ...      # else run it on the GPU path
     slots = slots_for(plan_lane.block_ids, 0, plan_lane.start, block_size)
@@ -15,17 +15,19 @@ How the runner uses a lane (one engine thread; only `CoreMLLane`'s predict runs 
         pool.write(layer, new_slots, kv.keys[0].transpose(1, 0, 2), kv.values[0].transpose(1, 0, 2))
     if plan_lane.samples:
         logits = lane.logits(result.hidden[-1:])   # [1, vocab]: the LM head stays in MLX
-    spans: result.submitted_s / result.finished_s / result.label ("coreml-ane" or "mlx-cpu-standin")
+    if sink.enabled: sink.emit(result.span(plan.step_id))    # Span "ane_chunk" with label, rows, request
 
 K/V layout in and out is mlx-lm's (and `KVPool.gather`'s): `[1, num_kv_heads, positions, head_dim]`, keys
-after k_norm and RoPE. `hidden` is `[rows, hidden_size]` AFTER the model's final norm.
+after k_norm and RoPE. `hidden` is `[rows, hidden_size]` AFTER the model's final norm (fp16 from Core ML,
+the model's dtype from the stand-in): pass it to `lane.logits`, which casts. `kv_in` may be empty when
+start == 0. A lane never touches the KV pool or the scheduler: the runner owns both.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -33,8 +35,10 @@ import mlx.core as mx
 
 from mlx_serve.ane import host
 from mlx_serve.errors import MlxServeError
+from tracing.events import Span
 
 LANE_MODES = ("off", "cpu", "coreml")
+Clock = Callable[[], float]
 
 
 class LaneError(MlxServeError):
@@ -54,13 +58,27 @@ class ChunkResult:
     hidden: mx.array  # [rows, hidden_size], after the final norm
     kv: tuple[LayerKV, ...]  # the chunk's new K/V per layer, [1, KVH, rows, D]
     label: str  # which lane computed it: "coreml-ane" or "mlx-cpu-standin"
-    submitted_s: float  # time.perf_counter() at submit and when the result was ready
+    submitted_s: float  # the lane's clock (the trace sink's, when given) at submit and when ready
     finished_s: float
+
+    @property
+    def rows(self) -> int:
+        return int(self.hidden.shape[0])
+
+    def span(self, step_id: int | None = None) -> Span:
+        """The trace span of this chunk: host submit-to-ready, not exact hardware time."""
+        attrs = {"request_id": self.request_id, "rows": self.rows, "start": self.start, "lane": self.label}
+        return Span("ane_chunk", self.submitted_s, self.finished_s, step_id=step_id, attrs=attrs)
 
 
 class PendingChunk(Protocol):
-    def done(self) -> bool: ...
-    def result(self, timeout_s: float | None = None) -> ChunkResult: ...
+    def done(self) -> bool:
+        """True once the result is ready (the stand-in cannot tell: False until `result`)."""
+        ...
+
+    def result(self, timeout_s: float | None = None) -> ChunkResult:
+        """Wait for the chunk; LaneError on failure or timeout (the stand-in evaluates and ignores timeout)."""
+        ...
 
 
 class PrefillLane(Protocol):
@@ -81,8 +99,9 @@ class PrefillLane(Protocol):
 class _EvaluatingChunk:
     """A stand-in chunk queued with `mx.async_eval` on the CPU stream; `result` waits for it."""
 
-    def __init__(self, result: ChunkResult) -> None:
+    def __init__(self, result: ChunkResult, clock: Clock) -> None:
         self._result = result
+        self._clock = clock
         mx.async_eval(result.hidden, *[a for kv in result.kv for a in (kv.keys, kv.values)])
 
     def done(self) -> bool:
@@ -90,7 +109,7 @@ class _EvaluatingChunk:
 
     def result(self, timeout_s: float | None = None) -> ChunkResult:
         mx.eval(self._result.hidden, *[a for kv in self._result.kv for a in (kv.keys, kv.values)])
-        finished = time.perf_counter()
+        finished = self._clock()
         return dataclasses.replace(self._result, finished_s=finished)
 
 
@@ -105,9 +124,10 @@ class MlxCpuStandInLane:
 
     label = "mlx-cpu-standin"
 
-    def __init__(self, model, max_context: int = 1 << 30) -> None:
+    def __init__(self, model, max_context: int = 1 << 30, clock: Clock = time.perf_counter) -> None:
         self.model = model
         self.max_context = max_context
+        self.clock = clock
 
     def accepts(self, start: int, rows: int) -> bool:
         return rows > 0 and start <= self.max_context
@@ -117,7 +137,7 @@ class MlxCpuStandInLane:
     ) -> _EvaluatingChunk:
         from mlx_lm.models.cache import KVCache
 
-        submitted = time.perf_counter()
+        submitted = self.clock()
         with mx.stream(mx.cpu):
             caches = [KVCache() for _ in self.model.layers]
             if start:
@@ -129,7 +149,7 @@ class MlxCpuStandInLane:
                 LayerKV(cache.keys[..., start:end, :], cache.values[..., start:end, :]) for cache in caches
             )
         result = ChunkResult(request_id, start, hidden, kv, self.label, submitted, submitted)
-        return _EvaluatingChunk(result)
+        return _EvaluatingChunk(result, self.clock)
 
     def run_chunk(
         self, request_id: str, token_ids: Sequence[int], start: int, kv_in: Sequence[LayerKV]
@@ -143,14 +163,14 @@ class MlxCpuStandInLane:
         pass
 
 
-def make_lane(mode: str, model, package=None) -> PrefillLane | None:
+def make_lane(mode: str, model, package=None, clock: Clock = time.perf_counter) -> PrefillLane | None:
     """`off` -> None; `cpu` -> the labelled MLX stand-in; `coreml` -> the Core ML lane (macOS, a package)."""
     if mode == "off":
         return None
     if mode == "cpu":
-        return MlxCpuStandInLane(model)
+        return MlxCpuStandInLane(model, clock=clock)
     if mode == "coreml":
         from mlx_serve.ane.coreml_lane import CoreMLLane
 
-        return CoreMLLane(model, package)
+        return CoreMLLane(model, package, clock=clock)
     raise ValueError(f"ane lane must be one of {LANE_MODES}, not {mode!r}")

@@ -73,3 +73,29 @@ def test_make_lane_modes(qwen3_model) -> None:
 def test_coreml_lane_refuses_off_macos(qwen3_model, qwen3_package) -> None:
     with pytest.raises(LaneError, match="only on macOS"):
         make_lane("coreml", qwen3_model, package=qwen3_package)
+
+
+def test_chunk_span_uses_the_given_clock(qwen3_model) -> None:
+    ticks = iter(range(100))
+    lane = MlxCpuStandInLane(qwen3_model, clock=lambda: float(next(ticks)))
+    result = lane.run_chunk("r1", [1, 2, 3], 0, [])
+    span = result.span(step_id=7)
+    assert (span.name, span.start, span.end, span.step_id) == ("ane_chunk", 0.0, 1.0, 7)
+    assert span.attrs == {"request_id": "r1", "rows": 3, "start": 0, "lane": "mlx-cpu-standin"}
+
+
+def test_core_ml_failure_and_timeout_become_lane_errors() -> None:
+    # the runner's fallback contract: any failure or timeout surfaces as LaneError, never a hang or a crash
+    from concurrent.futures import Future
+
+    from mlx_serve.ane.coreml_lane import _PredictingChunk
+
+    failed: Future = Future()
+    failed.set_exception(RuntimeError("ANE compile failed"))
+    with pytest.raises(LaneError, match="compile failed"):
+        _PredictingChunk(failed, "r", 0, 0.0, clock=lambda: 0.0).result(timeout_s=1.0)
+    never: Future = Future()
+    pending = _PredictingChunk(never, "r", 0, 0.0, clock=lambda: 0.0)
+    assert not pending.done()
+    with pytest.raises(LaneError, match="timed out"):
+        pending.result(timeout_s=0.01)
