@@ -1,0 +1,118 @@
+"""`python -m mlx_serve serve` and `chat` as users run them: real processes, real signals."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mlx_serve.cli import build_parser
+
+
+def test_help_lists_the_commands(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    out = capsys.readouterr().out
+    for command in ("serve", "chat", "generate", "make-model", "bench"):
+        assert command in out
+
+
+def test_serve_help_explains_the_engine_flags(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--model", "--memory-budget-gb", "--max-running", "--queue-limit", "--step-target-ms",
+                 "--prefill-cost-model", "--max-overtakes", "--block-size", "--ane-lane", "--trace", "--drain-timeout"):
+        assert flag in out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_health(url: str, process: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.stderr.read()
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.1)
+    raise AssertionError("the server did not come up")
+
+
+def _start_server(model: Path, port: int, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "mlx_serve", "serve", "--model", str(model), "--port", str(port), "--no-progress",
+         *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _stream_then_signal(url: str, process: subprocess.Popen, max_tokens: int) -> list[str]:
+    """Open a completion stream, SIGTERM the server after its first chunk, return every data line read."""
+    body = {"model": "qwen3", "prompt": "drain me", "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    received = []
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    received.append(line)
+                    if len(received) == 1:
+                        process.send_signal(signal.SIGTERM)
+    except httpx.TransportError:  # a stream cut at the drain bound ends without its last chunk
+        pass
+    return received
+
+
+def test_sigterm_lets_open_streams_finish_then_exits(tiny_qwen3: Path, tmp_path: Path):
+    port, trace = _free_port(), tmp_path / "trace.jsonl"
+    process = _start_server(tiny_qwen3, port, "--kv-blocks", "128", "--drain-timeout", "60", "--trace", str(trace))
+    try:
+        _wait_for_health(f"http://127.0.0.1:{port}", process)
+        lines = _stream_then_signal(f"http://127.0.0.1:{port}", process, max_tokens=300)
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert "draining" in process.stderr.read()
+    assert trace.exists() and trace.read_text().strip()
+
+
+def test_drain_is_bounded(tiny_qwen3: Path):
+    port = _free_port()
+    process = _start_server(tiny_qwen3, port, "--kv-blocks", "300", "--drain-timeout", "1")
+    try:
+        _wait_for_health(f"http://127.0.0.1:{port}", process)
+        lines = _stream_then_signal(f"http://127.0.0.1:{port}", process, max_tokens=4000)
+        signalled = time.monotonic()
+        assert process.wait(timeout=60) == 0
+        assert time.monotonic() - signalled < 30
+        assert "data: [DONE]" not in lines  # cut at the bound, long before 4000 tokens
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_chat_streams_replies_until_exit(tiny_qwen3: Path):
+    script = "hello\n/reset\nhi again\n/exit\n"
+    done = subprocess.run(
+        [sys.executable, "-m", "mlx_serve", "chat", "--model", str(tiny_qwen3), "--kv-blocks", "64",
+         "--max-tokens", "4", "--temperature", "0", "--no-progress"],
+        input=script, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("model> ") == 2
+    assert done.stdout.count("you> ") == 4
