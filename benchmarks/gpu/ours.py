@@ -1,0 +1,140 @@
+"""mlx_serve's engine on the same in-memory model, measured the way `peer.py` measures mlx-lm."""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from benchmarks.gpu.models import DummyModel
+from benchmarks.gpu.workloads import BenchParams, Prompts, gap_summary, steady_rate
+from mlx_serve.engine import Engine, EngineConfig
+from mlx_serve.types import GenerationRequest
+from tracing.events import Span, StepExecuted
+from tracing.sink import MemorySink
+
+HOST_PHASES = ("planning", "preparation", "submission", "consumption", "application")
+
+
+class Recorder:
+    """The engine observer: first-token times and inter-token gaps as the engine publishes them."""
+
+    def __init__(self) -> None:
+        self.first: list[float] = []  # ttft_s of each request, in order
+        self.gaps: list[float] = []
+        self._cond = threading.Condition()
+
+    def on_step(
+        self, elapsed_ms: float, rows: int, prefill_rows: int, decode_lanes: int, budget_halvings: int
+    ) -> None:
+        pass
+
+    def on_first_token(self, ttft_s: float) -> None:
+        with self._cond:
+            self.first.append(ttft_s)
+            self._cond.notify_all()
+
+    def on_token_gap(self, gap_s: float) -> None:
+        with self._cond:
+            self.gaps.append(gap_s)
+            self._cond.notify_all()
+
+    def on_finish(self, reason: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
+        pass
+
+    def wait_until(self, predicate: Callable[[], bool], timeout_s: float = 300.0) -> None:
+        with self._cond:
+            if not self._cond.wait_for(predicate, timeout_s):
+                raise TimeoutError("the engine stopped producing tokens")
+
+    def reset(self) -> None:
+        with self._cond:
+            self.first.clear()
+            self.gaps.clear()
+
+
+class OurSide:
+    def __init__(self, dummy: DummyModel, kv_blocks: int, step_target_ms: float, attention: str) -> None:
+        self.recorder = Recorder()
+        self.sink = MemorySink()
+        config = EngineConfig(
+            model=dummy.name,
+            kv_blocks=kv_blocks,
+            max_running=64,
+            step_target_ms=step_target_ms,
+            decode_attention=attention,
+            trace=self.sink,
+            observer=self.recorder,
+        )
+        self.engine = Engine.from_model(dummy.model, dummy.tokenizer, dummy.config, config)
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+    def _run(self, prompts: list[list[int]], max_tokens: int) -> list[Any]:
+        requests = [
+            GenerationRequest(prompt_ids=tuple(p), max_tokens=max_tokens, ignore_eos=True) for p in prompts
+        ]
+        return self.engine.generate(requests)
+
+    def decode(self, prompts: Prompts, p: BenchParams, streams: int) -> dict:
+        self.sink.events.clear()
+        self._run(prompts.many(streams, p.decode_prompt), p.decode_tokens)
+        steps = [e for e in self.sink.events if isinstance(e, StepExecuted) and e.prefill_rows == 0]
+        result = steady_rate([e.t for e in steps], [e.decode_lanes for e in steps], streams)
+        return {**result, "host_ms": self._phases({e.step_id for e in steps if e.decode_lanes == streams})}
+
+    def _phases(self, step_ids: set[int]) -> dict:
+        """Median ms per step of each engine phase over these steps (consumption is mostly waiting on the GPU)."""
+        per: dict[str, list[float]] = {name: [] for name in HOST_PHASES}
+        for e in self.sink.events:
+            if isinstance(e, Span) and e.step_id in step_ids and e.name in per:
+                per[e.name].append(1e3 * (e.end - e.start))
+        return {name: statistics.median(v) for name, v in per.items() if v}
+
+    def prefill(self, prompts: Prompts, length: int) -> dict:
+        self.recorder.reset()
+        self._run([prompts.one(length)], 1)
+        ttft = self.recorder.first[-1]
+        return {"ttft_s": ttft, "tok_s": length / ttft}
+
+    def contended(self, prompts: Prompts, p: BenchParams) -> dict:
+        rec, n = self.recorder, p.contended_streams
+        rec.reset()
+        capacity = self.engine.pool.num_blocks * self.engine.pool.block_size // (n + 2)
+        budget = (
+            min(2048, self.engine.context_length, capacity) - p.contended_prompt
+        )  # plenty: streams are cancelled
+        streams = [
+            self.engine.submit(GenerationRequest(prompt_ids=tuple(q), max_tokens=budget, ignore_eos=True))
+            for q in prompts.many(n, p.contended_prompt)
+        ]
+        rec.wait_until(lambda: len(rec.gaps) >= n * (p.tokens_before - 1))
+        before = len(rec.gaps)
+        long = self.engine.submit(
+            GenerationRequest(prompt_ids=tuple(prompts.one(p.contended_long)), max_tokens=1)
+        )
+        rec.wait_until(lambda: len(rec.first) > n)
+        after = len(rec.gaps)
+        rec.wait_until(lambda: len(rec.gaps) >= after + n * p.tokens_after)
+        for handle in streams:
+            handle.cancel()
+        for handle in [long, *streams]:
+            list(handle)
+        gaps = list(rec.gaps)
+        return {"long_ttft_s": rec.first[n], **gap_summary(gaps, gaps[:before])}
+
+    def shared_prefix(self, prompts: Prompts, p: BenchParams) -> dict:
+        prefix = prompts.one(p.prefix_len)
+        result = {}
+        for name in ("cold", "warm"):
+            self.recorder.reset()
+            t0 = time.perf_counter()
+            (completion,) = self._run([prefix + prompts.one(p.suffix_len)], 1)
+            result[f"{name}_ttft_s"] = self.recorder.first[-1]
+            result[f"{name}_wall_s"] = time.perf_counter() - t0
+            result[f"{name}_cached_tokens"] = completion.usage.cached_tokens
+        result["ratio"] = result["warm_ttft_s"] / result["cold_ttft_s"]
+        return result

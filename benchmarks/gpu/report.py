@@ -1,0 +1,123 @@
+"""Targets of issue 7 checked against one run's numbers, as a markdown table."""
+
+from __future__ import annotations
+
+BANDWIDTH = 4.3e12  # bytes/s: the device-to-device copy rate measured on this H200 (KINDS.md)
+
+
+def _ratio(ours: float | None, peer: float | None) -> float | None:
+    return ours / peer if ours and peer else None
+
+
+def rows_for_shape(r: dict) -> list[dict]:
+    """One row per figure: (metric, mlx-lm, ours, ratio, target, met)."""
+    peer, ours, rows = r["peer"], r["ours"], []
+
+    def add(
+        metric: str, p: float | None, o: float | None, ratio: float | None, target: str, met: bool | None
+    ):
+        rows.append({"metric": metric, "mlx_lm": p, "ours": o, "ratio": ratio, "target": target, "met": met})
+
+    step_bytes = r["weight_bytes"]
+    for n in r["stream_counts"]:
+        p, o = peer["decode"][str(n)]["tok_s"], ours["decode"][str(n)]["tok_s"]
+        limit = n * BANDWIDTH / step_bytes
+        frac = f" ({o / limit:.0%} of weight-bandwidth limit)" if o else ""
+        ratio = _ratio(o, p)
+        if n == 1:
+            g = peer["generate_step"]["tok_s"]
+            add(
+                f"decode tok/s, 1 stream vs generate_step{frac}",
+                g,
+                o,
+                _ratio(o, g),
+                ">= 1.0x",
+                _ok(_ratio(o, g), 1.0),
+            )
+        else:
+            add(f"decode tok/s, {n} streams{frac}", p, o, ratio, ">= 1.5x", _ok(ratio, 1.5))
+    for length in r["prefill_lengths"]:
+        p, o = peer["prefill"][str(length)]["tok_s"], ours["prefill"][str(length)]["tok_s"]
+        add(f"prefill tok/s, {length} tokens", p, o, _ratio(o, p), ">= 0.95x", _ok(_ratio(o, p), 0.95))
+    pc, oc = peer["contended"], ours["contended"]
+    add(
+        "contended: max gap / median gap (window)",
+        pc["gap_ratio"],
+        oc["gap_ratio"],
+        None,
+        "<= 3",
+        _ok_le(oc["gap_ratio"], 3),
+    )
+    add(
+        "contended: max gap / calm median",
+        pc.get("gap_ratio_vs_calm"),
+        oc.get("gap_ratio_vs_calm"),
+        None,
+        "(info)",
+        None,
+    )
+    add("contended: gap p50 / max", _ms(pc), _ms(oc), None, "(info)", None)
+    long = str(r["contended_long"])
+    p_solo, o_solo = peer["prefill"][long]["ttft_s"], ours["prefill"][long]["ttft_s"]
+    p_x, o_x = pc["long_ttft_s"] / p_solo, oc["long_ttft_s"] / o_solo
+    add(f"contended: {long}-token TTFT / its solo TTFT", p_x, o_x, None, "<= 1.5", _ok_le(o_x, 1.5))
+    sp = ours["shared_prefix"]
+    add("shared prefix: warm TTFT / cold TTFT", None, sp["ratio"], None, "<= 0.10", _ok_le(sp["ratio"], 0.10))
+    return rows
+
+
+def _ms(c: dict) -> str:
+    return f"{c['gap_p50_ms']:.1f} / {c['gap_max_ms']:.0f} ms" if c.get("gap_p50_ms") else "-"
+
+
+def _ok(value: float | None, floor: float) -> bool | None:
+    return None if value is None else value >= floor
+
+
+def _ok_le(value: float | None, ceiling: float) -> bool | None:
+    return None if value is None else value <= ceiling
+
+
+def _fmt(value: float | str | None) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, str):
+        return value
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.2f}"
+
+
+def markdown(results: list[dict], header: str) -> str:
+    lines = [header, ""]
+    for r in results:
+        lines += [
+            f"### {r['shape']} ({r['weight_bytes'] / 1e9:.1f} GB of weights, step target {r['step_target_ms']:.0f} ms)",
+            "",
+            "| figure | mlx-lm | ours | ours / mlx-lm | target | met |",
+            "|---|---|---|---|---|---|",
+        ]
+        if "error" in r:
+            lines += [f"| error | {r['error']} | | | | |", ""]
+            continue
+        for row in rows_for_shape(r):
+            met = {True: "yes", False: "**no**", None: ""}[row["met"]]
+            ratio = f"{row['ratio']:.2f}x" if row["ratio"] else ""
+            lines.append(
+                f"| {row['metric']} | {_fmt(row['mlx_lm'])} | {_fmt(row['ours'])} | {ratio} | {row['target']} | {met} |"
+            )
+        lines += ["", *profile(r), ""]
+    return "\n".join(lines)
+
+
+def profile(r: dict) -> list[str]:
+    """Decode step time of both, and where our step's time goes (engine phases, median ms per step)."""
+    phases = ("planning", "preparation", "submission", "consumption", "application")
+    lines = [
+        "| streams | mlx-lm step ms | ours step ms | " + " | ".join(phases) + " |",
+        "|---|---|---|" + "---|" * len(phases),
+    ]
+    for n in r["stream_counts"]:
+        p, o = r["peer"]["decode"][str(n)], r["ours"]["decode"][str(n)]
+        host = o.get("host_ms", {})
+        cells = " | ".join(_fmt(host.get(name)) for name in phases)
+        lines.append(f"| {n} | {_fmt(p['step_ms'])} | {_fmt(o['step_ms'])} | {cells} |")
+    return lines

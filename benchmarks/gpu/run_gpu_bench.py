@@ -1,0 +1,144 @@
+"""GPU benchmark of issue 7: our engine against mlx-lm on dummy-weight Qwen3 shapes, in one process, one run.
+
+    python -m benchmarks.gpu.run_gpu_bench --shapes 0.6b,8b,30b-a3b,8b-4bit --quick --out $OUT
+
+Per shape (weights built in memory, never on disk): mlx-lm's BatchGenerator and generate_step first, then our
+engine (`Engine.from_model`) on the same model object: decode tok/s at 1/8/32/64 streams over a 1k history,
+prefill tok/s, 8 streams decoding while a 16k prompt arrives (gaps and the long prompt's TTFT against its solo
+TTFT), and a shared 8k prefix (continuation TTFT against cold). Writes gpu_bench.json and gpu_bench.md into
+--out after every shape, so a run cut short keeps what it measured. `--shapes tiny --device cpu` checks the
+script itself on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import platform
+import time
+import traceback
+from dataclasses import asdict, replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+import mlx.core as mx
+
+from benchmarks.gpu import peer
+from benchmarks.gpu.models import build_dummy_model
+from benchmarks.gpu.ours import OurSide
+from benchmarks.gpu.report import markdown
+from benchmarks.gpu.workloads import FULL, QUICK, TINY, BenchParams, Prompts
+
+WARMUP = replace(TINY, decode_prompt=256, decode_tokens=4, prefill_lengths=(2048,))
+
+
+def measure_peer(dummy, prompts: Prompts, p: BenchParams) -> dict:
+    model = dummy.model
+    peer.decode(model, prompts, replace(p, decode_prompt=min(256, p.decode_prompt), decode_tokens=4), 8)
+    peer.prefill(model, prompts, p.prefill_lengths[0])  # warm-up: JIT compilation, allocations
+    out = {"decode": {str(n): peer.decode(model, prompts, p, n) for n in p.stream_counts}}
+    out["generate_step"] = peer.generate_step_decode(model, prompts, p)
+    out["prefill"] = {str(n): peer.prefill(model, prompts, n) for n in (*p.prefill_lengths, p.contended_long)}
+    out["contended"] = peer.contended(model, prompts, p)
+    mx.clear_cache()
+    return out
+
+
+def measure_ours(dummy, prompts: Prompts, p: BenchParams, args: argparse.Namespace) -> tuple[dict, float]:
+    kv_blocks = math.ceil(1.25 * max(p.stream_counts) * (p.decode_prompt + p.decode_tokens + 16) / 16)
+    kv_blocks = max(kv_blocks, math.ceil(2.5 * (p.contended_long + p.prefix_len) / 16))
+    side = OurSide(dummy, kv_blocks, 500.0, args.attention)
+    try:
+        side.decode(prompts, replace(p, decode_prompt=min(256, p.decode_prompt), decode_tokens=4), 8)
+        side.prefill(prompts, p.prefill_lengths[0])
+        out = {"decode": {str(n): side.decode(prompts, p, n) for n in p.stream_counts}}
+        out["prefill"] = {str(n): side.prefill(prompts, n) for n in (*p.prefill_lengths, p.contended_long)}
+    finally:
+        side.close()
+    del side
+    gc.collect()
+    # the step target for contention: a few 8-stream decode steps, so a prefill chunk never freezes the streams
+    step8 = (
+        out["decode"][str(p.contended_streams)]["step_ms"]
+        if str(p.contended_streams) in out["decode"]
+        else None
+    )
+    target = args.step_target_ms or max(20.0, args.target_factor * (step8 or 10.0))
+    side = OurSide(dummy, kv_blocks, target, args.attention)
+    try:
+        side.prefill(prompts, p.prefill_lengths[0])  # the cost model learns prefill, then contended steps
+        side.contended(
+            prompts, replace(p, contended_long=p.prefill_lengths[-1], tokens_before=4, tokens_after=4)
+        )
+        out["contended"] = side.contended(prompts, p)
+        out["shared_prefix"] = side.shared_prefix(prompts, p)
+        out["scheduler"] = side.engine.status()["counters"]
+    finally:
+        side.close()
+    mx.clear_cache()
+    return out, target
+
+
+def bench_shape(name: str, p: BenchParams, args: argparse.Namespace) -> dict:
+    t0 = time.perf_counter()
+    dummy = build_dummy_model(name, args.dtype)
+    built = time.perf_counter() - t0
+    prompts = Prompts(dummy.config["vocab_size"], seed=args.seed)
+    result = {"shape": name, "weight_bytes": dummy.weight_bytes, "build_s": built, **asdict(p)}
+    result["peer"] = measure_peer(dummy, prompts, p)
+    result["ours"], result["step_target_ms"] = measure_ours(dummy, prompts, p, args)
+    result["wall_s"] = time.perf_counter() - t0
+    return result
+
+
+def write(results: list[dict], out: Path, header: str, meta: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_bench.json").write_text(json.dumps({**meta, "results": results}, indent=1))
+    (out / "gpu_bench.md").write_text(markdown(results, header) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shapes", default="0.6b,8b,30b-a3b,8b-4bit")
+    parser.add_argument("--quick", action="store_true", help="fewer decode tokens per measurement")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default="gpu", choices=("gpu", "cpu"))
+    parser.add_argument(
+        "--attention", default="auto", help="decode attention of our engine (auto/kernel/reference)"
+    )
+    parser.add_argument(
+        "--step-target-ms", type=float, default=None, help="default: target-factor x 8-stream step"
+    )
+    parser.add_argument("--target-factor", type=float, default=3.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("gpu_bench_out"))
+    args = parser.parse_args()
+    mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
+    meta = {
+        "command": "python -m benchmarks.gpu.run_gpu_bench "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v not in (None, False)),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": mx.device_info().get("device_name", platform.processor()),
+        "mlx": mx.__version__,
+    }
+    header = f"{meta['date']}, {meta['machine']}, MLX {meta['mlx']}, `{meta['command']}`"
+    results = []
+    for name in args.shapes.split(","):
+        p = TINY if name.startswith("tiny") else (QUICK if args.quick else FULL)
+        try:
+            results.append(bench_shape(name, p, args))
+        except Exception as exc:  # one shape failing must not lose the others' numbers
+            traceback.print_exc()
+            results.append({"shape": name, "error": repr(exc), "weight_bytes": 0, "step_target_ms": 0})
+        gc.collect()
+        mx.clear_cache()
+        write(results, args.out, header, meta)
+        print(markdown(results[-1:], header), flush=True)
+
+
+if __name__ == "__main__":
+    main()
