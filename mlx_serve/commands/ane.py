@@ -1,4 +1,5 @@
-"""`python -m mlx_serve ane build`: compile a model's decoder stack into the ANE prefill package."""
+"""`python -m mlx_serve ane build|check`: compile a model's decoder stack into the ANE prefill package, and
+check a package's numerics against the model's MLX layers (NumPy interpreter; works on Linux)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cache-dir", default=None, help="cache root (default: $MLX_SERVE_CACHE_DIR or ~/.cache)"
     )
     build.add_argument("--force", action="store_true", help="rebuild even if the cache has this build")
+    check = sub.add_parser("check", help="interpret a package on NumPy and compare it with the MLX layers")
+    check.add_argument("--model", required=True, help="model directory the package was built from")
+    check.add_argument("--package", required=True, help="the .mlpackage")
+    check.add_argument("--tokens", type=int, default=48, help="random prompt length")
+    check.add_argument("--chunk", type=int, default=20, help="prefill chunk size fed to the package")
+    check.add_argument("--tolerance", type=float, default=None, help="max |err| / max |ref| (default 0.01)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.ane_command == "check":
+        return run_check(args)
+    return run_build(args)
+
+
+def run_check(args: argparse.Namespace) -> int:
+    import mlx_lm
+    import numpy as np
+
+    from mlx_serve.ane import check
+
+    model, _ = mlx_lm.load(args.model)
+    tokens = [int(t) for t in np.random.default_rng(0).integers(0, model.args.vocab_size, args.tokens)]
+    actual = check.interpret_prompt(model, Path(args.package), tokens, args.chunk)
+    errors = check.worst_errors(actual, check.mlx_prompt(model, tokens))
+    tolerance = args.tolerance if args.tolerance is not None else check.TOLERANCE
+    for name, error in errors.items():
+        print(f"{name:7s} max|err|/max|ref| = {error:.4%}")
+    verdict = max(errors.values()) <= tolerance
+    print(f"{'ok' if verdict else 'FAILED'}: tolerance {tolerance:.2%}")
+    return 0 if verdict else 1
+
+
+def run_build(args: argparse.Namespace) -> int:
     from mlx_serve.errors import InvalidRequest
 
     model_dir = Path(args.model)

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from ane_reference import build, load, mlx_forward, prompt, relative_error
 from coremltools.converters.mil.mil import types
-from test_interpreter import interpret_prompt
 
 from mlx_serve.ane import contract
 from mlx_serve.ane.builder import build_package_from_spec, package_geometries
+from mlx_serve.ane.check import interpret_prompt
 from mlx_serve.ane.interpreter import Interpreter
 from mlx_serve.ane.spec import dense_spec
 from mlx_serve.errors import UnsupportedModel
@@ -60,7 +60,7 @@ def test_int8_package_stays_close(qwen3_model, int8_package: Path) -> None:
     op_types = {op.op_type for op in program.functions["prefill_16"].operations}
     assert "constexpr_blockwise_shift_scale" in op_types
     tokens = prompt(20, qwen3_model.args.vocab_size, seed=6)
-    hidden, _, _ = interpret_prompt(qwen3_model, package, tokens, chunk=16)
+    hidden = interpret_prompt(qwen3_model, package, tokens, chunk=16).hidden
     assert relative_error(hidden, mlx_forward(qwen3_model, tokens).hidden) < 0.06
 
 

@@ -24,6 +24,16 @@ def test_build_then_cache_hit(tiny_qwen3: Path, tmp_path: Path, capsys: pytest.C
     assert len(entries) == 1 and (entries[0] / cache.RECORD_NAME).is_file()
 
 
+def test_check_reports_errors_within_tolerance(
+    tiny_qwen3: Path, qwen3_package: Path, capsys: pytest.CaptureFixture
+) -> None:
+    args = ["ane", "check", "--model", str(tiny_qwen3), "--package", str(qwen3_package), "--tokens", "24"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "hidden" in out and "ok: tolerance 1.00%" in out
+    assert main(args + ["--tolerance", "0"]) == 1
+
+
 def test_fingerprint_follows_the_weights(tiny_qwen3: Path, tmp_path: Path) -> None:
     copy = Path(shutil.copytree(tiny_qwen3, tmp_path / "model"))
     before = cache.model_fingerprint(copy)

@@ -13,44 +13,18 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from ane_reference import build, load, mlx_forward, prompt, relative_error
+from ane_reference import build, load, mlx_forward, prompt
 
 from mlx_serve.ane import host
-from mlx_serve.ane.builder import package_geometries
-from mlx_serve.ane.interpreter import Interpreter
-from mlx_serve.ane.pieces import run_pieces
-
-TOLERANCE = 0.01
-
-
-def interpret_prompt(model, package: Path, tokens: list[int], chunk: int):
-    """Feed the prompt in scheduler-sized chunks; each chunk may span several package calls."""
-    geometries = package_geometries(package)
-    interpreter = Interpreter.from_package(package)
-    predict = lambda rows, inputs: interpreter.run(geometries[rows].function_name, inputs)  # noqa: E731
-    first = next(iter(geometries.values()))
-    empty = np.zeros((1, first.num_kv_heads, 0, first.head_dim), np.float16)
-    keys, values = [empty] * first.num_layers, [empty] * first.num_layers
-    hidden = []
-    for start in range(0, len(tokens), chunk):
-        piece = tokens[start : start + chunk]
-        embeddings = np.array(host.embed(model, piece).astype(mx.float32))
-        tables = host.rope_tables(model, start, len(piece) + max(geometries))
-        out = run_pieces(geometries, predict, embeddings, start, keys, values, tables)
-        hidden.append(out.hidden)
-        keys = [np.concatenate([k, new], axis=2) for k, new in zip(keys, out.keys)]
-        values = [np.concatenate([v, new], axis=2) for v, new in zip(values, out.values)]
-    return np.concatenate(hidden), keys, values
+from mlx_serve.ane.check import TOLERANCE, interpret_prompt, mlx_prompt, worst_errors
 
 
 def assert_matches(model, package: Path, tokens: list[int], chunk: int) -> None:
-    expected = mlx_forward(model, tokens)
-    hidden, keys, values = interpret_prompt(model, package, tokens, chunk)
-    assert hidden.shape == expected.hidden.shape
-    assert relative_error(hidden, expected.hidden) < TOLERANCE
-    for layer in range(len(keys)):
-        assert relative_error(keys[layer], expected.keys[layer]) < TOLERANCE, f"keys of layer {layer}"
-        assert relative_error(values[layer], expected.values[layer]) < TOLERANCE, f"values of layer {layer}"
+    actual = interpret_prompt(model, package, tokens, chunk)
+    expected = mlx_prompt(model, tokens)
+    assert actual.hidden.shape == expected.hidden.shape
+    errors = worst_errors(actual, expected)
+    assert max(errors.values()) < TOLERANCE, errors
 
 
 def test_qwen3_package_matches_mlx_chunk_after_chunk(qwen3_model, qwen3_package: Path) -> None:
@@ -77,7 +51,7 @@ def test_other_families_match(arch_fixture: str, request: pytest.FixtureRequest,
 def test_interpreted_logits_pick_the_same_tokens(qwen3_model, qwen3_package: Path) -> None:
     tokens = prompt(33, qwen3_model.args.vocab_size, seed=4)
     expected = mlx_forward(qwen3_model, tokens)
-    hidden, _, _ = interpret_prompt(qwen3_model, qwen3_package, tokens, chunk=32)
+    hidden = interpret_prompt(qwen3_model, qwen3_package, tokens, chunk=32).hidden
     logits = np.array(host.lm_head(qwen3_model, mx.array(hidden)))
     agree = (logits.argmax(-1) == expected.logits.argmax(-1)).mean()
     # fp16 can flip a near-tie on a random model; nearly every row must agree
