@@ -23,10 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mlx_serve.commands.serve import engine_config
-    from mlx_serve.engine import Engine
+    from mlx_serve.commands.serve import load_engine
 
-    engine = Engine.load(engine_config(args))
+    engine = load_engine(args)
     try:
         chat_loop(engine, args, sys.stdin, sys.stdout)
     finally:

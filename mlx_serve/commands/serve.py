@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 HELP = "Serve a model over an OpenAI- and Anthropic-compatible HTTP API."
 
@@ -63,7 +67,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true", help="no progress bar while the model loads")
 
 
-def engine_config(args: argparse.Namespace, observer: object | None = None) -> object:
+def engine_config(args: argparse.Namespace, observer: object | None = None) -> Any:
     from mlx_serve.engine import EngineConfig
     from tracing import sink_from_env
 
@@ -74,20 +78,52 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> o
         row_floor=args.row_floor, cost_model=args.prefill_cost_model, max_overtakes=args.max_overtakes,
         enable_prefix_cache=not args.no_prefix_cache, decode_debt=not args.no_decode_debt,
         ane_lane=args.ane_lane, trace=sink_from_env(args.trace), observer=observer,
-        progress=not args.no_progress,
+        progress=False,  # load_engine shows the progress itself
     )
+
+
+def load_engine(args: argparse.Namespace, observer: object | None = None) -> Any:
+    """Engine.load with a progress line on stderr (elapsed time) unless --no-progress."""
+    from mlx_serve.engine import Engine
+
+    label = f"loading {args.model or 'the built-in tiny model'}"
+    with _progress(label, enabled=not args.no_progress):
+        return Engine.load(engine_config(args, observer))
+
+
+@contextmanager
+def _progress(label: str, enabled: bool) -> Iterator[None]:
+    if not enabled:
+        yield
+        return
+    import threading
+
+    from tqdm import tqdm
+
+    # mlx-lm's loader reports no progress of its own, so the bar shows elapsed time until the load returns
+    bar = tqdm(desc=label, total=None, bar_format="{desc}: {elapsed}", file=sys.stderr)
+    stop = threading.Event()
+    ticker = threading.Thread(target=lambda: [bar.refresh() for _ in iter(lambda: stop.wait(0.2), True)],
+                              daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        ticker.join()
+        bar.set_description_str(label.replace("loading", "loaded"))
+        bar.close()
 
 
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    from mlx_serve.engine import Engine
     from mlx_serve.server import ServerMetrics, create_app
     from mlx_serve.server.http import hypercorn_config, serve_until_signalled
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     metrics = ServerMetrics()
-    engine = Engine.load(engine_config(args, observer=metrics))
+    engine = load_engine(args, observer=metrics)
     app = create_app(engine, metrics, aliases=args.served_model_name)
     log = logging.getLogger("mlx_serve.server")
     log.info("listening on http://%s:%d (model %s)", args.host, args.port, engine.model_id)

@@ -146,6 +146,7 @@ def test_disconnect_mid_stream_cancels_and_frees_kv(http, served):
     stream.close()
     assert _wait_until(lambda: http.get("/v1/status").json()["requests"] == [])
     assert http.get("/v1/status").json()["kv"]["blocks_used"] == 0
+    assert _metric(http, "mlx_serve_requests_finished_total", {"reason": "cancelled"}) == cancelled_before + 1
     assert _metric(http, "mlx_serve_kv_blocks_used") == 0
     assert _metric(http, "mlx_serve_running_requests") == 0
     assert _wait_until(lambda: _metric(http, "mlx_serve_requests_finished_total", {"reason": "cancelled"})
@@ -177,3 +178,12 @@ def test_health_models_and_status(http, served):
     status = http.get("/v1/status").json()
     assert set(status) >= {"model", "requests", "counters", "kv"}
     assert status["counters"]["steps"] > 0
+
+
+def test_a_non_streaming_client_that_gives_up_cancels_its_request(http, served):
+    cancelled_before = _metric(http, "mlx_serve_requests_finished_total", {"reason": "cancelled"})
+    with pytest.raises(httpx.ReadTimeout):  # the client closes its connection when it stops waiting
+        httpx.post(f"{served.url}{CHAT}", json=_chat(max_tokens=3000, ignore_eos=True), timeout=0.5)
+    assert _wait_until(lambda: http.get("/v1/status").json()["requests"] == [])
+    assert http.get("/v1/status").json()["kv"]["blocks_used"] == 0
+    assert _metric(http, "mlx_serve_requests_finished_total", {"reason": "cancelled"}) == cancelled_before + 1

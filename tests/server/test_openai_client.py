@@ -160,3 +160,20 @@ def test_32_concurrent_streaming_clients_match_mlx_lm(served):
     results = asyncio.run(all_clients())
     assert results == [(text, reason) for text, _, reason, _ in expected]
     assert served.engine.status()["requests"] == []
+
+
+def test_a_repeated_prompt_reports_cached_tokens(served, client):
+    prompt = list(range(300, 340))  # 40 tokens: two full KV blocks can be reused
+    first = client.completions.create(model=served.engine.model_id, prompt=prompt, max_tokens=2, temperature=0)
+    second = client.completions.create(model=served.engine.model_id, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens >= 16
+    assert second.choices[0].text == first.choices[0].text
+
+
+def test_cache_salt_keeps_prefixes_apart(served, client):
+    prompt = list(range(400, 440))
+    client.completions.create(model=served.engine.model_id, prompt=prompt, max_tokens=1, extra_body={"cache_salt": "a"})
+    other = client.completions.create(model=served.engine.model_id, prompt=prompt, max_tokens=1,
+                                      extra_body={"cache_salt": "b"})
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
