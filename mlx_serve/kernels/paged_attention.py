@@ -71,6 +71,10 @@ def _scalar(value: float | int, dtype: mx.Dtype) -> mx.array:
     return mx.array([value], dtype=dtype)
 
 
+def _int32(values: mx.array) -> mx.array:
+    return values if values.dtype == mx.int32 else values.astype(mx.int32)
+
+
 def kernel_supports(queries: mx.array, pool_keys: mx.array) -> bool:
     """Whether the kernel's load layout fits: a head is whole 16-byte vectors shared by a power of two threads."""
     head_dim = pool_keys.shape[-1]
@@ -110,8 +114,8 @@ def paged_decode_attention(
         queries,
         pool_keys,
         pool_values,
-        rows.block_tables.astype(mx.int32),
-        rows.lengths.astype(mx.int32),
+        _int32(rows.block_tables),
+        _int32(rows.lengths),
         _scalar(size, mx.int32),
         _scalar(float(scale), mx.float32),
     ]
