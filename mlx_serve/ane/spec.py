@@ -67,7 +67,12 @@ def _linear(module) -> Linear:
     weight = module.weight
     if hasattr(module, "scales"):  # QuantizedLinear: unpack to dense before Core ML re-compresses it
         weight = mx.dequantize(
-            module.weight, module.scales, module.get("biases"), group_size=module.group_size, bits=module.bits
+            module.weight,
+            module.scales,
+            module.get("biases"),
+            group_size=module.group_size,
+            bits=module.bits,
+            mode=getattr(module, "mode", "affine"),
         )
     bias = module.get("bias") if hasattr(module, "get") else None
     return Linear(weight=_to_numpy(weight), bias=None if bias is None else _to_numpy(bias))
