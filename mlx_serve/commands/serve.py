@@ -132,5 +132,17 @@ def run(args: argparse.Namespace) -> int:
         serve_until_signalled(app, hypercorn_config(f"{host}:{args.port}", args.drain_timeout, args.access_log))
     finally:
         log.info("stopping the engine")
-        engine.shutdown(timeout_s=min(args.drain_timeout, 5.0))
+        stop_engine(engine, timeout_s=min(args.drain_timeout, 5.0))
     return 0
+
+
+def stop_engine(engine: Any, timeout_s: float) -> None:
+    """Shut the engine down and wait for MLX's own stream threads to go idle.
+
+    Without the final synchronize, the process can abort at exit ("terminate called without an active
+    exception") when it ends right after the engine thread's last step; this belongs in Engine.shutdown.
+    """
+    engine.shutdown(timeout_s=timeout_s)
+    import mlx.core as mx
+
+    mx.synchronize()
