@@ -3,19 +3,14 @@
 How the runner uses a lane (one engine thread; only `CoreMLLane`'s predict runs on a worker thread):
 
     lane = make_lane("cpu" | "coreml", model, package=..., clock=sink.now)   # at load; "off" -> None
-    # a plan lane with path == Path.ANE (a PREFILL chunk of one request):
-    if not lane.accepts(plan_lane.start, plan_lane.rows): ...      # else run it on the GPU path
-    slots = slots_for(plan_lane.block_ids, 0, plan_lane.start, block_size)
-    kv_in = [LayerKV(*pool.gather(layer, mx.array(slots))) for layer in range(num_layers)]
-    pending = lane.submit(plan_lane.request_id, plan_lane.token_ids, plan_lane.start, kv_in)
+    # a plan lane with path == Path.ANE (a PREFILL chunk of one request), if lane.accepts(start, rows):
+    pending = handoff.submit_from_pool(lane, plan_lane, pool)   # gathers [0, start) K/V, embeds, submits
     ... run the step's GPU lanes (decode keeps going) ...
-    result = pending.result(timeout_s)       # raises LaneError (failure or timeout): rerun the chunk on the GPU
-    new_slots = mx.array(slots_for(plan_lane.block_ids, plan_lane.start, plan_lane.end, block_size))
-    for layer, kv in enumerate(result.kv):   # kv.keys/values: [1, KVH, rows, D] -> pool rows [rows, KVH, D]
-        pool.write(layer, new_slots, kv.keys[0].transpose(1, 0, 2), kv.values[0].transpose(1, 0, 2))
+    result = pending.result(timeout_s)     # raises LaneError (failure or timeout): rerun the chunk on the GPU
+    handoff.write_back(result, plan_lane, pool)                 # new K/V into the pool at [start, end)
     if plan_lane.samples:
-        logits = lane.logits(result.hidden[-1:])   # [1, vocab]: the LM head stays in MLX
-    if sink.enabled: sink.emit(result.span(plan.step_id))    # Span "ane_chunk" with label, rows, request
+        logits = lane.logits(result.hidden[-1:])                # [1, vocab]: the LM head stays in MLX
+    if sink.enabled: sink.emit(result.span(plan.step_id))       # Span "ane_chunk": lane label, rows, request
 
 K/V layout in and out is mlx-lm's (and `KVPool.gather`'s): `[1, num_kv_heads, positions, head_dim]`, keys
 after k_norm and RoPE. `hidden` is `[rows, hidden_size]` AFTER the model's final norm (fp16 from Core ML,

@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 from ane_reference import mlx_forward, prompt
 
-from mlx_serve.ane.lane import LaneError, LayerKV, MlxCpuStandInLane, make_lane
+from mlx_serve.ane import handoff
+from mlx_serve.ane.lane import LaneError, MlxCpuStandInLane, make_lane
 from mlx_serve.kv_pool import KVLayout, KVPool, slots_for
+from scheduler.plan import Lane, LaneKind, Path
 
 BLOCK_SIZE = 16
 
@@ -22,21 +24,20 @@ def _pool(model) -> KVPool:
 
 
 def _prefill_through_lane(lane, model, tokens: list[int], chunk: int):
-    """Exactly the runner recipe in lane.py's docstring, one chunk after another."""
+    """The runner's hand-off (mlx_serve.ane.handoff), one chunk after another, as scheduler lanes."""
     pool = _pool(model)
     block_ids = tuple(range(8))
     hidden, labels = [], set()
     for start in range(0, len(tokens), chunk):
-        piece = tokens[start : start + chunk]
-        past = mx.array(slots_for(block_ids, 0, start, BLOCK_SIZE), dtype=mx.int32)
-        kv_in = [LayerKV(*pool.gather(layer, past)) for layer in range(len(model.layers))] if start else []
-        result = lane.submit(f"req-{start}", piece, start, kv_in).result(timeout_s=60.0)
-        new_slots = mx.array(slots_for(block_ids, start, start + len(piece), BLOCK_SIZE), dtype=mx.int32)
-        for layer, kv in enumerate(result.kv):
-            pool.write(layer, new_slots, kv.keys[0].transpose(1, 0, 2), kv.values[0].transpose(1, 0, 2))
+        piece = tuple(tokens[start : start + chunk])
+        plan_lane = Lane(
+            f"req-{start}", LaneKind.PREFILL, piece, start, block_ids, samples=False, path=Path.ANE
+        )
+        result = handoff.submit_from_pool(lane, plan_lane, pool).result(timeout_s=60.0)
+        handoff.write_back(result, plan_lane, pool)
         hidden.append(result.hidden)
         labels.add(result.label)
-        assert result.finished_s >= result.submitted_s
+        assert result.finished_s >= result.submitted_s and result.rows == len(piece)
     all_slots = mx.array(slots_for(block_ids, 0, len(tokens), BLOCK_SIZE), dtype=mx.int32)
     kv = [pool.gather(layer, all_slots) for layer in range(len(model.layers))]
     return mx.concatenate(hidden), kv, labels
