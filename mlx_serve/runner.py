@@ -26,6 +26,7 @@ from mlx_serve.ragged import (
 from mlx_serve.sampling import RequestSampler, sample_rows, top_logprobs
 from mlx_serve.types import SamplingParams, TokenLogprob
 from scheduler import StepOutcome, StepPlan
+from scheduler.plan import PENDING_TOKEN
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +41,19 @@ class RunnerOutput:
     outcome: StepOutcome
     samples: dict[str, SampledToken]
     phase_ms: dict[str, float] = field(default_factory=dict)  # preparation, submission, consumption
+
+
+@dataclass(frozen=True, slots=True)
+class InFlightStep:
+    """A step queued on the device whose tokens have not been read back yet."""
+
+    plan: StepPlan
+    sample_ids: tuple[str, ...]
+    samplers: list[RequestSampler]
+    sampled: Any  # SampledRows, or None for a prefill-only step
+    row_of: dict[str, int]  # request id -> its row in `sampled.tokens`
+    started: float
+    phases: dict[str, float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +83,17 @@ class ModelRunner:
 
     # the step ----------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> RunnerOutput:
+        """Run one step and wait for it."""
+        return self.collect(self.submit(plan))
+
+    def submit(self, plan: StepPlan, previous: InFlightStep | None = None) -> InFlightStep:
+        """Queue the step's work on the device and return at once.
+
+        Decode lanes whose input is `PENDING_TOKEN` read it from `previous`'s sampled tokens on the device, so
+        this step can be queued while the previous one still runs (one step in flight).
+        """
         t0 = time.perf_counter()
-        prepared = self._prepare(plan)
+        prepared = self._prepare(plan, previous)
         t1 = time.perf_counter()
         hidden = self._forward(prepared)
         samplers = [self.samplers[rid] for rid in prepared.sample_ids]
@@ -81,15 +104,21 @@ class ModelRunner:
             sampled = None
             mx.async_eval(self.pool.state())
         t2 = time.perf_counter()
-        samples = self._read_samples(prepared.sample_ids, samplers, sampled)
+        phases = {"preparation": (t1 - t0) * 1e3, "submission": (t2 - t1) * 1e3}
+        rows = {rid: i for i, rid in enumerate(prepared.sample_ids)}
+        return InFlightStep(plan, prepared.sample_ids, samplers, sampled, rows, t0, phases)
+
+    def collect(self, step: InFlightStep) -> RunnerOutput:
+        """Wait for a submitted step and read its tokens back."""
+        t2 = time.perf_counter()
+        samples = self._read_samples(step.sample_ids, step.samplers, step.sampled)
         mx.eval(self.pool.state())
         t3 = time.perf_counter()
-        elapsed_ms = (t3 - t0) * 1e3
+        elapsed_ms = (t3 - step.started) * 1e3
         outcome = StepOutcome({rid: s.token_id for rid, s in samples.items()}, elapsed_ms)
-        phases = {"preparation": (t1 - t0) * 1e3, "submission": (t2 - t1) * 1e3, "consumption": (t3 - t2) * 1e3}
-        return RunnerOutput(outcome, samples, phases)
+        return RunnerOutput(outcome, samples, {**step.phases, "consumption": (t3 - t2) * 1e3})
 
-    def _prepare(self, plan: StepPlan) -> _PreparedStep:
+    def _prepare(self, plan: StepPlan, previous: InFlightStep | None) -> _PreparedStep:
         block_size = self.pool.block_size
         # single-row lanes first: their attention is one batched call (see ragged.DecodeRows)
         ordered = sorted(plan.lanes, key=lambda lane: lane.rows != 1)
@@ -99,19 +128,28 @@ class ModelRunner:
         lanes: list[LaneRows] = []
         sample_rows: list[int] = []
         sample_ids: list[str] = []
+        pending_rows: list[int] = []
+        pending_sources: list[int] = []
         for lane in ordered:
             row_start = len(tokens)
-            tokens.extend(lane.token_ids)
+            if lane.token_ids[-1] == PENDING_TOKEN:
+                pending_rows.append(row_start + lane.rows - 1)
+                pending_sources.append(previous.row_of[lane.request_id])
+            tokens.extend(max(t, 0) for t in lane.token_ids)
             positions.extend(range(lane.start, lane.end))
             write_slots.extend(slots_for(lane.block_ids, lane.start, lane.end, block_size))
             kv_slots = slots_for(lane.block_ids, 0, lane.end, block_size)
             lanes.append(LaneRows(row_start, lane.rows, mx.array(kv_slots, dtype=mx.int32)))
-            sampler = self.samplers.get(lane.request_id)
-            if sampler is not None:
-                sampler.observe(lane.start, lane.token_ids)
             if lane.samples:
                 sample_rows.append(row_start + lane.rows - 1)
                 sample_ids.append(lane.request_id)
+        inputs = mx.array(tokens, dtype=mx.int32)
+        if pending_rows:
+            inputs[mx.array(pending_rows)] = previous.sampled.tokens[mx.array(pending_sources)]
+        for lane, rows in zip(ordered, lanes):
+            sampler = self.samplers.get(lane.request_id)
+            if sampler is not None and sampler.processors:
+                sampler.observe(lane.start, inputs[rows.row_start : rows.row_start + rows.rows])
         num_single = sum(1 for lane in ordered if lane.rows == 1)
         layout = StepLayout(
             positions=mx.array(positions, dtype=mx.int32),
@@ -121,7 +159,7 @@ class ModelRunner:
             decode_attention=self.decode_attention,
         )
         return _PreparedStep(
-            inputs=mx.array(tokens, dtype=mx.int32)[:, None],
+            inputs=inputs[:, None],
             layout=layout,
             sample_rows=mx.array(sample_rows, dtype=mx.int32),
             sample_ids=tuple(sample_ids),

@@ -22,7 +22,7 @@ class RequestSampler:
     params: SamplingParams
     processors: list = field(default_factory=list)
     key: mx.array | None = None
-    history: list[int] = field(default_factory=list)  # tokens seen so far, for the penalties
+    history: mx.array | None = None  # the last `penalty_context` input tokens, kept on the device
 
     @classmethod
     def create(cls, params: SamplingParams) -> RequestSampler:
@@ -38,13 +38,18 @@ class RequestSampler:
         key = mx.random.key(params.seed) if params.seed is not None else None
         return cls(params=params, processors=processors, key=key)
 
-    def observe(self, start: int, token_ids: tuple[int, ...]) -> None:
-        """Track the tokens that pass through the model; a lane starting at 0 is a (re)computation."""
+    def observe(self, start: int, inputs: mx.array) -> None:
+        """Track the tokens that pass through the model (lazily: a pending decode token is not known yet).
+
+        A lane starting at position 0 is a (re)computation from scratch.
+        """
         if not self.processors:
             return
-        if start == 0:
-            self.history.clear()
-        self.history.extend(token_ids)
+        if start == 0 or self.history is None:
+            self.history = inputs
+        else:
+            self.history = mx.concatenate([self.history, inputs])
+        self.history = self.history[-self.params.penalty_context :]
 
     @property
     def is_plain_greedy(self) -> bool:
@@ -65,7 +70,7 @@ class SampledRows:
 
 def _process(sampler: RequestSampler, logits: mx.array) -> mx.array:
     if sampler.processors:
-        tokens = mx.array(sampler.history[-sampler.params.penalty_context :]) if sampler.history else mx.array([])
+        tokens = sampler.history if sampler.history is not None else mx.array([], dtype=mx.int32)
         for processor in sampler.processors:
             logits = processor(tokens, logits)
     return logits

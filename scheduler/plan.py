@@ -11,6 +11,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 
+# A decode lane's input when the token is the one the previous, still running, step samples: the runner takes
+# it from that step's device-side result, so the host never waits for it (one step in flight).
+PENDING_TOKEN = -1
+
+
 class Path(str, enum.Enum):
     GPU = "gpu"  # MLX on the default device (GPU, or the CPU backend in CI)
     ANE = "ane"  # the Core ML lane (or its labelled CPU stand-in)

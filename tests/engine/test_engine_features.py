@@ -168,3 +168,21 @@ def test_generate_cli_bad_model_exits_non_zero(tmp_path):
     )
     assert out.returncode != 0
     assert "nope" in out.stderr
+
+
+def test_penalties_and_logit_bias_match_mlx_lm_processors(engine, tiny_qwen3):
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_logits_processors
+
+    prompt = prompt_of(15, seed=19)
+    bias = {prompt[0]: 3.0, 77: -5.0}
+    params = SamplingParams(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.3, logit_bias=bias)
+    ours = _run(engine, prompt, max_tokens=12, sampling=params, ignore_eos=True)
+    model, _ = load_reference(str(tiny_qwen3))
+    processors = make_logits_processors(
+        logit_bias=bias, repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.3
+    )
+    expected = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=12, logits_processors=processors)]
+    plain = _run(engine, prompt, max_tokens=12, ignore_eos=True)
+    assert list(ours.token_ids) == expected
+    assert ours.token_ids != plain.token_ids  # the processors really changed something
