@@ -24,8 +24,8 @@ from mlx_serve.handle import RequestHandle
 from mlx_serve.outputs import RequestStream, with_usage
 from mlx_serve.types import Completion, GenerationRequest, TokenEvent
 from scheduler import FinishReason, Request, RequestState, Scheduler, SchedulerConfig, StepPlan
-from tracing import NULL_SINK
 from tracing.events import RequestArrived, RequestFinished, Span, StepExecuted, TokenCommitted
+from tracing.sink import sink_from_env
 
 log = logging.getLogger("mlx_serve.engine")
 
@@ -67,7 +67,7 @@ class Engine:
         self.model_id: str = loaded.model_id
         self.context_length: int = loaded.context_length
         self.vocab_size: int = loaded.vocab_size
-        self.trace = config.trace or NULL_SINK
+        self.trace = config.trace if config.trace is not None else sink_from_env()  # $MLX_SERVE_TRACE
         self.observer = config.observer or NullObserver()
         self.pool = KVPool(loaded.layout, num_blocks, config.block_size)
         self.runner = ModelRunner(loaded.model, self.pool, _decode_attention(config.decode_attention))
@@ -261,9 +261,9 @@ class Engine:
             for request_id in list(self._handles):
                 self.cancel(request_id)
             self._thread.join(timeout=5.0)
-        dump = getattr(self.trace, "close", None)
-        if callable(dump):
-            dump()
+        close = getattr(self.trace, "close", None)
+        if callable(close):
+            close(complete=not self._thread.is_alive())  # dumps the capture if it has a path
 
     # the engine thread -------------------------------------------------------------------------------
     def _loop(self) -> None:
