@@ -21,6 +21,7 @@ WARPS = 4
 MAX_PARTITION = 256  # history tokens one thread block reads before the split-K merge takes over
 MIN_PARTITION = 64
 TARGET_BLOCKS = 264  # two thread blocks per multiprocessor of an H100/H200 (132 SMs)
+BLOCKWISE = False  # load order of the kernel's warps (see paged_attention_cuda); picked by measurement
 KINDS = ("auto", "kernel", "batched", "reference")
 
 
@@ -98,8 +99,21 @@ def partition_size(lanes: int, kv_heads: int, max_len: int) -> int:
     return size
 
 
+def blockwise_fits(head_dim: int, itemsize: int, block_size: int, size: int) -> bool:
+    """Whether a warp's chunk of unrolled tokens tiles both the KV blocks and the partitions."""
+    tokens_per_iter = 32 // (head_dim // (16 // itemsize))
+    chunk = min(block_size, 8 * tokens_per_iter)
+    return block_size % tokens_per_iter == 0 and block_size % chunk == 0 and size % chunk == 0
+
+
 def paged_decode_attention(
-    queries: mx.array, pool_keys: mx.array, pool_values: mx.array, rows: DecodeRows, scale: float
+    queries: mx.array,
+    pool_keys: mx.array,
+    pool_values: mx.array,
+    rows: DecodeRows,
+    scale: float,
+    *,
+    blockwise: bool | None = None,
 ) -> mx.array:
     """The CUDA kernel: reads K/V straight from the pool through the block tables, fp32 online softmax."""
     if not kernel_supports(queries, pool_keys):
@@ -109,6 +123,8 @@ def paged_decode_attention(
     max_len = rows.block_tables.shape[1] * rows.block_size
     size = partition_size(n, kv_heads, max_len)
     parts = math.ceil(max_len / size)
+    blockwise = BLOCKWISE if blockwise is None else blockwise
+    blockwise = blockwise and blockwise_fits(head_dim, pool_keys.dtype.size, rows.block_size, size)
     kernels = _kernels()
     inputs = [
         queries,
@@ -126,6 +142,7 @@ def paged_decode_attention(
         ("G", heads // kv_heads),
         ("BS", rows.block_size),
         ("WARPS", WARPS),
+        ("BLOCKWISE", blockwise),
     ]
     grid = (parts * WARPS * 32, kv_heads, n)
     if parts == 1:

@@ -33,7 +33,8 @@ __device__ __forceinline__ void pa_merge_scales(float m1, float m2, float& m_new
 }
 """
 
-# Template: TQ (query/output dtype), TK (pool dtype), D, G (query heads per kv head), BS (block size), WARPS;
+# Template: TQ (query/output dtype), TK (pool dtype), D, G (query heads per kv head), BS (block size), WARPS,
+# BLOCKWISE (load order, see the source);
 # the macro PA_SPLIT (set in the header) picks partial or final outputs. Inputs: queries [n, H, 1, D],
 # k_pool/v_pool [slots, KVH, D], tables [n, max_blocks] int32, lengths [n] int32, part_size [1] int32,
 # scale [1] float32. Grid: (partitions, KVH, n) blocks of WARPS * 32 threads.
@@ -41,8 +42,13 @@ PARTIAL_SOURCE = r"""
   constexpr int VEC = 16 / sizeof(TK);
   constexpr int LPT = D / VEC;            // threads sharing one token
   constexpr int TPW = 32 / LPT;           // tokens per warp per iteration
-  constexpr int UNROLL = 4;
   static_assert(D % VEC == 0 && 32 % LPT == 0, "head_dim must be 32, 64, 128 or 256 elements of 16 bytes");
+  // BLOCKWISE: a warp's unrolled loads are consecutive tokens of one KV block (one table read, 8 loads in
+  // flight); otherwise they are WARPS * TPW tokens apart (a table read per token, 4 loads in flight)
+  static_assert(!BLOCKWISE || BS % TPW == 0, "blockwise needs whole iterations per KV block");
+  constexpr int UNROLL = BLOCKWISE ? ((BS / TPW) < 8 ? (BS / TPW) : 8) : 4;
+  constexpr int STEP = BLOCKWISE ? TPW : WARPS * TPW;
+  constexpr int ADVANCE = WARPS * UNROLL * TPW;
 
   const int part = blockIdx.x;
   const int kvh = blockIdx.y;
@@ -77,16 +83,16 @@ PARTIAL_SOURCE = r"""
     for (int i = 0; i < VEC; ++i) acc[g][i] = 0.f;
   }
 
-  constexpr int STRIDE = WARPS * TPW;
-  for (int base = start + warp * TPW; base < end; base += STRIDE * UNROLL) {  // warp-uniform bound
+  for (int base = start + warp * (BLOCKWISE ? UNROLL * TPW : TPW); base < end; base += ADVANCE) {  // warp-uniform
     uint4 kraw[UNROLL], vraw[UNROLL];
     bool valid[UNROLL];
+    const size_t block_base = BLOCKWISE ? (size_t)table[base / BS] * BS + base % BS : 0;
     #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      const int t = base + u * STRIDE + token_in_iter;
+      const int t = base + u * STEP + token_in_iter;
       valid[u] = t < end;
       if (valid[u]) {
-        const size_t slot = (size_t)table[t / BS] * BS + (t % BS);
+        const size_t slot = BLOCKWISE ? block_base + (t - base) : (size_t)table[t / BS] * BS + (t % BS);
         const size_t off = (slot * KVH + kvh) * D + sub * VEC;
         kraw[u] = *reinterpret_cast<const uint4*>(k_pool + off);
         vraw[u] = *reinterpret_cast<const uint4*>(v_pool + off);

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from mlx_serve.kernels.paged_attention import (
     batched_decode_attention,
+    blockwise_fits,
     kernel_supports,
     paged_decode_attention,
     partition_size,
@@ -83,6 +86,12 @@ def test_batched_ignores_padding_blocks() -> None:
             np.testing.assert_allclose(out[lane], ref[lane], rtol=1e-4, atol=1e-5)
 
 
+def test_blockwise_fits() -> None:
+    assert blockwise_fits(128, 2, 16, 64)  # bf16 head of 128: 2 tokens an iteration, chunks of 16
+    assert not blockwise_fits(128, 2, 24, 64)
+    assert blockwise_fits(128, 4, 16, 64)  # fp32: 1 token an iteration, chunks of 8
+
+
 def test_partition_size_splits_until_the_grid_fills() -> None:
     assert partition_size(lanes=64, kv_heads=8, max_len=4096) == 256
     assert partition_size(lanes=1, kv_heads=8, max_len=1024) == 64
@@ -120,28 +129,33 @@ GPU_CASES = CASES + [
     ([3000, 1, 700, 2049], 4, 8, 128, 16),  # 30B-A3B's group of 8, ragged and split
     ([5000], 8, 2, 128, 16),  # one long lane: many partitions
     ([1, 2, 3], 8, 4, 128, 16),
+    ([40, 77], 2, 2, 128, 24),  # a block size the blockwise order cannot tile: falls back
+    ([130, 64], 2, 4, 64, 32),
 ]
 
 
 @on_cuda
+@pytest.mark.parametrize("blockwise", [False, True])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("case", GPU_CASES)
-def test_kernel_matches_reference(case, dtype) -> None:
+def test_kernel_matches_reference(case, dtype, blockwise) -> None:
     lengths, kv_heads, group, head_dim, block_size = case
     seed = int(np.random.default_rng().integers(1 << 30))  # fresh inputs on every run
     problem = random_decode_problem(lengths, kv_heads, group, head_dim, block_size, dtype=dtype, seed=seed)
-    out = run(paged_decode_attention, problem)
+    out = run(functools.partial(paged_decode_attention, blockwise=blockwise), problem)
     assert out.shape == problem.queries.shape and out.dtype == dtype
     error = relative_error(out, reference_fp32(problem))
     assert error < BOUNDS[dtype], f"seed {seed}: relative error {error:.2e}"
 
 
 @on_cuda
-def test_kernel_sharp_softmax_and_repeatable() -> None:
+@pytest.mark.parametrize("blockwise", [False, True])
+def test_kernel_sharp_softmax_and_repeatable(blockwise) -> None:
     problem = random_decode_problem([900, 40, 2], 8, 4, 128, 16, dtype=mx.bfloat16, seed=11, sharpness=30.0)
-    first = run(paged_decode_attention, problem)
+    kernel = functools.partial(paged_decode_attention, blockwise=blockwise)
+    first = run(kernel, problem)
     assert relative_error(first, reference_fp32(problem)) < BOUNDS[mx.bfloat16]
-    again = run(paged_decode_attention, problem)
+    again = run(kernel, problem)
     assert mx.array_equal(first, again).item(), "results differ between runs: a race"
 
 
