@@ -23,7 +23,9 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     decode_debt: bool = True
     decode_attention: str = "reference"  # "auto" | "reference" | "kernel": attention of single-row lanes
-    ane_lane: str = "off"  # "off" | "cpu" (MLX CPU stand-in) | "ane" (Core ML, macOS only)
+    ane_lane: str = "off"  # "off" | "cpu" (labelled MLX CPU stand-in) | "ane" (Core ML, macOS only)
+    ane_package: str | None = None  # the `ane build` package that "ane" runs
+    ane_timeout_s: float = 30.0  # a chunk slower than this reruns on the GPU
     trace: Any = None  # a tracing sink; None = the null sink
     observer: Any = None  # metrics hooks (see mlx_serve.engine.EngineObserver)
     progress: bool = False  # show a progress bar while the model loads

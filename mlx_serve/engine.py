@@ -70,7 +70,13 @@ class Engine:
         self.trace = config.trace if config.trace is not None else sink_from_env()  # $MLX_SERVE_TRACE
         self.observer = config.observer or NullObserver()
         self.pool = KVPool(loaded.layout, num_blocks, config.block_size)
-        self.runner = ModelRunner(loaded.model, self.pool, _decode_attention(config.decode_attention))
+        self.runner = ModelRunner(
+            loaded.model,
+            self.pool,
+            _decode_attention(config.decode_attention),
+            prefill_lane=_prefill_lane(config, loaded, self.trace),
+            lane_timeout_s=config.ane_timeout_s,
+        )
         self.scheduler = Scheduler(self._scheduler_config(num_blocks), trace=self.trace)
         self._eos_ids = frozenset(self.tokenizer.eos_token_ids)
         self._lock = threading.Lock()  # guards scheduler state read by status()/stats() from other threads
@@ -405,6 +411,8 @@ class Engine:
             trace.emit(Span(name, t1, t1 + output.phase_ms[name] / 1e3, plan.step_id))
             t1 += output.phase_ms[name] / 1e3
         trace.emit(Span("application", t2, now, plan.step_id))
+        for span in output.lane_spans:
+            trace.emit(span)
         prefill = [lane for lane in plan.lanes if lane.kind.value == "prefill"]
         rows = sum(lane.rows for lane in prefill)
         paths = {lane.path.value for lane in prefill} or {"gpu"}
@@ -431,6 +439,26 @@ def _decode_attention(kind: str) -> Any:
     from mlx_serve.kernels.paged_attention import select_decode_attention
 
     return select_decode_attention(kind)
+
+
+def _prefill_lane(config: EngineConfig, loaded: Any, trace: Any) -> Any:
+    """The ANE lane for `--ane-lane`: None when off; the CPU stand-in; or Core ML (macOS) over a built package."""
+    if config.ane_lane == "off":
+        return None
+    from mlx_serve.ane.lane import make_lane
+
+    clock = trace.now if trace.enabled else time.perf_counter
+    if config.ane_lane == "cpu":
+        return make_lane("cpu", loaded.model, clock=clock)
+    if config.ane_lane != "ane":
+        raise InvalidRequest(f"--ane-lane must be off, cpu or ane, not {config.ane_lane!r}", param="ane_lane")
+    if config.ane_package is None:
+        raise InvalidRequest(
+            "--ane-lane ane needs a Core ML package: build one with `python -m mlx_serve ane build --model DIR "
+            "--out PKG` and pass --ane-package PKG",
+            param="ane_package",
+        )
+    return make_lane("coreml", loaded.model, package=config.ane_package, clock=clock)
 
 
 def _request_status(r: Request) -> dict:

@@ -7,12 +7,14 @@ own parameters, and reports the tokens and the step's wall time.
 
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import mlx.core as mx
 
+from mlx_serve import ane_chunks
 from mlx_serve.kv_pool import KVPool, slots_for
 from mlx_serve.ragged import (
     DecodeAttention,
@@ -25,8 +27,10 @@ from mlx_serve.ragged import (
 )
 from mlx_serve.sampling import RequestSampler, sample_rows, top_logprobs
 from mlx_serve.types import SamplingParams, TokenLogprob
-from scheduler import StepOutcome, StepPlan
+from scheduler import Lane, StepOutcome, StepPlan
 from scheduler.plan import PENDING_TOKEN
+
+log = logging.getLogger("mlx_serve.runner")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +45,7 @@ class RunnerOutput:
     outcome: StepOutcome
     samples: dict[str, SampledToken]
     phase_ms: dict[str, float] = field(default_factory=dict)  # preparation, submission, consumption
+    lane_spans: list = field(default_factory=list)  # ANE chunk spans (host submit-to-ready intervals)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +59,7 @@ class InFlightStep:
     row_of: dict[str, int]  # request id -> its row in `sampled.tokens`
     started: float
     phases: dict[str, float]
+    ane: tuple = ()  # ane_chunks.AneChunk submitted with this step
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,10 +71,19 @@ class _PreparedStep:
 
 
 class ModelRunner:
-    def __init__(self, model: Any, pool: KVPool, decode_attention: DecodeAttention | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        pool: KVPool,
+        decode_attention: DecodeAttention | None = None,
+        prefill_lane: Any = None,
+        lane_timeout_s: float = 30.0,
+    ) -> None:
         self.model = model
         self.pool = pool
         self.decode_attention = decode_attention or reference_decode_attention
+        self.prefill_lane = prefill_lane  # the ANE lane (or its CPU stand-in); None when off
+        self.lane_timeout_s = lane_timeout_s
         self.samplers: dict[str, RequestSampler] = {}
         install_ragged_attention(model)
         self._tied = bool(getattr(getattr(model, "args", None), "tie_word_embeddings", False))
@@ -93,35 +108,59 @@ class ModelRunner:
         this step can be queued while the previous one still runs (one step in flight).
         """
         t0 = time.perf_counter()
-        prepared = self._prepare(plan, previous)
+        gpu_lanes, ane_lanes = ane_chunks.split_lanes(plan.lanes, self.prefill_lane)
+        chunks = ane_chunks.submit(self.prefill_lane, ane_lanes, self.pool) if ane_lanes else []
+        prepared = self._prepare(gpu_lanes, previous)
         t1 = time.perf_counter()
-        hidden = self._forward(prepared)
         samplers = [self.samplers[rid] for rid in prepared.sample_ids]
-        if samplers:
+        if not gpu_lanes:  # every lane of the step is on the ANE lane
+            sampled = None
+        elif samplers:
+            hidden = self._forward(prepared)
             sampled = sample_rows(self._logits(hidden[prepared.sample_rows]), samplers)
             mx.async_eval(sampled.tokens, self.pool.state())
         else:  # a prefill-only step: only the KV writes are needed (MLX skips the unused last MLP)
+            self._forward(prepared)
             sampled = None
             mx.async_eval(self.pool.state())
         t2 = time.perf_counter()
         phases = {"preparation": (t1 - t0) * 1e3, "submission": (t2 - t1) * 1e3}
         rows = {rid: i for i, rid in enumerate(prepared.sample_ids)}
-        return InFlightStep(plan, prepared.sample_ids, samplers, sampled, rows, t0, phases)
+        return InFlightStep(plan, prepared.sample_ids, samplers, sampled, rows, t0, phases, tuple(chunks))
 
     def collect(self, step: InFlightStep) -> RunnerOutput:
         """Wait for a submitted step and read its tokens back."""
         t2 = time.perf_counter()
         samples = self._read_samples(step.sample_ids, step.samplers, step.sampled)
+        spans = self._collect_ane(step, samples) if step.ane else []
         mx.eval(self.pool.state())
         t3 = time.perf_counter()
         elapsed_ms = (t3 - step.started) * 1e3
-        outcome = StepOutcome({rid: s.token_id for rid, s in samples.items()}, elapsed_ms)
-        return RunnerOutput(outcome, samples, {**step.phases, "consumption": (t3 - t2) * 1e3})
+        ane_ms = max((span.end - span.start) * 1e3 for span in spans) if spans else None
+        outcome = StepOutcome({rid: s.token_id for rid, s in samples.items()}, elapsed_ms, ane_elapsed_ms=ane_ms)
+        return RunnerOutput(outcome, samples, {**step.phases, "consumption": (t3 - t2) * 1e3}, spans)
 
-    def _prepare(self, plan: StepPlan, previous: InFlightStep | None) -> _PreparedStep:
+    def _collect_ane(self, step: InFlightStep, samples: dict[str, SampledToken]) -> list:
+        """Finish the step's ANE chunks; a chunk the lane failed reruns here on the GPU path."""
+        spans = []
+        for chunk in step.ane:
+            result = ane_chunks.collect(self.prefill_lane, chunk, self.pool, self.lane_timeout_s, step.plan.step_id)
+            if result.error is not None:
+                log.warning("ANE lane failed on %s (%s): rerunning the chunk on the GPU", chunk.lane.request_id, result.error)
+                retry = replace(step.plan, lanes=(ane_chunks.on_gpu(chunk.lane),))
+                samples.update(self.collect(self.submit(retry)).samples)
+                continue
+            spans.append(result.span)
+            if result.logits is not None:
+                sampler = self.samplers[chunk.lane.request_id]
+                sampled = sample_rows(result.logits, [sampler])
+                samples.update(self._read_samples((chunk.lane.request_id,), [sampler], sampled))
+        return spans
+
+    def _prepare(self, plan_lanes: list[Lane], previous: InFlightStep | None) -> _PreparedStep:
         block_size = self.pool.block_size
         # single-row lanes first: their attention is one batched call (see ragged.DecodeRows)
-        ordered = sorted(plan.lanes, key=lambda lane: lane.rows != 1)
+        ordered = sorted(plan_lanes, key=lambda lane: lane.rows != 1)
         tokens: list[int] = []
         positions: list[int] = []
         write_slots: list[int] = []
