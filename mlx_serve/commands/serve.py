@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 HELP = "Serve a model over an OpenAI- and Anthropic-compatible HTTP API."
@@ -137,12 +139,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def stop_engine(engine: Any, timeout_s: float) -> None:
-    """Shut the engine down and wait for MLX's own stream threads to go idle.
+    """Shut the engine down, then wait until its OS thread is really gone.
 
-    Without the final synchronize, the process can abort at exit ("terminate called without an active
-    exception") when it ends right after the engine thread's last step; this belongs in Engine.shutdown.
+    Workaround: `Thread.join` returns before the thread's C++ thread-locals are destroyed; MLX's compile
+    cache is one of them and takes the GIL in its destructor, which aborts the process ("terminate called
+    without an active exception") if the interpreter is finalizing by then. Belongs in Engine.shutdown.
     """
     engine.shutdown(timeout_s=timeout_s)
-    import mlx.core as mx
-
-    mx.synchronize()
+    thread = getattr(engine, "_thread", None)
+    task = Path(f"/proc/self/task/{getattr(thread, 'native_id', None)}")
+    deadline = time.monotonic() + 2.0
+    while thread is not None and task.exists() and time.monotonic() < deadline:  # Linux only; elsewhere no-op
+        time.sleep(0.005)

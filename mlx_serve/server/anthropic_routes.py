@@ -14,7 +14,7 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from mlx_serve.errors import InvalidRequest
 from mlx_serve.server.openai_format import ChoiceState, GenerationFailed
@@ -26,7 +26,7 @@ from mlx_serve.server.protocol import (
     parse_json_object,
     read_bool,
 )
-from mlx_serve.server.streaming import collect_events, guard_stream, merge_events, sse, submit_all
+from mlx_serve.server.streaming import EventStreamResponse, collect_events, merge_events, sse, submit_all
 from mlx_serve.server.tools import make_splitter, normalize_messages, render_chat, validate_tools
 
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "cancelled": "end_turn"}
@@ -109,7 +109,7 @@ async def messages(request: Request) -> Response:
     choice = ChoiceState(0, engine.tokenizer, False, make_splitter(engine.tokenizer, job.tools), job.tools)
     if job.stream:
         chunks = _message_stream(handles, choice, job, message_id, model.model_id)
-        return StreamingResponse(guard_stream(handles, chunks), media_type="text/event-stream")
+        return EventStreamResponse(chunks, handles)
     (events,) = await collect_events(handles, request)
     for event in events:
         choice.add(event)
@@ -130,12 +130,12 @@ def _tool_use_block(call: dict[str, Any]) -> dict[str, Any]:
             "input": json.loads(call["function"]["arguments"] or "{}")}
 
 
-def _stop_fields(choice: ChoiceState, job: Job, token_ids: list[Any], tokenizer: Any) -> dict[str, Any]:
+def _stop_fields(choice: ChoiceState, job: Job, events: list[Any], tokenizer: Any) -> dict[str, Any]:
     """stop_reason, and which stop sequence ended the text (found again in the decoded output tokens)."""
     reason = STOP_REASONS.get(choice.finish_reason or "", "end_turn")
     stops = job.requests[0].stop
     if reason == "end_turn" and stops:
-        full = tokenizer.decode([e.token_id for e in token_ids if e.token_id is not None])
+        full = tokenizer.decode([e.token_id for e in events if e.token_id is not None])
         found = sorted((full.find(s, len(choice.text)), s) for s in stops if full.find(s, len(choice.text)) >= 0)
         if found:
             return {"stop_reason": "stop_sequence", "stop_sequence": found[0][1]}

@@ -10,7 +10,7 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from mlx_serve.errors import InvalidRequest
 from mlx_serve.server import openai_format as fmt
@@ -26,7 +26,7 @@ from mlx_serve.server.protocol import (
     read_prompt_ids,
     read_stream_options,
 )
-from mlx_serve.server.streaming import collect_events, guard_stream, merge_events, sse, submit_all
+from mlx_serve.server.streaming import EventStreamResponse, collect_events, merge_events, sse, submit_all
 from mlx_serve.server.tools import make_splitter, normalize_messages, render_chat, validate_tools
 
 
@@ -87,7 +87,7 @@ async def _serve(request: Request, parse: Callable[..., Job], prefix: str, strea
     created = int(time.time())
     if job.stream:
         chunks = stream(job, handles, engine.tokenizer, job_id, model.model_id, created)
-        return StreamingResponse(guard_stream(handles, chunks), media_type="text/event-stream")
+        return EventStreamResponse(chunks, handles)
     choices = _choices(job, engine.tokenizer)
     for index, events in enumerate(await collect_events(handles, request)):
         for event in events:

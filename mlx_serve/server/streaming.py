@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from mlx_serve.types import GenerationRequest, TokenEvent
 
@@ -90,17 +92,23 @@ async def merge_events(handles: Sequence[Handle]) -> AsyncIterator[tuple[int, To
             task.cancel()
 
 
-async def guard_stream(handles: Sequence[Handle], chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """Pass chunks through; however the stream ends (done, disconnect, error) cancel what is still running."""
-    finished = False
-    try:
-        async for chunk in chunks:
-            yield chunk
-        finished = True
-    finally:
-        if not finished:
-            log.info("stream ended early (client disconnected?): cancelling %d request(s)", len(handles))
-        cancel_all(handles)
+class EventStreamResponse(StreamingResponse):
+    """An SSE response that cancels its engine requests however it ends: finished, client gone (even before
+    the first chunk), or failed. Cancelling a finished request does nothing."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, chunks: AsyncIterator[bytes], handles: Sequence[Handle]) -> None:
+        super().__init__(chunks, headers={"Cache-Control": "no-cache"})
+        self.handles = handles
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if any(not getattr(h, "done", False) for h in self.handles):
+                log.info("stream ended early (client disconnected?): cancelling %d request(s)", len(self.handles))
+            cancel_all(self.handles)
 
 
 async def collect_events(handles: Sequence[Handle], request: Request) -> list[list[TokenEvent]]:
@@ -122,7 +130,9 @@ async def collect_events(handles: Sequence[Handle], request: Request) -> list[li
             cancel_all(handles)
     if not gathering.done() or gathering.cancelled():
         raise ClientDisconnected()
-    gathering.result()
+    if gathering.exception() is not None:
+        cancel_all(handles)  # one choice's stream failed: the others must not run on unobserved
+        raise gathering.exception()
     return events
 
 

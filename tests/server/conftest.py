@@ -50,6 +50,7 @@ class Served:
 @pytest.fixture(scope="module")
 def served(request: pytest.FixtureRequest, tiny_qwen3: Path) -> Iterator[Served]:
     """One server per test module; a module may set ENGINE_CONFIG (EngineConfig overrides)."""
+    from mlx_serve.commands.serve import stop_engine
     from mlx_serve.engine import Engine, EngineConfig
     from mlx_serve.server.http import BackgroundServer
 
@@ -61,4 +62,4 @@ def served(request: pytest.FixtureRequest, tiny_qwen3: Path) -> Iterator[Served]
         yield Served(server.url, engine, metrics, tiny_qwen3)
     finally:
         server.close()
-        engine.shutdown(timeout_s=2.0)
+        stop_engine(engine, timeout_s=2.0)
