@@ -19,8 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     http.add_argument("--port", type=int, default=8080, help="port to listen on (default: %(default)s)")
     http.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
-                      help="extra name clients may use in the `model` field (repeatable); the model path and "
-                           "its folder name are always accepted")
+                      help="extra name clients may use in the `model` field (repeatable); the model id, "
+                           "its folder name and \"default\" are always accepted")
     http.add_argument("--drain-timeout", type=float, default=10.0, metavar="SECONDS",
                       help="on Ctrl-C/SIGTERM, stop accepting and let open requests finish for this long, then "
                            "cancel the rest (default: %(default)s)")

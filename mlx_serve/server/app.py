@@ -29,8 +29,8 @@ log = logging.getLogger("mlx_serve.server")
 
 
 def model_info(engine: Any, aliases: Iterable[str] = ()) -> ModelInfo:
-    """The served model's names: its id, the checkpoint folder's name, and any aliases given."""
-    names = {Path(engine.model_id).name, *aliases}
+    """The served model's names: its id, the checkpoint folder's name, "default", and any aliases given."""
+    names = {Path(engine.model_id).name, "default", *aliases}
     kv = engine.status()["kv"]
     return ModelInfo(engine.model_id, frozenset(names), engine.context_length, engine.vocab_size,
                      kv_capacity=kv["blocks_total"] * kv["block_size"])

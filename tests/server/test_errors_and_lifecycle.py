@@ -171,6 +171,12 @@ def test_metrics_parse_with_prometheus_client(http):
     assert 0.0 <= families["mlx_serve_prefix_hit_rate"].samples[0].value <= 1.0
 
 
+@pytest.mark.parametrize("name", ["default", "qwen3", None])
+def test_the_model_may_be_named_by_alias_or_left_out(http, served, name):
+    body = {k: v for k, v in _chat(model=name).items() if v is not None}
+    assert http.post(CHAT, json=body).status_code == 200
+
+
 def test_health_models_and_status(http, served):
     assert http.get("/health").json()["status"] == "ok"
     models = http.get("/v1/models").json()
