@@ -46,15 +46,10 @@ class ChoiceState:
     def add(self, event: TokenEvent) -> Delta:
         if event.finish_reason == "error":
             raise GenerationFailed(f"generation failed: {event.error or 'unknown engine error'}")
-        text, call_texts = event.text, []
-        if self.splitter is not None:
-            text, call_texts = self.splitter.feed(event.text)
-            if event.finish_reason is not None:
-                tail, last_calls = self.splitter.finish()
-                text, call_texts = text + tail, call_texts + last_calls
+        text, call_texts = self._split(event)
         calls = parse_tool_calls(self.tokenizer, call_texts, self.tools, len(self.tool_calls))
-        entries = [logprob_entry(self.tokenizer, event)] if self.want_logprobs and event.token_id is not None \
-            and event.logprob is not None else []
+        wants_entry = self.want_logprobs and event.token_id is not None and event.logprob is not None
+        entries = [logprob_entry(self.tokenizer, event)] if wants_entry else []
         self.text += text
         self.tool_calls += calls
         self.logprobs += entries
@@ -62,6 +57,16 @@ class ChoiceState:
             self.finish_reason = _finish_reason(event.finish_reason, bool(self.tool_calls))
             self.usage = event.usage
         return Delta(text, calls, entries)
+
+    def _split(self, event: TokenEvent) -> tuple[str, list[str]]:
+        """Visible text and finished tool-call texts (everything is text when no tools were offered)."""
+        if self.splitter is None:
+            return event.text, []
+        text, call_texts = self.splitter.feed(event.text)
+        if event.finish_reason is not None:
+            tail, last_calls = self.splitter.finish()
+            text, call_texts = text + tail, call_texts + last_calls
+        return text, call_texts
 
 
 def _finish_reason(engine_reason: str, made_tool_calls: bool) -> str:
