@@ -30,7 +30,7 @@ from pathlib import Path
 from benchmarks.harness import fingerprints
 from benchmarks.harness.drive import Target
 from benchmarks.harness.prompts import PromptBuilder, load_encoder, vocabulary_words
-from benchmarks.harness.results import SlotRecord, markdown, summary, verdicts
+from benchmarks.harness.results import SlotRecord, markdown, slots_from_json, summary, verdicts
 from benchmarks.harness.servers import ArmSpec, ServerProcess, parse_arm
 from benchmarks.harness.slots import Plan, run_slot, write_json
 from benchmarks.harness.workload import ContendedWorkload, PrefixReuseWorkload
@@ -45,7 +45,8 @@ SMOKE = dict(streams=2, stream_prompt=64, stream_tokens=24, long_prompt=1024, lo
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.serving_regression", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--model", help="model directory (both arms load it; the harness reads its tokenizer)")
+    p.add_argument("--model", help="model directory (both arms load it; the harness reads its tokenizer); "
+                   "default: the built-in tiny dummy model")
     p.add_argument("--a", default="peer", help="baseline arm: 'ours' or 'peer' [flags] (default: %(default)s)")
     p.add_argument("--b", default="ours", help="candidate arm (default: %(default)s)")
     p.add_argument("--a-label"), p.add_argument("--b-label")
@@ -73,6 +74,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "timeline of the first one (out/timeline.png)")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds a server may take to become healthy")
     p.add_argument("--smoke", action="store_true", help="tiny dummy model, small workload, one round (CI)")
+    p.add_argument("--render", type=Path, metavar="RESULT_JSON",
+                   help="recompute verdicts and the markdown of a saved run (no servers are started)")
     args = p.parse_args(argv)
     if args.smoke:
         for name, value in SMOKE.items():
@@ -84,8 +87,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def resolve_model(args: argparse.Namespace) -> str:
     if args.model:
         return str(Path(args.model).expanduser().resolve()) if Path(args.model).expanduser().exists() else args.model
-    if not args.smoke:
-        raise SystemExit("error: --model is required (or --smoke for the built-in tiny model)")
     from mlx_serve.checkpoints import default_model_path
 
     return str(default_model_path())
@@ -180,8 +181,22 @@ def draw_first_timeline(slots: list[SlotRecord], out: Path) -> dict | None:
     return {"trace": traced.trace, "report_exit": code, "png": str(out / "timeline.png") if code == 0 else None}
 
 
+def render_saved(path: Path) -> int:
+    saved = json.loads(path.read_text())
+    slots = slots_from_json(saved.pop("slots"))
+    meta = {k: v for k, v in saved.items() if k not in ("valid", "rejections", "verdicts", "outputs", "timeline")}
+    report = summary(slots, verdicts(slots), meta) | {"timeline": saved.get("timeline")}
+    write_json(path, report)
+    table = markdown(report)
+    path.with_suffix(".md").write_text(table + "\n")
+    print(table)
+    return 0 if report["valid"] else 3
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.render:
+        return render_saved(args.render)
     started = time.time()
     model = resolve_model(args)
     out = args.out or REPO / "benchmarks" / "out" / f"serving-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"

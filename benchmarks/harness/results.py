@@ -27,6 +27,14 @@ class SlotRecord:
         return [c for c in self.checks if c.rejects and not c.passed]
 
 
+def slots_from_json(records: list[dict]) -> list[SlotRecord]:
+    slots = []
+    for record in records:
+        checks = [Check(**c) for c in record.get("checks", [])]
+        slots.append(SlotRecord(**{**record, "checks": checks}))
+    return slots
+
+
 def arm_pairs(slots: list[SlotRecord], arm: str, metric: str) -> list[tuple[float, float]]:
     """Each round's two measurements of one arm (ABBA: A at 0 and 3, B at 1 and 2)."""
     by_round: dict[int, list[float]] = defaultdict(list)
@@ -64,11 +72,12 @@ def fmt(value: float, digits: int = 1) -> str:
 
 
 def markdown_table(found: list[Verdict], labels: dict[str, str]) -> str:
-    lines = [f"| metric | A: {labels['A']} | B: {labels['B']} | B vs A | noise | gate | verdict |",
-             "|---|---:|---:|---:|---:|---:|---|"]
+    lines = [f"| metric | A: {labels['A']} | B: {labels['B']} | B vs A | B lower in | noise | gate | verdict |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
     for v in found:
         lines.append(f"| {METRICS[v.metric]} (`{v.metric}`) | {fmt(v.baseline)} | {fmt(v.candidate)} | "
-                     f"{fmt(100 * v.delta, 1)}% | {fmt(100 * v.noise, 1)}% | {fmt(100 * v.gate, 1)}% | {v.verdict} |")
+                     f"{fmt(100 * v.delta, 1)}% | {v.rounds_lower}/{v.rounds} rounds | {fmt(100 * v.noise, 1)}% | "
+                     f"{fmt(100 * v.gate, 1)}% | {v.verdict} |")
     return "\n".join(lines)
 
 
@@ -100,5 +109,6 @@ def markdown(report: dict) -> str:
         markdown_table(found, labels),
         "",
         "Lower is better for every metric. Gate = max(2%, 2x noise); noise (mean spread of an arm's two runs per "
-        "round) above 5% is inconclusive.",
+        "round) above 5% is inconclusive. 'B lower in' counts rounds where B's mean was below A's, for direction "
+        "only: it does not override the gate.",
     ])

@@ -71,6 +71,8 @@ class Verdict:
     noise: float
     gate: float
     verdict: str  # better | worse | same | inconclusive
+    rounds_lower: int = 0  # rounds in which B's mean was below A's (direction, whatever the gate says)
+    rounds: int = 0
 
 
 def verdict(metric: str, a_pairs: list[tuple[float, float]], b_pairs: list[tuple[float, float]]) -> Verdict:
@@ -88,4 +90,5 @@ def verdict(metric: str, a_pairs: list[tuple[float, float]], b_pairs: list[tuple
         outcome = "worse"
     else:
         outcome = "same"
-    return Verdict(metric, a_mean, b_mean, delta, noise, gate, outcome)
+    lower = sum(1 for a, b in zip(a_pairs, b_pairs, strict=False) if sum(b) < sum(a))
+    return Verdict(metric, a_mean, b_mean, delta, noise, gate, outcome, lower, min(len(a_pairs), len(b_pairs)))

@@ -252,3 +252,18 @@ def test_smoke_runs_the_whole_harness_against_real_servers(tiny_qwen3, tmp_path)
     assert report["timeline"]["report_exit"] == 0
     assert (out / "timeline.png").read_bytes()[:4] == b"\x89PNG"
     assert "| metric |" in (out / "result.md").read_text()
+
+
+def test_a_saved_run_can_be_regated_without_servers(tmp_path, capsys):
+    from benchmarks.serving_regression import main as harness_main
+
+    slots = [SlotRecord(r, pos, arm, arm, f"r{r}p{pos // 2}", {"ms_per_output_token": 10.0 if arm == "A" else 8.0})
+             for r in range(2) for pos, arm in enumerate("ABBA")]
+    meta = {"arms": [{"arm": "A", "label": "peer"}, {"arm": "B", "label": "ours"}], "rounds": 2,
+            "residency": "sequential"}
+    saved = tmp_path / "result.json"
+    saved.write_text(json.dumps(summary(slots, [], meta), default=str))  # saved before any verdicts
+    assert harness_main(["--render", str(saved)]) == 0
+    (regated,) = json.loads(saved.read_text())["verdicts"]
+    assert (regated["verdict"], regated["rounds_lower"], regated["rounds"]) == ("better", 2, 2)
+    assert "2/2 rounds" in (tmp_path / "result.md").read_text()
