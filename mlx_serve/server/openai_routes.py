@@ -56,7 +56,7 @@ def parse_completion(body: dict[str, Any], tokenizer: Any, model: ModelInfo) -> 
     prompt = read_prompt_ids(body["prompt"], tokenizer, model.vocab_size)
     top = read_int(body, "logprobs", low=0, high=20)
     requests = build_requests(body, prompt, model, logprobs=top, max_token_fields=("max_tokens",),
-                              n=read_int(body, "n", 1, low=1, high=MAX_CHOICES))
+                              n=read_int(body, "n", 1, low=1, high=MAX_CHOICES), prompt_param="prompt")
     return Job(requests, stream, read_stream_options(body, stream), top is not None)
 
 

@@ -17,7 +17,6 @@ from mlx_serve.types import GenerationRequest, SamplingParams
 
 MAX_CHOICES = 16
 MAX_STOP_STRINGS = 16
-_MISSING = object()
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,13 +141,14 @@ def read_sampling(body: Mapping[str, Any], logprobs: int | None) -> SamplingPara
     )
 
 
-def read_max_tokens(body: Mapping[str, Any], prompt_len: int, model: ModelInfo, *names: str) -> int:
+def read_max_tokens(body: Mapping[str, Any], prompt_len: int, model: ModelInfo, names: tuple[str, ...],
+                    prompt_param: str = "messages") -> int:
     """The caller's output limit, or whatever room the context (and KV pool) leaves after the prompt."""
     limit = min(model.context_length, model.kv_capacity)
     if prompt_len >= limit:
         raise ContextLengthExceeded(
             f"This model's maximum context length is {limit} tokens, but the prompt has {prompt_len} tokens",
-            param="messages")
+            param=prompt_param)
     for name in names:
         value = read_int(body, name, low=1)
         if value is not None:
@@ -158,15 +158,15 @@ def read_max_tokens(body: Mapping[str, Any], prompt_len: int, model: ModelInfo, 
 
 def build_requests(body: Mapping[str, Any], prompt_ids: list[int], model: ModelInfo, *,
                    logprobs: int | None, max_token_fields: tuple[str, ...], stop_field: str = "stop",
-                   n: int = 1) -> tuple[GenerationRequest, ...]:
+                   n: int = 1, prompt_param: str = "messages") -> tuple[GenerationRequest, ...]:
     """One `GenerationRequest` per choice; a given seed becomes seed + i for choice i."""
     if not prompt_ids:
-        raise InvalidRequest("The prompt is empty", param="prompt")
+        raise InvalidRequest("The prompt is empty", param=prompt_param)
     sampling = read_sampling(body, logprobs)
     sampling.validate(model.vocab_size)
     base = GenerationRequest(
         prompt_ids=tuple(prompt_ids),
-        max_tokens=read_max_tokens(body, len(prompt_ids), model, *max_token_fields),
+        max_tokens=read_max_tokens(body, len(prompt_ids), model, max_token_fields, prompt_param),
         sampling=sampling,
         stop=read_stop(body, stop_field),
         stop_token_ids=tuple(_read_token_ids(body, "stop_token_ids", model.vocab_size)),
@@ -180,8 +180,8 @@ def build_requests(body: Mapping[str, Any], prompt_ids: list[int], model: ModelI
 
 
 def _read_token_ids(body: Mapping[str, Any], name: str, vocab_size: int) -> list[int]:
-    value = body.get(name, _MISSING)
-    if value is _MISSING or value is None:
+    value = body.get(name)
+    if value is None:
         return []
     if not isinstance(value, list) or not all(_is_token_id(t, vocab_size) for t in value):
         raise _type_error(name, f"a list of token ids in [0, {vocab_size})", value)

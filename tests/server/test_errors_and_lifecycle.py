@@ -45,7 +45,7 @@ BAD_OPENAI = [
     pytest.param(CHAT, _chat(stop=[""]), 400, "stop", id="empty-stop-string"),
     pytest.param(CHAT, _chat(model="no-such-model"), 404, "model", id="unknown-model"),
     pytest.param(CHAT, _chat(max_tokens=5000), 400, "max_tokens", id="max_tokens-past-context"),
-    pytest.param("/v1/completions", {"model": "qwen3", "prompt": [5] * 5000, "max_tokens": 2}, 400, "messages",
+    pytest.param("/v1/completions", {"model": "qwen3", "prompt": [5] * 5000, "max_tokens": 2}, 400, "prompt",
                  id="prompt-longer-than-context"),
     pytest.param("/v1/completions", {"model": "qwen3", "prompt": {"a": 1}}, 400, "prompt", id="prompt-wrong-type"),
 ]
