@@ -193,3 +193,18 @@ def test_a_non_streaming_client_that_gives_up_cancels_its_request(http, served):
     assert _wait_until(lambda: http.get("/v1/status").json()["requests"] == [])
     assert http.get("/v1/status").json()["kv"]["blocks_used"] == 0
     assert _metric(http, "mlx_serve_requests_finished_total", {"reason": "cancelled"}) == cancelled_before + 1
+
+
+def test_status_shows_a_long_prefill_running_beside_a_decoding_stream(http, served):
+    before = http.get("/v1/status").json()["counters"]["contended_prefill_rows"]
+    stream = _open_stream(http)
+    try:
+        lines = stream.iter_lines()
+        assert next(line for line in lines if '"content": "' in line and '"content": ""' not in line)
+        long_prompt = [7 + i % 500 for i in range(1500)]
+        reply = http.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 1, "temperature": 0})
+        assert reply.status_code == 200
+    finally:
+        stream.close()
+    after = http.get("/v1/status").json()["counters"]["contended_prefill_rows"]
+    assert after - before >= 1500 - 16  # all its rows ran in steps that also decoded the stream
