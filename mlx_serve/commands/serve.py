@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     engine = load_engine(args, observer=metrics)
     app = create_app(engine, metrics, aliases=args.served_model_name)
     log = logging.getLogger("mlx_serve.server")
-    log.info("listening on http://%s:%d (model %s)", args.host, args.port, engine.model_id)
+    log.info("model %s loaded; serving on http://%s:%d", engine.model_id, args.host, args.port)
     host = f"[{args.host}]" if ":" in args.host else args.host  # IPv6 literals need brackets
     try:
         serve_until_signalled(app, hypercorn_config(f"{host}:{args.port}", args.drain_timeout, args.access_log))
