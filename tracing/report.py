@@ -13,6 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from tracing import analysis
+from tracing import events as ev
 from tracing.jsonl import CaptureError, load
 
 
@@ -32,12 +33,30 @@ def build_report(events: list[object]) -> dict:
         })
     return {
         "requests": requests,
+        "steps": step_rows(events),
         "committed_tokens": sum(len(line.token_times) for line in timelines.values()),
         "step_time_by_geometry": [asdict(g) for g in analysis.step_time_by_geometry(events)],
         "engine_gaps": {k: asdict(v) for k, v in analysis.engine_gaps(events, timelines).items()},
         "budget": asdict(analysis.budget_summary(events)),
         "spans": {k: asdict(v) for k, v in analysis.span_totals(events).items()},
     }
+
+
+def step_rows(events: list[object]) -> list[dict]:
+    """Every step as planned (budget, halvings, lanes after the cut) and as executed (rows, path, times)."""
+    planned = {e.step_id: e for e in events if isinstance(e, ev.StepPlanned)}
+    rows = []
+    for step in (e for e in events if isinstance(e, ev.StepExecuted)):
+        plan = planned.get(step.step_id)
+        rows.append({
+            "step_id": step.step_id, "end_s": step.t, "rows": step.rows, "prefill_rows": step.prefill_rows,
+            "decode_lanes": step.decode_lanes, "prefill_width": step.prefill_width,
+            "weighted_history": step.weighted_history, "path": step.path, "predicted_ms": step.predicted_ms,
+            "measured_ms": step.measured_ms, "row_budget": plan.row_budget if plan else None,
+            "budget_reason": plan.budget_reason if plan else None, "halvings": plan.halvings if plan else None,
+            "lanes": [asdict(lane) for lane in plan.lanes] if plan else [],
+        })
+    return rows
 
 
 def fmt(value: float | None, digits: int = 1) -> str:

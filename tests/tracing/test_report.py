@@ -59,6 +59,10 @@ def test_simulated_workload_report(sim_events):
     )
     paths = {g["path"] for g in report["step_time_by_geometry"]}
     assert {"gpu", "ane"} <= paths
+    steps = report["steps"]
+    assert len(steps) == sum(isinstance(e, ev.StepExecuted) for e in sim_events)
+    assert all(s["rows"] == s["prefill_rows"] + s["decode_lanes"] for s in steps)
+    assert all(sum(lane["rows"] for lane in s["lanes"]) == s["rows"] for s in steps)  # lanes after the cut
 
 
 def test_budget_halvings_are_counted():
