@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 import time
@@ -15,6 +16,7 @@ from mlx_serve.types import GenerationRequest
 from tracing.events import Span, StepExecuted
 from tracing.sink import MemorySink
 
+ROW_CEILING = 2048  # EngineConfig's default: most rows in one step
 HOST_PHASES = ("planning", "preparation", "submission", "consumption", "application")
 
 
@@ -80,11 +82,21 @@ class OurSide:
         return self.engine.generate(requests)
 
     def decode(self, prompts: Prompts, p: BenchParams, streams: int) -> dict:
+        """Prompts are admitted over several steps (2,048 rows each), so each stream generates that many more
+        tokens than `decode_tokens`: the window where all streams decode is as long as mlx-lm's."""
         self.sink.events.clear()
-        self._run(prompts.many(streams, p.decode_prompt), p.decode_tokens)
+        extra = math.ceil(streams * p.decode_prompt / ROW_CEILING) + 2
+        self._run(prompts.many(streams, p.decode_prompt), p.decode_tokens + extra)
         steps = [e for e in self.sink.events if isinstance(e, StepExecuted) and e.prefill_rows == 0]
         result = steady_rate([e.t for e in steps], [e.decode_lanes for e in steps], streams)
-        return {**result, "host_ms": self._phases({e.step_id for e in steps if e.decode_lanes == streams})}
+        full = [e for e in steps if e.decode_lanes == streams]
+        measured = sorted(e.measured_ms for e in full)
+        spread = (
+            {"p10": measured[len(measured) // 10], "p90": measured[9 * len(measured) // 10]}
+            if measured
+            else {}
+        )
+        return {**result, "runner_ms": spread, "host_ms": self._phases({e.step_id for e in full})}
 
     def _phases(self, step_ids: set[int]) -> dict:
         """Median ms per step of each engine phase over these steps (consumption is mostly waiting on the GPU)."""
@@ -95,7 +107,9 @@ class OurSide:
         return {name: statistics.median(v) for name, v in per.items() if v}
 
     def prefill(self, prompts: Prompts, length: int) -> dict:
+        """TTFT of one prompt alone; the second of two runs, as for mlx-lm."""
         self.recorder.reset()
+        self._run([prompts.one(length)], 1)
         self._run([prompts.one(length)], 1)
         ttft = self.recorder.first[-1]
         return {"ttft_s": ttft, "tok_s": length / ttft}
@@ -103,6 +117,7 @@ class OurSide:
     def contended(self, prompts: Prompts, p: BenchParams) -> dict:
         rec, n = self.recorder, p.contended_streams
         rec.reset()
+        self.sink.events.clear()
         capacity = self.engine.pool.num_blocks * self.engine.pool.block_size // (n + 2)
         budget = (
             min(2048, self.engine.context_length, capacity) - p.contended_prompt
@@ -124,7 +139,30 @@ class OurSide:
         for handle in [long, *streams]:
             list(handle)
         gaps = list(rec.gaps)
-        return {"long_ttft_s": rec.first[n], **gap_summary(gaps, gaps[:before])}
+        return {
+            "long_ttft_s": rec.first[n],
+            **gap_summary(gaps, gaps[:before]),
+            "steps": self._contended_steps(),
+        }
+
+    def _contended_steps(self) -> dict:
+        """What the scheduler did while the long prompt ran: prefill rows per step, measured against predicted."""
+        steps = [e for e in self.sink.events if isinstance(e, StepExecuted)]
+        mixed = [e for e in steps if e.prefill_rows and e.decode_lanes]
+        alone = [e for e in steps if not e.prefill_rows]
+
+        def med(values: list[float]) -> float | None:
+            return statistics.median(values) if values else None
+
+        return {
+            "mixed_steps": len(mixed),
+            "decode_only_steps": len(alone),
+            "mixed_rows_p50": med([e.prefill_rows for e in mixed]),
+            "mixed_ms_p50": med([e.measured_ms for e in mixed]),
+            "mixed_ms_max": max((e.measured_ms for e in mixed), default=None),
+            "mixed_predicted_ms_p50": med([e.predicted_ms for e in mixed if e.predicted_ms is not None]),
+            "decode_only_ms_p50": med([e.measured_ms for e in alone]),
+        }
 
     def shared_prefix(self, prompts: Prompts, p: BenchParams) -> dict:
         prefix = prompts.one(p.prefix_len)

@@ -36,6 +36,16 @@ def rows_for_shape(r: dict) -> list[dict]:
             )
         else:
             add(f"decode tok/s, {n} streams{frac}", p, o, ratio, ">= 1.5x", _ok(ratio, 1.5))
+    for n, ref in ours.get("decode_reference_attention", {}).items():
+        kernel = ours["decode"][n]["tok_s"]
+        add(
+            f"decode tok/s, {n} streams, pure-MLX reference attention (lever off)",
+            None,
+            ref["tok_s"],
+            _ratio(kernel, ref["tok_s"]),
+            "kernel / reference (info)",
+            None,
+        )
     for length in r["prefill_lengths"]:
         p, o = peer["prefill"][str(length)]["tok_s"], ours["prefill"][str(length)]["tok_s"]
         add(f"prefill tok/s, {length} tokens", p, o, _ratio(o, p), ">= 0.95x", _ok(_ratio(o, p), 0.95))
@@ -61,6 +71,17 @@ def rows_for_shape(r: dict) -> list[dict]:
     p_solo, o_solo = peer["prefill"][long]["ttft_s"], ours["prefill"][long]["ttft_s"]
     p_x, o_x = pc["long_ttft_s"] / p_solo, oc["long_ttft_s"] / o_solo
     add(f"contended: {long}-token TTFT / its solo TTFT", p_x, o_x, None, "<= 1.5", _ok_le(o_x, 1.5))
+    st = oc.get("steps")
+    if st:
+        add(
+            "contended: our steps with prefill (count, rows p50, ms p50 / predicted p50); decode-only (count, ms p50)",
+            None,
+            f"{st['mixed_steps']}, {_fmt(st['mixed_rows_p50'])}, {_fmt(st['mixed_ms_p50'])} / "
+            f"{_fmt(st['mixed_predicted_ms_p50'])}; {st['decode_only_steps']}, {_fmt(st['decode_only_ms_p50'])}",
+            None,
+            "(info)",
+            None,
+        )
     sp = ours["shared_prefix"]
     add("shared prefix: warm TTFT / cold TTFT", None, sp["ratio"], None, "<= 0.10", _ok_le(sp["ratio"], 0.10))
     return rows

@@ -59,6 +59,18 @@ def measure_ours(dummy, prompts: Prompts, p: BenchParams, args: argparse.Namespa
         side.close()
     del side
     gc.collect()
+    if (
+        args.reference_streams
+    ):  # the lever, before and after: the same engine with the pure-MLX decode attention
+        side = OurSide(dummy, kv_blocks, 500.0, "reference")
+        try:
+            out["decode_reference_attention"] = {
+                str(args.reference_streams): side.decode(prompts, p, args.reference_streams)
+            }
+        finally:
+            side.close()
+        del side
+        gc.collect()
     # the step target for contention: a few 8-stream decode steps, so a prefill chunk never freezes the streams
     step8 = (
         out["decode"][str(p.contended_streams)]["step_ms"]
@@ -114,6 +126,12 @@ def main() -> None:
         "--step-target-ms", type=float, default=None, help="default: target-factor x 8-stream step"
     )
     parser.add_argument("--target-factor", type=float, default=3.0)
+    parser.add_argument(
+        "--reference-streams",
+        type=int,
+        default=0,
+        help="also decode this many streams with the reference attention",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("gpu_bench_out"))
     args = parser.parse_args()

@@ -54,9 +54,14 @@ class Prompts:
         return [self.one(length) for _ in range(count)]
 
 
+WARM_STEPS = 3  # steps dropped at the start of a window: first uses of a shape are JIT-compiled
+
+
 def steady_rate(times: list[float], counts: list[int], width: int) -> dict:
     """Tokens/s over the steps where all `width` streams decoded: tokens after the first such step / its span."""
     steps = [(t, c) for t, c in zip(times, counts) if c == width]
+    if len(steps) >= 3 * WARM_STEPS:
+        steps = steps[WARM_STEPS:]
     if len(steps) < 3:
         return {"tok_s": None, "step_ms": None, "steps": len(steps)}
     span = steps[-1][0] - steps[0][0]
