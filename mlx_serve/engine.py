@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -90,7 +91,10 @@ class Engine:
         self._counters = dict.fromkeys(("prompt_tokens", "generation_tokens", "steps"), 0)
         self._stopping = False
         self._ids = itertools.count()
-        self._thread = threading.Thread(target=self._loop, name="mlx-serve-engine", daemon=True)
+        self._drained = threading.Event()
+        self._thread = threading.Thread(
+            target=_engine_thread, args=(weakref.ref(self),), name="mlx-serve-engine", daemon=True
+        )
         self._thread.start()
 
     # construction ------------------------------------------------------------------------------------
@@ -260,16 +264,13 @@ class Engine:
         """Stop taking requests, let running ones finish for up to `timeout_s`, cancel the rest, stop."""
         self._stopping = True
         self._wakeup.set()
-        deadline = time.monotonic() + timeout_s
-        while self._thread.is_alive() and time.monotonic() < deadline:
-            self._thread.join(0.05)
-        if self._thread.is_alive():
+        if not self._drained.wait(timeout_s):
             for request_id in list(self._handles):
                 self.cancel(request_id)
-            self._thread.join(timeout=5.0)
+            self._drained.wait(5.0)
         close = getattr(self.trace, "close", None)
         if callable(close):
-            close(complete=not self._thread.is_alive())  # dumps the capture if it has a path
+            close(complete=self._drained.is_set())  # dumps the capture if it has a path
 
     # the engine thread -------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -430,6 +431,23 @@ class Engine:
                 predicted_ms=plan.predicted_ms,
             )
         )
+
+
+def _engine_thread(engine_ref: weakref.ref) -> None:
+    """Run the loop, then park instead of returning.
+
+    A returning thread destroys MLX's thread-local state (its compile cache) after `join()` has returned, and
+    that destructor takes the GIL: at interpreter exit this aborts the process. A parked daemon thread is never
+    torn down. It keeps no reference to the engine, so the model and KV pool are freed as usual.
+    """
+    engine = engine_ref()
+    if engine is not None:
+        try:
+            engine._loop()
+        finally:
+            engine._drained.set()
+    del engine
+    threading.Event().wait()
 
 
 def _decode_attention(kind: str) -> Any:

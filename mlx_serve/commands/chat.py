@@ -23,13 +23,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mlx_serve.commands.serve import load_engine, stop_engine
+    from mlx_serve.commands.serve import load_engine
 
     engine = load_engine(args)
     try:
         chat_loop(engine, args, sys.stdin, sys.stdout)
     finally:
-        stop_engine(engine, timeout_s=2.0)
+        engine.shutdown(timeout_s=2.0)
     return 0
 
 

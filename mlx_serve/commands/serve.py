@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 HELP = "Serve a model over an OpenAI- and Anthropic-compatible HTTP API."
@@ -134,20 +132,5 @@ def run(args: argparse.Namespace) -> int:
         serve_until_signalled(app, hypercorn_config(f"{host}:{args.port}", args.drain_timeout, args.access_log))
     finally:
         log.info("stopping the engine")
-        stop_engine(engine, timeout_s=min(args.drain_timeout, 5.0))
+        engine.shutdown(timeout_s=min(args.drain_timeout, 5.0))
     return 0
-
-
-def stop_engine(engine: Any, timeout_s: float) -> None:
-    """Shut the engine down, then wait until its OS thread is really gone.
-
-    Workaround: `Thread.join` returns before the thread's C++ thread-locals are destroyed; MLX's compile
-    cache is one of them and takes the GIL in its destructor, which aborts the process ("terminate called
-    without an active exception") if the interpreter is finalizing by then. Belongs in Engine.shutdown.
-    """
-    engine.shutdown(timeout_s=timeout_s)
-    thread = getattr(engine, "_thread", None)
-    task = Path(f"/proc/self/task/{getattr(thread, 'native_id', None)}")
-    deadline = time.monotonic() + 2.0
-    while thread is not None and task.exists() and time.monotonic() < deadline:  # Linux only; elsewhere no-op
-        time.sleep(0.005)

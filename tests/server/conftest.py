@@ -50,7 +50,6 @@ class Served:
 @pytest.fixture(scope="module")
 def served(request: pytest.FixtureRequest, tiny_qwen3: Path) -> Iterator[Served]:
     """One server per test module; a module may set ENGINE_CONFIG (EngineConfig overrides)."""
-    from mlx_serve.commands.serve import stop_engine
     from mlx_serve.engine import Engine, EngineConfig
     from mlx_serve.server.http import BackgroundServer
 
@@ -62,4 +61,4 @@ def served(request: pytest.FixtureRequest, tiny_qwen3: Path) -> Iterator[Served]
         yield Served(server.url, engine, metrics, tiny_qwen3)
     finally:
         server.close()
-        stop_engine(engine, timeout_s=2.0)
+        engine.shutdown(timeout_s=2.0)
