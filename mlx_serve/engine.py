@@ -260,6 +260,16 @@ class Engine:
                 "preemptions_total": s.preemptions,
             }
 
+    def allocation_summary(self) -> str:
+        """What the engine holds: weights and the KV pool, in real bytes (quantized weights included)."""
+        pool = self.pool
+        tokens = pool.num_blocks * pool.block_size
+        return (
+            f"{self.model_id}: weights {_size(self.loaded.weight_bytes)}; KV pool {_size(pool.nbytes)} "
+            f"= {pool.num_blocks} blocks x {pool.block_size} tokens ({tokens} tokens, "
+            f"{self.loaded.layout.bytes_per_token()} bytes/token); context {self.context_length} tokens"
+        )
+
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop taking requests, let running ones finish for up to `timeout_s`, cancel the rest, stop."""
         self._stopping = True
@@ -431,6 +441,10 @@ class Engine:
                 predicted_ms=plan.predicted_ms,
             )
         )
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / (1 << 30):.2f} GiB" if nbytes >= 1 << 30 else f"{nbytes / (1 << 20):.1f} MiB"
 
 
 def _engine_thread(engine_ref: weakref.ref) -> None:

@@ -40,7 +40,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
     path = resolve_model(config.model) if config.model else default_model_path()
     model_config = read_config(path)
     check_supported(model_config)
-    model, tokenizer = mlx_lm.load(str(path))
+    model, tokenizer = mlx_lm.load(str(path), lazy=True)
+    _materialize(model, show_progress=config.progress, label=f"loading {path.name}")
     model_id = config.model or f"mlx-serve/{path.name}"
     return describe_model(model, tokenizer, model_config, model_id, config, path)
 
@@ -70,6 +71,19 @@ def describe_model(
         context_length=context,
         vocab_size=int(args.vocab_size),
     )
+
+
+def _materialize(model: Any, show_progress: bool, label: str) -> None:
+    """Read the (lazily loaded) weights in, layer by layer, so a progress bar can follow the load."""
+    from tqdm import tqdm
+
+    layers = list(model.model.layers)
+    with tqdm(total=len(layers) + 1, desc=label, unit="layer", disable=not show_progress, leave=False) as bar:
+        for layer in layers:
+            mx.eval(layer.parameters())
+            bar.update()
+        mx.eval(model.parameters())
+        bar.update()
 
 
 def read_config(path: Path) -> dict:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 HELP = "Serve a model over an OpenAI- and Anthropic-compatible HTTP API."
@@ -78,41 +76,17 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
         row_floor=args.row_floor, cost_model=args.prefill_cost_model, max_overtakes=args.max_overtakes,
         enable_prefix_cache=not args.no_prefix_cache, decode_debt=not args.no_decode_debt,
         ane_lane=args.ane_lane, trace=sink_from_env(args.trace), observer=observer,
-        progress=False,  # load_engine shows the progress itself
+        progress=not args.no_progress,
     )
 
 
 def load_engine(args: argparse.Namespace, observer: object | None = None) -> Any:
-    """Engine.load with a progress line on stderr (elapsed time) unless --no-progress."""
+    """Engine.load with a progress bar over the layers (unless --no-progress), then what it allocated."""
     from mlx_serve.engine import Engine
 
-    label = f"loading {args.model or 'the built-in tiny model'}"
-    with _progress(label, enabled=not args.no_progress):
-        return Engine.load(engine_config(args, observer))
-
-
-@contextmanager
-def _progress(label: str, enabled: bool) -> Iterator[None]:
-    if not enabled:
-        yield
-        return
-    import threading
-
-    from tqdm import tqdm
-
-    # mlx-lm's loader reports no progress of its own, so the bar shows elapsed time until the load returns
-    bar = tqdm(desc=label, total=None, bar_format="{desc}: {elapsed}", file=sys.stderr)
-    stop = threading.Event()
-    ticker = threading.Thread(target=lambda: [bar.refresh() for _ in iter(lambda: stop.wait(0.2), True)],
-                              daemon=True)
-    ticker.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        ticker.join()
-        bar.set_description_str(label.replace("loading", "loaded"))
-        bar.close()
+    engine = Engine.load(engine_config(args, observer))
+    print(engine.allocation_summary(), file=sys.stderr)
+    return engine
 
 
 def run(args: argparse.Namespace) -> int:
