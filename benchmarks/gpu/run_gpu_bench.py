@@ -134,6 +134,9 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("gpu_bench_out"))
+    parser.add_argument(
+        "--label", default="", help="free text for the header (e.g. the commit and patches measured)"
+    )
     args = parser.parse_args()
     mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
     meta = {
@@ -143,7 +146,8 @@ def main() -> None:
         "machine": mx.device_info().get("device_name", platform.processor()),
         "mlx": mx.__version__,
     }
-    header = f"{meta['date']}, {meta['machine']}, MLX {meta['mlx']}, `{meta['command']}`"
+    meta["label"] = args.label
+    header = f"{meta['date']}, {meta['machine']}, MLX {meta['mlx']}, {args.label} `{meta['command']}`"
     results = []
     for name in args.shapes.split(","):
         p = TINY if name.startswith("tiny") else (QUICK if args.quick else FULL)
