@@ -84,6 +84,12 @@ def test_same_seed_gives_same_bytes_and_other_seed_differs(tmp_path: Path) -> No
     assert first["tokenizer.json"] == other["tokenizer.json"]
 
 
+def test_quantized_checkpoints_are_deterministic_too(tmp_path: Path) -> None:
+    first = make_checkpoint(tmp_path / "a", arch="qwen3_moe", seed=5, quantize_bits=4, group_size=32)
+    again = make_checkpoint(tmp_path / "b", arch="qwen3_moe", seed=5, quantize_bits=4, group_size=32)
+    assert file_hashes(first) == file_hashes(again)
+
+
 def test_greedy_output_depends_on_the_prompt(tiny_qwen3: Path) -> None:
     model, tokenizer = mlx_lm.load(str(tiny_qwen3))
     outputs = [greedy_tokens(model, tokenizer, text) for text in ("Hello", "The capital of France", "1 2 3")]

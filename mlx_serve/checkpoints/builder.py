@@ -8,7 +8,7 @@ from pathlib import Path
 from mlx_serve.checkpoints.presets import model_config
 from mlx_serve.checkpoints.shards import plan_shards, write_shards
 from mlx_serve.checkpoints.tokenizer import EOS_TOKENS, PAD_TOKEN, token_ids, write_tokenizer
-from mlx_serve.checkpoints.weights import hf_tensor_specs, make_tensor
+from mlx_serve.checkpoints.weights import hf_tensor_specs, random_shard_maker
 
 
 def checkpoint_config(arch: str, preset: str, dtype: str = "float32") -> dict:
@@ -43,5 +43,5 @@ def write_float_checkpoint(out_dir: Path, arch: str, preset: str, seed: int, dty
     write_json(out_dir / "generation_config.json", generation_config(config))
     write_tokenizer(out_dir, config["vocab_size"])
     shards = plan_shards(hf_tensor_specs(config, dtype))
-    write_shards(out_dir, shards, lambda spec: make_tensor(spec, seed, dtype))
+    write_shards(out_dir, shards, random_shard_maker(seed, dtype))
     return out_dir

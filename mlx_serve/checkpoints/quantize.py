@@ -76,10 +76,10 @@ def _quantize_dir(src: Path, out_dir: Path, *, bits: int | None, group_size: int
     specs = [TensorSpec(name, tuple(w.shape), w.nbytes) for name, w in weights.items()]
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    def materialize(spec: TensorSpec) -> mx.array:
-        tensor = weights.pop(spec.name)
-        mx.eval(tensor)
-        return tensor
+    def materialize(specs: list[TensorSpec]) -> dict[str, mx.array]:
+        tensors = {spec.name: weights.pop(spec.name) for spec in specs}
+        mx.eval(tensors)
+        return tensors
 
     write_shards(out_dir, plan_shards(specs), materialize)
     # load_config replaced eos_token_id with generation_config's list; keep config.json's own value

@@ -43,15 +43,15 @@ def plan_shards(specs: list[TensorSpec], max_shard_bytes: int = MAX_SHARD_BYTES)
 def write_shards(
     out_dir: Path,
     shards: list[list[TensorSpec]],
-    make_tensor: Callable[[TensorSpec], mx.array],
+    make_shard: Callable[[list[TensorSpec]], dict[str, mx.array]],
     metadata: dict | None = None,
 ) -> None:
-    """Write each shard's tensors (made by `make_tensor`) and the index that maps names to files."""
+    """Write each shard's tensors (made by `make_shard` from its specs) and the index of names to files."""
     weight_map: dict[str, str] = {}
     total_size = 0
     for i, shard in enumerate(shards):
         file_name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {spec.name: make_tensor(spec) for spec in shard}
+        tensors = make_shard(shard)
         mx.save_safetensors(str(out_dir / file_name), tensors, metadata={"format": "mlx"})
         for name, tensor in tensors.items():
             weight_map[name] = file_name
