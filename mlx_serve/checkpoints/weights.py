@@ -23,8 +23,8 @@ from mlx_serve.checkpoints.shards import TensorSpec
 _STACKED_EXPERTS = re.compile(r"^(.*)\.mlp\.switch_mlp\.(gate_proj|up_proj|down_proj)\.weight$")
 _MX_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
-# Embedding rows of std 1 and fan-in-scaled projections keep the residual stream O(1), so attention and MLP
-# both move the logits and greedy decoding varies with the prompt instead of repeating one token.
+# Small embeddings (as trained models have) and fan-in-scaled projections let attention and the MLP dominate
+# the residual stream; with larger embeddings a tied lm_head just repeats the last input token.
 EMBED_STD = 0.02
 PROJECTION_GAIN = 1.0
 
