@@ -116,8 +116,8 @@ def markdown(results: list[dict], header: str) -> str:
             "| figure | mlx-lm | ours | ours / mlx-lm | target | met |",
             "|---|---|---|---|---|---|",
         ]
-        if "error" in r:
-            lines += [f"| error | {r['error']} | | | | |", ""]
+        if "error" in r or "wall_s" not in r:
+            lines += [f"| not finished | {r.get('error', 'cut short')} | | | | |", ""]
             continue
         for row in rows_for_shape(r):
             met = {True: "yes", False: "**no**", None: ""}[row["met"]]

@@ -31,30 +31,56 @@ from benchmarks.gpu.ours import OurSide
 from benchmarks.gpu.report import markdown
 from benchmarks.gpu.workloads import FULL, QUICK, TINY, BenchParams, Prompts
 
-WARMUP = replace(TINY, decode_prompt=256, decode_tokens=4, prefill_lengths=(2048,))
+
+class Progress:
+    """Prints each figure as it is measured and rewrites the JSON, so a run cut short keeps what it measured."""
+
+    def __init__(self, results: list[dict], args: argparse.Namespace, header: str, meta: dict) -> None:
+        self.results, self.args, self.header, self.meta = results, args, header, meta
+        self.t0 = time.perf_counter()
+
+    def __call__(self, what: str, value: object) -> None:
+        print(
+            f"[{time.perf_counter() - self.t0:7.1f} s] {what}: {json.dumps(value, default=str)[:240]}",
+            flush=True,
+        )
+        write(self.results, self.args.out, self.header, self.meta)
 
 
-def measure_peer(dummy, prompts: Prompts, p: BenchParams) -> dict:
+def measure_peer(dummy, prompts: Prompts, p: BenchParams, out: dict, note: Progress) -> None:
     model = dummy.model
     peer.decode(model, prompts, replace(p, decode_prompt=min(256, p.decode_prompt), decode_tokens=4), 8)
     peer.prefill(model, prompts, p.prefill_lengths[0])  # warm-up: JIT compilation, allocations
-    out = {"decode": {str(n): peer.decode(model, prompts, p, n) for n in p.stream_counts}}
+    out["decode"] = {}
+    for n in p.stream_counts:
+        out["decode"][str(n)] = peer.decode(model, prompts, p, n)
+        note(f"{dummy.name} mlx-lm decode {n}", out["decode"][str(n)])
     out["generate_step"] = peer.generate_step_decode(model, prompts, p)
-    out["prefill"] = {str(n): peer.prefill(model, prompts, n) for n in (*p.prefill_lengths, p.contended_long)}
+    out["prefill"] = {}
+    for n in (*p.prefill_lengths, p.contended_long):
+        out["prefill"][str(n)] = peer.prefill(model, prompts, n)
+        note(f"{dummy.name} mlx-lm prefill {n}", out["prefill"][str(n)])
     out["contended"] = peer.contended(model, prompts, p)
+    note(f"{dummy.name} mlx-lm contended", out["contended"])
     mx.clear_cache()
-    return out
 
 
-def measure_ours(dummy, prompts: Prompts, p: BenchParams, args: argparse.Namespace) -> tuple[dict, float]:
+def measure_ours(
+    dummy, prompts: Prompts, p: BenchParams, args: argparse.Namespace, out: dict, note: Progress
+) -> float:
     kv_blocks = math.ceil(1.25 * max(p.stream_counts) * (p.decode_prompt + p.decode_tokens + 16) / 16)
     kv_blocks = max(kv_blocks, math.ceil(2.5 * (p.contended_long + p.prefix_len) / 16))
     side = OurSide(dummy, kv_blocks, 500.0, args.attention)
     try:
         side.decode(prompts, replace(p, decode_prompt=min(256, p.decode_prompt), decode_tokens=4), 8)
         side.prefill(prompts, p.prefill_lengths[0])
-        out = {"decode": {str(n): side.decode(prompts, p, n) for n in p.stream_counts}}
-        out["prefill"] = {str(n): side.prefill(prompts, n) for n in (*p.prefill_lengths, p.contended_long)}
+        out["decode"], out["prefill"] = {}, {}
+        for n in p.stream_counts:
+            out["decode"][str(n)] = side.decode(prompts, p, n)
+            note(f"{dummy.name} ours decode {n}", out["decode"][str(n)])
+        for n in (*p.prefill_lengths, p.contended_long):
+            out["prefill"][str(n)] = side.prefill(prompts, n)
+            note(f"{dummy.name} ours prefill {n}", out["prefill"][str(n)])
     finally:
         side.close()
     del side
@@ -85,24 +111,30 @@ def measure_ours(dummy, prompts: Prompts, p: BenchParams, args: argparse.Namespa
             prompts, replace(p, contended_long=p.prefill_lengths[-1], tokens_before=4, tokens_after=4)
         )
         out["contended"] = side.contended(prompts, p)
+        note(f"{dummy.name} ours contended", out["contended"])
         out["shared_prefix"] = side.shared_prefix(prompts, p)
         out["scheduler"] = side.engine.status()["counters"]
+        note(f"{dummy.name} ours shared prefix", out["shared_prefix"])
     finally:
         side.close()
     mx.clear_cache()
-    return out, target
+    return target
 
 
-def bench_shape(name: str, p: BenchParams, args: argparse.Namespace) -> dict:
+def bench_shape(name: str, p: BenchParams, args: argparse.Namespace, result: dict, note: Progress) -> None:
+    """Fills `result` (already in the run's list) figure by figure."""
     t0 = time.perf_counter()
     dummy = build_dummy_model(name, args.dtype)
-    built = time.perf_counter() - t0
-    prompts = Prompts(dummy.config["vocab_size"], seed=args.seed)
-    result = {"shape": name, "weight_bytes": dummy.weight_bytes, "build_s": built, **asdict(p)}
-    result["peer"] = measure_peer(dummy, prompts, p)
-    result["ours"], result["step_target_ms"] = measure_ours(dummy, prompts, p, args)
+    result.update(
+        shape=name, weight_bytes=dummy.weight_bytes, build_s=time.perf_counter() - t0, step_target_ms=0
+    )
+    result.update(asdict(p), peer={}, ours={})
+    note(f"{name} built", {"weight_gb": dummy.weight_bytes / 1e9})
+    measure_peer(
+        dummy, prompts := Prompts(dummy.config["vocab_size"], seed=args.seed), p, result["peer"], note
+    )
+    result["step_target_ms"] = measure_ours(dummy, prompts, p, args, result["ours"], note)
     result["wall_s"] = time.perf_counter() - t0
-    return result
 
 
 def write(results: list[dict], out: Path, header: str, meta: dict) -> None:
@@ -133,6 +165,9 @@ def main() -> None:
         help="also decode this many streams with the reference attention",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--decode-prompt", type=int, default=0, help="history of the decode streams (default 1,024)"
+    )
     parser.add_argument("--out", type=Path, default=Path("gpu_bench_out"))
     parser.add_argument(
         "--label", default="", help="free text for the header (e.g. the commit and patches measured)"
@@ -148,14 +183,18 @@ def main() -> None:
     }
     meta["label"] = args.label
     header = f"{meta['date']}, {meta['machine']}, MLX {meta['mlx']}, {args.label} `{meta['command']}`"
-    results = []
+    results: list[dict] = []
+    note = Progress(results, args, header, meta)
     for name in args.shapes.split(","):
         p = TINY if name.startswith("tiny") else (QUICK if args.quick else FULL)
+        if args.decode_prompt:
+            p = replace(p, decode_prompt=args.decode_prompt)
+        results.append({"shape": name, "weight_bytes": 0, "step_target_ms": 0})
         try:
-            results.append(bench_shape(name, p, args))
+            bench_shape(name, p, args, results[-1], note)
         except Exception as exc:  # one shape failing must not lose the others' numbers
             traceback.print_exc()
-            results.append({"shape": name, "error": repr(exc), "weight_bytes": 0, "step_target_ms": 0})
+            results[-1]["error"] = repr(exc)
         gc.collect()
         mx.clear_cache()
         write(results, args.out, header, meta)
