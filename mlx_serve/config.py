@@ -22,7 +22,7 @@ class EngineConfig:
     max_overtakes: int = 4
     enable_prefix_cache: bool = True
     decode_debt: bool = True
-    decode_attention: str = "reference"  # "auto" | "reference" | "kernel": attention of single-row lanes
+    decode_attention: str = "auto"  # "auto" | "reference" | "kernel": attention of single-row lanes
     ane_lane: str = "off"  # "off" | "cpu" (labelled MLX CPU stand-in) | "ane" (Core ML, macOS only)
     ane_package: str | None = None  # the `ane build` package that "ane" runs
     ane_timeout_s: float = 30.0  # a chunk slower than this reruns on the GPU

@@ -6,9 +6,11 @@ holds the arrays and moves rows in and out of them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,3 +58,9 @@ class KVPool:
 def slots_for(block_ids: tuple[int, ...], start: int, end: int, block_size: int) -> list[int]:
     """Pool slots of positions [start, end) for a request with these blocks."""
     return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+def slot_array(block_ids: Sequence[int], start: int, end: int, block_size: int) -> np.ndarray:
+    """`slots_for` as an int32 array, vectorised: a 16k history costs microseconds instead of milliseconds."""
+    blocks = np.asarray(block_ids[: -(-end // block_size)], dtype=np.int32)
+    return (blocks[:, None] * block_size + np.arange(block_size, dtype=np.int32)).reshape(-1)[start:end]

@@ -26,6 +26,9 @@ class LaneRows:
     row_start: int
     rows: int
     kv_slots: mx.array  # pool slots of positions [0, end): history plus this lane's rows
+    # None: causal attention over exactly `kv_slots`. Otherwise `kv_slots` is padded to a bucket and this additive
+    # mask [1, 1, rows, padded] hides the padding and the future (see ModelRunner's kv_bucket)
+    mask: mx.array | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +101,7 @@ class RaggedLayerCache:
         for lane in self.step.lanes:
             q = queries[lane.row_start : lane.row_start + lane.rows].transpose(2, 1, 0, 3)  # [1, H, n, D]
             keys, values = self.pool.gather(self.layer, lane.kv_slots)
-            mask = "causal" if lane.rows > 1 else None
+            mask = lane.mask if lane.mask is not None else ("causal" if lane.rows > 1 else None)
             out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
             outputs.append(out.transpose(2, 1, 0, 3))  # back to [n, H, 1, D]
         return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)

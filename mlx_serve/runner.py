@@ -13,9 +13,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from mlx_serve import ane_chunks
-from mlx_serve.kv_pool import KVPool, slots_for
+from mlx_serve.kv_pool import KVPool, slot_array, slots_for
 from mlx_serve.ragged import (
     DecodeAttention,
     DecodeRows,
@@ -31,6 +32,8 @@ from scheduler import Lane, StepOutcome, StepPlan
 from scheduler.plan import PENDING_TOKEN
 
 log = logging.getLogger("mlx_serve.runner")
+
+KV_BUCKET = 1024  # history bucket of prefill lanes on CUDA
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,12 +79,19 @@ class ModelRunner:
         model: Any,
         pool: KVPool,
         decode_attention: DecodeAttention | None = None,
+        kv_bucket: int | None = None,
         prefill_lane: Any = None,
         lane_timeout_s: float = 30.0,
     ) -> None:
         self.model = model
         self.pool = pool
         self.decode_attention = decode_attention or reference_decode_attention
+        # only the reference reads each decode lane's slots; the paged paths read the block tables
+        self._decode_lane_slots = self.decode_attention is reference_decode_attention
+        self._no_slots = mx.zeros((0,), dtype=mx.int32)
+        # prefill lanes pad their KV to a multiple of this (0: exact): on CUDA, MLX builds a cuDNN attention graph
+        # for every new (rows, history) shape, tens of ms each, so a growing history must repeat shapes
+        self.kv_bucket = (KV_BUCKET if mx.cuda.is_available() else 0) if kv_bucket is None else kv_bucket
         self.prefill_lane = prefill_lane  # the ANE lane (or its CPU stand-in); None when off
         self.lane_timeout_s = lane_timeout_s
         self.samplers: dict[str, RequestSampler] = {}
@@ -177,8 +187,14 @@ class ModelRunner:
             tokens.extend(max(t, 0) for t in lane.token_ids)
             positions.extend(range(lane.start, lane.end))
             write_slots.extend(slots_for(lane.block_ids, lane.start, lane.end, block_size))
-            kv_slots = slots_for(lane.block_ids, 0, lane.end, block_size)
-            lanes.append(LaneRows(row_start, lane.rows, mx.array(kv_slots, dtype=mx.int32)))
+            mask = None
+            if lane.rows != 1 and self.kv_bucket:
+                kv_slots, mask = self._bucketed_kv(lane.block_ids, lane.start, lane.end)
+            elif lane.rows != 1 or self._decode_lane_slots:
+                kv_slots = mx.array(slot_array(lane.block_ids, 0, lane.end, block_size))
+            else:
+                kv_slots = self._no_slots
+            lanes.append(LaneRows(row_start, lane.rows, kv_slots, mask))
             if lane.samples:
                 sample_rows.append(row_start + lane.rows - 1)
                 sample_ids.append(lane.request_id)
@@ -203,6 +219,17 @@ class ModelRunner:
             sample_rows=mx.array(sample_rows, dtype=mx.int32),
             sample_ids=tuple(sample_ids),
         )
+
+    def _bucketed_kv(self, block_ids: tuple[int, ...], start: int, end: int) -> tuple[mx.array, mx.array]:
+        """Slots of [0, end) padded with slot 0 to a multiple of kv_bucket, and the causal mask that hides the pad."""
+        padded = -(-end // self.kv_bucket) * self.kv_bucket
+        slots = np.zeros(padded, dtype=np.int32)
+        slots[:end] = slot_array(block_ids, 0, end, self.pool.block_size)
+        query_pos = mx.arange(start, end, dtype=mx.int32)[:, None]
+        key_pos = mx.arange(padded, dtype=mx.int32)[None, :]
+        dtype = self.pool.layout.dtype
+        mask = mx.where(key_pos <= query_pos, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))
+        return mx.array(slots), mask[None, None]
 
     def _decode_rows(self, plan_lanes: list, rows: list[LaneRows]) -> DecodeRows:
         width = max(len(lane.block_ids) for lane in plan_lanes)
