@@ -22,6 +22,7 @@ class EngineConfig:
     max_overtakes: int = 4
     enable_prefix_cache: bool = True
     decode_debt: bool = True
+    pipeline: bool = True  # keep a decode-only step in flight while the next one is planned and queued
     decode_attention: str = "auto"  # "auto" | "reference" | "kernel": attention of single-row lanes
     ane_lane: str = "off"  # "off" | "cpu" (labelled MLX CPU stand-in) | "ane" (Core ML, macOS only)
     ane_package: str | None = None  # the `ane build` package that "ane" runs

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -24,7 +25,17 @@ from mlx_serve.errors import ContextLengthExceeded, EngineStopped, InvalidReques
 from mlx_serve.handle import RequestHandle
 from mlx_serve.outputs import RequestStream, with_usage
 from mlx_serve.types import Completion, GenerationRequest, TokenEvent
-from scheduler import FinishReason, Request, RequestState, Scheduler, SchedulerConfig, StepPlan
+from scheduler import (
+    FinishReason,
+    LaneKind,
+    Request,
+    RequestState,
+    Scheduler,
+    SchedulerConfig,
+    StepOutcome,
+    StepPlan,
+)
+from scheduler.plan import PENDING_TOKEN
 from tracing.events import RequestArrived, RequestFinished, Span, StepExecuted, TokenCommitted
 from tracing.sink import sink_from_env
 
@@ -47,6 +58,14 @@ class NullObserver:
 
     def on_finish(self, reason: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
         pass
+
+
+@dataclass(frozen=True, slots=True)
+class _InFlight:
+    step: Any  # the runner's InFlightStep
+    pending: tuple[tuple[Request, int], ...]  # requests holding a placeholder token, and its index in output_ids
+    t0: float  # trace times of planning and submission, for the step's spans
+    t1: float
 
 
 @dataclass(slots=True)
@@ -90,6 +109,7 @@ class Engine:
         self._count_lock = threading.Lock()
         self._counters = dict.fromkeys(("prompt_tokens", "generation_tokens", "steps"), 0)
         self._stopping = False
+        self._in_flight: _InFlight | None = None  # a decode-only step whose tokens are not read back yet
         self._ids = itertools.count()
         self._drained = threading.Event()
         self._thread = threading.Thread(
@@ -288,7 +308,7 @@ class Engine:
             self._admit()
             if self._stopping and not self._handles:
                 return
-            if not self.scheduler.has_work:
+            if not self.scheduler.has_work and self._in_flight is None:
                 self._wakeup.wait(0.5)
                 self._wakeup.clear()
                 continue
@@ -332,33 +352,82 @@ class Engine:
             self.trace.emit(RequestArrived(self.trace.now(), rid, r.num_prompt_tokens, r.max_tokens, r.priority))
 
     def _step(self) -> bool:
+        """Plan, queue and account one step. A decode-only step is left in flight: its tokens are read back
+        while the next step is already queued behind it (see docs/DESIGN.md, "One step in flight")."""
         trace = self.trace
         t0 = trace.now()
         with self._lock:
             plan = self.scheduler.schedule(time.perf_counter())
         if plan.is_empty:
-            return False
+            return self._complete_in_flight()
         t1 = trace.now()
+        previous = self._in_flight
         try:
-            output = self.runner.execute(plan)
+            step = self.runner.submit(plan, previous.step if previous else None)
         except Exception as exc:  # an MLX failure fails this step's requests, never the engine
             log.exception("step %d failed", plan.step_id)
+            self._complete_in_flight()
             self._fail_plan(plan, exc)
+            return True
+        self._complete_in_flight()
+        if self.config.pipeline and _decode_only(plan):
+            placeholders = StepOutcome({lane.request_id: PENDING_TOKEN for lane in plan.lanes}, math.nan)
+            with self._lock:
+                advanced = self.scheduler.update(plan, placeholders, time.perf_counter())
+            pending = tuple((r, len(r.output_ids) - 1) for r in advanced)
+            self._in_flight = _InFlight(step, pending, t0, t1)
+            return True
+        output = self._read_back(step, plan)
+        if output is None:
             return True
         t2 = trace.now()
         with self._lock:
             advanced = self.scheduler.update(plan, output.outcome, time.perf_counter())
         for request in advanced:
             self._publish(request, output.samples.get(request.request_id))
+        self._account(plan, output, t0, t1, t2)
+        return True
+
+    def _complete_in_flight(self) -> bool:
+        """Read back the step left in flight: put its real tokens where the placeholders are, then publish."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            return False
+        plan = in_flight.step.plan
+        output = self._read_back(in_flight.step, plan)
+        if output is None:
+            return True
+        t2 = self.trace.now()
+        for request, index in in_flight.pending:
+            sample = output.samples.get(request.request_id)
+            if sample is None or request.request_id not in self._handles:
+                continue
+            request.output_ids[index] = sample.token_id
+            if sample.token_id in request.stop_token_ids:
+                with self._lock:
+                    self.scheduler.cancel(request.request_id, FinishReason.STOP)
+                request.finish_reason = FinishReason.STOP
+            self._publish(request, sample)
+        self._account(plan, output, in_flight.t0, in_flight.t1, t2)
+        return True
+
+    def _read_back(self, step: Any, plan: StepPlan) -> Any:
+        try:
+            return self.runner.collect(step)
+        except Exception as exc:
+            log.exception("step %d failed", plan.step_id)
+            self._fail_plan(plan, exc)
+            return None
+
+    def _account(self, plan: StepPlan, output: Any, t0: float, t1: float, t2: float) -> None:
         self._counters["steps"] += 1
         self._counters["prompt_tokens"] += plan.prefill_rows
         self.observer.on_step(
             output.outcome.elapsed_ms, plan.num_rows, plan.prefill_rows,
             sum(1 for lane in plan.lanes if lane.kind.value == "decode"), plan.budget_reason.count("halved"),
         )
-        if trace.enabled:
+        if self.trace.enabled:
             self._trace_step(plan, output, t0, t1, t2)
-        return True
 
     def _publish(self, request: Request, sample: Any) -> None:
         rid = request.request_id
@@ -441,6 +510,12 @@ class Engine:
                 predicted_ms=plan.predicted_ms,
             )
         )
+
+
+def _decode_only(plan: StepPlan) -> bool:
+    """Steps that may stay in flight: every lane one decode row (prefill steps train the cost model and need
+    their exact time; ANE chunks are prefill)."""
+    return all(lane.kind is LaneKind.DECODE for lane in plan.lanes)
 
 
 def _size(nbytes: int) -> str:
