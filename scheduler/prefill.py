@@ -1,11 +1,12 @@
 """Prefill rows for one step: fill the row budget in prefill order, admitting waiting requests while KV allows.
 
-- Waiting requests are admitted only while fewer than `max_running` hold KV, and only when their chunk's blocks
-  fit with a reserve of one block per decoding stream left over (so running decodes can grow).
-- A chunk is cut to the budget left, and to the blocks the pool can give; the first candidate that cannot get a
-  single row stops the fill, so order is never broken to squeeze someone in.
-- When nothing at all could be planned (no decodes, no rows), requests already holding KV are tried alone,
-  oldest-useful first, so that waiting requests can never deadlock the running ones.
+- Waiting requests are admitted only while fewer than `max_running` hold KV.
+- Every chunk must leave a reserve for the requests admitted before it: one block per decoding stream (so
+  running decodes can grow) plus the blocks each running prefill still needs to finish its prompt. So the
+  oldest running request can always proceed and a newcomer never strands anyone (no admission livelock).
+- A chunk is cut to the budget left and to the blocks it may take. The first waiting request that cannot be
+  admitted stops admission for the step; running prefills behind it still run. A request that could not get a
+  row was blocked by memory, not passed by policy, so it is not counted as overtaken.
 """
 
 from __future__ import annotations
@@ -63,55 +64,63 @@ class PrefillPlanner:
         if row_budget <= 0:
             return [], []
         left = min(row_budget, self.config.row_ceiling - len(self.decode_lanes))
-        reserve = len(self.scheduler.decoding_streams())
         lanes: list[Lane] = []
+        eligible: list[Request] = []  # could have run this step: only these can be overtaken
+        admitting = True
         for request in self.ordered:
+            waiting = _is_waiting(request)
+            if waiting and not admitting:
+                continue
             if left <= 0:
-                break
-            lane = self._plan_one(request, left, reserve)
-            if lane is None:
-                break
-            lanes.append(lane)
-            left -= lane.rows
-        overtaken = count_overtakes(self.ordered, {lane.request_id for lane in lanes})
-        if not lanes and not self.decode_lanes:
-            lanes = self._plan_running_alone(row_budget)
+                eligible.append(request)
+                continue
+            lane = self._plan_one(request, left)
+            if lane is not None:
+                eligible.append(request)
+                lanes.append(lane)
+                left -= lane.rows
+            elif waiting:
+                admitting = False  # out of KV or running slots: stop admitting, keep feeding running prefills
+        overtaken = count_overtakes(eligible, {lane.request_id for lane in lanes})
         return self._place_paths(lanes), overtaken
 
-    def _plan_one(self, request: Request, left: int, reserve: int) -> Lane | None:
+    def _reserve(self, request: Request) -> int:
+        """Blocks the request must leave free for those admitted before it: one per decoding stream (its next
+        row may open a block) and what each prefilling one still needs to finish its prompt. So the oldest
+        running request can always proceed, and a newcomer never strands anyone."""
+        size = self.config.block_size
+        reserve = 0
+        for other in self.scheduler.running_requests():
+            if other is request:
+                break
+            if other.state is RequestState.DECODING:
+                reserve += 1
+            else:
+                reserve += max(0, -(-other.num_tokens // size) - len(other.block_ids))
+        return reserve
+
+    def _plan_one(self, request: Request, left: int) -> Lane | None:
+        """A lane of up to `left` rows for the request, admitting it if it waits; None if it gets no row."""
         size = self.config.block_size
         blocks = self.scheduler.blocks
-        if _is_waiting(request):
+        waiting = _is_waiting(request)
+        if waiting:
             if self.scheduler.num_running >= self.config.max_running:
                 return None
             hits = self.prefix_hits(request)
             start, have = len(hits) * size, len(hits)
-            available = blocks.num_free_blocks - blocks.num_evictable_among(hits) - reserve
+            available = blocks.num_free_blocks - blocks.num_evictable_among(hits) - self._reserve(request)
         else:
             start, have = request.num_computed, len(request.block_ids)
-            available = blocks.num_free_blocks
+            available = blocks.num_free_blocks - self._reserve(request)
         rows = min(request.num_tokens - start, left, (have + available) * size - start)
         if rows <= 0:
             return None
-        if _is_waiting(request):
+        if waiting:
             self.scheduler.admit(request, hits)
         if not self.scheduler.grow(request, start + rows):
             raise RuntimeError("KV accounting error: a fitted chunk could not get its blocks")
         return self.scheduler.make_lane(request, LaneKind.PREFILL, rows)
-
-    def _plan_running_alone(self, row_budget: int) -> list[Lane]:
-        left = min(row_budget, self.config.row_ceiling)
-        lanes = []
-        for request in self.ordered:
-            if left <= 0:
-                break
-            if _is_waiting(request):
-                continue
-            lane = self._plan_one(request, left, reserve=0)
-            if lane is not None:
-                lanes.append(lane)
-                left -= lane.rows
-        return lanes
 
     def _place_paths(self, lanes: list[Lane]) -> list[Lane]:
         """With the ANE lane on and idle, move the last prefill chunk there if it is predicted to finish first

@@ -1,0 +1,111 @@
+"""A checking harness for property tests: a fake KV store that remembers what each block holds, and the checks
+that every plan and every state must pass (the invariants of SCHEDULER.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler import LaneKind, Request, RequestState, Scheduler, StepOutcome, StepPlan
+from scheduler.ordering import prefill_order_key
+
+
+@dataclass
+class Harness:
+    scheduler: Scheduler
+    kv: dict[tuple[int, int], tuple[str | None, int]] = field(default_factory=dict)  # (block, slot) -> (salt, token)
+    steps_without_token: dict[str, int] = field(default_factory=dict)
+    finished: dict[str, Request] = field(default_factory=dict)
+    admitted: set[str] = field(default_factory=set)
+    max_decode_wait: int = 0
+    check_kv: bool = True  # replay every lane's history against the fake KV (quadratic: small runs only)
+
+    @property
+    def config(self):
+        return self.scheduler.config
+
+    # ---- one step with checks
+    def step(self, now: float, elapsed_ms: float, token_for: dict[str, int] | None = None) -> StepPlan:
+        before = {r.request_id: prefill_order_key(r, self.config.max_overtakes) for r in self.scheduler.requests()}
+        decoding_before = {r.request_id for r in self.scheduler.requests() if r.state is RequestState.DECODING}
+        plan = self.scheduler.schedule(now)
+        for request_id in plan.preempted_request_ids:  # ordered after preemption, by its whole length
+            priority, forced, _, seq = before[request_id]
+            request = self.scheduler.get(request_id)
+            before[request_id] = (priority, forced, 0 if forced == 0 else request.num_tokens, seq)
+        self.check_plan(plan, before)
+        self.check_blocks()
+        self.write_kv(plan)
+        sampled = {lane.request_id: (token_for or {}).get(lane.request_id, 3) for lane in plan.lanes if lane.samples}
+        got = self.scheduler.update(plan, StepOutcome(sampled, elapsed_ms), now + 0.001)
+        self.track_streams(plan, decoding_before, got)
+        self.check_blocks()
+        return plan
+
+    def track_streams(self, plan: StepPlan, decoding_before: set[str], got: list[Request]) -> None:
+        got_ids = {r.request_id for r in got}
+        for request in got:
+            if request.is_finished:
+                self.finished[request.request_id] = request
+        for request_id in decoding_before:
+            request = self.scheduler.get(request_id)
+            still_streaming = request is not None and request.state is RequestState.DECODING
+            if request_id in got_ids or not still_streaming:
+                self.steps_without_token.pop(request_id, None)
+            elif plan.lanes:
+                waited = self.steps_without_token.get(request_id, 0) + 1
+                self.steps_without_token[request_id] = waited
+                self.max_decode_wait = max(self.max_decode_wait, waited)
+        for lane in plan.lanes:
+            self.admitted.add(lane.request_id)
+
+    def write_kv(self, plan: StepPlan) -> None:
+        """What a runner would do: write each row's token into its block slot."""
+        size = self.config.block_size
+        for lane in plan.lanes:
+            salt = self.scheduler.get(lane.request_id).cache_salt
+            for offset, token in enumerate(lane.token_ids):
+                position = lane.start + offset
+                self.kv[(lane.block_ids[position // size], position % size)] = (salt, token)
+
+    # ---- checks
+    def check_plan(self, plan: StepPlan, keys_before: dict[str, tuple]) -> None:
+        config, size = self.config, self.config.block_size
+        assert plan.num_rows <= config.row_ceiling
+        assert len({lane.request_id for lane in plan.lanes}) == len(plan.lanes), "one lane per request"
+        for lane in plan.lanes:
+            request = self.scheduler.get(lane.request_id)
+            assert request is not None and request.state in (RequestState.PREFILLING, RequestState.DECODING)
+            assert lane.start == request.num_computed and lane.rows >= 1
+            assert lane.end <= request.num_tokens, "a lane never runs past the known tokens"
+            assert lane.samples == (lane.end == request.num_tokens)
+            assert lane.token_ids == request.tokens(lane.start, lane.end)
+            assert len(lane.block_ids) == -(-lane.end // size)
+            assert list(lane.block_ids) == request.block_ids[: len(lane.block_ids)]
+            for position in range(lane.start if self.check_kv else 0):  # the history the lane attends to is this request's own tokens
+                held = self.kv.get((lane.block_ids[position // size], position % size))
+                assert held == (request.cache_salt, request.token_at(position)), f"KV mismatch at {position}"
+            if lane.kind is LaneKind.DECODE:
+                assert lane.rows == 1
+        self.check_prefill_order(plan, keys_before)
+
+    def check_prefill_order(self, plan: StepPlan, keys_before: dict[str, tuple]) -> None:
+        """Prefill lanes follow (priority, overtaken-K-times first, shortest remaining, arrival)."""
+        keys = [keys_before[lane.request_id] for lane in plan.lanes if lane.kind is LaneKind.PREFILL]
+        assert keys == sorted(keys), f"prefill lanes out of order: {keys}"
+
+    def check_blocks(self) -> None:
+        blocks = self.scheduler.blocks
+        blocks.check_invariants()
+        holders: dict[int, int] = {}
+        for request in self.scheduler.requests():
+            if request.state not in (RequestState.PREFILLING, RequestState.DECODING):
+                assert request.block_ids == []
+            for block_id in request.block_ids:
+                holders[block_id] = holders.get(block_id, 0) + 1
+            assert request.times_overtaken <= self.config.max_overtakes
+            assert request.num_cached_tokens <= request.num_prompt_tokens - 1
+        for block_id in range(blocks.num_blocks):
+            assert blocks.ref_count(block_id) == holders.get(block_id, 0), "ref count != holders"
+            if holders.get(block_id, 0) > 1:
+                assert blocks.block_hash(block_id) is not None, "only cached blocks are shared"
+        assert blocks.num_free_blocks + blocks.num_used_blocks == blocks.num_blocks
