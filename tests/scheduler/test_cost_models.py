@@ -1,0 +1,129 @@
+"""Cost models: the bucketed table's training rules and its exact fallback to the EMA baseline."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler import SchedulerConfig
+from scheduler.affine_cost import AffineCostModel
+from scheduler.cost_models import (
+    NUM_CELLS,
+    BucketedCostModel,
+    EmaCostModel,
+    PrefillChunk,
+    StepShape,
+    cell_index,
+    make_cost_model,
+)
+from scheduler.plan import Path
+
+chunks = st.lists(
+    st.builds(PrefillChunk, rows=st.integers(1, 2048), history=st.integers(0, 40_000)), min_size=1, max_size=6
+)
+shapes = st.builds(
+    StepShape, chunks=chunks.map(tuple), decode_lanes=st.integers(0, 64), path=st.sampled_from([Path.GPU, Path.ANE])
+)
+times = st.one_of(st.floats(0.5, 5000.0), st.sampled_from([0.0, -1.0, math.inf, -math.inf, math.nan]))
+
+
+def snapshot(model: BucketedCostModel) -> tuple:
+    return (list(model.ms_per_row), list(model.samples), model.baseline.ms_per_row, model.baseline.samples)
+
+
+def test_ninety_six_cells_and_distinct_indices() -> None:
+    assert NUM_CELLS == 96
+    seen = set()
+    for rows in (64, 256, 1024):
+        for history in (0, 1024, 4096, 16384):
+            for width in (1, 2, 3, 5):
+                for path in (Path.GPU, Path.ANE):
+                    chunk_rows = -(-rows // width)
+                    shape = StepShape(tuple(PrefillChunk(chunk_rows, history) for _ in range(width)), 0, path)
+                    seen.add(cell_index(shape))
+    assert seen == set(range(96))
+
+
+@settings(max_examples=150, deadline=None)
+@given(observations=st.lists(st.tuples(shapes, times), max_size=40), queries=st.lists(shapes, min_size=1, max_size=5))
+def test_untrained_cells_predict_exactly_the_ema(observations, queries) -> None:
+    ema, bucketed = EmaCostModel(), BucketedCostModel()
+    for shape, elapsed in observations:
+        ema.observe(shape, elapsed)
+        bucketed.observe(shape, elapsed)
+    for shape in queries:
+        if bucketed.samples[cell_index(shape)] < 3:
+            assert bucketed.predict(shape) == ema.predict(shape)
+
+
+@settings(max_examples=150, deadline=None)
+@given(shape=shapes, elapsed=times, auxiliary=st.booleans(), warmup=st.lists(st.tuples(shapes, times), max_size=10))
+def test_untrainable_observations_change_nothing(shape, elapsed, auxiliary, warmup) -> None:
+    model = BucketedCostModel()
+    for warm_shape, warm_elapsed in warmup:
+        model.observe(warm_shape, warm_elapsed)
+    shape = StepShape(shape.chunks, shape.decode_lanes, shape.path, auxiliary)
+    trainable = not auxiliary and shape.prefill_rows >= 64 and math.isfinite(elapsed) and elapsed > 0
+    before = snapshot(model)
+    model.observe(shape, elapsed)
+    assert (snapshot(model) == before) == (not trainable)
+
+
+def test_a_cell_is_used_from_its_third_sample_with_ewma_quarter_weight() -> None:
+    model = BucketedCostModel()
+    shape = StepShape((PrefillChunk(512, 0),), 4)
+    other = StepShape((PrefillChunk(1500, 20_000),), 4)
+    model.observe(other, 1500.0)  # baseline: 1 ms/row
+    for elapsed in (512.0, 1024.0):  # cell samples 1 and 2 (2 ms/row): still the baseline
+        model.observe(shape, elapsed)
+        assert model.predict(shape) == model.baseline.predict(shape)
+    model.observe(shape, 2048.0)
+    expected = 1.0 + 0.25 * (2.0 - 1.0)  # first sample sets the cell, then EWMA 0.25
+    expected = expected + 0.25 * (4.0 - expected)
+    assert model.predict(shape) == pytest.approx(expected * 512)
+
+
+@settings(max_examples=100, deadline=None)
+@given(observations=st.lists(st.tuples(shapes, st.floats(1.0, 5000.0)), max_size=40))
+def test_paths_never_cross_train_and_memory_is_fixed(observations) -> None:
+    model = BucketedCostModel()
+    size = model.memory_bytes()
+    for shape, elapsed in observations:
+        model.observe(StepShape(shape.chunks, shape.decode_lanes, Path.GPU), elapsed)
+    ane_cells = [i for i in range(NUM_CELLS) if i % 2 == 1]
+    assert all(model.samples[i] == 0 for i in ane_cells)
+    assert model.memory_bytes() == size <= 1536
+
+
+def test_row_weighted_history_sees_a_non_leading_long_lane() -> None:
+    shape = StepShape((PrefillChunk(100, 0), PrefillChunk(1948, 16_000)))
+    assert shape.weighted_history == pytest.approx(1948 * 16_000 / 2048)
+    assert cell_index(shape) != cell_index(StepShape((PrefillChunk(100, 0), PrefillChunk(1948, 0))))
+
+
+def test_affine_recovers_a_linear_cost_and_falls_back_before() -> None:
+    model = AffineCostModel()
+    probe = StepShape((PrefillChunk(500, 3000),), 4)
+    for index in range(40):
+        shape = StepShape((PrefillChunk(64 + 37 * index, 100 * index),), index % 8)
+        if index < 8:
+            assert model.predict(probe) == model.baseline.predict(probe)
+        model.observe(shape, 5 + 0.05 * shape.prefill_rows + 2e-5 * shape.attention_pairs + 0.3 * shape.decode_lanes)
+    expected = 5 + 0.05 * 500 + 2e-5 * probe.attention_pairs + 0.3 * 4
+    assert model.predict(probe) == pytest.approx(expected, rel=1e-3)
+
+
+def test_env_overrides_the_configured_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = SchedulerConfig(num_blocks=8)
+    assert config.resolved_cost_model({}) == "ema"
+    assert config.resolved_cost_model({"MLX_SERVE_PREFILL_COST_MODEL": "bucketed"}) == "bucketed"
+    with pytest.raises(ValueError):
+        config.resolved_cost_model({"MLX_SERVE_PREFILL_COST_MODEL": "oracle"})
+    monkeypatch.setenv("MLX_SERVE_PREFILL_COST_MODEL", "affine")
+    from scheduler import Scheduler
+
+    assert Scheduler(config).cost_model.name == "affine"
+    assert {make_cost_model(name).name for name in ("ema", "bucketed", "affine")} == {"ema", "bucketed", "affine"}

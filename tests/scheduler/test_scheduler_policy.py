@@ -1,0 +1,122 @@
+"""Policy rules: priority classes, bounded overtaking, the seed's halving case, decode debt, ANE placement,
+and the trace of every decision."""
+
+from __future__ import annotations
+
+from scheduler_helpers import fake_outcome, make_request, run_step
+
+from scheduler import LaneKind, Path, Priority, Scheduler, SchedulerConfig, StepOutcome
+from scheduler.cost_models import BucketedCostModel, PrefillChunk, StepShape, cell_index
+from tracing.events import RequestAdmitted, StepPlanned
+from tracing.sink import MemorySink
+
+
+def prefill_ids(plan) -> list[str]:
+    return [lane.request_id for lane in plan.lanes if lane.kind is LaneKind.PREFILL]
+
+
+def test_priority_class_comes_before_shortest_first() -> None:
+    scheduler = Scheduler(SchedulerConfig(num_blocks=512, row_ceiling=256, row_floor=64))
+    scheduler.add(make_request("short-normal", 20))
+    scheduler.add(make_request("long-high", 300, priority=Priority.HIGH, base=5000))
+    scheduler.add(make_request("short-low", 10, priority=Priority.LOW, base=9000))
+    assert prefill_ids(scheduler.schedule(0.0)) == ["long-high"]  # 256 rows: all of the budget
+
+
+def test_a_request_overtaken_k_times_goes_to_the_front_of_its_class() -> None:
+    sink = MemorySink()
+    scheduler = Scheduler(SchedulerConfig(num_blocks=1024, row_ceiling=64, row_floor=64, max_overtakes=2), sink)
+    long_request = make_request("long", 200, max_tokens=1)
+    scheduler.add(long_request)
+    served_long_at = None
+    for step in range(6):
+        scheduler.add(make_request(f"short{step}", 64, max_tokens=1, base=10_000 * (step + 1)))
+        plan = run_step(scheduler, step * 0.01)
+        if "long" in prefill_ids(plan) and served_long_at is None:
+            served_long_at = step
+            assert prefill_ids(plan)[0] == "long"
+    assert served_long_at == 2
+    assert long_request.times_overtaken == 2
+    overtakes = [e.overtakes for e in sink.events if isinstance(e, StepPlanned)]
+    assert overtakes[:2] == [("long",), ("long",)] and scheduler.stats.overtakes == 2
+
+
+def test_seed_case_non_leading_long_history_lane_halves_a_trained_budget_without_reordering() -> None:
+    scheduler = Scheduler(SchedulerConfig(num_blocks=2048, cost_model="bucketed"))
+    scheduler.add(make_request("long", 24_000, max_tokens=1))
+    scheduler.add(make_request("stream", 10, max_tokens=100, base=50_000))
+    for step in range(9):  # the long prompt builds up history while "stream" decodes beside it
+        run_step(scheduler, step * 0.01, elapsed_ms=10.0)
+    history = scheduler.get("long").num_computed
+    assert history > 16_384
+    scheduler.cost_model = model = BucketedCostModel()
+    slow = StepShape((PrefillChunk(100, 0), PrefillChunk(1947, history)), 1)
+    hidden = StepShape((PrefillChunk(100, 0), PrefillChunk(1947, 0)), 1)  # what a leading-lane history would see
+    for _ in range(3):
+        model.observe(slow, 0.4 * slow.prefill_rows)  # long history: 0.4 ms/row
+        model.observe(hidden, 0.1 * hidden.prefill_rows)  # short history: 0.1 ms/row
+    assert model.predict(hidden) < 500 < model.predict(slow)
+    scheduler.add(make_request("short", 100, max_tokens=1, base=90_000))
+    plan = scheduler.schedule(0.09)
+    assert plan.row_budget == 1024 and plan.budget_reason == "halved:1"
+    assert prefill_ids(plan) == ["short", "long"]  # shortest first, as with the full budget
+    assert [lane.rows for lane in plan.lanes if lane.kind is LaneKind.PREFILL] == [100, 924]
+    assert plan.predicted_ms <= 500 and scheduler.stats.budget_halvings == 1
+
+
+def test_decode_debt_skips_prefill_for_one_step_after_a_slow_step() -> None:
+    scheduler = Scheduler(SchedulerConfig(num_blocks=1024, step_target_ms=100.0))
+    scheduler.add(make_request("stream", 10, max_tokens=50))
+    run_step(scheduler, 0.0)
+    run_step(scheduler, 0.01)  # first decode: the stream now has an inter-token gap
+    scheduler.add(make_request("prompt", 5000, base=7000))
+    slow = scheduler.schedule(0.02)
+    assert prefill_ids(slow) == ["prompt"]
+    scheduler.update(slow, fake_outcome(slow, elapsed_ms=400.0), 0.42)  # the prediction was wrong: 400 ms
+    debt = scheduler.schedule(0.42)
+    assert debt.budget_reason == "decode-debt" and debt.prefill_rows == 0
+    assert [lane.request_id for lane in debt.lanes] == ["stream"]
+    scheduler.update(debt, fake_outcome(debt, elapsed_ms=5.0), 0.425)
+    resumed = scheduler.schedule(0.425)
+    assert resumed.budget_reason != "decode-debt" and resumed.prefill_rows >= 64
+    assert scheduler.stats.decode_debt_steps == 1
+
+
+def test_ane_lane_takes_a_chunk_predicted_faster_and_trains_the_committed_path() -> None:
+    config = SchedulerConfig(num_blocks=1024, cost_model="bucketed", ane_lane=True, step_target_ms=5000.0)
+    scheduler = Scheduler(config)
+    model = scheduler.cost_model
+    gpu_shape = StepShape((PrefillChunk(40, 0), PrefillChunk(600, 0)), 1)
+    ane_shape = StepShape((PrefillChunk(600, 0),), 0, Path.ANE)
+    for _ in range(3):
+        model.observe(gpu_shape, 2.0 * gpu_shape.prefill_rows)
+        model.observe(ane_shape, 0.5 * ane_shape.prefill_rows)
+    scheduler.add(make_request("stream", 10, max_tokens=50))
+    run_step(scheduler, 0.0)
+    scheduler.add(make_request("short", 40, base=3000))
+    scheduler.add(make_request("long", 600, base=5000))
+    plan = scheduler.schedule(0.01)
+    paths = {lane.request_id: lane.path for lane in plan.lanes}
+    assert paths == {"stream": Path.GPU, "short": Path.GPU, "long": Path.ANE}
+    scheduler.get("long").in_flight_path = Path.GPU.value  # moved while in flight: still trains the ANE cell
+    ane_cell, gpu_cell = cell_index(ane_shape), cell_index(StepShape((PrefillChunk(40, 0),), 1))
+    before = (model.samples[ane_cell], model.samples[gpu_cell])
+    outcome = StepOutcome({"stream": 1, "short": 1, "long": 1}, elapsed_ms=30.0, ane_elapsed_ms=250.0)
+    scheduler.update(plan, outcome, 0.3)
+    assert model.samples[ane_cell] == before[0] + 1
+    assert model.samples[gpu_cell] == before[1]  # 40 rows: too few to train, and never the ANE's time
+
+
+def test_every_decision_is_traced() -> None:
+    sink = MemorySink()
+    scheduler = Scheduler(SchedulerConfig(num_blocks=256), sink)
+    scheduler.add(make_request("a", 30))
+    plan = scheduler.schedule(0.0)
+    planned = [e for e in sink.events if isinstance(e, StepPlanned)]
+    admitted = [e for e in sink.events if isinstance(e, RequestAdmitted)]
+    assert [(e.request_id, e.cached_tokens) for e in admitted] == [("a", 0)]
+    (event,) = planned
+    assert event.step_id == plan.step_id and event.row_budget == 2048 and event.budget_reason == "uncontended"
+    assert [(lane.request_id, lane.kind, lane.rows, lane.history, lane.path) for lane in event.lanes] == [
+        ("a", "prefill", 30, 0, "gpu")
+    ]
