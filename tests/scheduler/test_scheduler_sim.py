@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ SIM_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "scheduler_sim.p
 def load_sim():
     spec = importlib.util.spec_from_file_location("scheduler_sim", SIM_PATH)
     module = importlib.util.module_from_spec(spec)
+    sys.modules["scheduler_sim"] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
