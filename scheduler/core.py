@@ -13,7 +13,7 @@ from scheduler.budget import BudgetDecision, choose_row_budget, stream_in_debt
 from scheduler.config import SchedulerConfig
 from scheduler.cost_models import make_cost_model
 from scheduler.errors import QueueFull, RequestTooLarge
-from scheduler.kv_blocks import BlockManager, chain_hash
+from scheduler.kv_blocks import BlockManager, extend_hash_chain
 from scheduler.learning import train_cost_model
 from scheduler.plan import Lane, LaneKind, StepOutcome, StepPlan
 from scheduler.prefill import PrefillPlanner
@@ -136,7 +136,7 @@ class Scheduler:
             if lane.request_id in outcome.failed:
                 self._finish(request, FinishReason.ERROR)
                 continue
-            self._count_rows(plan, lane)
+            self.stats.count_lane(lane, plan.contended)
             request.num_computed = lane.end
             self._publish_full_blocks(request)
             if not lane.samples:
@@ -296,19 +296,4 @@ class Scheduler:
 
     def block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
         """The chained hashes of the request's first `num_blocks` full blocks (computed once, kept)."""
-        size = self.config.block_size
-        hashes = request.block_hashes
-        while len(hashes) < num_blocks:
-            index = len(hashes)
-            parent = hashes[-1] if hashes else None
-            tokens = request.tokens(index * size, (index + 1) * size)
-            hashes.append(chain_hash(parent, tokens, request.cache_salt))
-        return hashes
-
-    def _count_rows(self, plan: StepPlan, lane: Lane) -> None:
-        if lane.kind is LaneKind.DECODE:
-            self.stats.decode_rows += lane.rows
-            return
-        self.stats.prefill_rows += lane.rows
-        if plan.contended:
-            self.stats.contended_prefill_rows += lane.rows
+        return extend_hash_chain(request.block_hashes, request, num_blocks, self.config.block_size)

@@ -17,6 +17,8 @@ import struct
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
+from scheduler.request import Request
+
 BlockHash = bytes
 
 
@@ -27,6 +29,15 @@ def chain_hash(parent: BlockHash | None, tokens: Sequence[int], salt: str | None
     digest.update(b"\x00" if salt is None else b"\x01" + salt.encode("utf-8") + b"\x00")
     digest.update(struct.pack(f"<{len(tokens)}q", *tokens))
     return digest.digest()
+
+
+def extend_hash_chain(hashes: list[BlockHash], request: Request, num_blocks: int, block_size: int) -> list[BlockHash]:
+    """Grow `hashes` (the request's chain, kept on it) to cover its first `num_blocks` full blocks."""
+    while len(hashes) < num_blocks:
+        index = len(hashes)
+        tokens = request.tokens(index * block_size, (index + 1) * block_size)
+        hashes.append(chain_hash(hashes[-1] if hashes else None, tokens, request.cache_salt))
+    return hashes
 
 
 class BlockManager:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from scheduler.plan import Lane, LaneKind
+
 
 @dataclass(slots=True)
 class SchedulerStats:
@@ -16,6 +18,15 @@ class SchedulerStats:
     budget_halvings: int = 0
     overtakes: int = 0
     decode_debt_steps: int = 0
+
+    def count_lane(self, lane: Lane, contended: bool) -> None:
+        """Count a lane whose outcome was applied (committed rows only)."""
+        if lane.kind is LaneKind.DECODE:
+            self.decode_rows += lane.rows
+            return
+        self.prefill_rows += lane.rows
+        if contended:
+            self.contended_prefill_rows += lane.rows
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

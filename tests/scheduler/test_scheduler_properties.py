@@ -38,7 +38,7 @@ cancel = st.fixed_dictionaries({"kind": st.just("cancel"), "index": st.integers(
 actions = st.lists(st.one_of(arrival, arrival, step, step, step, cancel), min_size=10, max_size=80)
 
 configs = st.builds(
-    lambda num_blocks, block_size, ceiling, floor_shift, max_running, overtakes, model, target, cache: (
+    lambda num_blocks, block_size, ceiling, floor_shift, max_running, overtakes, model, target, cache, ane: (
         SchedulerConfig(
             num_blocks=num_blocks,
             block_size=block_size,
@@ -49,6 +49,7 @@ configs = st.builds(
             cost_model=model,
             step_target_ms=target,
             enable_prefix_cache=cache,
+            ane_lane=ane,
             max_model_len=400,
             queue_limit=64,
         )
@@ -62,6 +63,7 @@ configs = st.builds(
     model=st.sampled_from(["ema", "bucketed", "affine"]),
     target=st.sampled_from([20.0, 500.0]),
     cache=st.booleans(),
+    ane=st.booleans(),
 )
 
 
