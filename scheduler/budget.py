@@ -68,6 +68,11 @@ def choose_row_budget(
 
 
 def stream_in_debt(waited_s: float, last_gap_s: float | None, target_ms: float) -> bool:
-    """A stream is in debt when it has waited, or its last inter-token gap lasted, longer than the target."""
+    """A stream is in debt when it has waited, or its last inter-token gap lasted, longer than the target.
+
+    The scheduler passes the last gap only when the step that ended it carried prefill rows (a slow decode-only
+    step is not fixed by dropping prefill), and never makes two debt steps in a row, so prefill cannot starve:
+    at worst every other contended step carries prefill rows.
+    """
     limit_s = target_ms / 1000.0
     return waited_s > limit_s or (last_gap_s is not None and last_gap_s > limit_s)

@@ -40,6 +40,7 @@ class Scheduler:
         self._arrivals = 0
         self._step_id = 0
         self._last_step_was_debt = False
+        self._last_update_had_prefill = False  # a slow last gap is prefill's fault only if it carried some
 
     # ---- queries
     @property
@@ -153,6 +154,7 @@ class Scheduler:
                 self._finish(self._live[request_id], FinishReason.ERROR)
         if plan.lanes:
             self.stats.steps += 1
+            self._last_update_had_prefill = plan.prefill_rows > 0
         if plan.contended:
             train_cost_model(self.cost_model, plan, outcome)
         return got_token
@@ -206,7 +208,8 @@ class Scheduler:
         if self.config.decode_debt and decode_lanes and not self._last_step_was_debt:
             target = self.config.step_target_ms
             in_debt = any(
-                stream_in_debt(now - r.last_token_time, r.last_token_gap, target)
+                stream_in_debt(now - r.last_token_time, r.last_token_gap if self._last_update_had_prefill else None,
+                               target)
                 for r in self.decoding_streams()
                 if r.last_token_time is not None
             )

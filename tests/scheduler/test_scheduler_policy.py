@@ -120,3 +120,14 @@ def test_every_decision_is_traced() -> None:
     assert [(lane.request_id, lane.kind, lane.rows, lane.history, lane.path) for lane in event.lanes] == [
         ("a", "prefill", 30, 0, "gpu")
     ]
+
+
+def test_a_slow_decode_only_step_is_not_decode_debt() -> None:
+    scheduler = Scheduler(SchedulerConfig(num_blocks=1024, step_target_ms=100.0))
+    scheduler.add(make_request("stream", 10, max_tokens=50))
+    run_step(scheduler, 0.0)
+    slow = scheduler.schedule(0.01)
+    scheduler.update(slow, fake_outcome(slow, elapsed_ms=300.0), 0.31)  # decode only, yet slow
+    scheduler.add(make_request("prompt", 500, base=7000))
+    plan = scheduler.schedule(0.31)
+    assert plan.budget_reason != "decode-debt" and prefill_ids(plan) == ["prompt"]
