@@ -42,6 +42,7 @@ def choose_row_budget(
     demand: Sequence[PrefillChunk],
     decode_lanes: int,
     in_debt: bool,
+    contended: bool,
 ) -> BudgetDecision:
     """The prefill row budget for a step whose ordered prefill demand is `demand`."""
 
@@ -50,7 +51,7 @@ def choose_row_budget(
         return model.predict(StepShape(chunks, decode_lanes)) if chunks else None
 
     budget = config.row_ceiling
-    if decode_lanes == 0:
+    if not contended:
         return BudgetDecision(budget, "uncontended", 0, predict(budget))
     if in_debt:
         return BudgetDecision(0, "decode-debt", 0, None)

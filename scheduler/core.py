@@ -14,7 +14,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.cost_models import make_cost_model
 from scheduler.errors import QueueFull, RequestTooLarge
 from scheduler.kv_blocks import BlockManager, extend_hash_chain
-from scheduler.learning import train_cost_model
+from scheduler.learning import predict_planned_gpu_ms, train_cost_model
 from scheduler.plan import Lane, LaneKind, StepOutcome, StepPlan
 from scheduler.prefill import PrefillPlanner
 from scheduler.request import FinishReason, Request, RequestState
@@ -116,8 +116,8 @@ class Scheduler:
             lanes=lanes,
             row_budget=decision.row_budget,
             budget_reason=decision.reason,
-            predicted_ms=decision.predicted_ms,
-            contended=bool(decode_lanes),
+            predicted_ms=predict_planned_gpu_ms(self.cost_model, lanes) if prefill_lanes else decision.predicted_ms,
+            contended=decision.reason != "uncontended",
             released_request_ids=tuple(self._released),
             preempted_request_ids=tuple(preempted),
         )
@@ -213,7 +213,10 @@ class Scheduler:
                 for r in self.decoding_streams()
                 if r.last_token_time is not None
             )
-        return choose_row_budget(self.config, self.cost_model, planner.demand(), len(decode_lanes), in_debt)
+        contended = bool(decode_lanes) or bool(self.decoding_streams())  # a stream in flight still streams
+        return choose_row_budget(
+            self.config, self.cost_model, planner.demand(), len(decode_lanes), in_debt, contended
+        )
 
     def _stalled(self) -> bool:
         """Nothing could be planned although requests hold KV and none of them is in flight."""

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from scheduler.cost_models import CostModel, PrefillChunk, StepShape
-from scheduler.plan import LaneKind, Path, StepOutcome, StepPlan
+from scheduler.plan import Lane, LaneKind, Path, StepOutcome, StepPlan
 
 
-def step_shapes(plan: StepPlan, auxiliary: bool = False) -> dict[Path, StepShape]:
-    """The plan's prefill chunks grouped by the path each was committed to (decode lanes run on the GPU)."""
+def step_shapes(lanes: Sequence[Lane], auxiliary: bool = False) -> dict[Path, StepShape]:
+    """The prefill chunks grouped by the path each was committed to (decode lanes run on the GPU)."""
     chunks: dict[Path, list[PrefillChunk]] = {}
     decode_lanes = 0
-    for lane in plan.lanes:
+    for lane in lanes:
         if lane.kind is LaneKind.DECODE:
             decode_lanes += 1
         else:
@@ -21,11 +23,17 @@ def step_shapes(plan: StepPlan, auxiliary: bool = False) -> dict[Path, StepShape
     }
 
 
+def predict_planned_gpu_ms(model: CostModel, lanes: Sequence[Lane]) -> float | None:
+    """The model's prediction for the GPU part of the lanes as finally planned (after cuts and ANE moves)."""
+    shape = step_shapes(lanes).get(Path.GPU)
+    return model.predict(shape) if shape is not None else None
+
+
 def train_cost_model(model: CostModel, plan: StepPlan, outcome: StepOutcome) -> None:
     """Feed the measured times of a contended step to the model (it filters what it cannot learn from)."""
     if not plan.contended or outcome.failed:
         return
-    for path, shape in step_shapes(plan, outcome.auxiliary).items():
+    for path, shape in step_shapes(plan.lanes, outcome.auxiliary).items():
         elapsed_ms = outcome.elapsed_ms if path is Path.GPU else outcome.ane_elapsed_ms
         if elapsed_ms is not None:
             model.observe(shape, elapsed_ms)
