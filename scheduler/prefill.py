@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from scheduler.cost_models import PrefillChunk, StepShape
 from scheduler.ordering import count_overtakes, order_prefill_candidates
-from scheduler.plan import Lane, LaneKind, Path
+from scheduler.plan import PENDING_TOKEN, Lane, LaneKind, Path
 from scheduler.request import Request, RequestState
 
 if TYPE_CHECKING:
@@ -36,6 +36,8 @@ class PrefillPlanner:
         prefilling = [r for r in running if r.state is RequestState.PREFILLING and r.in_flight_path is None]
         self.has_room = len(running) < self.config.max_running
         waiting = scheduler.waiting_requests() if self.has_room else []
+        # a request preempted while its last token is still being sampled waits until the engine fills it in
+        waiting = [r for r in waiting if r.token_at(r.num_tokens - 1) != PENDING_TOKEN]
         self.ordered = order_prefill_candidates([*prefilling, *waiting], self.config.max_overtakes)
 
     def prefix_hits(self, request: Request) -> list[int]:

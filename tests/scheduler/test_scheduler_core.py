@@ -142,3 +142,21 @@ def test_requests_and_counts() -> None:
     scheduler.schedule(0.0)
     assert scheduler.num_waiting == 0 and scheduler.num_running == 1
     assert [r.request_id for r in scheduler.requests()] == ["x"]
+
+
+def test_a_preempted_request_with_a_pending_token_waits_for_it() -> None:
+    from scheduler.plan import PENDING_TOKEN
+
+    scheduler = make_scheduler(num_blocks=4, block_size=4, enable_prefix_cache=False)
+    scheduler.add(make_request("old", 8, max_tokens=6))
+    scheduler.add(make_request("new", 8, max_tokens=6, base=5000))
+    plan = scheduler.schedule(0.0)
+    scheduler.update(plan, StepOutcome({"old": PENDING_TOKEN, "new": PENDING_TOKEN}, float("nan")), 0.01)
+    plan = scheduler.schedule(0.02)  # "old" needs a block: "new" is preempted with its token still pending
+    assert plan.preempted_request_ids == ("new",)
+    assert [lane.token_ids for lane in plan.lanes] == [(PENDING_TOKEN,)]
+    scheduler.get("new").output_ids[-1] = 9  # the engine fills the token in once it is read back
+    scheduler.get("old").output_ids[-1] = 9
+    scheduler.update(plan, fake_outcome(plan), 0.03)
+    drain(scheduler)
+    assert scheduler.blocks.num_used_blocks == 0
