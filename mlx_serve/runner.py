@@ -17,6 +17,7 @@ import numpy as np
 
 from mlx_serve import ane_chunks
 from mlx_serve.kv_pool import KVPool, slot_array, slots_for
+from mlx_serve.quantized_rows import fold_quantized_rows
 from mlx_serve.ragged import (
     DecodeAttention,
     DecodeRows,
@@ -96,6 +97,7 @@ class ModelRunner:
         self.lane_timeout_s = lane_timeout_s
         self.samplers: dict[str, RequestSampler] = {}
         install_ragged_attention(model)
+        fold_quantized_rows(model)
         self._tied = bool(getattr(getattr(model, "args", None), "tie_word_embeddings", False))
 
     # request lifecycle -------------------------------------------------------------------------------
