@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from scheduler_harness import Harness
 
 from scheduler import FinishReason, Request, Scheduler, SchedulerConfig
+from scheduler.cost_models import EmaCostModel
 
 STOP_TOKEN = 2
 PREFIXES = [list(range(100, 100 + n)) for n in (0, 16, 40, 64)]
@@ -159,3 +160,28 @@ def test_contended_steps_carry_at_least_the_floor(
             assert plan.prefill_rows >= min(config.row_floor, waiting_rows)
         if not plan.contended:
             assert plan.row_budget == config.row_ceiling
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 3000), min_size=1, max_size=10),
+    priorities=st.lists(st.integers(0, 2), min_size=10, max_size=10),
+    ms_per_row=st.floats(0.01, 5.0),
+)
+def test_the_estimate_changes_only_the_budget(lengths: list[int], priorities: list[int], ms_per_row: float) -> None:
+    """A trained and an untrained model plan the same order: the trained one's lanes are a prefix (last cut)."""
+    plans = []
+    for trained in (False, True):
+        scheduler = Scheduler(SchedulerConfig(num_blocks=4096, step_target_ms=100.0))
+        scheduler.add(Request("stream", [1, 2, 3], max_tokens=100))
+        harness = Harness(scheduler, check_kv=False)
+        harness.step(0.0, 5.0)
+        scheduler.cost_model = EmaCostModel()
+        if trained:
+            scheduler.cost_model.ms_per_row = ms_per_row
+        for index, length in enumerate(lengths):
+            scheduler.add(Request(f"r{index}", [index * 10_000 + i for i in range(length)], 5, priorities[index]))
+        plans.append(harness.step(0.01, 5.0))
+    untrained, trained = ([lane.request_id for lane in plan.lanes] for plan in plans)
+    assert trained == untrained[: len(trained)]
+    assert plans[1].row_budget <= plans[0].row_budget
