@@ -10,7 +10,6 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-
 # A decode lane's input when the token is the one the previous, still running, step samples: the runner takes
 # it from that step's device-side result, so the host never waits for it (one step in flight).
 PENDING_TOKEN = -1
