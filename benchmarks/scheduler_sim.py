@@ -47,9 +47,10 @@ class Arrival:
 
 @dataclass(frozen=True)
 class CostFunction:
-    fixed_ms: float = 12.0
-    row_ms: float = 0.12
-    pair_ms: float = 4e-6  # per attention pair: rows x (history + rows / 2)
+    # roughly an Apple-GPU-class machine on a mid-size model: 2,048 rows at 16k history ~ 0.7 s
+    fixed_ms: float = 15.0
+    row_ms: float = 0.2
+    pair_ms: float = 8e-6  # per attention pair: rows x (history + rows / 2)
     decode_lane_ms: float = 0.6
     noise: float = 0.08  # sigma of the log-normal multiplier
 
@@ -176,7 +177,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--trace", type=Path, help="recorded arrivals (JSONL); default: a synthetic trace")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--duration-s", type=float, default=60.0, help="synthetic trace length")
-    parser.add_argument("--rate", type=float, default=0.8, help="synthetic arrivals per second")
+    parser.add_argument("--rate", type=float, default=0.6, help="synthetic arrivals per second")
     parser.add_argument("--long-fraction", type=float, default=0.15)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--long-threshold", type=int, default=4096, help="prompt tokens from which TTFT is 'long'")
