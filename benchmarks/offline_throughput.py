@@ -112,7 +112,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(result))
         return
-    print(f"| engine | generated tok/s | total s | steps | decode step ms p50 | host ms/step |")
+    print("| engine | generated tok/s | total s | steps | decode step ms p50 | host ms/step |")
     print("|---|---|---|---|---|---|")
     p, o = peer, ours
     print(f"| mlx-lm BatchGenerator | {p['tokens'] / p['total_s']:.1f} | {p['total_s']:.2f} | {p['steps']} | "
