@@ -29,6 +29,11 @@ def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_mistral(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _build(tmp_path_factory, "mistral", arch="mistral", preset="tiny", seed=7, dtype="float32")
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # MoE gather_mm runs only in float32 on MLX's CPU backend
     return _build(tmp_path_factory, "qwen3_moe", arch="qwen3_moe", preset="tiny", seed=3, dtype="float32")

@@ -17,7 +17,7 @@ def _engine(path, **kwargs) -> Engine:
     return Engine.load(EngineConfig(model=str(path), **kwargs))
 
 
-@pytest.mark.parametrize("fixture", ["tiny_qwen3", "tiny_llama", "tiny_qwen3_moe", "tiny_qwen2"])
+@pytest.mark.parametrize("fixture", ["tiny_qwen3", "tiny_llama", "tiny_qwen3_moe", "tiny_qwen2", "tiny_mistral"])
 def test_single_request_matches_mlx_lm(fixture, request):
     path = request.getfixturevalue(fixture)
     prompt = prompt_of(29, seed=1)
