@@ -32,3 +32,29 @@ def reference_tokens(path: Path, prompt_ids: list[int], max_tokens: int) -> list
 def prompt_of(length: int, seed: int, vocab: int = 200, offset: int = 10) -> list[int]:
     """A deterministic prompt of ordinary (non-special) token ids."""
     return [offset + (seed * 7919 + i * 104729) % vocab for i in range(length)]
+
+
+class StreamReaders:
+    """Read several handles' tokens on background threads; `started` is set at the first token of any."""
+
+    def __init__(self, handles: list) -> None:
+        import threading
+
+        self.tokens: dict[int, list[int]] = {}
+        self.started = threading.Event()
+        self._threads = [threading.Thread(target=self.read, args=(i, h)) for i, h in enumerate(handles)]
+        for thread in self._threads:
+            thread.start()
+
+    def read(self, key: int, handle) -> None:
+        tokens = []
+        for event in handle:
+            if event.token_id is not None:
+                tokens.append(event.token_id)
+                self.started.set()
+        self.tokens[key] = tokens
+
+    def join(self) -> dict[int, list[int]]:
+        for thread in self._threads:
+            thread.join(60)
+        return self.tokens

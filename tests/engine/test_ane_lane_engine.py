@@ -3,13 +3,11 @@ lanes, produce the GPU-only run's tokens, show up in traces, and train only thei
 
 from __future__ import annotations
 
-import threading
-
 from mlx_serve.engine import Engine, EngineConfig
 from mlx_serve.types import GenerationRequest
 from scheduler.cost_models import PATHS, BucketedCostModel
 from scheduler.plan import Path
-from tests.engine.reference import prompt_of
+from tests.engine.reference import StreamReaders, prompt_of
 from tracing.events import Span, StepExecuted, StepPlanned
 from tracing.sink import MemorySink
 
@@ -20,26 +18,12 @@ def _workload(engine: Engine) -> list[tuple[int, ...]]:
     """Two streams start decoding, then six long prompts arrive together (contended, several prefill lanes)."""
     streams = [engine.submit(GenerationRequest(prompt_ids=tuple(prompt_of(8, seed=70 + i)), max_tokens=60))
                for i in range(2)]
-    tokens: dict[int, list[int]] = {}
-    started = threading.Event()
-
-    def drain(i, handle):
-        out = []
-        for event in handle:
-            if event.token_id is not None:
-                out.append(event.token_id)
-                started.set()
-        tokens[i] = out
-
-    threads = [threading.Thread(target=drain, args=(i, h)) for i, h in enumerate(streams)]
-    for t in threads:
-        t.start()
-    assert started.wait(60)
+    readers = StreamReaders(streams)
+    assert readers.started.wait(60)
     longs = [GenerationRequest(prompt_ids=tuple(prompt_of(n, seed=80 + i)), max_tokens=8) for i, n in enumerate(LONG)]
-    for i, completion in enumerate(engine.generate(longs), start=2):
-        tokens[i] = list(completion.token_ids)
-    for t in threads:
-        t.join(60)
+    completions = engine.generate(longs)
+    tokens = readers.join()
+    tokens.update({i: list(c.token_ids) for i, c in enumerate(completions, start=2)})
     return [tuple(tokens[i]) for i in range(len(tokens))]
 
 

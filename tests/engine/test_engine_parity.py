@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from mlx_serve.engine import Engine, EngineConfig
 from mlx_serve.types import GenerationRequest
-from tests.engine.reference import prompt_of, reference_tokens
+from tests.engine.reference import StreamReaders, prompt_of, reference_tokens
 
 LENGTHS = [3, 17, 40, 9, 64, 5, 33, 21, 90]
 
@@ -38,28 +36,14 @@ def test_concurrent_staggered_requests_match_mlx_lm(fixture, row_ceiling, reques
     path = request.getfixturevalue(fixture)
     prompts = [prompt_of(n, seed=i) for i, n in enumerate(LENGTHS)]
     engine = _engine(path, row_ceiling=row_ceiling, row_floor=1)
-    results: dict[int, list[int]] = {}
     try:
         first_wave = [engine.submit(GenerationRequest(prompt_ids=tuple(p), max_tokens=16)) for p in prompts[:4]]
-        started = threading.Event()
-
-        def drain(i, handle):
-            tokens = []
-            for event in handle:
-                if event.token_id is not None:
-                    tokens.append(event.token_id)
-                    started.set()
-            results[i] = tokens
-
-        threads = [threading.Thread(target=drain, args=(i, h)) for i, h in enumerate(first_wave)]
-        for t in threads:
-            t.start()
-        assert started.wait(60)
+        readers = StreamReaders(first_wave)
+        assert readers.started.wait(60)
         later = [engine.submit(GenerationRequest(prompt_ids=tuple(p), max_tokens=16)) for p in prompts[4:]]
         for i, handle in enumerate(later, start=4):
-            drain(i, handle)
-        for t in threads:
-            t.join(60)
+            readers.read(i, handle)
+        results = readers.join()
         status = engine.status()
     finally:
         engine.shutdown()
