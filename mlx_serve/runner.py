@@ -104,9 +104,9 @@ class ModelRunner:
     def add_request(self, request_id: str, params: SamplingParams) -> None:
         self.samplers[request_id] = RequestSampler.create(params)
 
-    def release(self, request_ids: tuple[str, ...] | list[str]) -> None:
-        for request_id in request_ids:
-            self.samplers.pop(request_id, None)
+    def release_one(self, request_id: str) -> None:
+        """Forget a finished request's sampling state (a preempted one keeps it: its seed chain goes on)."""
+        self.samplers.pop(request_id, None)
 
     # the step ----------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> RunnerOutput:

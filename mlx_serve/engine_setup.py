@@ -1,0 +1,85 @@
+"""How the engine's parts are chosen from its configuration, and what a request must satisfy to be taken."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from mlx_serve.config import EngineConfig
+from mlx_serve.errors import ContextLengthExceeded, InvalidRequest
+from mlx_serve.types import GenerationRequest
+from scheduler import SchedulerConfig
+
+
+def scheduler_config(c: EngineConfig, num_blocks: int, context_length: int) -> SchedulerConfig:
+    return SchedulerConfig(
+        num_blocks=num_blocks,
+        block_size=c.block_size,
+        max_running=c.max_running,
+        queue_limit=c.queue_limit + c.max_running,  # the engine refuses first, synchronously, in submit()
+        max_model_len=context_length,
+        step_target_ms=c.step_target_ms,
+        row_ceiling=c.row_ceiling,
+        row_floor=c.row_floor,
+        cost_model=c.cost_model,
+        max_overtakes=c.max_overtakes,
+        decode_debt=c.decode_debt,
+        enable_prefix_cache=c.enable_prefix_cache,
+        ane_lane=c.ane_lane != "off",
+    )
+
+
+def decode_attention(kind: str) -> Any:
+    """The attention function for single-row lanes; None means the runner's exact reference path."""
+    if kind == "reference":
+        return None
+    from mlx_serve.kernels.paged_attention import select_decode_attention
+
+    return select_decode_attention(kind)
+
+
+def prefill_lane(config: EngineConfig, model: Any, trace: Any) -> Any:
+    """The ANE lane for `--ane-lane`: None when off; the CPU stand-in; or Core ML (macOS) over a built package."""
+    if config.ane_lane == "off":
+        return None
+    from mlx_serve.ane.lane import make_lane
+
+    clock = trace.now if trace.enabled else time.perf_counter
+    if config.ane_lane == "cpu":
+        return make_lane("cpu", model, clock=clock)
+    if config.ane_lane != "ane":
+        raise InvalidRequest(f"--ane-lane must be off, cpu or ane, not {config.ane_lane!r}", param="ane_lane")
+    if config.ane_package is None:
+        raise InvalidRequest(
+            "--ane-lane ane needs a Core ML package: build one with `python -m mlx_serve ane build --model DIR "
+            "--out PKG` and pass --ane-package PKG",
+            param="ane_package",
+        )
+    return make_lane("coreml", model, package=config.ane_package, clock=clock)
+
+
+def validate_request(request: GenerationRequest, vocab_size: int, context_length: int, kv_capacity: int) -> None:
+    """Refuse, with the field to blame, what could never run: before it is queued, so the caller gets a 4xx."""
+    n = len(request.prompt_ids)
+    if n == 0:
+        raise InvalidRequest("the prompt is empty", param="prompt")
+    if not isinstance(request.max_tokens, int) or request.max_tokens < 1:
+        raise InvalidRequest(f"max_tokens must be a positive integer, got {request.max_tokens!r}", param="max_tokens")
+    bad = [t for t in request.prompt_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest(f"prompt token ids outside the vocabulary: {bad[:5]}", param="prompt")
+    request.sampling.validate(vocab_size)
+    total = n + request.max_tokens
+    if total > context_length:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {context_length} tokens. However, you requested "
+            f"{total} tokens ({n} in the prompt, {request.max_tokens} for the completion). "
+            "Please reduce the length of the prompt or of max_tokens.",
+            param="max_tokens" if n < context_length else "messages",
+        )
+    if total > kv_capacity:
+        raise ContextLengthExceeded(
+            f"the request needs up to {total} tokens of KV cache but the pool holds "
+            f"{kv_capacity} (raise --memory-budget-gb or lower max_tokens)",
+            param="max_tokens",
+        )

@@ -1,0 +1,80 @@
+"""What the engine reports about itself: `/v1/status`, the `/metrics` numbers, the allocation at start."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from scheduler import Request, RequestState, Scheduler
+
+_PHASES = {
+    RequestState.WAITING: "waiting",
+    RequestState.PREFILLING: "prefilling",
+    RequestState.DECODING: "decoding",
+    RequestState.PREEMPTED: "preempted",
+}
+
+
+def request_status(r: Request) -> dict:
+    return {
+        "id": r.request_id,
+        "phase": _PHASES.get(r.state, "finished"),
+        "priority": int(r.priority),
+        "prompt_tokens": r.num_prompt_tokens,
+        "computed_tokens": min(r.num_computed, r.num_prompt_tokens),
+        "output_tokens": len(r.output_ids),
+        "cached_tokens": r.num_cached_tokens,
+        "arrival_s": r.arrival_time,
+    }
+
+
+def status(scheduler: Scheduler, model_id: str, block_size: int) -> dict:
+    stats, blocks = scheduler.stats, scheduler.blocks
+    return {
+        "model": model_id,
+        "requests": [request_status(r) for r in scheduler.requests()],
+        "counters": {
+            "steps": stats.steps,
+            "prefill_rows": stats.prefill_rows,
+            "decode_rows": stats.decode_rows,
+            "contended_prefill_rows": stats.contended_prefill_rows,
+            "preemptions": stats.preemptions,
+            "budget_halvings": stats.budget_halvings,
+            "prefix_hit_tokens": stats.prefix_hit_tokens,
+        },
+        "kv": {
+            "blocks_total": blocks.num_blocks,
+            "blocks_used": blocks.num_used_blocks,
+            "blocks_cached": blocks.num_cached_blocks,
+            "block_size": block_size,
+        },
+    }
+
+
+def stats(scheduler: Scheduler, prompt_tokens: int, generation_tokens: int) -> dict:
+    s, blocks = scheduler.stats, scheduler.blocks
+    return {
+        "queue_depth": scheduler.num_waiting,
+        "running": scheduler.num_running,
+        "kv_blocks_total": blocks.num_blocks,
+        "kv_blocks_used": blocks.num_used_blocks,
+        "kv_blocks_cached": blocks.num_cached_blocks,
+        "prefix_hit_tokens_total": s.prefix_hit_tokens,
+        "prompt_tokens_total": prompt_tokens,
+        "generation_tokens_total": generation_tokens,
+        "steps_total": s.steps,
+        "budget_halvings_total": s.budget_halvings,
+        "preemptions_total": s.preemptions,
+    }
+
+
+def allocation_summary(model_id: str, weight_bytes: int, pool: Any, bytes_per_token: int, context: int) -> str:
+    """Weights and the KV pool, in real bytes (quantized weights included)."""
+    tokens = pool.num_blocks * pool.block_size
+    return (
+        f"{model_id}: weights {_size(weight_bytes)}; KV pool {_size(pool.nbytes)} = {pool.num_blocks} blocks x "
+        f"{pool.block_size} tokens ({tokens} tokens, {bytes_per_token} bytes/token); context {context} tokens"
+    )
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / (1 << 30):.2f} GiB" if nbytes >= 1 << 30 else f"{nbytes / (1 << 20):.1f} MiB"
