@@ -13,16 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import mlx.core as mx
-
-
-def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:
-    return [[10 + (i * 7919 + j * 104729) % (vocab - 20) for j in range(length)] for i in range(n)]
 
 
 def run_mlx_lm(model, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -41,33 +36,20 @@ def run_mlx_lm(model, prompts: list[list[int]], max_tokens: int) -> dict:
     return {"tokens": tokens, "total_s": total, "steps": steps, "decode_s": total - (first - t0)}
 
 
-def run_ours(path: Path, prompts: list[list[int]], max_tokens: int, config_kwargs: dict) -> dict:
+def run_ours(path: Path, params, config_kwargs: dict) -> dict:
+    """The same requests through `mlx_serve.workloads.offline` (what `python -m mlx_serve bench offline` runs)."""
+    from dataclasses import asdict
+
     from mlx_serve.engine import Engine, EngineConfig
-    from mlx_serve.types import GenerationRequest
+    from mlx_serve.workloads import offline
     from tracing.sink import MemorySink
 
-    sink = MemorySink()
-    engine = Engine.load(EngineConfig(model=str(path), max_running=len(prompts), trace=sink, **config_kwargs))
-    requests = [GenerationRequest(prompt_ids=tuple(p), max_tokens=max_tokens, ignore_eos=True) for p in prompts]
+    config = EngineConfig(model=str(path), max_running=params.requests, trace=MemorySink(), **config_kwargs)
+    engine = Engine.load(config)
     try:
-        engine.generate(requests[:2])  # warm-up: compile paths, allocate
-        sink.events.clear()
-        t0 = time.perf_counter()
-        completions = engine.generate(requests)
-        total = time.perf_counter() - t0
+        return asdict(offline(engine, params))
     finally:
         engine.shutdown()
-    steps = [e for e in sink.events if type(e).__name__ == "StepExecuted"]
-    spans = [e for e in sink.events if type(e).__name__ == "Span" and e.step_id is not None]
-    host = sum(s.end - s.start for s in spans if s.name in ("planning", "preparation", "application"))
-    decode_steps = [s.measured_ms for s in steps if s.prefill_rows == 0]
-    return {
-        "tokens": sum(len(c.token_ids) for c in completions),
-        "total_s": total,
-        "steps": len(steps),
-        "decode_step_ms_p50": statistics.median(decode_steps) if decode_steps else None,
-        "host_ms_per_step": 1e3 * host / max(len(steps), 1),
-    }
 
 
 def main() -> None:
@@ -87,18 +69,21 @@ def main() -> None:
     import mlx_lm
 
     from mlx_serve.checkpoints import make_checkpoint
+    from mlx_serve.workloads import WorkloadParams, prompt_ids
 
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or make_checkpoint(
             Path(tmp) / "model", arch=args.arch, preset=args.preset, dtype=args.dtype, quantize_bits=args.quantize
         )
-        model, tokenizer = mlx_lm.load(str(path))
-        prompts = _prompts(args.requests, args.prompt_len, model.args.vocab_size)
+        model, _ = mlx_lm.load(str(path))
+        vocab = model.args.vocab_size
+        prompts = [list(prompt_ids(i, args.prompt_len, vocab)) for i in range(args.requests)]
         run_mlx_lm(model, prompts[:2], 4)  # warm-up
         peer = run_mlx_lm(model, prompts, args.max_tokens)
         del model
         mx.clear_cache()
-        ours = run_ours(path, prompts, args.max_tokens, {"decode_attention": args.decode_attention})
+        params = WorkloadParams(requests=args.requests, prompt_len=args.prompt_len, max_tokens=args.max_tokens)
+        ours = run_ours(path, params, {"decode_attention": args.decode_attention})
     result = {
         "model": f"{args.arch}-{args.preset}-{args.dtype}" + (f"-q{args.quantize}" if args.quantize else ""),
         "device": str(mx.default_device()),
@@ -107,7 +92,7 @@ def main() -> None:
         "max_tokens": args.max_tokens,
         "mlx_lm": peer,
         "ours": ours,
-        "throughput_ratio": (ours["tokens"] / ours["total_s"]) / (peer["tokens"] / peer["total_s"]),
+        "throughput_ratio": ours["generated_tok_per_s"] / (peer["tokens"] / peer["total_s"]),
     }
     if args.json:
         print(json.dumps(result))
@@ -117,7 +102,7 @@ def main() -> None:
     p, o = peer, ours
     print(f"| mlx-lm BatchGenerator | {p['tokens'] / p['total_s']:.1f} | {p['total_s']:.2f} | {p['steps']} | "
           f"{1e3 * p['decode_s'] / max(p['steps'], 1):.2f} (mean) | - |")
-    print(f"| mlx_serve | {o['tokens'] / o['total_s']:.1f} | {o['total_s']:.2f} | {o['steps']} | "
+    print(f"| mlx_serve | {o['generated_tok_per_s']:.1f} | {o['total_s']:.2f} | {o['steps']} | "
           f"{o['decode_step_ms_p50']:.2f} | {o['host_ms_per_step']:.2f} |")
     print(f"\nthroughput ratio (ours / mlx-lm): {result['throughput_ratio']:.2f}x  [{result['model']}, {result['device']}]")
 
