@@ -62,7 +62,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--decode-attention", default="reference")
+    parser.add_argument("--decode-attention", default="auto")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 

@@ -177,13 +177,16 @@ def cuda_available() -> bool:
 
 
 def select_decode_attention(kind: str = "auto") -> DecodeAttention:
-    """Pick by kind: "auto" is the kernel on a CUDA GPU and the reference elsewhere; the others force one."""
+    """Pick by kind: "auto" is the kernel on a CUDA GPU, the batched path on the CPU backend and the reference
+    elsewhere; the others force one."""
     if kind not in KINDS:
         raise ValueError(f"decode attention must be one of {', '.join(KINDS)}, not {kind!r}")
     if kind == "kernel" and not cuda_available():
         raise ValueError("the paged decode-attention kernel needs MLX's CUDA backend on a GPU")
     if kind == "kernel" or (kind == "auto" and cuda_available()):
         return paged_decode_attention
-    if kind == "batched":
+    # on MLX's CPU backend one masked SDPA beats a gather and SDPA per lane, and gives the same bits
+    # (engine parity tests); Metal keeps the reference until a kernel has run there
+    if kind == "batched" or (kind == "auto" and mx.default_device() == mx.cpu):
         return batched_decode_attention
     return reference_decode_attention

@@ -29,13 +29,21 @@ def test_single_request_matches_mlx_lm(fixture, request):
     assert completion.usage.completion_tokens == len(completion.token_ids)
 
 
-@pytest.mark.parametrize("fixture", ["tiny_qwen3", "tiny_qwen3_moe"])
-@pytest.mark.parametrize("row_ceiling", [7, 50])
-def test_concurrent_staggered_requests_match_mlx_lm(fixture, row_ceiling, request):
+@pytest.mark.parametrize(
+    ("fixture", "row_ceiling", "attention"),
+    [
+        ("tiny_qwen3", 7, "auto"),
+        ("tiny_qwen3", 50, "auto"),
+        ("tiny_qwen3", 7, "reference"),  # the yardstick path stays exact too
+        ("tiny_qwen3_moe", 7, "auto"),
+        ("tiny_qwen3_moe", 50, "auto"),
+    ],
+)
+def test_concurrent_staggered_requests_match_mlx_lm(fixture, row_ceiling, attention, request):
     """9 requests of different lengths, arriving while others run, prefill cut at odd row budgets."""
     path = request.getfixturevalue(fixture)
     prompts = [prompt_of(n, seed=i) for i, n in enumerate(LENGTHS)]
-    engine = _engine(path, row_ceiling=row_ceiling, row_floor=1)
+    engine = _engine(path, row_ceiling=row_ceiling, row_floor=1, decode_attention=attention)
     try:
         first_wave = [engine.submit(GenerationRequest(prompt_ids=tuple(p), max_tokens=16)) for p in prompts[:4]]
         readers = StreamReaders(first_wave)

@@ -109,7 +109,12 @@ def test_kernel_supports_common_head_dims() -> None:
 def test_select_decode_attention() -> None:
     assert select_decode_attention("reference") is reference_decode_attention
     assert select_decode_attention("batched") is batched_decode_attention
-    expected = paged_decode_attention if mx.cuda.is_available() else reference_decode_attention
+    if mx.cuda.is_available():
+        expected = paged_decode_attention
+    elif mx.default_device() == mx.cpu:
+        expected = batched_decode_attention
+    else:
+        expected = reference_decode_attention
     assert select_decode_attention("auto") is expected
     with pytest.raises(ValueError):
         select_decode_attention("fastest")
