@@ -67,9 +67,12 @@ def _kernels() -> _Kernels:
 
 
 @functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=64)
 def _scalar(value: float | int, dtype: mx.Dtype) -> mx.array:
-    # kernel scalars arrive as pointers: one cached device array per value
-    return mx.array([value], dtype=dtype)
+    # kernel scalars arrive as pointers: one cached device array per value, not a new upload per layer and step
+    scalar = mx.array([value], dtype=dtype)
+    mx.eval(scalar)
+    return scalar
 
 
 def _int32(values: mx.array) -> mx.array:
