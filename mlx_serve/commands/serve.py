@@ -48,9 +48,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--row-ceiling", type=int, default=2048, help="most rows (tokens) per step (default: %(default)s)")
     s.add_argument("--row-floor", type=int, default=64,
                    help="fewest prefill rows a contended step is cut to (default: %(default)s)")
-    s.add_argument("--prefill-cost-model", choices=["ema", "bucketed"], default="ema",
-                   help="step-time predictor for row budgets: one EMA ms-per-row, or the 96-cell bucketed table "
-                        "(default: %(default)s; env MLX_SERVE_PREFILL_COST_MODEL overrides)")
+    s.add_argument("--prefill-cost-model", choices=["ema", "bucketed", "affine"], default="ema",
+                   help="step-time predictor for row budgets: one EMA ms-per-row, the 96-cell bucketed table, or "
+                        "an affine fit (fixed + rows + attention pairs + decode lanes) (default: %(default)s; env "
+                        "MLX_SERVE_PREFILL_COST_MODEL overrides)")
     s.add_argument("--max-overtakes", type=int, default=4,
                    help="how often a waiting request may be overtaken by shorter ones before it goes first "
                         "(default: %(default)s)")
@@ -60,6 +61,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--ane-lane", choices=["off", "cpu", "ane"], default="off",
                    help="where prefill chunks may also run: off; cpu = the MLX CPU stand-in for testing the lane; "
                         "ane = Core ML on the Neural Engine (macOS only) (default: %(default)s)")
+    s.add_argument("--ane-package", default=None, metavar="PKG",
+                   help="the Core ML package `python -m mlx_serve ane build` wrote, for --ane-lane ane")
+    s.add_argument("--ane-timeout-s", type=float, default=30.0, metavar="S",
+                   help="an ANE chunk slower than this is rerun on the GPU (default: %(default)s)")
+    g.add_argument("--decode-attention", choices=["auto", "reference", "batched", "kernel"], default="auto",
+                   help="attention of decode lanes: auto = the paged CUDA kernel on CUDA, one batched SDPA on the "
+                        "CPU, the per-lane reference elsewhere (default: %(default)s)")
+    g.add_argument("--no-pipeline", action="store_true",
+                   help="read every step back before planning the next (normally a decode-only step stays in "
+                        "flight while the next is queued)")
     s.add_argument("--trace", default=None, metavar="FILE",
                    help="capture trace events in memory and write them to FILE (JSONL) at exit")
     g.add_argument("--no-progress", action="store_true", help="no progress bar while the model loads")
@@ -75,7 +86,9 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
         max_model_len=args.max_model_len, step_target_ms=args.step_target_ms, row_ceiling=args.row_ceiling,
         row_floor=args.row_floor, cost_model=args.prefill_cost_model, max_overtakes=args.max_overtakes,
         enable_prefix_cache=not args.no_prefix_cache, decode_debt=not args.no_decode_debt,
-        ane_lane=args.ane_lane, trace=sink_from_env(args.trace), observer=observer,
+        ane_lane=args.ane_lane, ane_package=args.ane_package, ane_timeout_s=args.ane_timeout_s,
+        decode_attention=args.decode_attention, pipeline=not args.no_pipeline,
+        trace=sink_from_env(args.trace), observer=observer,
         progress=not args.no_progress,
     )
 
