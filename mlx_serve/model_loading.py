@@ -50,9 +50,8 @@ def describe_model(
     model: Any, tokenizer: Any, model_config: dict, model_id: str, config: EngineConfig, path: Path | None = None
 ) -> LoadedModel:
     """What the engine needs to know about a loaded mlx-lm model (also for models built in memory)."""
-    from mlx.utils import tree_flatten
+    from mlx_serve.model_source import weight_bytes
 
-    weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     args = model.args
     n_heads = args.num_attention_heads
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // n_heads
@@ -66,7 +65,7 @@ def describe_model(
         path=path,
         model_id=model_id,
         config=model_config,
-        weight_bytes=weight_bytes,
+        weight_bytes=weight_bytes(model),
         layout=layout,
         context_length=context,
         vocab_size=int(args.vocab_size),

@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_serve import ane_chunks
-from mlx_serve.kv_pool import KVPool, slot_array, slots_for
+from mlx_serve.kv_pool import KVPool, slot_array
 from mlx_serve.quantized_rows import fold_quantized_rows
 from mlx_serve.ragged import (
     DecodeAttention,
@@ -175,7 +175,7 @@ class ModelRunner:
         ordered = sorted(plan_lanes, key=lambda lane: lane.rows != 1)
         tokens: list[int] = []
         positions: list[int] = []
-        write_slots: list[int] = []
+        write_slots: list[np.ndarray] = []
         lanes: list[LaneRows] = []
         sample_rows: list[int] = []
         sample_ids: list[str] = []
@@ -188,7 +188,7 @@ class ModelRunner:
                 pending_sources.append(previous.row_of[lane.request_id])
             tokens.extend(max(t, 0) for t in lane.token_ids)
             positions.extend(range(lane.start, lane.end))
-            write_slots.extend(slots_for(lane.block_ids, lane.start, lane.end, block_size))
+            write_slots.append(slot_array(lane.block_ids, lane.start, lane.end, block_size))
             mask = None
             if lane.rows != 1 and self.kv_bucket:
                 kv_slots, mask = self._bucketed_kv(lane.block_ids, lane.start, lane.end)
@@ -210,7 +210,7 @@ class ModelRunner:
         num_single = sum(1 for lane in ordered if lane.rows == 1)
         layout = StepLayout(
             positions=mx.array(positions, dtype=mx.int32),
-            write_slots=mx.array(write_slots, dtype=mx.int32),
+            write_slots=mx.array(np.concatenate(write_slots) if write_slots else np.zeros(0, np.int32)),
             decode=self._decode_rows(ordered[:num_single], lanes[:num_single]) if num_single else None,
             lanes=tuple(lanes[num_single:]),
             decode_attention=self.decode_attention,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlx_serve.ane.lane import ChunkResult, LayerKV, PendingChunk, PrefillLane
-from mlx_serve.kv_pool import KVPool, slots_for
+from mlx_serve.kv_pool import KVPool, slot_array
 from scheduler.plan import Lane
 
 
@@ -20,7 +20,7 @@ def past_kv(plan_lane: Lane, pool: KVPool) -> list[LayerKV]:
     """Each layer's K/V of positions [0, start) as `[1, KVH, start, D]`; empty for a first chunk."""
     if plan_lane.start == 0:
         return []
-    slots = mx.array(slots_for(plan_lane.block_ids, 0, plan_lane.start, pool.block_size), dtype=mx.int32)
+    slots = mx.array(slot_array(plan_lane.block_ids, 0, plan_lane.start, pool.block_size))
     return [LayerKV(*pool.gather(layer, slots)) for layer in range(pool.layout.num_layers)]
 
 
@@ -30,9 +30,7 @@ def submit_from_pool(lane: PrefillLane, plan_lane: Lane, pool: KVPool) -> Pendin
 
 def write_back(result: ChunkResult, plan_lane: Lane, pool: KVPool) -> None:
     """Store the chunk's new K/V at its positions [start, end) in the pool, in the pool's dtype."""
-    slots = mx.array(
-        slots_for(plan_lane.block_ids, plan_lane.start, plan_lane.end, pool.block_size), dtype=mx.int32
-    )
+    slots = mx.array(slot_array(plan_lane.block_ids, plan_lane.start, plan_lane.end, pool.block_size))
     dtype = pool.layout.dtype
     for layer, kv in enumerate(result.kv):
         keys = kv.keys[0].transpose(1, 0, 2).astype(dtype)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from mlx_serve.kv_pool import slots_for
+from mlx_serve.kv_pool import slot_array
 from mlx_serve.ragged import DecodeRows, LaneRows
 
 
@@ -42,7 +42,7 @@ def random_decode_problem(
         order = order[count:]
     width = max(needed)
     lanes = tuple(
-        LaneRows(i, 1, mx.array(slots_for(table, 0, length, block_size), dtype=mx.int32))
+        LaneRows(i, 1, mx.array(slot_array(table, 0, length, block_size)))
         for i, (table, length) in enumerate(zip(tables, lengths))
     )
     rows = DecodeRows(

@@ -11,7 +11,7 @@ from ane_reference import mlx_forward, prompt
 
 from mlx_serve.ane import handoff
 from mlx_serve.ane.lane import LaneError, MlxCpuStandInLane, make_lane
-from mlx_serve.kv_pool import KVLayout, KVPool, slots_for
+from mlx_serve.kv_pool import KVLayout, KVPool, slot_array
 from scheduler.plan import Lane, LaneKind, Path
 
 BLOCK_SIZE = 16
@@ -38,7 +38,7 @@ def _prefill_through_lane(lane, model, tokens: list[int], chunk: int):
         hidden.append(result.hidden)
         labels.add(result.label)
         assert result.finished_s >= result.submitted_s and result.rows == len(piece)
-    all_slots = mx.array(slots_for(block_ids, 0, len(tokens), BLOCK_SIZE), dtype=mx.int32)
+    all_slots = mx.array(slot_array(block_ids, 0, len(tokens), BLOCK_SIZE))
     kv = [pool.gather(layer, all_slots) for layer in range(len(model.layers))]
     return mx.concatenate(hidden), kv, labels
 
