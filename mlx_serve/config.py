@@ -23,7 +23,8 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     decode_debt: bool = True
     pipeline: bool = True  # keep a decode-only step in flight while the next one is planned and queued
-    decode_attention: str = "auto"  # "auto" | "reference" | "kernel": attention of single-row lanes
+    decode_attention: str = "auto"  # "auto" | "reference" | "batched" | "kernel": attention of single-row lanes
+    compile_decode: str = "auto"  # "auto" (on with MLX's CUDA backend) | "on" | "off": mx.compile single-row steps
     ane_lane: str = "off"  # "off" | "cpu" (labelled MLX CPU stand-in) | "ane" (Core ML, macOS only)
     ane_package: str | None = None  # the `ane build` package that "ane" runs
     ane_timeout_s: float = 30.0  # a chunk slower than this reruns on the GPU

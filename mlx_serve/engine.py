@@ -73,6 +73,8 @@ class Engine:
             engine_setup.decode_attention(config.decode_attention),
             prefill_lane=engine_setup.prefill_lane(config, loaded.model, self.trace),
             lane_timeout_s=config.ane_timeout_s,
+            compile_decode=engine_setup.compile_decode(config.compile_decode),
+            prefill_gather=engine_setup.prefill_gather(self.pool),
         )
         self.scheduler = Scheduler(
             engine_setup.scheduler_config(config, num_blocks, self.context_length), trace=self.trace

@@ -38,6 +38,25 @@ def decode_attention(kind: str) -> Any:
     return select_decode_attention(kind)
 
 
+def compile_decode(kind: str) -> bool:
+    """Whether single-row steps run compiled. "auto": on with MLX's CUDA backend, where host time is the
+    decode step's bottleneck; off on the CPU backend, where the first call of each shape compiles C++."""
+    if kind not in ("auto", "on", "off"):
+        raise InvalidRequest(f"compile_decode must be auto, on or off, not {kind!r}", param="compile_decode")
+    if kind == "auto":
+        import mlx.core as mx
+
+        return mx.cuda.is_available() and mx.default_device().type == mx.gpu
+    return kind == "on"
+
+
+def prefill_gather(pool: Any) -> Any:
+    """How long prefill lanes read their history on this backend (None: the pool's slot gather)."""
+    from mlx_serve.kernels.paged_gather import select_prefill_gather
+
+    return select_prefill_gather(pool.keys[0])
+
+
 def prefill_lane(config: EngineConfig, model: Any, trace: Any) -> Any:
     """The ANE lane for `--ane-lane`: None when off; the CPU stand-in; or Core ML (macOS) over a built package."""
     if config.ane_lane == "off":

@@ -25,20 +25,35 @@ class KVLayout:
 
 
 class KVPool:
-    """Keys and values of every layer, `[num_blocks * block_size, kv_heads, head_dim]` each."""
+    """Keys and values of every layer, `[(num_blocks + 1) * block_size, kv_heads, head_dim]` each.
+
+    Blocks [0, num_blocks) belong to the scheduler's block manager. One more, `scratch_block`, is never handed
+    out: padding rows of a bucketed step write and read there (see `compiled_step`).
+    """
 
     def __init__(self, layout: KVLayout, num_blocks: int, block_size: int) -> None:
         self.layout = layout
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_blocks * block_size, layout.num_kv_heads, layout.head_dim)
+        shape = ((num_blocks + 1) * block_size, layout.num_kv_heads, layout.head_dim)
         self.keys = [mx.zeros(shape, layout.dtype) for _ in range(layout.num_layers)]
         self.values = [mx.zeros(shape, layout.dtype) for _ in range(layout.num_layers)]
         mx.eval(self.keys, self.values)
 
     @property
+    def scratch_block(self) -> int:
+        return self.num_blocks
+
+    @property
     def nbytes(self) -> int:
-        return self.num_blocks * self.block_size * self.layout.bytes_per_token()
+        return (self.num_blocks + 1) * self.block_size * self.layout.bytes_per_token()
+
+    def view(self, keys: list[mx.array], values: list[mx.array]) -> KVPool:
+        """The same pool over other arrays (a compiled step's traced inputs); writes go to the view's lists."""
+        view = object.__new__(KVPool)
+        view.layout, view.num_blocks, view.block_size = self.layout, self.num_blocks, self.block_size
+        view.keys, view.values = list(keys), list(values)
+        return view
 
     def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
         """Store rows `[T, kv_heads, head_dim]` at `slots` `[T]`."""

@@ -29,6 +29,11 @@ class LaneRows:
     # None: causal attention over exactly `kv_slots`. Otherwise `kv_slots` is padded to a bucket and this additive
     # mask [1, 1, rows, padded] hides the padding and the future (see ModelRunner's kv_bucket)
     mask: mx.array | None = None
+    # for a `PrefillGather` instead of `kv_slots`: the lane's block ids, (KV length, padded length) as int32 [2],
+    # and the padded length
+    table: mx.array | None = None
+    length: mx.array | None = None
+    kv_len: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +53,8 @@ class DecodeRows:
 
 # (queries [n, heads, 1, head_dim], pool keys [slots, kv_heads, head_dim], pool values, rows, scale) -> like queries
 DecodeAttention = Callable[[mx.array, mx.array, mx.array, DecodeRows, float], mx.array]
+# (pool keys, pool values, a lane with `table`, block size) -> its keys and values [1, kv_heads, kv_len, head_dim]
+PrefillGather = Callable[[mx.array, mx.array, LaneRows, int], tuple[mx.array, mx.array]]
 
 
 def reference_decode_attention(
@@ -72,6 +79,7 @@ class StepLayout:
     decode: DecodeRows | None
     lanes: tuple[LaneRows, ...]  # the multi-row lanes, after the decode rows
     decode_attention: DecodeAttention = reference_decode_attention
+    prefill_gather: PrefillGather | None = None  # how lanes with a `table` read their history
 
 
 class RaggedLayerCache:
@@ -100,7 +108,11 @@ class RaggedLayerCache:
             outputs.append(self.step.decode_attention(queries[: decode.count], pool_keys, pool_values, decode, scale))
         for lane in self.step.lanes:
             q = queries[lane.row_start : lane.row_start + lane.rows].transpose(2, 1, 0, 3)  # [1, H, n, D]
-            keys, values = self.pool.gather(self.layer, lane.kv_slots)
+            if lane.table is not None:
+                pool_keys, pool_values = self.pool.keys[self.layer], self.pool.values[self.layer]
+                keys, values = self.step.prefill_gather(pool_keys, pool_values, lane, self.pool.block_size)
+            else:
+                keys, values = self.pool.gather(self.layer, lane.kv_slots)
             mask = lane.mask if lane.mask is not None else ("causal" if lane.rows > 1 else None)
             out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
             outputs.append(out.transpose(2, 1, 0, 3))  # back to [n, H, 1, D]

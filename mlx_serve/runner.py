@@ -16,18 +16,20 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_serve import ane_chunks
+from mlx_serve.compiled_step import CompiledDecode
 from mlx_serve.kv_pool import KVPool, slot_array
 from mlx_serve.quantized_rows import fold_quantized_rows
 from mlx_serve.ragged import (
     DecodeAttention,
     DecodeRows,
     LaneRows,
+    PrefillGather,
     RaggedLayerCache,
     StepLayout,
     install_ragged_attention,
     reference_decode_attention,
 )
-from mlx_serve.sampling import RequestSampler, sample_rows, top_logprobs
+from mlx_serve.sampling import RequestSampler, SampledRows, sample_rows, top_logprobs
 from mlx_serve.types import SamplingParams, TokenLogprob
 from scheduler import Lane, StepOutcome, StepPlan
 from scheduler.plan import PENDING_TOKEN
@@ -83,6 +85,8 @@ class ModelRunner:
         kv_bucket: int | None = None,
         prefill_lane: Any = None,
         lane_timeout_s: float = 30.0,
+        compile_decode: bool = False,
+        prefill_gather: PrefillGather | None = None,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -93,12 +97,17 @@ class ModelRunner:
         # prefill lanes pad their KV to a multiple of this (0: exact): on CUDA, MLX builds a cuDNN attention graph
         # for every new (rows, history) shape, tens of ms each, so a growing history must repeat shapes
         self.kv_bucket = (KV_BUCKET if mx.cuda.is_available() else 0) if kv_bucket is None else kv_bucket
+        # how bucketed prefill lanes read their history: a kernel through the block table (CUDA), else slots
+        self.prefill_gather = prefill_gather
         self.prefill_lane = prefill_lane  # the ANE lane (or its CPU stand-in); None when off
         self.lane_timeout_s = lane_timeout_s
         self.samplers: dict[str, RequestSampler] = {}
         install_ragged_attention(model)
         fold_quantized_rows(model)
         self._tied = bool(getattr(getattr(model, "args", None), "tie_word_embeddings", False))
+        # single-row steps replay one compiled graph; the reference attention reads per-lane slot lists instead
+        use_compiled = compile_decode and not self._decode_lane_slots
+        self.compiled = CompiledDecode(model, pool, self.decode_attention, self._logits) if use_compiled else None
 
     # request lifecycle -------------------------------------------------------------------------------
     def add_request(self, request_id: str, params: SamplingParams) -> None:
@@ -122,23 +131,48 @@ class ModelRunner:
         t0 = time.perf_counter()
         gpu_lanes, ane_lanes = ane_chunks.split_lanes(plan.lanes, self.prefill_lane)
         chunks = ane_chunks.submit(self.prefill_lane, ane_lanes, self.pool) if ane_lanes else []
-        prepared = self._prepare(gpu_lanes, previous)
+        compiled = self.compiled is not None and bool(gpu_lanes) and all(lane.rows == 1 for lane in gpu_lanes)
+        prepared = None if compiled else self._prepare(gpu_lanes, previous)
         t1 = time.perf_counter()
-        samplers = [self.samplers[rid] for rid in prepared.sample_ids]
-        if not gpu_lanes:  # every lane of the step is on the ANE lane
-            sampled = None
-        elif samplers:
-            hidden = self._forward(prepared)
-            sampled = sample_rows(self._logits(hidden[prepared.sample_rows]), samplers)
-            mx.async_eval(sampled.tokens, self.pool.state())
-        else:  # a prefill-only step: only the KV writes are needed (MLX skips the unused last MLP)
-            self._forward(prepared)
-            sampled = None
-            mx.async_eval(self.pool.state())
+        if compiled:
+            sample_ids, sampled = self._submit_compiled(gpu_lanes, previous)
+        else:
+            sample_ids, sampled = prepared.sample_ids, self._submit_eager(prepared)
         t2 = time.perf_counter()
         phases = {"preparation": (t1 - t0) * 1e3, "submission": (t2 - t1) * 1e3}
-        rows = {rid: i for i, rid in enumerate(prepared.sample_ids)}
-        return InFlightStep(plan, prepared.sample_ids, samplers, sampled, rows, t0, phases, tuple(chunks))
+        rows = {rid: i for i, rid in enumerate(sample_ids)}
+        samplers = [self.samplers[rid] for rid in sample_ids]
+        return InFlightStep(plan, sample_ids, samplers, sampled, rows, t0, phases, tuple(chunks))
+
+    def _submit_eager(self, prepared: _PreparedStep) -> SampledRows | None:
+        if not prepared.layout.decode and not prepared.layout.lanes:  # every lane of the step is on the ANE lane
+            return None
+        if not prepared.sample_ids:  # prefill only: only the KV writes are needed (MLX skips the unused last MLP)
+            self._forward(prepared)
+            mx.async_eval(self.pool.state())
+            return None
+        hidden = self._forward(prepared)
+        samplers = [self.samplers[rid] for rid in prepared.sample_ids]
+        sampled = sample_rows(self._logits(hidden[prepared.sample_rows]), samplers)
+        mx.async_eval(sampled.tokens, self.pool.state())
+        return sampled
+
+    def _submit_compiled(
+        self, lanes: list[Lane], previous: InFlightStep | None
+    ) -> tuple[tuple[str, ...], SampledRows | None]:
+        tokens = self._input_tokens(lanes, previous)
+        self._observe(lanes, tokens, list(range(len(lanes))))
+        logits = self.compiled(lanes, tokens)
+        sampling = [i for i, lane in enumerate(lanes) if lane.samples]
+        sample_ids = tuple(lanes[i].request_id for i in sampling)
+        if not sample_ids:
+            mx.async_eval(self.pool.state())
+            return sample_ids, None
+        if len(sampling) < len(lanes):
+            logits = logits[mx.array(sampling, dtype=mx.int32)]
+        sampled = sample_rows(logits, [self.samplers[rid] for rid in sample_ids])
+        mx.async_eval(sampled.tokens, self.pool.state())
+        return sample_ids, sampled
 
     def collect(self, step: InFlightStep) -> RunnerOutput:
         """Wait for a submitted step and read its tokens back."""
@@ -173,40 +207,27 @@ class ModelRunner:
         block_size = self.pool.block_size
         # single-row lanes first: their attention is one batched call (see ragged.DecodeRows)
         ordered = sorted(plan_lanes, key=lambda lane: lane.rows != 1)
-        tokens: list[int] = []
         positions: list[int] = []
         write_slots: list[np.ndarray] = []
         lanes: list[LaneRows] = []
         sample_rows: list[int] = []
         sample_ids: list[str] = []
-        pending_rows: list[int] = []
-        pending_sources: list[int] = []
+        row_start = 0
         for lane in ordered:
-            row_start = len(tokens)
-            if lane.token_ids[-1] == PENDING_TOKEN:
-                pending_rows.append(row_start + lane.rows - 1)
-                pending_sources.append(previous.row_of[lane.request_id])
-            tokens.extend(max(t, 0) for t in lane.token_ids)
             positions.extend(range(lane.start, lane.end))
             write_slots.append(slot_array(lane.block_ids, lane.start, lane.end, block_size))
-            mask = None
             if lane.rows != 1 and self.kv_bucket:
-                kv_slots, mask = self._bucketed_kv(lane.block_ids, lane.start, lane.end)
+                lanes.append(self._bucketed_lane(row_start, lane))
             elif lane.rows != 1 or self._decode_lane_slots:
-                kv_slots = mx.array(slot_array(lane.block_ids, 0, lane.end, block_size))
+                lanes.append(LaneRows(row_start, lane.rows, mx.array(slot_array(lane.block_ids, 0, lane.end, block_size))))
             else:
-                kv_slots = self._no_slots
-            lanes.append(LaneRows(row_start, lane.rows, kv_slots, mask))
+                lanes.append(LaneRows(row_start, lane.rows, self._no_slots))
             if lane.samples:
                 sample_rows.append(row_start + lane.rows - 1)
                 sample_ids.append(lane.request_id)
-        inputs = mx.array(tokens, dtype=mx.int32)
-        if pending_rows:
-            inputs[mx.array(pending_rows)] = previous.sampled.tokens[mx.array(pending_sources)]
-        for lane, rows in zip(ordered, lanes):
-            sampler = self.samplers.get(lane.request_id)
-            if sampler is not None and sampler.processors:
-                sampler.observe(lane.start, inputs[rows.row_start : rows.row_start + rows.rows])
+            row_start += lane.rows
+        inputs = self._input_tokens(ordered, previous)
+        self._observe(ordered, inputs, [rows.row_start for rows in lanes])
         num_single = sum(1 for lane in ordered if lane.rows == 1)
         layout = StepLayout(
             positions=mx.array(positions, dtype=mx.int32),
@@ -214,6 +235,7 @@ class ModelRunner:
             decode=self._decode_rows(ordered[:num_single], lanes[:num_single]) if num_single else None,
             lanes=tuple(lanes[num_single:]),
             decode_attention=self.decode_attention,
+            prefill_gather=self.prefill_gather,
         )
         return _PreparedStep(
             inputs=inputs[:, None],
@@ -222,16 +244,43 @@ class ModelRunner:
             sample_ids=tuple(sample_ids),
         )
 
-    def _bucketed_kv(self, block_ids: tuple[int, ...], start: int, end: int) -> tuple[mx.array, mx.array]:
-        """Slots of [0, end) padded with slot 0 to a multiple of kv_bucket, and the causal mask that hides the pad."""
-        padded = -(-end // self.kv_bucket) * self.kv_bucket
-        slots = np.zeros(padded, dtype=np.int32)
-        slots[:end] = slot_array(block_ids, 0, end, self.pool.block_size)
-        query_pos = mx.arange(start, end, dtype=mx.int32)[:, None]
+    def _input_tokens(self, lanes: list[Lane], previous: InFlightStep | None) -> mx.array:
+        """The lanes' input rows `[T]`; a `PENDING_TOKEN` is taken from `previous`'s tokens on the device."""
+        tokens: list[int] = []
+        pending_rows: list[int] = []
+        pending_sources: list[int] = []
+        for lane in lanes:
+            if lane.token_ids[-1] == PENDING_TOKEN:
+                pending_rows.append(len(tokens) + lane.rows - 1)
+                pending_sources.append(previous.row_of[lane.request_id])
+            tokens.extend(max(t, 0) for t in lane.token_ids)
+        inputs = mx.array(tokens, dtype=mx.int32)
+        if pending_rows:
+            inputs[mx.array(pending_rows)] = previous.sampled.tokens[mx.array(pending_sources)]
+        return inputs
+
+    def _observe(self, lanes: list[Lane], inputs: mx.array, row_starts: list[int]) -> None:
+        for lane, start in zip(lanes, row_starts):
+            sampler = self.samplers.get(lane.request_id)
+            if sampler is not None and sampler.processors:
+                sampler.observe(lane.start, inputs[start : start + lane.rows])
+
+    def _bucketed_lane(self, row_start: int, lane: Lane) -> LaneRows:
+        """A prefill lane whose KV is padded to a multiple of kv_bucket, with the causal mask that hides the pad.
+
+        With a `prefill_gather` the lane carries its block table; otherwise slots, padded with slot 0."""
+        padded = -(-lane.end // self.kv_bucket) * self.kv_bucket
+        query_pos = mx.arange(lane.start, lane.end, dtype=mx.int32)[:, None]
         key_pos = mx.arange(padded, dtype=mx.int32)[None, :]
         dtype = self.pool.layout.dtype
-        mask = mx.where(key_pos <= query_pos, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))
-        return mx.array(slots), mask[None, None]
+        mask = mx.where(key_pos <= query_pos, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))[None, None]
+        if self.prefill_gather is not None:
+            table = mx.array(np.asarray(lane.block_ids[: -(-lane.end // self.pool.block_size)], dtype=np.int32))
+            length = mx.array([lane.end, padded], dtype=mx.int32)
+            return LaneRows(row_start, lane.rows, self._no_slots, mask, table, length, padded)
+        slots = np.zeros(padded, dtype=np.int32)
+        slots[: lane.end] = slot_array(lane.block_ids, 0, lane.end, self.pool.block_size)
+        return LaneRows(row_start, lane.rows, mx.array(slots), mask)
 
     def _decode_rows(self, plan_lanes: list, rows: list[LaneRows]) -> DecodeRows:
         width = max(len(lane.block_ids) for lane in plan_lanes)

@@ -58,7 +58,10 @@ class Recorder:
 
 
 class OurSide:
-    def __init__(self, dummy: DummyModel, kv_blocks: int, step_target_ms: float, attention: str) -> None:
+    def __init__(
+        self, dummy: DummyModel, kv_blocks: int, step_target_ms: float, attention: str, **engine: Any
+    ) -> None:
+        """`engine`: further EngineConfig fields (compile_decode, cost_model, ...)."""
         self.recorder = Recorder()
         self.sink = MemorySink()
         config = EngineConfig(
@@ -69,6 +72,7 @@ class OurSide:
             decode_attention=attention,
             trace=self.sink,
             observer=self.recorder,
+            **engine,
         )
         self.engine = Engine.from_model(dummy.model, dummy.tokenizer, dummy.config, config)
 

@@ -46,6 +46,16 @@ def rows_for_shape(r: dict) -> list[dict]:
             "kernel / reference (info)",
             None,
         )
+    for n, eager in ours.get("decode_compile_off", {}).items():
+        compiled = ours["decode"][n]["tok_s"]
+        add(
+            f"decode tok/s, {n} streams, compile off (lever off)",
+            None,
+            eager["tok_s"],
+            _ratio(compiled, eager["tok_s"]),
+            "compiled / eager (info)",
+            None,
+        )
     for length in r["prefill_lengths"]:
         p, o = peer["prefill"][str(length)]["tok_s"], ours["prefill"][str(length)]["tok_s"]
         add(f"prefill tok/s, {length} tokens", p, o, _ratio(o, p), ">= 0.95x", _ok(_ratio(o, p), 0.95))

@@ -70,7 +70,8 @@ def measure_ours(
 ) -> float:
     kv_blocks = math.ceil(1.25 * max(p.stream_counts) * (p.decode_prompt + p.decode_tokens + 16) / 16)
     kv_blocks = max(kv_blocks, math.ceil(2.5 * (p.contended_long + p.prefix_len) / 16))
-    side = OurSide(dummy, kv_blocks, 500.0, args.attention)
+    engine = {"compile_decode": args.compile_decode, "cost_model": args.cost_model}
+    side = OurSide(dummy, kv_blocks, 500.0, args.attention, **engine)
     try:
         side.decode(prompts, replace(p, decode_prompt=min(256, p.decode_prompt), decode_tokens=4), 8)
         side.prefill(prompts, p.prefill_lengths[0])
@@ -85,10 +86,21 @@ def measure_ours(
         side.close()
     del side
     gc.collect()
+    if args.eager_streams:  # the compile lever, before and after: the same engine building every step op by op
+        side = OurSide(dummy, kv_blocks, 500.0, args.attention, **{**engine, "compile_decode": "off"})
+        try:
+            out["decode_compile_off"] = {}
+            for n in args.eager_streams:
+                out["decode_compile_off"][str(n)] = side.decode(prompts, p, n)
+                note(f"{dummy.name} ours decode {n}, compile off", out["decode_compile_off"][str(n)])
+        finally:
+            side.close()
+        del side
+        gc.collect()
     if (
         args.reference_streams
     ):  # the lever, before and after: the same engine with the pure-MLX decode attention
-        side = OurSide(dummy, kv_blocks, 500.0, "reference")
+        side = OurSide(dummy, kv_blocks, 500.0, "reference", **engine)
         try:
             out["decode_reference_attention"] = {
                 str(args.reference_streams): side.decode(prompts, p, args.reference_streams)
@@ -104,7 +116,7 @@ def measure_ours(
         else None
     )
     target = args.step_target_ms or max(20.0, args.target_factor * (step8 or 10.0))
-    side = OurSide(dummy, kv_blocks, target, args.attention)
+    side = OurSide(dummy, kv_blocks, target, args.attention, **engine)
     try:
         side.prefill(prompts, p.prefill_lengths[0])  # the cost model learns prefill, then contended steps
         side.contended(
@@ -163,6 +175,14 @@ def main() -> None:
         type=int,
         default=0,
         help="also decode this many streams with the reference attention",
+    )
+    parser.add_argument("--compile-decode", default="auto", choices=("auto", "on", "off"))
+    parser.add_argument("--cost-model", default="ema", choices=("ema", "bucketed", "affine"))
+    parser.add_argument(
+        "--eager-streams",
+        type=lambda text: [int(n) for n in text.split(",") if n],
+        default=[],
+        help="also decode these stream counts with compile off (e.g. 1,8,32)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

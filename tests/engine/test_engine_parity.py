@@ -58,3 +58,21 @@ def test_concurrent_staggered_requests_match_mlx_lm(fixture, row_ceiling, attent
     for i, prompt in enumerate(prompts):
         assert results[i] == reference_tokens(path, prompt, 16), f"request {i} (prompt {len(prompt)} tokens)"
     assert status["counters"]["steps"] > len(prompts)
+
+
+@pytest.mark.parametrize("gather", ["slots", "table"])
+def test_bucketed_prefill_history_matches_mlx_lm(gather, tiny_qwen3):
+    """The CUDA layout of prefill lanes on the CPU: history padded to a bucket behind a mask, read through slots
+    or through the block table (the kernel's plain-MLX twin); chunks of 7 rows so most lanes have history."""
+    from mlx_serve.kernels.paged_gather import table_gather
+
+    prompts = [prompt_of(n, seed=i) for i, n in enumerate(LENGTHS[:5])]
+    engine = _engine(tiny_qwen3, row_ceiling=7, row_floor=1)
+    engine.runner.kv_bucket = 32
+    engine.runner.prefill_gather = table_gather if gather == "table" else None
+    try:
+        completions = engine.generate([GenerationRequest(prompt_ids=tuple(p), max_tokens=8) for p in prompts])
+    finally:
+        engine.shutdown()
+    for prompt, completion in zip(prompts, completions):
+        assert list(completion.token_ids) == reference_tokens(tiny_qwen3, prompt, 8)
