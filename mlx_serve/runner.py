@@ -102,6 +102,7 @@ class ModelRunner:
         self.prefill_lane = prefill_lane  # the ANE lane (or its CPU stand-in); None when off
         self.lane_timeout_s = lane_timeout_s
         self.samplers: dict[str, RequestSampler] = {}
+        self._last_done = 0.0  # when the last collected step was read back
         install_ragged_attention(model)
         fold_quantized_rows(model)
         self._tied = bool(getattr(getattr(model, "args", None), "tie_word_embeddings", False))
@@ -179,9 +180,14 @@ class ModelRunner:
         t2 = time.perf_counter()
         samples = self._read_samples(step.sample_ids, step.samplers, step.sampled)
         spans = self._collect_ane(step, samples) if step.ane else []
-        mx.eval(self.pool.state())
+        if step.sampled is None or step.ane:
+            # nothing read back proves the KV writes done. Such a step is never left in flight, so the pool's
+            # arrays are still its own; a sampled step's tokens depend on every layer's writes already
+            mx.eval(self.pool.state())
         t3 = time.perf_counter()
-        elapsed_ms = (t3 - step.started) * 1e3
+        # a step queued behind another starts when that one is done, not when it was queued
+        elapsed_ms = (t3 - max(step.started, self._last_done)) * 1e3
+        self._last_done = t3
         ane_ms = max((span.end - span.start) * 1e3 for span in spans) if spans else None
         outcome = StepOutcome({rid: s.token_id for rid, s in samples.items()}, elapsed_ms, ane_elapsed_ms=ane_ms)
         return RunnerOutput(outcome, samples, {**step.phases, "consumption": (t3 - t2) * 1e3}, spans)
