@@ -36,7 +36,16 @@ from scheduler.plan import PENDING_TOKEN
 
 log = logging.getLogger("mlx_serve.runner")
 
-KV_BUCKET = 1024  # history bucket of prefill lanes on CUDA
+KV_BUCKET = 1024  # history bucket unit of prefill lanes on CUDA
+
+
+def history_bucket(end: int, unit: int) -> int:
+    """Padded KV length of a prefill lane: 1, 2, 4, 8 units, then multiples of 4 units (at most 2x padding where
+    attention is cheap, at most 1.5x beyond), so a 16k prompt's chunks meet 6 shapes on the way, not 17."""
+    units = -(-end // unit)
+    if units <= 8:
+        return unit * (1 << (units - 1).bit_length())
+    return unit * (-(-units // 4) * 4)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +103,8 @@ class ModelRunner:
         # only the reference reads each decode lane's slots; the paged paths read the block tables
         self._decode_lane_slots = self.decode_attention is reference_decode_attention
         self._no_slots = mx.zeros((0,), dtype=mx.int32)
-        # prefill lanes pad their KV to a multiple of this (0: exact): on CUDA, MLX builds a cuDNN attention graph
-        # for every new (rows, history) shape, tens of ms each, so a growing history must repeat shapes
+        # prefill lanes pad their KV to a `history_bucket` of this unit (0: exact): on CUDA, MLX builds a cuDNN
+        # attention graph for every new (rows, history) shape, tens of ms each, so a growing history must repeat shapes
         self.kv_bucket = (KV_BUCKET if mx.cuda.is_available() else 0) if kv_bucket is None else kv_bucket
         # how bucketed prefill lanes read their history: a kernel through the block table (CUDA), else slots
         self.prefill_gather = prefill_gather
@@ -272,10 +281,10 @@ class ModelRunner:
                 sampler.observe(lane.start, inputs[start : start + lane.rows])
 
     def _bucketed_lane(self, row_start: int, lane: Lane) -> LaneRows:
-        """A prefill lane whose KV is padded to a multiple of kv_bucket, with the causal mask that hides the pad.
+        """A prefill lane whose KV is padded to a `history_bucket`, with the causal mask that hides the pad.
 
         With a `prefill_gather` the lane carries its block table; otherwise slots, padded with slot 0."""
-        padded = -(-lane.end // self.kv_bucket) * self.kv_bucket
+        padded = history_bucket(lane.end, self.kv_bucket)
         query_pos = mx.arange(lane.start, lane.end, dtype=mx.int32)[:, None]
         key_pos = mx.arange(padded, dtype=mx.int32)[None, :]
         dtype = self.pool.layout.dtype

@@ -89,7 +89,8 @@ class OurSide:
         """Prompts are admitted over several steps (2,048 rows each), so each stream generates that many more
         tokens than `decode_tokens`: the window where all streams decode is as long as mlx-lm's."""
         self.sink.events.clear()
-        extra = math.ceil(streams * p.decode_prompt / ROW_CEILING) + 2
+        # twice the prefill steps, plus slack: contended prefill steps may carry fewer rows than the ceiling
+        extra = 2 * math.ceil(streams * p.decode_prompt / ROW_CEILING) + 4
         self._run(prompts.many(streams, p.decode_prompt), p.decode_tokens + extra)
         steps = [e for e in self.sink.events if isinstance(e, StepExecuted) and e.prefill_rows == 0]
         result = steady_rate([e.t for e in steps], [e.decode_lanes for e in steps], streams)

@@ -44,3 +44,15 @@ def test_compiled_decode_matches_mlx_lm(fixture, request):
         assert results[i] == reference_tokens(path, prompt, 16), f"request {i} (prompt {len(prompt)} tokens)"
     assert list(alone.token_ids) == reference_tokens(path, prompt_of(5, seed=99), 40)
     assert len({lanes for lanes, _ in shapes}) > 1 and len({width for _, width in shapes}) > 1, shapes
+
+
+def test_history_buckets_cover_with_bounded_padding():
+    from mlx_serve.runner import history_bucket
+
+    seen = set()
+    for end in range(1, 40_000, 7):
+        padded = history_bucket(end, 1024)
+        assert padded >= end and padded % 1024 == 0
+        assert padded <= max(2 * end, 1024) and (end <= 8192 or padded <= 1.5 * end)
+        seen.add(padded)
+    assert sorted(p // 1024 for p in seen if p <= 16 * 1024) == [1, 2, 4, 8, 12, 16]
