@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import statistics
 import threading
 import time
@@ -10,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from benchmarks.gpu.models import DummyModel
-from benchmarks.gpu.workloads import BenchParams, Prompts, gap_summary, steady_rate
+from benchmarks.gpu.workloads import WARM_STEPS, BenchParams, Prompts, gap_summary, steady_rate
 from mlx_serve.engine import Engine, EngineConfig
 from mlx_serve.types import GenerationRequest
 from tracing.events import Span, StepExecuted
@@ -86,12 +85,28 @@ class OurSide:
         return self.engine.generate(requests)
 
     def decode(self, prompts: Prompts, p: BenchParams, streams: int) -> dict:
-        """Prompts are admitted over several steps (2,048 rows each), so each stream generates that many more
-        tokens than `decode_tokens`: the window where all streams decode is as long as mlx-lm's."""
+        """All streams decoding together for `decode_tokens` steps (after the warm-up steps). Streams get room for
+        many more tokens and are cancelled once the window is measured: while later prompts are still being
+        prefilled the early streams already decode, and must not finish before the last one starts."""
         self.sink.events.clear()
-        # twice the prefill steps, plus slack: contended prefill steps may carry fewer rows than the ceiling
-        extra = 2 * math.ceil(streams * p.decode_prompt / ROW_CEILING) + 4
-        self._run(prompts.many(streams, p.decode_prompt), p.decode_tokens + extra)
+        room = self.engine.pool.num_blocks * self.engine.pool.block_size // streams - p.decode_prompt - 16
+        budget = max(p.decode_tokens + 8, min(room, p.decode_tokens + 4096))
+        handles = [
+            self.engine.submit(GenerationRequest(prompt_ids=tuple(q), max_tokens=budget, ignore_eos=True))
+            for q in prompts.many(streams, p.decode_prompt)
+        ]
+        wanted = p.decode_tokens + WARM_STEPS + 1
+        seen, idle_since = 0, time.perf_counter()
+        while self._full_steps(streams) < wanted:
+            if len(self.sink.events) != seen:
+                seen, idle_since = len(self.sink.events), time.perf_counter()
+            elif time.perf_counter() - idle_since > 30.0:  # no step for 30 s: every stream has finished
+                break
+            time.sleep(0.01)
+        for handle in handles:
+            handle.cancel()
+        for handle in handles:
+            list(handle)
         steps = [e for e in self.sink.events if isinstance(e, StepExecuted) and e.prefill_rows == 0]
         result = steady_rate([e.t for e in steps], [e.decode_lanes for e in steps], streams)
         full = [e for e in steps if e.decode_lanes == streams]
@@ -102,6 +117,10 @@ class OurSide:
             else {}
         )
         return {**result, "runner_ms": spread, "host_ms": self._phases({e.step_id for e in full})}
+
+    def _full_steps(self, streams: int) -> int:
+        events = list(self.sink.events)
+        return sum(1 for e in events if isinstance(e, StepExecuted) and e.prefill_rows == 0 and e.decode_lanes == streams)
 
     def _phases(self, step_ids: set[int]) -> dict:
         """Median ms per step of each engine phase over these steps (consumption is mostly waiting on the GPU)."""
