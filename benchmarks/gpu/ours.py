@@ -15,7 +15,6 @@ from mlx_serve.types import GenerationRequest
 from tracing.events import Span, StepExecuted
 from tracing.sink import MemorySink
 
-ROW_CEILING = 2048  # EngineConfig's default: most rows in one step
 HOST_PHASES = ("planning", "preparation", "submission", "consumption", "application")
 
 
