@@ -56,3 +56,39 @@ def test_history_buckets_cover_with_bounded_padding():
         assert padded <= max(2 * end, 1024) and (end <= 8192 or padded <= 1.5 * end)
         seen.add(padded)
     assert sorted(p // 1024 for p in seen if p <= 16 * 1024) == [1, 2, 4, 8, 12, 16]
+
+
+@pytest.mark.parametrize("compile_decode", [False, True])
+def test_pipelined_step_is_timed_from_the_previous_read_back(tiny_qwen3, compile_decode):
+    """Step B is queued (reading A's token on the device) before A is read back; B's measured time must start
+    when A was read back, not when B was queued, or the cost model learns B as one step too slow."""
+    import time
+
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from mlx_serve.kernels.paged_attention import select_decode_attention
+    from mlx_serve.kv_pool import KVLayout, KVPool
+    from mlx_serve.runner import ModelRunner
+    from mlx_serve.types import SamplingParams
+    from scheduler.plan import PENDING_TOKEN, Lane, LaneKind, StepPlan
+
+    model, _ = load(str(tiny_qwen3))
+    args = model.args
+    layout = KVLayout(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, mx.float32)
+    runner = ModelRunner(
+        model, KVPool(layout, 8, 16), select_decode_attention("auto"), compile_decode=compile_decode
+    )
+    runner.add_request("r", SamplingParams(temperature=0.0))
+
+    def plan(step: int, token: int) -> StepPlan:
+        return StepPlan(step, (Lane("r", LaneKind.DECODE, (token,), step, (0, 1), True),), 0, "t", None, True)
+
+    first = runner.submit(plan(0, 5))
+    second = runner.submit(plan(1, PENDING_TOKEN), first)
+    time.sleep(0.05)  # host work between queueing B and reading A back must not count as B's time
+    runner.collect(first)
+    after_first = time.perf_counter()
+    out = runner.collect(second)
+    assert out.outcome.elapsed_ms <= (time.perf_counter() - after_first) * 1e3 + 1.0
+    assert out.samples["r"].token_id >= 0
