@@ -117,6 +117,14 @@ def markdown(results: list[dict], header: str) -> str:
         if "error" in r or "wall_s" not in r:
             lines += [f"| not finished | {r.get('error', 'cut short')} | | | | |", ""]
             continue
+        if r.get("decode_only"):
+            for n in r["stream_counts"]:
+                p, o = r["peer"]["decode"][str(n)]["tok_s"], r["ours"]["decode"][str(n)]["tok_s"]
+                ratio = _ratio(o, p)
+                met = {True: "yes", False: "**no**", None: ""}[_ok(ratio, 1.5)]
+                lines.append(f"| decode tok/s, {n} streams | {_fmt(p)} | {_fmt(o)} | {f'{ratio:.2f}x' if ratio else ''} | >= 1.5x | {met} |")
+            lines.append("")
+            continue
         for row in rows_for_shape(r):
             met = {True: "yes", False: "**no**", None: ""}[row["met"]]
             ratio = f"{row['ratio']:.2f}x" if row["ratio"] else ""

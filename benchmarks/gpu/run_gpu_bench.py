@@ -47,7 +47,7 @@ class Progress:
         write(self.results, self.args.out, self.header, self.meta)
 
 
-def measure_peer(dummy, prompts: Prompts, p: BenchParams, out: dict, note: Progress) -> None:
+def measure_peer(dummy, prompts: Prompts, p: BenchParams, out: dict, note: Progress, decode_only: bool = False) -> None:
     model = dummy.model
     peer.decode(model, prompts, replace(p, decode_prompt=min(256, p.decode_prompt), decode_tokens=4), 8)
     peer.prefill(model, prompts, p.prefill_lengths[0])  # warm-up: JIT compilation, allocations
@@ -55,6 +55,8 @@ def measure_peer(dummy, prompts: Prompts, p: BenchParams, out: dict, note: Progr
     for n in p.stream_counts:
         out["decode"][str(n)] = peer.decode(model, prompts, p, n)
         note(f"{dummy.name} mlx-lm decode {n}", out["decode"][str(n)])
+    if decode_only:
+        return
     out["generate_step"] = peer.generate_step_decode(model, prompts, p)
     out["prefill"] = {}
     for n in (*p.prefill_lengths, p.contended_long):
@@ -79,6 +81,8 @@ def measure_ours(
         for n in p.stream_counts:
             out["decode"][str(n)] = side.decode(prompts, p, n)
             note(f"{dummy.name} ours decode {n}", out["decode"][str(n)])
+        if args.decode_only:
+            return 0.0
         for n in (*p.prefill_lengths, p.contended_long):
             out["prefill"][str(n)] = side.prefill(prompts, n)
             note(f"{dummy.name} ours prefill {n}", out["prefill"][str(n)])
@@ -140,10 +144,11 @@ def bench_shape(name: str, p: BenchParams, args: argparse.Namespace, result: dic
     result.update(
         shape=name, weight_bytes=dummy.weight_bytes, build_s=time.perf_counter() - t0, step_target_ms=0
     )
-    result.update(asdict(p), peer={}, ours={})
+    result.update(asdict(p), peer={}, ours={}, decode_only=args.decode_only)
     note(f"{name} built", {"weight_gb": dummy.weight_bytes / 1e9})
     measure_peer(
-        dummy, prompts := Prompts(dummy.config["vocab_size"], seed=args.seed), p, result["peer"], note
+        dummy, prompts := Prompts(dummy.config["vocab_size"], seed=args.seed), p, result["peer"], note,
+        args.decode_only,
     )
     result["step_target_ms"] = measure_ours(dummy, prompts, p, args, result["ours"], note)
     result["wall_s"] = time.perf_counter() - t0
@@ -185,6 +190,8 @@ def main() -> None:
         help="also decode these stream counts with compile off (e.g. 1,8,32)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--streams", default="", help="decode stream counts instead of 1,8,32,64 (e.g. 32,64)")
+    parser.add_argument("--decode-only", action="store_true", help="measure decode only (JSON and log, no table)")
     parser.add_argument(
         "--decode-prompt", type=int, default=0, help="history of the decode streams (default 1,024)"
     )
@@ -209,6 +216,8 @@ def main() -> None:
         p = TINY if name.startswith("tiny") else (QUICK if args.quick else FULL)
         if args.decode_prompt:
             p = replace(p, decode_prompt=args.decode_prompt)
+        if args.streams:
+            p = replace(p, stream_counts=tuple(int(n) for n in args.streams.split(",")))
         results.append({"shape": name, "weight_bytes": 0, "step_target_ms": 0})
         try:
             bench_shape(name, p, args, results[-1], note)
@@ -218,7 +227,8 @@ def main() -> None:
         gc.collect()
         mx.clear_cache()
         write(results, args.out, header, meta)
-        print(markdown(results[-1:], header), flush=True)
+        if not args.decode_only:
+            print(markdown(results[-1:], header), flush=True)
 
 
 if __name__ == "__main__":
