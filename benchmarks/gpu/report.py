@@ -36,6 +36,13 @@ def rows_for_shape(r: dict) -> list[dict]:
             )
         else:
             add(f"decode tok/s, {n} streams{frac}", p, o, ratio, ">= 1.5x", _ok(ratio, 1.5))
+    rounds_p, rounds_o = peer.get("decode_rounds", {}), ours.get("decode_rounds", {})
+    if any(len(v) > 1 for v in rounds_o.values()):
+        spread = "; ".join(
+            f"{n}: " + " / ".join(_fmt(_ratio(o.get("tok_s"), q.get("tok_s"))) for q, o in zip(rounds_p[n], rounds_o[n]))
+            for n in rounds_o
+        )
+        add("decode ratio of each round, by streams (noise check)", None, spread, None, "(info)", None)
     levers = (  # the same engine with one lever off, measured in the same run
         ("decode_reference_attention", "pure-MLX reference attention", "kernel / reference (info)"),
         ("decode_compile_off", "compile off", "compiled / eager (info)"),

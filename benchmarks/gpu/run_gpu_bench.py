@@ -2,8 +2,9 @@
 
     python -m benchmarks.gpu.run_gpu_bench --shapes 0.6b,8b,30b-a3b,8b-4bit --quick --out $OUT
 
-Per shape (weights built in memory, never on disk): mlx-lm's BatchGenerator and generate_step first, then our
-engine (`Engine.from_model`) on the same model object: decode tok/s at 1/8/32/64 streams over a 1k history,
+Per shape (weights built in memory, never on disk), mlx-lm's BatchGenerator and generate_step against our engine
+(`Engine.from_model`) on the same model object: decode tok/s at 1/8/32/64 streams over a 1k history (both
+engines in alternating order, `--decode-rounds` times, median),
 prefill tok/s, 8 streams decoding while a 16k prompt arrives (gaps and the long prompt's TTFT against its solo
 TTFT), and a shared 8k prefix (continuation TTFT against cold). Writes gpu_bench.json and gpu_bench.md into
 --out after every shape, so a run cut short keeps what it measured. `--shapes tiny --device cpu` checks the
@@ -48,16 +49,12 @@ class Progress:
 
 
 def measure_peer(dummy, prompts: Prompts, p: BenchParams, out: dict, note: Progress, decode_only: bool = False) -> None:
+    """mlx-lm's figures except decode, which `measure_decode` takes interleaved with ours."""
     model = dummy.model
     peer.decode(model, prompts, replace(p, decode_prompt=min(256, p.decode_prompt), decode_tokens=4), 8)
     peer.prefill(model, prompts, p.prefill_lengths[0])  # warm-up: JIT compilation, allocations
-    out["decode"] = {}
-    for n in p.stream_counts:
-        out["decode"][str(n)] = peer.decode(model, prompts, p, n)
-        note(f"{dummy.name} mlx-lm decode {n}", out["decode"][str(n)])
     if decode_only:
         return
-    out["generate_step"] = peer.generate_step_decode(model, prompts, p)
     out["prefill"] = {}
     for n in (*p.prefill_lengths, p.contended_long):
         out["prefill"][str(n)] = peer.prefill(model, prompts, n)
@@ -67,8 +64,40 @@ def measure_peer(dummy, prompts: Prompts, p: BenchParams, out: dict, note: Progr
     mx.clear_cache()
 
 
+def measure_decode(
+    dummy, side: OurSide, prompts: Prompts, p: BenchParams, rounds: int, peer_out: dict, ours_out: dict, note: Progress
+) -> None:
+    """Decode figures of both engines in alternating order (mlx-lm first in even rounds, ours first in odd ones):
+    the host's speed drifts by up to 2x within minutes, so a figure is the median over rounds, each round's pair
+    taken back to back."""
+    peer_runs: dict[str, list[dict]] = {}
+    our_runs: dict[str, list[dict]] = {}
+    for round_ in range(rounds):
+        for n in p.stream_counts:
+            def theirs(n: int = n) -> dict:
+                if n == 1:  # batch 1 is compared with generate_step, mlx-lm's fastest single-stream path
+                    return peer.generate_step_decode(dummy.model, prompts, p)
+                return peer.decode(dummy.model, prompts, p, n)
+
+            order = (("mlx-lm", theirs), ("ours", lambda n=n: side.decode(prompts, p, n)))
+            for name, run in order if round_ % 2 == 0 else order[::-1]:
+                result = run()
+                (peer_runs if name == "mlx-lm" else our_runs).setdefault(str(n), []).append(result)
+                note(f"{dummy.name} {name} decode {n} (round {round_ + 1})", result)
+    for runs, out in ((peer_runs, peer_out), (our_runs, ours_out)):
+        out["decode"] = {n: _median_run(results) for n, results in runs.items()}
+        out["decode_rounds"] = runs
+    peer_out["generate_step"] = peer_out["decode"].get("1", {"tok_s": None})
+
+
+def _median_run(results: list[dict]) -> dict:
+    """The run with the median tok/s (the lower middle one for an even count)."""
+    valid = sorted((r for r in results if r.get("tok_s")), key=lambda r: r["tok_s"])
+    return valid[(len(valid) - 1) // 2] if valid else results[0]
+
+
 def measure_ours(
-    dummy, prompts: Prompts, p: BenchParams, args: argparse.Namespace, out: dict, note: Progress
+    dummy, prompts: Prompts, p: BenchParams, args: argparse.Namespace, out: dict, peer_out: dict, note: Progress
 ) -> float:
     kv_blocks = math.ceil(1.25 * max(p.stream_counts) * (p.decode_prompt + p.decode_tokens + 16) / 16)
     kv_blocks = max(kv_blocks, math.ceil(2.5 * (p.contended_long + p.prefix_len) / 16))
@@ -77,10 +106,8 @@ def measure_ours(
     try:
         side.decode(prompts, replace(p, decode_prompt=min(256, p.decode_prompt), decode_tokens=4), 8)
         side.prefill(prompts, p.prefill_lengths[0])
-        out["decode"], out["prefill"] = {}, {}
-        for n in p.stream_counts:
-            out["decode"][str(n)] = side.decode(prompts, p, n)
-            note(f"{dummy.name} ours decode {n}", out["decode"][str(n)])
+        measure_decode(dummy, side, prompts, p, args.decode_rounds, peer_out, out, note)
+        out["prefill"] = {}
         if args.decode_only:
             return 0.0
         for n in (*p.prefill_lengths, p.contended_long):
@@ -150,7 +177,7 @@ def bench_shape(name: str, p: BenchParams, args: argparse.Namespace, result: dic
         dummy, prompts := Prompts(dummy.config["vocab_size"], seed=args.seed), p, result["peer"], note,
         args.decode_only,
     )
-    result["step_target_ms"] = measure_ours(dummy, prompts, p, args, result["ours"], note)
+    result["step_target_ms"] = measure_ours(dummy, prompts, p, args, result["ours"], result["peer"], note)
     result["wall_s"] = time.perf_counter() - t0
 
 
@@ -192,6 +219,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--streams", default="", help="decode stream counts instead of 1,8,32,64 (e.g. 32,64)")
     parser.add_argument("--decode-only", action="store_true", help="measure decode only (JSON and log, no table)")
+    parser.add_argument(
+        "--decode-rounds", type=int, default=2, help="decode figures: rounds of both engines in alternating order"
+    )
     parser.add_argument(
         "--decode-prompt", type=int, default=0, help="history of the decode streams (default 1,024)"
     )
