@@ -92,3 +92,37 @@ def test_pipelined_step_is_timed_from_the_previous_read_back(tiny_qwen3, compile
     out = runner.collect(second)
     assert out.outcome.elapsed_ms <= (time.perf_counter() - after_first) * 1e3 + 1.0
     assert out.samples["r"].token_id >= 0
+
+
+def test_compiled_decode_keeps_penalties_logprobs_and_seeds(tiny_qwen3):
+    """The same requests with per-request sampling features, compiled and eager, in one busy batch each:
+    penalties and logit bias (device-side history), logprobs, and seeded sampling give identical results."""
+    from mlx_serve.types import SamplingParams
+
+    requests = [
+        SamplingParams(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.3, logit_bias={77: 4.0}),
+        SamplingParams(logprobs=3),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=7),
+        SamplingParams(temperature=1.0, top_k=20, min_p=0.05, seed=11, logprobs=0),
+        SamplingParams(),
+    ]
+    prompts = [prompt_of(9 + 7 * i, seed=40 + i) for i in range(len(requests))]
+    results = {}
+    for mode in ("off", "on"):
+        engine = Engine.load(EngineConfig(model=str(tiny_qwen3), compile_decode=mode))
+        try:
+            assert (engine.runner.compiled is not None) == (mode == "on")
+            completions = engine.generate(
+                [
+                    GenerationRequest(prompt_ids=tuple(p), max_tokens=12, sampling=s, ignore_eos=True)
+                    for p, s in zip(prompts, requests)
+                ]
+            )
+        finally:
+            engine.shutdown()
+        results[mode] = [
+            (list(c.token_ids), [round(lp, 5) for lp in c.logprobs] if c.logprobs is not None else None)
+            for c in completions
+        ]
+    assert results["on"][1][1] and results["on"][3][1] is not None  # logprobs were really returned
+    assert results["on"] == results["off"]
