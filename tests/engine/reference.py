@@ -58,3 +58,18 @@ class StreamReaders:
         for thread in self._threads:
             thread.join(60)
         return self.tokens
+
+
+def run_staggered(engine, prompts: list[list[int]], first: int, max_tokens: int) -> dict[int, list[int]]:
+    """Submit `prompts[:first]`, and the rest once the first token of any of them has come (while they run);
+    returns every request's tokens by its index in `prompts`."""
+    from mlx_serve.types import GenerationRequest
+
+    def submit(prompt: list[int]):
+        return engine.submit(GenerationRequest(prompt_ids=tuple(prompt), max_tokens=max_tokens))
+
+    readers = StreamReaders([submit(p) for p in prompts[:first]])
+    assert readers.started.wait(60)
+    for i, prompt in enumerate(prompts[first:], start=first):
+        readers.read(i, submit(prompt))
+    return readers.join()

@@ -7,7 +7,7 @@ import pytest
 from mlx_serve.compiled_step import lane_bucket, width_bucket
 from mlx_serve.engine import Engine, EngineConfig
 from mlx_serve.types import GenerationRequest
-from tests.engine.reference import StreamReaders, prompt_of, reference_tokens
+from tests.engine.reference import prompt_of, reference_tokens, run_staggered
 
 LENGTHS = [3, 17, 40, 9, 64, 5, 33, 21, 90]
 
@@ -28,13 +28,7 @@ def test_compiled_decode_matches_mlx_lm(fixture, request):
     engine = Engine.load(EngineConfig(model=str(path), row_ceiling=50, row_floor=1, block_size=4, compile_decode="on"))
     try:
         assert engine.runner.compiled is not None
-        first_wave = [engine.submit(GenerationRequest(prompt_ids=tuple(p), max_tokens=16)) for p in prompts[:3]]
-        readers = StreamReaders(first_wave)
-        assert readers.started.wait(60)
-        later = [engine.submit(GenerationRequest(prompt_ids=tuple(p), max_tokens=16)) for p in prompts[3:]]
-        for i, handle in enumerate(later, start=3):
-            readers.read(i, handle)
-        results = readers.join()
+        results = run_staggered(engine, prompts, first=3, max_tokens=16)
         # alone, a short prompt's history crosses several table widths
         [alone] = engine.generate([GenerationRequest(prompt_ids=tuple(prompt_of(5, seed=99)), max_tokens=40)])
         shapes = engine.runner.compiled.shapes

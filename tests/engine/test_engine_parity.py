@@ -6,7 +6,7 @@ import pytest
 
 from mlx_serve.engine import Engine, EngineConfig
 from mlx_serve.types import GenerationRequest
-from tests.engine.reference import StreamReaders, prompt_of, reference_tokens
+from tests.engine.reference import prompt_of, reference_tokens, run_staggered
 
 LENGTHS = [3, 17, 40, 9, 64, 5, 33, 21, 90]
 
@@ -45,13 +45,7 @@ def test_concurrent_staggered_requests_match_mlx_lm(fixture, row_ceiling, attent
     prompts = [prompt_of(n, seed=i) for i, n in enumerate(LENGTHS)]
     engine = _engine(path, row_ceiling=row_ceiling, row_floor=1, decode_attention=attention)
     try:
-        first_wave = [engine.submit(GenerationRequest(prompt_ids=tuple(p), max_tokens=16)) for p in prompts[:4]]
-        readers = StreamReaders(first_wave)
-        assert readers.started.wait(60)
-        later = [engine.submit(GenerationRequest(prompt_ids=tuple(p), max_tokens=16)) for p in prompts[4:]]
-        for i, handle in enumerate(later, start=4):
-            readers.read(i, handle)
-        results = readers.join()
+        results = run_staggered(engine, prompts, first=4, max_tokens=16)
         status = engine.status()
     finally:
         engine.shutdown()
