@@ -157,15 +157,10 @@ class ModelRunner:
     def _submit_eager(self, prepared: _PreparedStep) -> SampledRows | None:
         if not prepared.layout.decode and not prepared.layout.lanes:  # every lane of the step is on the ANE lane
             return None
-        if not prepared.sample_ids:  # prefill only: only the KV writes are needed (MLX skips the unused last MLP)
-            self._forward(prepared)
-            mx.async_eval(self.pool.state())
-            return None
         hidden = self._forward(prepared)
-        samplers = [self.samplers[rid] for rid in prepared.sample_ids]
-        sampled = sample_rows(self._logits(hidden[prepared.sample_rows]), samplers)
-        mx.async_eval(sampled.tokens, self.pool.state())
-        return sampled
+        if not prepared.sample_ids:  # prefill only: only the KV writes are needed (MLX skips the unused last MLP)
+            return self._queue(None, ())
+        return self._queue(self._logits(hidden[prepared.sample_rows]), prepared.sample_ids)
 
     def _submit_compiled(
         self, lanes: list[Lane], previous: InFlightStep | None
@@ -175,14 +170,18 @@ class ModelRunner:
         logits = self.compiled(lanes, tokens)
         sampling = [i for i, lane in enumerate(lanes) if lane.samples]
         sample_ids = tuple(lanes[i].request_id for i in sampling)
-        if not sample_ids:
-            mx.async_eval(self.pool.state())
-            return sample_ids, None
-        if len(sampling) < len(lanes):
+        if 0 < len(sampling) < len(lanes):
             logits = logits[mx.array(sampling, dtype=mx.int32)]
+        return sample_ids, self._queue(logits if sample_ids else None, sample_ids)
+
+    def _queue(self, logits: mx.array | None, sample_ids: tuple[str, ...]) -> SampledRows | None:
+        """Sample the step's rows (if any) and queue the step on the device with its KV writes."""
+        if logits is None:
+            mx.async_eval(self.pool.state())
+            return None
         sampled = sample_rows(logits, [self.samplers[rid] for rid in sample_ids])
         mx.async_eval(sampled.tokens, self.pool.state())
-        return sample_ids, sampled
+        return sampled
 
     def collect(self, step: InFlightStep) -> RunnerOutput:
         """Wait for a submitted step and read its tokens back."""
