@@ -15,6 +15,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from mlx_serve.fused_decode import FusedDecode
 from mlx_serve.kv_pool import KVPool
 from mlx_serve.ragged import DecodeAttention, DecodeRows, RaggedLayerCache, StepLayout
 from scheduler import Lane
@@ -38,12 +39,18 @@ class CompiledDecode:
     """Runs a step whose lanes are all single rows; returns the logits of the real lanes `[n, vocab]`."""
 
     def __init__(
-        self, model: Any, pool: KVPool, attention: DecodeAttention, logits: Callable[[mx.array], mx.array]
+        self,
+        model: Any,
+        pool: KVPool,
+        attention: DecodeAttention,
+        logits: Callable[[mx.array], mx.array],
+        fused: FusedDecode | None = None,
     ) -> None:
         self.model = model
         self.pool = pool
         self.attention = attention
         self.logits = logits
+        self.fused = fused  # the fused forward; None: mlx-lm's modules through ragged caches
         self._step = mx.compile(self._traced)
         self.shapes: set[tuple[int, int]] = set()  # (lanes, width) buckets traced so far
 
@@ -85,6 +92,8 @@ class CompiledDecode:
     ) -> tuple[mx.array, list[mx.array], list[mx.array]]:
         pool = self.pool.view(keys, values)
         rows = DecodeRows(tables.shape[0], tables, lengths, pool.block_size, lanes=())
+        if self.fused is not None:
+            return self.logits(self.fused(tokens, positions, slots, rows, pool)), pool.keys, pool.values
         layout = StepLayout(positions, slots, rows, lanes=(), decode_attention=self.attention)
         caches = [RaggedLayerCache(pool, layer, layout) for layer in range(len(keys))]
         hidden = self.model.model(tokens[:, None], cache=caches)[:, 0, :]

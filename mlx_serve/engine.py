@@ -67,14 +67,16 @@ class Engine:
         self.trace = config.trace if config.trace is not None else sink_from_env()  # $MLX_SERVE_TRACE
         self.observer = config.observer or NullObserver()
         self.pool = KVPool(loaded.layout, num_blocks, config.block_size)
+        compiled = engine_setup.compile_decode(config.compile_decode)
         self.runner = ModelRunner(
             loaded.model,
             self.pool,
             engine_setup.decode_attention(config.decode_attention),
             prefill_lane=engine_setup.prefill_lane(config, loaded.model, self.trace),
             lane_timeout_s=config.ane_timeout_s,
-            compile_decode=engine_setup.compile_decode(config.compile_decode),
+            compile_decode=compiled,
             prefill_gather=engine_setup.prefill_gather(self.pool),
+            fuse_decode=engine_setup.fuse_decode(config.fuse_decode, loaded.model, compiled),
         )
         self.scheduler = Scheduler(
             engine_setup.scheduler_config(config, num_blocks, self.context_length), trace=self.trace

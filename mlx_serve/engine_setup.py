@@ -50,6 +50,26 @@ def compile_decode(kind: str) -> bool:
     return kind == "on"
 
 
+def fuse_decode(kind: str, model: Any, compiled: bool) -> bool:
+    """Whether compiled single-row steps take the fused forward (`mlx_serve.fused_decode`). "auto": with MLX's
+    CUDA backend, for the families it knows; "on" refuses a model it does not know, with the reason."""
+    if kind not in ("auto", "on", "off"):
+        raise InvalidRequest(f"fuse_decode must be auto, on or off, not {kind!r}", param="fuse_decode")
+    if kind == "off":
+        return False
+    from mlx_serve.fused_decode import unsupported_reason
+
+    reason = unsupported_reason(model)
+    if kind == "on":
+        if not compiled:
+            raise InvalidRequest("fuse_decode on needs compiled decode steps (compile_decode)", param="fuse_decode")
+        if reason is not None:
+            raise InvalidRequest(f"fuse_decode on: this model cannot take the fused forward: {reason}",
+                                 param="fuse_decode")  # fmt: skip
+        return True
+    return compiled and reason is None and compile_decode("auto")
+
+
 def prefill_gather(pool: Any) -> Any:
     """How long prefill lanes read their history on this backend (None: the pool's slot gather)."""
     from mlx_serve.kernels.paged_gather import select_prefill_gather

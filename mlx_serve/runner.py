@@ -17,6 +17,7 @@ import numpy as np
 
 from mlx_serve import ane_chunks
 from mlx_serve.compiled_step import CompiledDecode
+from mlx_serve.fused_decode import FusedDecode
 from mlx_serve.kv_pool import KVPool, slot_array
 from mlx_serve.quantized_rows import fold_quantized_rows
 from mlx_serve.ragged import (
@@ -96,6 +97,7 @@ class ModelRunner:
         lane_timeout_s: float = 30.0,
         compile_decode: bool = False,
         prefill_gather: PrefillGather | None = None,
+        fuse_decode: bool = False,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -117,7 +119,10 @@ class ModelRunner:
         self._tied = bool(getattr(getattr(model, "args", None), "tie_word_embeddings", False))
         # single-row steps replay one compiled graph; the reference attention reads per-lane slot lists instead
         use_compiled = compile_decode and not self._decode_lane_slots
-        self.compiled = CompiledDecode(model, pool, self.decode_attention, self._logits) if use_compiled else None
+        fused = FusedDecode(model, self.decode_attention) if use_compiled and fuse_decode else None
+        self.compiled = (
+            CompiledDecode(model, pool, self.decode_attention, self._logits, fused) if use_compiled else None
+        )
 
     # request lifecycle -------------------------------------------------------------------------------
     def add_request(self, request_id: str, params: SamplingParams) -> None:

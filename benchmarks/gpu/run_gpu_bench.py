@@ -96,12 +96,32 @@ def _median_run(results: list[dict]) -> dict:
     return valid[(len(valid) - 1) // 2] if valid else results[0]
 
 
+def measure_lever(
+    dummy, kv_blocks: int, args: argparse.Namespace, engine: dict, prompts: Prompts, p: BenchParams,
+    streams: list[int], label: str, note: Progress,
+) -> dict:
+    """Decode figures of our engine with `engine`'s overrides (one fast path off), for the lever's before/after."""
+    engine = dict(engine)
+    attention = engine.pop("attention", args.attention)
+    side = OurSide(dummy, kv_blocks, 500.0, attention, **engine)
+    try:
+        figures = {}
+        for n in streams:
+            figures[str(n)] = side.decode(prompts, p, n)
+            note(f"{dummy.name} ours decode {n}, {label}", figures[str(n)])
+        return figures
+    finally:
+        side.close()
+        del side
+        gc.collect()
+
+
 def measure_ours(
     dummy, prompts: Prompts, p: BenchParams, args: argparse.Namespace, out: dict, peer_out: dict, note: Progress
 ) -> float:
     kv_blocks = math.ceil(1.25 * max(p.stream_counts) * (p.decode_prompt + p.decode_tokens + 16) / 16)
     kv_blocks = max(kv_blocks, math.ceil(2.5 * (p.contended_long + p.prefix_len) / 16))
-    engine = {"compile_decode": args.compile_decode, "cost_model": args.cost_model}
+    engine = {"compile_decode": args.compile_decode, "fuse_decode": args.fuse_decode, "cost_model": args.cost_model}
     side = OurSide(dummy, kv_blocks, 500.0, args.attention, **engine)
     try:
         side.decode(prompts, replace(p, decode_prompt=min(256, p.decode_prompt), decode_tokens=4), 8)
@@ -117,29 +137,16 @@ def measure_ours(
         side.close()
     del side
     gc.collect()
-    if args.eager_streams:  # the compile lever, before and after: the same engine building every step op by op
-        side = OurSide(dummy, kv_blocks, 500.0, args.attention, **{**engine, "compile_decode": "off"})
-        try:
-            out["decode_compile_off"] = {}
-            for n in args.eager_streams:
-                out["decode_compile_off"][str(n)] = side.decode(prompts, p, n)
-                note(f"{dummy.name} ours decode {n}, compile off", out["decode_compile_off"][str(n)])
-        finally:
-            side.close()
-        del side
-        gc.collect()
-    if (
-        args.reference_streams
-    ):  # the lever, before and after: the same engine with the pure-MLX decode attention
-        side = OurSide(dummy, kv_blocks, 500.0, "reference", **engine)
-        try:
-            out["decode_reference_attention"] = {
-                str(args.reference_streams): side.decode(prompts, p, args.reference_streams)
-            }
-        finally:
-            side.close()
-        del side
-        gc.collect()
+    # levers, before and after: the same engine with one fast path off, decoding the same streams
+    levers = [
+        ("decode_compile_off", "compile off", {"compile_decode": "off"}, args.eager_streams),
+        ("decode_unfused", "unfused", {"fuse_decode": "off"}, args.unfused_streams),
+        ("decode_reference_attention", "reference attention", {"attention": "reference"},
+         [args.reference_streams] if args.reference_streams else []),
+    ]  # fmt: skip
+    for key, label, overrides, streams in levers:
+        if streams:
+            out[key] = measure_lever(dummy, kv_blocks, args, {**engine, **overrides}, prompts, p, streams, label, note)
     # the step target for contention: a few 8-stream decode steps, so a prefill chunk never freezes the streams
     step8 = (
         out["decode"][str(p.contended_streams)]["step_ms"]
@@ -215,6 +222,13 @@ def main() -> None:
         type=lambda text: [int(n) for n in text.split(",") if n],
         default=[],
         help="also decode these stream counts with compile off (e.g. 1,8,32)",
+    )
+    parser.add_argument("--fuse-decode", default="auto", choices=("auto", "on", "off"))
+    parser.add_argument(
+        "--unfused-streams",
+        type=lambda text: [int(n) for n in text.split(",") if n],
+        default=[],
+        help="also decode these stream counts with the fused decode forward off (e.g. 1,8)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--streams", default="", help="decode stream counts instead of 1,8,32,64 (e.g. 32,64)")

@@ -67,7 +67,6 @@ def _kernels() -> _Kernels:
 
 
 @functools.lru_cache(maxsize=64)
-@functools.lru_cache(maxsize=64)
 def _scalar(value: float | int, dtype: mx.Dtype) -> mx.array:
     # kernel scalars arrive as pointers: one cached device array per value, not a new upload per layer and step
     scalar = mx.array([value], dtype=dtype)
@@ -75,7 +74,7 @@ def _scalar(value: float | int, dtype: mx.Dtype) -> mx.array:
     return scalar
 
 
-def _int32(values: mx.array) -> mx.array:
+def as_int32(values: mx.array) -> mx.array:
     return values if values.dtype == mx.int32 else values.astype(mx.int32)
 
 
@@ -133,8 +132,8 @@ def paged_decode_attention(
         queries,
         pool_keys,
         pool_values,
-        _int32(rows.block_tables),
-        _int32(rows.lengths),
+        as_int32(rows.block_tables),
+        as_int32(rows.lengths),
         _scalar(size, mx.int32),
         _scalar(float(scale), mx.float32),
     ]

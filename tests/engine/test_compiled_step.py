@@ -20,14 +20,20 @@ def test_buckets_cover_and_repeat():
     assert {width_bucket(n) for n in range(1, 600)} == {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 768}
 
 
+@pytest.mark.parametrize("fuse", ["off", "on"])
 @pytest.mark.parametrize("fixture", ["tiny_qwen3", "tiny_qwen3_moe", "tiny_llama"])
-def test_compiled_decode_matches_mlx_lm(fixture, request):
-    """Staggered requests: lane counts move across buckets (pad lanes) and histories across widths."""
+def test_compiled_decode_matches_mlx_lm(fixture, fuse, request):
+    """Staggered requests: lane counts move across buckets (pad lanes) and histories across widths. Fused: the
+    concatenated projections and mlx-lm's attention prologue over them (the CUDA kernel's CPU twin)."""
     path = request.getfixturevalue(fixture)
     prompts = [prompt_of(n, seed=i) for i, n in enumerate(LENGTHS)]
-    engine = Engine.load(EngineConfig(model=str(path), row_ceiling=50, row_floor=1, block_size=4, compile_decode="on"))
+    config = EngineConfig(
+        model=str(path), row_ceiling=50, row_floor=1, block_size=4, compile_decode="on", fuse_decode=fuse
+    )
+    engine = Engine.load(config)
     try:
         assert engine.runner.compiled is not None
+        assert (engine.runner.compiled.fused is not None) == (fuse == "on")
         results = run_staggered(engine, prompts, first=3, max_tokens=16)
         # alone, a short prompt's history crosses several table widths
         [alone] = engine.generate([GenerationRequest(prompt_ids=tuple(prompt_of(5, seed=99)), max_tokens=40)])

@@ -1,0 +1,143 @@
+"""Decode steps with half the ops per layer of mlx-lm's module forward, for the pre-norm families we know.
+
+On MLX's CUDA backend a decode step is bound by the host's cost per op (~8 us to build, encode and add a graph
+node), not by the GPU. mlx-lm's Qwen3 layer is ~20 ops; this forward is 11: q/k/v in one matmul, the attention
+prologue (q/k norms, two RoPEs, two KV scatters) in one kernel (`kernels.decode_qkv`), the paged attention,
+o_proj, and gate/up in one matmul. The weights stay mlx-lm's: each projection becomes a slice (a view) of the
+concatenated matrix, so the eager path and memory are unchanged.
+
+Used for steps whose lanes are all single rows (`compiled_step`); prefill keeps mlx-lm's modules.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
+
+from mlx_serve.kernels.decode_qkv import HeadSpec, QKVRows, select_qkv_rows
+from mlx_serve.kv_pool import KVPool
+from mlx_serve.ragged import DecodeAttention, DecodeRows
+
+# mlx-lm model modules whose blocks are `h + attn(norm(h))`, then `h + mlp(norm(h))`, with the attention and MLP
+# written as below (checked against mlx-lm 0.32)
+FAMILIES = ("mlx_lm.models.qwen3", "mlx_lm.models.qwen3_moe", "mlx_lm.models.llama")
+
+
+@dataclass(frozen=True, slots=True)
+class FusedLayer:
+    block: Any  # mlx-lm's decoder block: its norms, attention module (o_proj, norms, rope) and MLP
+    spec: HeadSpec
+    qkv: nn.Module  # q, k and v projections as one
+    gate_up: nn.Module | None  # gate and up projections as one; None: the block's own MLP (mixture of experts)
+
+
+def unsupported_reason(model: Any) -> str | None:
+    """Why this model cannot take the fused forward, or None when it can."""
+    module = type(model).__module__
+    if module not in FAMILIES:
+        return f"{module} is not one of the fused families ({', '.join(FAMILIES)})"
+    for block in model.model.layers:
+        attn = block.self_attn
+        if getattr(block, "use_sliding", False):
+            return "sliding-window layers"
+        if type(attn.rope) is not nn.RoPE or attn.rope.dims != _head_dim(attn):
+            return f"RoPE {type(attn.rope).__name__} over {attn.rope.dims} dims"
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        if len({type(p) for p in projections}) != 1 or len({_quantization(p) for p in projections}) != 1:
+            return "q/k/v projections of different kinds"
+    return None
+
+
+def fuse_layers(model: Any) -> list[FusedLayer]:
+    """Concatenate each block's q/k/v (and dense gate/up) weights; the original projections become views."""
+    reason = unsupported_reason(model)
+    if reason is not None:
+        raise ValueError(f"fused decode does not support this model: {reason}")
+    layers = []
+    for block in model.model.layers:
+        attn = block.self_attn
+        qkv = _concatenate([attn.q_proj, attn.k_proj, attn.v_proj])
+        mlp = block.mlp
+        dense = type(mlp).__name__ == "MLP" and _quantization(mlp.gate_proj) == _quantization(mlp.up_proj)
+        gate_up = _concatenate([mlp.gate_proj, mlp.up_proj]) if dense else None
+        layers.append(FusedLayer(block, _spec(attn), qkv, gate_up))
+    return layers
+
+
+class FusedDecode:
+    """The hidden states `[T, hidden]` of a single-row step, with its KV written to the pool."""
+
+    def __init__(self, model: Any, attention: DecodeAttention, qkv_rows: QKVRows | None = None) -> None:
+        self.model = model
+        self.layers = fuse_layers(model)
+        self.attention = attention
+        # the prologue kernel on CUDA, mlx-lm's ops elsewhere
+        self.qkv_rows = qkv_rows or select_qkv_rows(self.layers[0].spec)
+
+    def __call__(
+        self, tokens: mx.array, positions: mx.array, slots: mx.array, rows: DecodeRows, pool: KVPool
+    ) -> mx.array:
+        inner = self.model.model
+        h = inner.embed_tokens(tokens)
+        for index, layer in enumerate(self.layers):
+            block, attn = layer.block, layer.block.self_attn
+            qkv = layer.qkv(block.input_layernorm(h))
+            queries = self.qkv_rows(qkv, layer.spec, attn, positions, slots, pool, index)
+            out = self.attention(queries, pool.keys[index], pool.values[index], rows, attn.scale)
+            h = h + attn.o_proj(out.reshape(h.shape[0], -1))
+            h = h + self._mlp(layer, block.post_attention_layernorm(h))
+        return inner.norm(h)
+
+    @staticmethod
+    def _mlp(layer: FusedLayer, x: mx.array) -> mx.array:
+        if layer.gate_up is None:
+            return layer.block.mlp(x)
+        gate_up = layer.gate_up(x)
+        hidden = gate_up.shape[-1] // 2
+        return layer.block.mlp.down_proj(swiglu(gate_up[:, :hidden], gate_up[:, hidden:]))
+
+
+def _head_dim(attn: Any) -> int:
+    return attn.q_proj.weight.shape[0] // attn.n_heads if not hasattr(attn, "head_dim") else attn.head_dim
+
+
+def _spec(attn: Any) -> HeadSpec:
+    norm = getattr(attn, "q_norm", None)
+    return HeadSpec(
+        heads=attn.n_heads,
+        kv_heads=attn.n_kv_heads,
+        head_dim=_head_dim(attn),
+        norm_eps=None if norm is None else float(norm.eps),
+        rope_base=float(attn.rope.base),
+        rope_scale=float(attn.rope.scale),
+        rope_traditional=bool(attn.rope.traditional),
+    )
+
+
+def _quantization(linear: nn.Module) -> tuple:
+    return (type(linear), getattr(linear, "group_size", None), getattr(linear, "bits", None),
+            getattr(linear, "mode", None), "bias" in linear)  # fmt: skip
+
+
+def _concatenate(linears: list[nn.Module]) -> nn.Module:
+    """One linear over the rows of all `linears` (weights, quantization scales and biases, biases); each of
+    `linears` is re-pointed at its slice of the new arrays, so no weight is held twice."""
+    names = [name for name in ("weight", "scales", "biases", "bias") if name in linears[0]]
+    fused = copy.copy(linears[0])
+    for name in names:
+        setattr(fused, name, mx.concatenate([linear[name] for linear in linears], axis=0))
+    mx.eval(fused.parameters())
+    start = 0
+    for linear in linears:
+        rows = linear[names[0]].shape[0]
+        for name in names:
+            setattr(linear, name, fused[name][start : start + rows])
+        start += rows
+    mx.eval([linear.parameters() for linear in linears])
+    return fused
+
