@@ -19,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
+from mlx_serve.kernels.add_norm import AddNorm, select_add_norm
 from mlx_serve.kernels.decode_qkv import HeadSpec, QKVRows, select_qkv_rows
 from mlx_serve.kv_pool import KVPool
 from mlx_serve.ragged import DecodeAttention, DecodeRows
@@ -72,26 +73,35 @@ def fuse_layers(model: Any) -> list[FusedLayer]:
 class FusedDecode:
     """The hidden states `[T, hidden]` of a single-row step, with its KV written to the pool."""
 
-    def __init__(self, model: Any, attention: DecodeAttention, qkv_rows: QKVRows | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        attention: DecodeAttention,
+        qkv_rows: QKVRows | None = None,
+        add_norm: AddNorm | None = None,
+    ) -> None:
         self.model = model
         self.layers = fuse_layers(model)
         self.attention = attention
-        # the prologue kernel on CUDA, mlx-lm's ops elsewhere
+        # kernels on CUDA, mlx-lm's ops elsewhere
         self.qkv_rows = qkv_rows or select_qkv_rows(self.layers[0].spec)
+        self.add_norm = add_norm or select_add_norm()
 
     def __call__(
         self, tokens: mx.array, positions: mx.array, slots: mx.array, rows: DecodeRows, pool: KVPool
     ) -> mx.array:
         inner = self.model.model
         h = inner.embed_tokens(tokens)
-        for index, layer in enumerate(self.layers):
+        x = self.layers[0].block.input_layernorm(h)
+        # each residual add is fused with the norm that reads its sum: the next block's, or the final one
+        next_norms = [layer.block.input_layernorm for layer in self.layers[1:]] + [inner.norm]
+        for index, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
             block, attn = layer.block, layer.block.self_attn
-            qkv = layer.qkv(block.input_layernorm(h))
-            queries = self.qkv_rows(qkv, layer.spec, attn, positions, slots, pool, index)
+            queries = self.qkv_rows(layer.qkv(x), layer.spec, attn, positions, slots, pool, index)
             out = self.attention(queries, pool.keys[index], pool.values[index], rows, attn.scale)
-            h = h + attn.o_proj(out.reshape(h.shape[0], -1))
-            h = h + self._mlp(layer, block.post_attention_layernorm(h))
-        return inner.norm(h)
+            h, x = self.add_norm(h, attn.o_proj(out.reshape(h.shape[0], -1)), block.post_attention_layernorm)
+            h, x = self.add_norm(h, self._mlp(layer, x), next_norm)
+        return x
 
     @staticmethod
     def _mlp(layer: FusedLayer, x: mx.array) -> mx.array:

@@ -46,6 +46,7 @@ def rows_for_shape(r: dict) -> list[dict]:
     levers = (  # the same engine with one lever off, measured in the same run
         ("decode_reference_attention", "pure-MLX reference attention", "kernel / reference (info)"),
         ("decode_compile_off", "compile off", "compiled / eager (info)"),
+        ("decode_unfused", "fused forward off", "fused / unfused (info)"),
     )
     for key, label, meaning in levers:
         for n, off in ours.get(key, {}).items():

@@ -128,9 +128,7 @@ def measure_ours(
         side.prefill(prompts, p.prefill_lengths[0])
         measure_decode(dummy, side, prompts, p, args.decode_rounds, peer_out, out, note)
         out["prefill"] = {}
-        if args.decode_only:
-            return 0.0
-        for n in (*p.prefill_lengths, p.contended_long):
+        for n in () if args.decode_only else (*p.prefill_lengths, p.contended_long):
             out["prefill"][str(n)] = side.prefill(prompts, n)
             note(f"{dummy.name} ours prefill {n}", out["prefill"][str(n)])
     finally:
@@ -139,7 +137,7 @@ def measure_ours(
     gc.collect()
     # levers, before and after: the same engine with one fast path off, decoding the same streams
     levers = [
-        ("decode_compile_off", "compile off", {"compile_decode": "off"}, args.eager_streams),
+        ("decode_compile_off", "compile off", {"compile_decode": "off", "fuse_decode": "off"}, args.eager_streams),
         ("decode_unfused", "unfused", {"fuse_decode": "off"}, args.unfused_streams),
         ("decode_reference_attention", "reference attention", {"attention": "reference"},
          [args.reference_streams] if args.reference_streams else []),
@@ -147,6 +145,8 @@ def measure_ours(
     for key, label, overrides, streams in levers:
         if streams:
             out[key] = measure_lever(dummy, kv_blocks, args, {**engine, **overrides}, prompts, p, streams, label, note)
+    if args.decode_only:
+        return 0.0
     # the step target for contention: a few 8-stream decode steps, so a prefill chunk never freezes the streams
     step8 = (
         out["decode"][str(p.contended_streams)]["step_ms"]

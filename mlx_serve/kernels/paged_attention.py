@@ -21,6 +21,10 @@ WARPS = 4
 MAX_PARTITION = 256  # history tokens one thread block reads before the split-K merge takes over
 MIN_PARTITION = 64
 TARGET_BLOCKS = 264  # two thread blocks per multiprocessor of an H100/H200 (132 SMs)
+# histories up to this many tokens take one pass (one launch, more warps a block): a decode step is bound by the
+# host's cost per launch, and one block reads 1k tokens of a head in microseconds
+SINGLE_PASS_TOKENS = 1024
+SINGLE_PASS_WARPS = 8
 BLOCKWISE = False  # load order of the kernel's warps (see paged_attention_cuda); picked by measurement
 KINDS = ("auto", "kernel", "batched", "reference")
 
@@ -94,7 +98,9 @@ def kernel_supports(queries: mx.array, pool_keys: mx.array) -> bool:
 
 
 def partition_size(lanes: int, kv_heads: int, max_len: int) -> int:
-    """History tokens per thread block: split long histories until the grid fills the GPU."""
+    """History tokens per thread block: short histories whole, long ones split until the grid fills the GPU."""
+    if max_len <= SINGLE_PASS_TOKENS:
+        return max_len
     size = MAX_PARTITION
     while size > MIN_PARTITION and lanes * kv_heads * math.ceil(max_len / size) < TARGET_BLOCKS:
         size //= 2
@@ -128,6 +134,7 @@ def paged_decode_attention(
     blockwise = BLOCKWISE if blockwise is None else blockwise
     blockwise = blockwise and blockwise_fits(head_dim, pool_keys.dtype.size, rows.block_size, size)
     kernels = _kernels()
+    warps = SINGLE_PASS_WARPS if parts == 1 else WARPS
     inputs = [
         queries,
         pool_keys,
@@ -143,24 +150,23 @@ def paged_decode_attention(
         ("D", head_dim),
         ("G", heads // kv_heads),
         ("BS", rows.block_size),
-        ("WARPS", WARPS),
+        ("WARPS", warps),
         ("BLOCKWISE", blockwise),
     ]
-    grid = (parts * WARPS * 32, kv_heads, n)
     if parts == 1:
         return kernels.single(
             inputs=inputs,
             template=template,
-            grid=grid,
-            threadgroup=(WARPS * 32, 1, 1),
+            grid=(warps * 32, kv_heads, n),
+            threadgroup=(warps * 32, 1, 1),
             output_shapes=[queries.shape],
             output_dtypes=[queries.dtype],
         )[0]
     o_part, ml_part = kernels.partial(
         inputs=inputs,
         template=template,
-        grid=grid,
-        threadgroup=(WARPS * 32, 1, 1),
+        grid=(parts * warps * 32, kv_heads, n),
+        threadgroup=(warps * 32, 1, 1),
         output_shapes=[(n, heads, parts, head_dim), (n, heads, parts, 2)],
         output_dtypes=[mx.float32, mx.float32],
     )

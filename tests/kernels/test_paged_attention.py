@@ -92,10 +92,11 @@ def test_blockwise_fits() -> None:
     assert blockwise_fits(128, 4, 16, 64)  # fp32: 1 token an iteration, chunks of 8
 
 
-def test_partition_size_splits_until_the_grid_fills() -> None:
+def test_partition_size_splits_long_histories_until_the_grid_fills() -> None:
     assert partition_size(lanes=64, kv_heads=8, max_len=4096) == 256
-    assert partition_size(lanes=1, kv_heads=8, max_len=1024) == 64
-    assert partition_size(lanes=32, kv_heads=8, max_len=16) == 64
+    assert partition_size(lanes=1, kv_heads=8, max_len=4096) == 64
+    assert partition_size(lanes=1, kv_heads=8, max_len=1024) == 1024  # one pass
+    assert partition_size(lanes=32, kv_heads=8, max_len=16) == 16
 
 
 def test_kernel_supports_common_head_dims() -> None:
