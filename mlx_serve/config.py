@@ -25,6 +25,7 @@ class EngineConfig:
     pipeline: bool = True  # keep a decode-only step in flight while the next one is planned and queued
     decode_attention: str = "auto"  # "auto" | "reference" | "batched" | "kernel": attention of single-row lanes
     compile_decode: str = "auto"  # "auto" (on with MLX's CUDA backend) | "on" | "off": mx.compile single-row steps
+    warm_up: bool = True  # build the prefill attention shapes before serving (CUDA: cuDNN graphs, seconds)
     fuse_decode: str = "auto"  # "auto" (on when compiled on CUDA and the family is known) | "on" | "off"
     ane_lane: str = "off"  # "off" | "cpu" (labelled MLX CPU stand-in) | "ane" (Core ML, macOS only)
     ane_package: str | None = None  # the `ane build` package that "ane" runs

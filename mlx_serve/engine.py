@@ -90,6 +90,7 @@ class Engine:
         self._prompt_rows = 0  # prompt rows computed (prefix-cache hits excluded)
         self._stopping = False
         self._in_flight: _InFlight | None = None  # a decode-only step whose tokens are not read back yet
+        self.warmed: tuple[int, float] = (0, 0.0)  # attention shapes built before serving, and the seconds it took
         self._drained = threading.Event()
         self._thread = threading.Thread(
             target=_engine_thread, args=(weakref.ref(self),), name="mlx-serve-engine", daemon=True
@@ -184,6 +185,20 @@ class Engine:
             close(complete=self._drained.is_set())  # dumps the capture if it has a path
 
     # the engine thread -------------------------------------------------------------------------------
+    def _warm_up(self) -> None:
+        """Before the first request: the attention shapes prefill chunks can meet (see ModelRunner)."""
+        if not self.config.warm_up:
+            return
+        t0 = time.perf_counter()
+        try:
+            shapes = self.runner.warm_prefill_attention(self.context_length, self.config.row_ceiling)
+        except Exception:  # a warm-up failure costs first-use time later, never the engine
+            log.exception("attention warm-up failed")
+            return
+        self.warmed = (shapes, time.perf_counter() - t0)
+        if shapes:
+            log.info("warmed %d prefill attention shapes in %.1f s", shapes, self.warmed[1])
+
     def _loop(self) -> None:
         while True:
             self._admit()
@@ -336,6 +351,7 @@ def _engine_thread(engine_ref: weakref.ref) -> None:
     engine = engine_ref()
     if engine is not None:
         try:
+            engine._warm_up()
             engine._loop()
         finally:
             engine._drained.set()

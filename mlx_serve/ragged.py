@@ -34,6 +34,8 @@ class LaneRows:
     table: mx.array | None = None
     length: mx.array | None = None
     kv_len: int = 0
+    # with a mask: the query rows attention runs with, `rows` padded so a shape repeats (0: exactly `rows`)
+    query_rows: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,8 +115,12 @@ class RaggedLayerCache:
                 keys, values = self.step.prefill_gather(pool_keys, pool_values, lane, self.pool.block_size)
             else:
                 keys, values = self.pool.gather(self.layer, lane.kv_slots)
+            if lane.query_rows:  # one layout for every bucketed call: MLX caches a cuDNN graph per shape and strides
+                pad = lane.query_rows - lane.rows
+                q = mx.pad(q, [(0, 0), (0, 0), (0, pad), (0, 0)]) if pad else mx.contiguous(q)
             mask = lane.mask if lane.mask is not None else ("causal" if lane.rows > 1 else None)
             out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+            out = out[:, :, : lane.rows] if lane.query_rows > lane.rows else out
             outputs.append(out.transpose(2, 1, 0, 3))  # back to [n, H, 1, D]
         return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
 

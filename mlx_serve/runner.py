@@ -38,6 +38,13 @@ from scheduler.plan import PENDING_TOKEN
 log = logging.getLogger("mlx_serve.runner")
 
 KV_BUCKET = 1024  # history bucket unit of prefill lanes on CUDA
+QUERY_BUCKET_MIN = 64  # fewest query rows a bucketed prefill lane's attention runs with
+
+
+def query_bucket(rows: int) -> int:
+    """Query rows a bucketed prefill lane's attention is padded to: a power of two, at least 64. Chunk budgets
+    are powers of two already; this catches a prompt's last, partial chunk."""
+    return max(QUERY_BUCKET_MIN, 1 << (rows - 1).bit_length())
 
 
 def history_bucket(end: int, unit: int) -> int:
@@ -123,6 +130,29 @@ class ModelRunner:
         self.compiled = (
             CompiledDecode(model, pool, self.decode_attention, self._logits, fused) if use_compiled else None
         )
+
+    def warm_prefill_attention(self, max_len: int, max_rows: int) -> int:
+        """Build the attention graph of every bucketed prefill shape up to `max_len` history and `max_rows` rows.
+
+        On CUDA, MLX builds a cuDNN graph the first time it meets an attention shape (tens of ms, on the engine
+        thread's own cache): done here, before requests arrive, no contended step stalls the streams for it.
+        Returns the number of shapes."""
+        if not self.kv_bucket:
+            return 0
+        layout = self.pool.layout
+        heads = self.model.args.num_attention_heads
+        histories = sorted({history_bucket(end, self.kv_bucket) for end in range(1, max_len + 1, self.kv_bucket)})
+        shapes = 0
+        rows = QUERY_BUCKET_MIN
+        while rows <= query_bucket(max_rows):
+            for padded in (h for h in histories if h >= rows):
+                q = mx.zeros((1, heads, rows, layout.head_dim), layout.dtype)
+                kv = mx.zeros((1, layout.num_kv_heads, padded, layout.head_dim), layout.dtype)
+                mask = mx.zeros((rows, padded), layout.dtype)[None, None]  # the layout `_bucketed_lane` makes
+                mx.eval(mx.fast.scaled_dot_product_attention(q, kv, kv, scale=layout.head_dim**-0.5, mask=mask))
+                shapes += 1
+            rows *= 2
+        return shapes
 
     # request lifecycle -------------------------------------------------------------------------------
     def add_request(self, request_id: str, params: SamplingParams) -> None:
@@ -285,21 +315,23 @@ class ModelRunner:
                 sampler.observe(lane.start, inputs[start : start + lane.rows])
 
     def _bucketed_lane(self, row_start: int, lane: Lane) -> LaneRows:
-        """A prefill lane whose KV is padded to a `history_bucket`, with the causal mask that hides the pad.
+        """A prefill lane whose KV is padded to a `history_bucket` and whose queries to a `query_bucket`, with the
+        causal mask that hides the pad (pad queries repeat the last row's position, so their rows stay finite).
 
         With a `prefill_gather` the lane carries its block table; otherwise slots, padded with slot 0."""
         padded = history_bucket(lane.end, self.kv_bucket)
-        query_pos = mx.arange(lane.start, lane.end, dtype=mx.int32)[:, None]
+        queries = query_bucket(lane.rows)
+        query_pos = mx.minimum(mx.arange(lane.start, lane.start + queries, dtype=mx.int32), lane.end - 1)[:, None]
         key_pos = mx.arange(padded, dtype=mx.int32)[None, :]
         dtype = self.pool.layout.dtype
         mask = mx.where(key_pos <= query_pos, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))[None, None]
         if self.prefill_gather is not None:
             table = mx.array(np.asarray(lane.block_ids[: -(-lane.end // self.pool.block_size)], dtype=np.int32))
             length = mx.array([lane.end, padded], dtype=mx.int32)
-            return LaneRows(row_start, lane.rows, self._no_slots, mask, table, length, padded)
+            return LaneRows(row_start, lane.rows, self._no_slots, mask, table, length, padded, queries)
         slots = np.zeros(padded, dtype=np.int32)
         slots[: lane.end] = slot_array(lane.block_ids, 0, lane.end, self.pool.block_size)
-        return LaneRows(row_start, lane.rows, mx.array(slots), mask)
+        return LaneRows(row_start, lane.rows, mx.array(slots), mask, query_rows=queries)
 
     def _decode_rows(self, plan_lanes: list, rows: list[LaneRows]) -> DecodeRows:
         width = max(len(lane.block_ids) for lane in plan_lanes)

@@ -185,6 +185,13 @@ class OurSide:
             "mixed_ms_max": max((e.measured_ms for e in mixed), default=None),
             "mixed_predicted_ms_p50": med([e.predicted_ms for e in mixed if e.predicted_ms is not None]),
             "decode_only_ms_p50": med([e.measured_ms for e in alone]),
+            # where the longest gaps come from
+            "slowest": [
+                {"step": e.step_id, "prefill_rows": e.prefill_rows, "decode_lanes": e.decode_lanes,
+                 "history": round(e.weighted_history), "ms": round(e.measured_ms, 1),
+                 "predicted_ms": None if e.predicted_ms is None else round(e.predicted_ms, 1)}
+                for e in sorted(steps, key=lambda e: -e.measured_ms)[:6]
+            ],  # fmt: skip
         }
 
     def shared_prefix(self, prompts: Prompts, p: BenchParams) -> dict:

@@ -5,7 +5,7 @@ token history, every step synchronous (build -> async_eval -> eval) so the three
 same steps pipelined (one in flight) as the engine runs them. mlx-lm's own batched decode step over a dense
 cache is measured the same way. Run it under different MLX settings (e.g. MLX_MAX_OPS_PER_BUFFER) to compare.
 
-    python -m benchmarks.gpu.profile_step --shape 8b --lanes 1,8,64
+    python -m benchmarks.gpu.profile_step --shape 8b --lanes 1,8,64 --variants fused,compiled,mlx-lm
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ def _median_ms(samples: list[float]) -> float:
     return round(1e3 * statistics.median(samples), 3)
 
 
-def ours(model, layout: KVLayout, lanes: int, history: int, compiled: bool) -> dict:
+def ours(model, layout: KVLayout, lanes: int, history: int, compiled: bool, fused: bool = False) -> dict:
     blocks_per_lane = -(-(history + 101 + STEPS + 8) // 16)
     pool = KVPool(layout, lanes * blocks_per_lane, 16)
-    runner = ModelRunner(model, pool, select_decode_attention("auto"), compile_decode=compiled)
+    runner = ModelRunner(model, pool, select_decode_attention("auto"), compile_decode=compiled, fuse_decode=fused)
     ids = [f"r{i}" for i in range(lanes)]
     for rid in ids:
         runner.add_request(rid, SamplingParams(temperature=0.0))
@@ -127,7 +127,7 @@ def main() -> None:
     parser.add_argument("--shape", default="8b")
     parser.add_argument("--lanes", default="1,8,64")
     parser.add_argument("--history", type=int, default=1024)
-    parser.add_argument("--variants", default="compiled,eager,mlx-lm")
+    parser.add_argument("--variants", default="fused,compiled,eager,mlx-lm")
     args = parser.parse_args()
     dummy = build_dummy_model(args.shape)
     args_ = dummy.model.args
@@ -141,7 +141,8 @@ def main() -> None:
             if variant == "mlx-lm":
                 row = mlx_lm(dummy.model, lanes, args.history)
             else:
-                row = ours(dummy.model, layout, lanes, args.history, compiled=variant == "compiled")
+                compiled, fused = variant in ("compiled", "fused"), variant == "fused"
+                row = ours(dummy.model, layout, lanes, args.history, compiled, fused)
             print(json.dumps({"shape": args.shape, "env": env, "lanes": lanes, "variant": variant, **row}), flush=True)
             mx.clear_cache()
 

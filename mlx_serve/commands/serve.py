@@ -75,6 +75,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="compiled decode steps run q/k/v and gate/up as single matmuls and the attention prologue "
                         "as one kernel: auto = on with MLX's CUDA backend for Qwen3, Qwen3-MoE and Llama "
                         "(default: %(default)s)")
+    g.add_argument("--no-warm-up", action="store_true",
+                   help="skip building the prefill attention shapes at start (CUDA: the first chunk of each shape "
+                        "then stalls the streams for tens of ms)")
     g.add_argument("--no-pipeline", action="store_true",
                    help="read every step back before planning the next (normally a decode-only step stays in "
                         "flight while the next is queued)")
@@ -94,7 +97,7 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
         row_floor=args.row_floor, cost_model=args.prefill_cost_model, max_overtakes=args.max_overtakes,
         enable_prefix_cache=not args.no_prefix_cache, decode_debt=not args.no_decode_debt,
         ane_lane=args.ane_lane, ane_package=args.ane_package, ane_timeout_s=args.ane_timeout_s,
-        decode_attention=args.decode_attention, compile_decode=args.compile_decode, fuse_decode=args.fuse_decode,
+        decode_attention=args.decode_attention, compile_decode=args.compile_decode, fuse_decode=args.fuse_decode, warm_up=not args.no_warm_up,
         pipeline=not args.no_pipeline,
         trace=sink_from_env(args.trace), observer=observer,
         progress=not args.no_progress,

@@ -126,3 +126,25 @@ def test_compiled_decode_keeps_penalties_logprobs_and_seeds(tiny_qwen3):
         ]
     assert results["on"][1][1] and results["on"][3][1] is not None  # logprobs were really returned
     assert results["on"] == results["off"]
+
+
+def test_query_buckets_are_powers_of_two_from_64():
+    from mlx_serve.runner import query_bucket
+
+    assert [query_bucket(n) for n in (1, 7, 64, 65, 192, 512, 513, 2048)] == [64, 64, 64, 128, 256, 512, 1024, 2048]
+
+
+def test_warm_up_builds_every_bucketed_prefill_shape(tiny_qwen3):
+    """Rows 64 and 128 (query buckets up to 70 rows) against the histories up to 100 tokens (buckets 32, 64, 128)
+    that hold them; without history buckets (MLX's CPU backend) there is nothing to warm."""
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from mlx_serve.kv_pool import KVLayout, KVPool
+    from mlx_serve.runner import ModelRunner
+
+    model, _ = load(str(tiny_qwen3))
+    args = model.args
+    pool = KVPool(KVLayout(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, mx.float32), 8, 16)
+    assert ModelRunner(model, pool, kv_bucket=0).warm_prefill_attention(100, 70) == 0
+    assert ModelRunner(model, pool, kv_bucket=32).warm_prefill_attention(100, 70) == 3
