@@ -77,6 +77,7 @@ class Engine:
             compile_decode=compiled,
             prefill_gather=engine_setup.prefill_gather(self.pool),
             fuse_decode=engine_setup.fuse_decode(config.fuse_decode, loaded.model, compiled),
+            dense_moe=engine_setup.dense_experts(config.dense_experts),
         )
         self.scheduler = Scheduler(
             engine_setup.scheduler_config(config, num_blocks, self.context_length), trace=self.trace
@@ -258,6 +259,9 @@ class Engine:
             return self._complete_in_flight()
         t1 = trace.now()
         previous = self._in_flight
+        if previous is not None and not _decode_only(plan):
+            # a step read back at once trains the cost model: its time must start from an idle device
+            self.runner.wait(previous.step)
         try:
             step = self.runner.submit(plan, previous.step if previous else None)
         except Exception as exc:  # an MLX failure fails this step's requests, never the engine

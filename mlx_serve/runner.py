@@ -71,7 +71,7 @@ class RunnerOutput:
     lane_spans: list = field(default_factory=list)  # ANE chunk spans (host submit-to-ready intervals)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class InFlightStep:
     """A step queued on the device whose tokens have not been read back yet."""
 
@@ -83,6 +83,7 @@ class InFlightStep:
     started: float
     phases: dict[str, float]
     ane: tuple = ()  # ane_chunks.AneChunk submitted with this step
+    elapsed_ms: float | None = None  # set once the step is known done (wait or collect)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +106,7 @@ class ModelRunner:
         compile_decode: bool = False,
         prefill_gather: PrefillGather | None = None,
         fuse_decode: bool = False,
+        dense_moe: bool = False,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -120,13 +122,13 @@ class ModelRunner:
         self.prefill_lane = prefill_lane  # the ANE lane (or its CPU stand-in); None when off
         self.lane_timeout_s = lane_timeout_s
         self.samplers: dict[str, RequestSampler] = {}
-        self._last_done = 0.0  # when the last collected step was read back
+        self._last_done = 0.0  # when the last step was known done (waited for or read back)
         install_ragged_attention(model)
         fold_quantized_rows(model)
         self._tied = bool(getattr(getattr(model, "args", None), "tie_word_embeddings", False))
         # single-row steps replay one compiled graph; the reference attention reads per-lane slot lists instead
         use_compiled = compile_decode and not self._decode_lane_slots
-        fused = FusedDecode(model, self.decode_attention) if use_compiled and fuse_decode else None
+        fused = FusedDecode(model, self.decode_attention, dense_moe=dense_moe) if use_compiled and fuse_decode else None
         self.compiled = (
             CompiledDecode(model, pool, self.decode_attention, self._logits, fused) if use_compiled else None
         )
@@ -218,6 +220,24 @@ class ModelRunner:
         mx.async_eval(sampled.tokens, self.pool.state())
         return sampled
 
+    def wait(self, step: InFlightStep) -> None:
+        """Block until a queued step is done and time it there. The engine calls this before queuing a step it
+        reads back at once: that step's time then starts from an idle device and includes its own submission,
+        which on CUDA can block for most of a large prefill (booked to the step before, the cost model saw a
+        2k-row chunk as a quarter of its real cost)."""
+        try:
+            mx.eval(step.sampled.tokens if step.sampled is not None else self.pool.state())
+        except Exception:  # collect() meets the same failure and reports it with the step's requests
+            return
+        self._mark_done(step)
+
+    def _mark_done(self, step: InFlightStep) -> None:
+        if step.elapsed_ms is None:
+            now = time.perf_counter()
+            # a step queued behind another starts when that one is done, not when it was queued
+            step.elapsed_ms = (now - max(step.started, self._last_done)) * 1e3
+            self._last_done = now
+
     def collect(self, step: InFlightStep) -> RunnerOutput:
         """Wait for a submitted step and read its tokens back."""
         t2 = time.perf_counter()
@@ -228,9 +248,8 @@ class ModelRunner:
             # arrays are still its own; a sampled step's tokens depend on every layer's writes already
             mx.eval(self.pool.state())
         t3 = time.perf_counter()
-        # a step queued behind another starts when that one is done, not when it was queued
-        elapsed_ms = (t3 - max(step.started, self._last_done)) * 1e3
-        self._last_done = t3
+        self._mark_done(step)
+        elapsed_ms = step.elapsed_ms
         ane_ms = max((span.end - span.start) * 1e3 for span in spans) if spans else None
         outcome = StepOutcome({rid: s.token_id for rid, s in samples.items()}, elapsed_ms, ane_elapsed_ms=ane_ms)
         return RunnerOutput(outcome, samples, {**step.phases, "consumption": (t3 - t2) * 1e3}, spans)

@@ -94,6 +94,46 @@ def test_pipelined_step_is_timed_from_the_previous_read_back(tiny_qwen3, compile
     assert out.samples["r"].token_id >= 0
 
 
+def test_step_queued_after_a_wait_is_timed_from_its_own_submission(tiny_qwen3):
+    """The engine waits for the step in flight before queuing a step it reads back at once (one with prefill).
+    The waited step's time ends at the wait, not when it is read back after the next submission; the next step's
+    time starts at its own submission, so host time spent queuing it (on CUDA, a large prefill's async_eval can
+    block) is booked to it and the cost model learns its real cost."""
+    import time
+
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from mlx_serve.kernels.paged_attention import select_decode_attention
+    from mlx_serve.kv_pool import KVLayout, KVPool
+    from mlx_serve.runner import ModelRunner
+    from mlx_serve.types import SamplingParams
+    from scheduler.plan import Lane, LaneKind, StepPlan
+
+    model, _ = load(str(tiny_qwen3))
+    args = model.args
+    layout = KVLayout(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, mx.float32)
+    runner = ModelRunner(model, KVPool(layout, 8, 16), select_decode_attention("auto"))
+    runner.add_request("r", SamplingParams(temperature=0.0))
+    runner.add_request("p", SamplingParams(temperature=0.0))
+    decode = StepPlan(0, (Lane("r", LaneKind.DECODE, (5,), 0, (0, 1), True),), 0, "t", None, True)
+    prefill = StepPlan(1, (Lane("p", LaneKind.PREFILL, tuple(range(1, 9)), 0, (2, 3), True),), 8, "t", None, True)
+
+    first = runner.submit(decode)
+    runner.wait(first)
+    waited = time.perf_counter()
+    time.sleep(0.2)  # the device is idle here: neither step's time
+    queued = time.perf_counter()
+    second = runner.submit(prefill)
+    time.sleep(0.2)  # host work after queuing the step (publishing the first step's tokens) is its wall time
+    first_out = runner.collect(first)
+    second_out = runner.collect(second)
+    done = time.perf_counter()
+    assert first_out.outcome.elapsed_ms <= (waited - first.started) * 1e3 + 1.0
+    assert 200.0 <= second_out.outcome.elapsed_ms <= (done - queued) * 1e3 + 1.0
+    assert first_out.samples["r"].token_id >= 0 and second_out.samples["p"].token_id >= 0
+
+
 def test_compiled_decode_keeps_penalties_logprobs_and_seeds(tiny_qwen3):
     """The same requests with per-request sampling features, compiled and eager, in one busy batch each:
     penalties and logit bias (device-side history), logprobs, and seeded sampling give identical results."""
