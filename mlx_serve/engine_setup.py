@@ -70,6 +70,14 @@ def fuse_decode(kind: str, model: Any, compiled: bool) -> bool:
     return compiled and reason is None and compile_decode("auto")
 
 
+def dense_experts(kind: str) -> bool:
+    """Whether fused decode steps with enough rows compute every expert of an MoE block densely
+    (`mlx_serve.dense_experts`). "auto": with MLX's CUDA backend, where gather_mm is far below bandwidth."""
+    if kind not in ("auto", "on", "off"):
+        raise InvalidRequest(f"dense_experts must be auto, on or off, not {kind!r}", param="dense_experts")
+    return compile_decode("auto") if kind == "auto" else kind == "on"
+
+
 def prefill_gather(pool: Any) -> Any:
     """How long prefill lanes read their history on this backend (None: the pool's slot gather)."""
     from mlx_serve.kernels.paged_gather import select_prefill_gather

@@ -19,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
+from mlx_serve import dense_experts
 from mlx_serve.kernels.add_norm import AddNorm, select_add_norm
 from mlx_serve.kernels.decode_qkv import HeadSpec, QKVRows, select_qkv_rows
 from mlx_serve.kv_pool import KVPool
@@ -79,9 +80,11 @@ class FusedDecode:
         attention: DecodeAttention,
         qkv_rows: QKVRows | None = None,
         add_norm: AddNorm | None = None,
+        dense_moe: bool = False,
     ) -> None:
         self.model = model
         self.layers = fuse_layers(model)
+        self.dense_moe = dense_moe  # experts blocks of large enough steps compute every expert (`dense_experts`)
         self.attention = attention
         # kernels on CUDA, mlx-lm's ops elsewhere
         self.qkv_rows = qkv_rows or select_qkv_rows(self.layers[0].spec)
@@ -103,10 +106,11 @@ class FusedDecode:
             h, x = self.add_norm(h, self._mlp(layer, x), next_norm)
         return x
 
-    @staticmethod
-    def _mlp(layer: FusedLayer, x: mx.array) -> mx.array:
+    def _mlp(self, layer: FusedLayer, x: mx.array) -> mx.array:
         if layer.gate_up is None:
-            return layer.block.mlp(x)
+            mlp = layer.block.mlp
+            dense = self.dense_moe and dense_experts.supports(mlp) and dense_experts.worth_it(mlp, x.shape[0])
+            return dense_experts.dense_moe(mlp, x) if dense else mlp(x)
         gate_up = layer.gate_up(x)
         hidden = gate_up.shape[-1] // 2
         return layer.block.mlp.down_proj(swiglu(gate_up[:, :hidden], gate_up[:, hidden:]))

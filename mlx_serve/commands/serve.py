@@ -75,6 +75,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="compiled decode steps run q/k/v and gate/up as single matmuls and the attention prologue "
                         "as one kernel: auto = on with MLX's CUDA backend for Qwen3, Qwen3-MoE and Llama "
                         "(default: %(default)s)")
+    g.add_argument("--dense-experts", choices=["auto", "on", "off"], default="auto",
+                   help="fused decode steps with enough rows compute every expert of a Qwen3-MoE block in three "
+                        "batched matmuls instead of gather_mm: auto = on with MLX's CUDA backend "
+                        "(default: %(default)s)")
     g.add_argument("--no-warm-up", action="store_true",
                    help="skip building the prefill attention shapes at start (CUDA: the first chunk of each shape "
                         "then stalls the streams for tens of ms)")
@@ -97,7 +101,8 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
         row_floor=args.row_floor, cost_model=args.prefill_cost_model, max_overtakes=args.max_overtakes,
         enable_prefix_cache=not args.no_prefix_cache, decode_debt=not args.no_decode_debt,
         ane_lane=args.ane_lane, ane_package=args.ane_package, ane_timeout_s=args.ane_timeout_s,
-        decode_attention=args.decode_attention, compile_decode=args.compile_decode, fuse_decode=args.fuse_decode, warm_up=not args.no_warm_up,
+        decode_attention=args.decode_attention, compile_decode=args.compile_decode, fuse_decode=args.fuse_decode,
+        dense_experts=args.dense_experts, warm_up=not args.no_warm_up,
         pipeline=not args.no_pipeline,
         trace=sink_from_env(args.trace), observer=observer,
         progress=not args.no_progress,

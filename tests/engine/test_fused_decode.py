@@ -65,3 +65,52 @@ def test_unknown_families_are_refused_with_the_reason(tiny_qwen2):
 def test_fused_decode_needs_compiled_steps(tiny_qwen3):
     with pytest.raises(InvalidRequest, match="compile"):
         Engine.load(EngineConfig(model=str(tiny_qwen3), compile_decode="off", fuse_decode="on"))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_dense_experts_equal_the_gathered_experts(tiny_qwen3_moe, rows):
+    """Every expert computed, then each row's top-k picked: mlx-lm's router, choice and weighted sum."""
+    from mlx_serve import dense_experts
+
+    model, _ = load(str(tiny_qwen3_moe))
+    mlp = model.model.layers[1].mlp
+    assert dense_experts.supports(mlp)
+    x = mx.random.normal((rows, model.args.hidden_size), key=mx.random.key(rows))
+    expected, got = mlp(x), dense_experts.dense_moe(mlp, x)
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    assert mx.allclose(got, expected, rtol=1e-5, atol=1e-6).item()
+    # the tiny model: 8 experts, top 2; dense from 1 row (2 pairs >= a quarter of 8)
+    assert dense_experts.worth_it(mlp, 1)
+
+
+def test_dense_experts_refuse_what_they_cannot_compute(tiny_qwen3_moe_4bit, tiny_qwen3):
+    from mlx_serve import dense_experts
+
+    quantized, _ = load(str(tiny_qwen3_moe_4bit))
+    dense, _ = load(str(tiny_qwen3))
+    assert not dense_experts.supports(quantized.model.layers[0].mlp)  # gather_qmm keeps the packed weights
+    assert not dense_experts.supports(dense.model.layers[0].mlp)
+    with pytest.raises(InvalidRequest, match="dense_experts must be auto, on or off"):
+        Engine.load(EngineConfig(model=str(tiny_qwen3), dense_experts="always"))
+
+
+def test_fused_decode_with_dense_experts_matches_mlx_lm(tiny_qwen3_moe, monkeypatch):
+    from mlx_serve import dense_experts
+
+    calls = []
+    original = dense_experts.dense_moe
+    monkeypatch.setattr(dense_experts, "dense_moe", lambda mlp, x: calls.append(x.shape[0]) or original(mlp, x))
+    prompts = [prompt_of(n, seed=90 + n) for n in (23, 7, 41, 16, 30)]
+    config = EngineConfig(
+        model=str(tiny_qwen3_moe), row_ceiling=24, row_floor=1, compile_decode="on", fuse_decode="on",
+        dense_experts="on",
+    )  # fmt: skip
+    engine = Engine.load(config)
+    try:
+        assert engine.runner.compiled.fused.dense_moe
+        results = run_staggered(engine, prompts, first=2, max_tokens=12)
+    finally:
+        engine.shutdown()
+    assert calls, "the dense experts never ran"
+    for i, prompt in enumerate(prompts):
+        assert results[i] == reference_tokens(tiny_qwen3_moe, prompt, 12), f"request {i}"
