@@ -199,10 +199,20 @@ class OurSide:
         result = {}
         for name in ("cold", "warm"):
             self.recorder.reset()
+            self.sink.events.clear()
             t0 = time.perf_counter()
             (completion,) = self._run([prefix + prompts.one(p.suffix_len)], 1)
             result[f"{name}_ttft_s"] = self.recorder.first[-1]
             result[f"{name}_wall_s"] = time.perf_counter() - t0
             result[f"{name}_cached_tokens"] = completion.usage.cached_tokens
+        # where the warm TTFT goes: its steps and the engine's host phases
+        result["warm_steps"] = [
+            {"rows": e.rows, "ms": round(e.measured_ms, 2)} for e in self.sink.events if isinstance(e, StepExecuted)
+        ]
+        phases: dict[str, float] = {}
+        for e in self.sink.events:
+            if isinstance(e, Span):
+                phases[e.name] = round(phases.get(e.name, 0.0) + (e.end - e.start) * 1e3, 2)
+        result["warm_phases_ms"] = phases
         result["ratio"] = result["warm_ttft_s"] / result["cold_ttft_s"]
         return result

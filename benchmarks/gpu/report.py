@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 BANDWIDTH = 4.3e12  # bytes/s: the device-to-device copy rate measured on this H200 (KINDS.md)
+LEVERS = (  # the same engine with one lever off, measured in the same run
+    ("decode_reference_attention", "pure-MLX reference attention", "kernel / reference (info)"),
+    ("decode_compile_off", "compile off", "compiled / eager (info)"),
+    ("decode_unfused", "fused forward off", "fused / unfused (info)"),
+    ("decode_gathered_experts", "dense experts off", "dense / gathered (info)"),
+)
 
 
 def _ratio(ours: float | None, peer: float | None) -> float | None:
@@ -43,12 +49,7 @@ def rows_for_shape(r: dict) -> list[dict]:
             for n in rounds_o
         )
         add("decode ratio of each round, by streams (noise check)", None, spread, None, "(info)", None)
-    levers = (  # the same engine with one lever off, measured in the same run
-        ("decode_reference_attention", "pure-MLX reference attention", "kernel / reference (info)"),
-        ("decode_compile_off", "compile off", "compiled / eager (info)"),
-        ("decode_unfused", "fused forward off", "fused / unfused (info)"),
-    )
-    for key, label, meaning in levers:
+    for key, label, meaning in LEVERS:
         for n, off in ours.get(key, {}).items():
             on = ours["decode"][n]["tok_s"]
             add(f"decode tok/s, {n} streams, {label} (lever off)", None, off["tok_s"], _ratio(on, off["tok_s"]), meaning, None)
@@ -131,7 +132,21 @@ def markdown(results: list[dict], header: str) -> str:
                 ratio = _ratio(o, p)
                 met = {True: "yes", False: "**no**", None: ""}[_ok(ratio, 1.5)]
                 lines.append(f"| decode tok/s, {n} streams | {_fmt(p)} | {_fmt(o)} | {f'{ratio:.2f}x' if ratio else ''} | >= 1.5x | {met} |")
+                for key, label, _ in LEVERS:
+                    if str(n) in r["ours"].get(key, {}):
+                        off = r["ours"][key][str(n)]["tok_s"]
+                        lines.append(f"| decode tok/s, {n} streams, {label} (lever off) | | {_fmt(off)} | | (info) | |")
             lines.append("")
+            continue
+        if r.get("contended_only"):
+            c, solo = r["ours"]["contended"], r["ours"]["prefill"][str(r["contended_long"])]["ttft_s"]
+            ttft = c["long_ttft_s"] / solo
+            lines += [
+                f"| contended: max gap / median gap (window) | | {c['gap_ratio']:.2f} | | <= 3 | {'yes' if c['gap_ratio'] <= 3 else '**no**'} |",
+                f"| contended: {r['contended_long']}-token TTFT / its solo TTFT | | {ttft:.2f} | | <= 1.5 | {'yes' if ttft <= 1.5 else '**no**'} |",
+                f"| shared prefix: warm TTFT / cold TTFT | | {r['ours']['shared_prefix']['ratio']:.2f} | | <= 0.10 | {'yes' if r['ours']['shared_prefix']['ratio'] <= 0.1 else '**no**'} |",
+                "",
+            ]  # fmt: skip
             continue
         for row in rows_for_shape(r):
             met = {True: "yes", False: "**no**", None: ""}[row["met"]]

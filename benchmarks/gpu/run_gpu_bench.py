@@ -127,9 +127,11 @@ def measure_ours(
     try:
         side.decode(prompts, replace(p, decode_prompt=min(256, p.decode_prompt), decode_tokens=4), 8)
         side.prefill(prompts, p.prefill_lengths[0])
-        measure_decode(dummy, side, prompts, p, args.decode_rounds, peer_out, out, note)
+        if not args.contended_only:
+            measure_decode(dummy, side, prompts, p, args.decode_rounds, peer_out, out, note)
         out["prefill"] = {}
-        for n in () if args.decode_only else (*p.prefill_lengths, p.contended_long):
+        lengths = (*([] if args.contended_only else p.prefill_lengths), p.contended_long)
+        for n in () if args.decode_only else lengths:
             out["prefill"][str(n)] = side.prefill(prompts, n)
             note(f"{dummy.name} ours prefill {n}", out["prefill"][str(n)])
     finally:
@@ -140,6 +142,7 @@ def measure_ours(
     levers = [
         ("decode_compile_off", "compile off", {"compile_decode": "off", "fuse_decode": "off"}, args.eager_streams),
         ("decode_unfused", "unfused", {"fuse_decode": "off"}, args.unfused_streams),
+        ("decode_gathered_experts", "gathered experts", {"dense_experts": "off"}, args.gathered_experts_streams),
         ("decode_reference_attention", "reference attention", {"attention": "reference"},
          [args.reference_streams] if args.reference_streams else []),
     ]  # fmt: skip
@@ -151,7 +154,7 @@ def measure_ours(
     # the step target for contention: a few 8-stream decode steps, so a prefill chunk never freezes the streams
     step8 = (
         out["decode"][str(p.contended_streams)]["step_ms"]
-        if str(p.contended_streams) in out["decode"]
+        if str(p.contended_streams) in out.get("decode", {})
         else None
     )
     target = args.step_target_ms or max(20.0, args.target_factor * (step8 or 10.0))
@@ -181,12 +184,11 @@ def bench_shape(name: str, p: BenchParams, args: argparse.Namespace, result: dic
     result.update(
         shape=name, weight_bytes=dummy.weight_bytes, build_s=time.perf_counter() - t0, step_target_ms=0
     )
-    result.update(asdict(p), peer={}, ours={}, decode_only=args.decode_only)
+    result.update(asdict(p), peer={}, ours={}, decode_only=args.decode_only, contended_only=args.contended_only)
     note(f"{name} built", {"weight_gb": dummy.weight_bytes / 1e9})
-    measure_peer(
-        dummy, prompts := Prompts(dummy.config["vocab_size"], seed=args.seed), p, result["peer"], note,
-        args.decode_only,
-    )
+    prompts = Prompts(dummy.config["vocab_size"], seed=args.seed)
+    if not args.contended_only:
+        measure_peer(dummy, prompts, p, result["peer"], note, args.decode_only)
     result["step_target_ms"] = measure_ours(dummy, prompts, p, args, result["ours"], result["peer"], note)
     result["wall_s"] = time.perf_counter() - t0
 
@@ -233,9 +235,20 @@ def main() -> None:
         default=[],
         help="also decode these stream counts with the fused decode forward off (e.g. 1,8)",
     )
+    parser.add_argument(
+        "--gathered-experts-streams",
+        type=lambda text: [int(n) for n in text.split(",") if n],
+        default=[],
+        help="also decode these stream counts with MoE experts gathered (dense experts off; e.g. 8,64)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--streams", default="", help="decode stream counts instead of 1,8,32,64 (e.g. 32,64)")
     parser.add_argument("--decode-only", action="store_true", help="measure decode only (JSON and log, no table)")
+    parser.add_argument(
+        "--contended-only",
+        action="store_true",
+        help="our contended run, its solo prefill and the shared prefix only (needs --step-target-ms; no table)",
+    )
     parser.add_argument(
         "--decode-rounds", type=int, default=2, help="decode figures: rounds of both engines in alternating order"
     )
@@ -247,6 +260,8 @@ def main() -> None:
         "--label", default="", help="free text for the header (e.g. the commit and patches measured)"
     )
     args = parser.parse_args()
+    if args.contended_only and args.step_target_ms is None:
+        parser.error("--contended-only needs --step-target-ms (the full run's target for the shape)")
     mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
     meta = {
         "command": "python -m benchmarks.gpu.run_gpu_bench "
@@ -274,7 +289,7 @@ def main() -> None:
         gc.collect()
         mx.clear_cache()
         write(results, args.out, header, meta)
-        if not args.decode_only:
+        if not (args.decode_only or args.contended_only):
             print(markdown(results[-1:], header), flush=True)
 
 

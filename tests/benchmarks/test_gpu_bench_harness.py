@@ -1,0 +1,58 @@
+"""The H200 benchmark's harness, run on the CPU with tiny shapes: ours and mlx-lm in one call, JSON + table out.
+
+The numbers mean nothing here; what is checked is that every figure the GPU run reports is produced and the
+table is built from them, so a device call is never spent finding a broken harness.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def run_bench(out: Path, *args: str) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "benchmarks.gpu.run_gpu_bench", "--device", "cpu", "--dtype", "float32",
+            "--quick", "--out", str(out), *args]  # fmt: skip
+    return subprocess.run(argv, capture_output=True, text=True, timeout=600)
+
+
+def test_full_run_writes_every_figure_and_the_table(tmp_path):
+    done = run_bench(tmp_path, "--shapes", "tiny", "--unfused-streams", "1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (result,) = json.loads((tmp_path / "gpu_bench.json").read_text())["results"]
+    assert "error" not in result
+    for side in ("peer", "ours"):
+        assert set(result[side]["decode"]) == {str(n) for n in result["stream_counts"]}
+        assert result[side]["contended"]["gap_ratio"] > 0
+    assert result["ours"]["shared_prefix"]["warm_cached_tokens"] > 0
+    assert result["ours"]["shared_prefix"]["warm_steps"], "the warm request's steps are recorded"
+    assert "1" in result["ours"]["decode_unfused"]
+    table = (tmp_path / "gpu_bench.md").read_text()
+    for row in ("decode tok/s, 1 stream vs generate_step", "prefill tok/s", "contended: max gap / median gap",
+                "shared prefix: warm TTFT / cold TTFT", "fused forward off (lever off)"):  # fmt: skip
+        assert row in table, row
+
+
+def test_contended_only_run_and_its_refusal(tmp_path):
+    refused = run_bench(tmp_path, "--shapes", "tiny", "--contended-only")
+    assert refused.returncode == 2 and "--contended-only needs --step-target-ms" in refused.stderr
+    done = run_bench(tmp_path, "--shapes", "tiny", "--contended-only", "--step-target-ms", "40")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (result,) = json.loads((tmp_path / "gpu_bench.json").read_text())["results"]
+    assert result["peer"] == {} and "decode" not in result["ours"]
+    assert result["step_target_ms"] == pytest.approx(40.0)
+    table = (tmp_path / "gpu_bench.md").read_text()
+    assert "TTFT / its solo TTFT" in table and "mlx-lm |" in table
+
+
+def test_decode_only_run_with_the_experts_lever(tmp_path):
+    done = run_bench(tmp_path, "--shapes", "tiny-moe", "--decode-only", "--streams", "1,4",
+                     "--decode-rounds", "1", "--gathered-experts-streams", "4")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    (result,) = json.loads((tmp_path / "gpu_bench.json").read_text())["results"]
+    assert set(result["ours"]["decode"]) == {"1", "4"} and "4" in result["ours"]["decode_gathered_experts"]
+    assert "dense experts off (lever off)" in (tmp_path / "gpu_bench.md").read_text()
