@@ -6,7 +6,8 @@ reading all 128 experts once is ~14 ms at 4.3 TB/s. Once a step has enough pairs
 experts (each weight read once, rows padded into one GEMM per expert) are cheaper, and the result is mlx-lm's:
 the same router, the same top-k, the same weighted sum over the chosen experts in the same order.
 
-Used by the fused decode forward (`fused_decode`) for unquantized SwitchGLU blocks; prefill keeps `gather_mm`.
+Used by the fused decode forward (`fused_decode`) for unquantized SwitchGLU blocks when `--dense-experts on`;
+prefill keeps `gather_mm`. Off by default: the estimate above is arithmetic, not yet a measurement.
 """
 
 from __future__ import annotations

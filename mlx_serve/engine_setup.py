@@ -72,10 +72,10 @@ def fuse_decode(kind: str, model: Any, compiled: bool) -> bool:
 
 def dense_experts(kind: str) -> bool:
     """Whether fused decode steps with enough rows compute every expert of an MoE block densely
-    (`mlx_serve.dense_experts`). "auto": with MLX's CUDA backend, where gather_mm is far below bandwidth."""
-    if kind not in ("auto", "on", "off"):
-        raise InvalidRequest(f"dense_experts must be auto, on or off, not {kind!r}", param="dense_experts")
-    return compile_decode("auto") if kind == "auto" else kind == "on"
+    (`mlx_serve.dense_experts`). Off by default until the H200 run measures it against gather_mm."""
+    if kind not in ("on", "off"):
+        raise InvalidRequest(f"dense_experts must be on or off, not {kind!r}", param="dense_experts")
+    return kind == "on"
 
 
 def prefill_gather(pool: Any) -> Any:

@@ -121,7 +121,8 @@ def measure_ours(
 ) -> float:
     kv_blocks = math.ceil(1.25 * max(p.stream_counts) * (p.decode_prompt + p.decode_tokens + 16) / 16)
     kv_blocks = max(kv_blocks, math.ceil(2.5 * (p.contended_long + p.prefix_len) / 16))
-    engine = {"compile_decode": args.compile_decode, "fuse_decode": args.fuse_decode, "cost_model": args.cost_model}
+    engine = {"compile_decode": args.compile_decode, "fuse_decode": args.fuse_decode, "cost_model": args.cost_model,
+              "dense_experts": args.dense_experts}  # fmt: skip
     # only the contended engine meets long prompts' chunk shapes: the others skip the warm-up
     side = OurSide(dummy, kv_blocks, 500.0, args.attention, **engine, warm_up=False)
     try:
@@ -235,6 +236,7 @@ def main() -> None:
         default=[],
         help="also decode these stream counts with the fused decode forward off (e.g. 1,8)",
     )
+    parser.add_argument("--dense-experts", default="off", choices=("on", "off"))
     parser.add_argument(
         "--gathered-experts-streams",
         type=lambda text: [int(n) for n in text.split(",") if n],

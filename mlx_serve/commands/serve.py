@@ -75,10 +75,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="compiled decode steps run q/k/v and gate/up as single matmuls and the attention prologue "
                         "as one kernel: auto = on with MLX's CUDA backend for Qwen3, Qwen3-MoE and Llama "
                         "(default: %(default)s)")
-    g.add_argument("--dense-experts", choices=["auto", "on", "off"], default="auto",
+    g.add_argument("--dense-experts", choices=["on", "off"], default="off",
                    help="fused decode steps with enough rows compute every expert of a Qwen3-MoE block in three "
-                        "batched matmuls instead of gather_mm: auto = on with MLX's CUDA backend "
-                        "(default: %(default)s)")
+                        "batched matmuls instead of gather_mm (not yet measured on a GPU; default: %(default)s)")
     g.add_argument("--no-warm-up", action="store_true",
                    help="skip building the prefill attention shapes at start (CUDA: the first chunk of each shape "
                         "then stalls the streams for tens of ms)")

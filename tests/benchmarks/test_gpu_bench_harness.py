@@ -51,7 +51,7 @@ def test_contended_only_run_and_its_refusal(tmp_path):
 
 def test_decode_only_run_with_the_experts_lever(tmp_path):
     done = run_bench(tmp_path, "--shapes", "tiny-moe", "--decode-only", "--streams", "1,4",
-                     "--decode-rounds", "1", "--gathered-experts-streams", "4")  # fmt: skip
+                     "--decode-rounds", "1", "--dense-experts", "on", "--gathered-experts-streams", "4")  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     (result,) = json.loads((tmp_path / "gpu_bench.json").read_text())["results"]
     assert set(result["ours"]["decode"]) == {"1", "4"} and "4" in result["ours"]["decode_gathered_experts"]
