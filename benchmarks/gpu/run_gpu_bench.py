@@ -8,7 +8,8 @@ engines in alternating order, `--decode-rounds` times, median),
 prefill tok/s, 8 streams decoding while a 16k prompt arrives (gaps and the long prompt's TTFT against its solo
 TTFT), and a shared 8k prefix (continuation TTFT against cold). Writes gpu_bench.json and gpu_bench.md into
 --out after every shape, so a run cut short keeps what it measured. `--shapes tiny --device cpu` checks the
-script itself on a CPU.
+script itself on a CPU (CI does, `tests/benchmarks/test_gpu_bench_harness.py`). On the lent H200, one device call
+installs, checks parity and runs it: `bash benchmarks/gpu/on_device.sh <these arguments>`.
 """
 
 from __future__ import annotations

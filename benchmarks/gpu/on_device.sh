@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The GPU run in one device call, after the recipe's call 1 (../shared/device/README.md: stage the wheels here with
+# ../shared/device/stage-wheels.sh; call 1 copies part A to /root/stage). Call 2, carrying .device-wheels/b:
+#   bash benchmarks/gpu/on_device.sh [--no-check] [run_gpu_bench arguments...]
+# installs MLX's CUDA wheels into /root/site, checks greedy parity with mlx-lm (check_engine), then runs the bench
+# with its JSON, table and log under $OUT. Put every run of a session into one call: a fresh machine costs minutes.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+check=1
+if [ "${1:-}" = "--no-check" ]; then check=0; shift; fi
+OUT=${OUT:-gpu_bench_out}
+mkdir -p "$OUT"
+wheels=.device-wheels
+[ -f /root/stage/part_aa ] || { echo "part A is not on this machine (cold start): repeat the recipe's call 1" >&2; exit 3; }
+name=$(cat "$wheels/b/CUDA_WHEEL_NAME")
+cat /root/stage/part_aa "$wheels/b/part_ab" > "/root/stage/$name"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /root/site \
+  "/root/stage/$name" "$wheels"/b/*.whl || exit 3
+export PYTHONPATH=/root/site:$PWD
+python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
+if [ "$check" = 1 ]; then
+  python3 -m benchmarks.gpu.check_engine > "$OUT/check_engine.log" 2>&1 || { tail -20 "$OUT/check_engine.log"; exit 1; }
+  tail -3 "$OUT/check_engine.log"
+fi
+python3 -m benchmarks.gpu.run_gpu_bench --out "$OUT/bench" "$@" > "$OUT/bench.log" 2>&1
+rc=$?
+grep -v '^\[' "$OUT/bench.log" | tail -80
+exit $rc
