@@ -47,6 +47,7 @@ class DummyModel:
     tokenizer: Any  # mlx-lm TokenizerWrapper
     config: dict  # config.json contents
     weight_bytes: int
+    expert_bytes: int = 0  # of weight_bytes, the mixture-of-experts blocks' experts (a step reads only the chosen)
 
 
 def _random_weights(model: Any, dtype: mx.Dtype, seed: int) -> None:
@@ -91,5 +92,7 @@ def build_dummy_model(name: str, dtype: str = "bfloat16", seed: int = 0) -> Dumm
         nn.quantize(model, group_size=64, bits=spec.bits)
         config["quantization"] = {"group_size": 64, "bits": spec.bits}
     mx.eval(model.parameters())
-    weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    return DummyModel(name, model, _tokenizer(config), config, weight_bytes)
+    weights = tree_flatten(model.parameters())
+    weight_bytes = sum(v.nbytes for _, v in weights)
+    expert_bytes = sum(v.nbytes for key, v in weights if ".switch_mlp." in key)
+    return DummyModel(name, model, _tokenizer(config), config, weight_bytes, expert_bytes)

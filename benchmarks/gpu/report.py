@@ -11,6 +11,16 @@ LEVERS = (  # the same engine with one lever off, measured in the same run
 )
 
 
+def step_bytes(r: dict, streams: int) -> float:
+    """Weight bytes a decode step of `streams` rows must read: all dense weights, and of the experts the
+    expected share that at least one row chooses (uniform routing: 1 - (1 - k/E)^rows)."""
+    experts, k = r.get("experts", 0), r.get("experts_per_token", 0)
+    if not experts or not k:
+        return r["weight_bytes"]
+    chosen = 1.0 - (1.0 - k / experts) ** streams
+    return r["weight_bytes"] - r["expert_bytes"] * (1.0 - chosen)
+
+
 def _ratio(ours: float | None, peer: float | None) -> float | None:
     return ours / peer if ours and peer else None
 
@@ -24,10 +34,9 @@ def rows_for_shape(r: dict) -> list[dict]:
     ):
         rows.append({"metric": metric, "mlx_lm": p, "ours": o, "ratio": ratio, "target": target, "met": met})
 
-    step_bytes = r["weight_bytes"]
     for n in r["stream_counts"]:
         p, o = peer["decode"][str(n)]["tok_s"], ours["decode"][str(n)]["tok_s"]
-        limit = n * BANDWIDTH / step_bytes
+        limit = n * BANDWIDTH / step_bytes(r, n)
         frac = f" ({o / limit:.0%} of weight-bandwidth limit)" if o else ""
         ratio = _ratio(o, p)
         if n == 1:

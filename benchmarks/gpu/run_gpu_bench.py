@@ -184,7 +184,9 @@ def bench_shape(name: str, p: BenchParams, args: argparse.Namespace, result: dic
     t0 = time.perf_counter()
     dummy = build_dummy_model(name, args.dtype)
     result.update(
-        shape=name, weight_bytes=dummy.weight_bytes, build_s=time.perf_counter() - t0, step_target_ms=0
+        shape=name, weight_bytes=dummy.weight_bytes, build_s=time.perf_counter() - t0, step_target_ms=0,
+        expert_bytes=dummy.expert_bytes, experts=dummy.config.get("num_experts", 0),
+        experts_per_token=dummy.config.get("num_experts_per_tok", 0),
     )
     result.update(asdict(p), peer={}, ours={}, decode_only=args.decode_only, contended_only=args.contended_only)
     note(f"{name} built", {"weight_gb": dummy.weight_bytes / 1e9})

@@ -56,3 +56,14 @@ def test_decode_only_run_with_the_experts_lever(tmp_path):
     (result,) = json.loads((tmp_path / "gpu_bench.json").read_text())["results"]
     assert set(result["ours"]["decode"]) == {"1", "4"} and "4" in result["ours"]["decode_gathered_experts"]
     assert "dense experts off (lever off)" in (tmp_path / "gpu_bench.md").read_text()
+
+
+def test_bandwidth_limit_counts_only_the_experts_a_step_reads():
+    from benchmarks.gpu.report import step_bytes
+
+    dense = {"weight_bytes": 16e9}
+    assert step_bytes(dense, 8) == 16e9
+    moe = {"weight_bytes": 61e9, "expert_bytes": 58e9, "experts": 128, "experts_per_token": 8}
+    assert step_bytes(moe, 1) == pytest.approx(3e9 + 58e9 / 16)  # one row reads 8 of 128 experts
+    assert step_bytes(moe, 8) < step_bytes(moe, 64) < 61e9
+    assert step_bytes(moe, 1000) == pytest.approx(61e9)
