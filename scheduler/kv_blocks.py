@@ -22,21 +22,32 @@ from scheduler.request import Request
 BlockHash = bytes
 
 
-def chain_hash(parent: BlockHash | None, tokens: Sequence[int], salt: str | None) -> BlockHash:
-    """Hash of one full block chained from its parent's hash; the salt separates tenants' caches."""
+def _salt_bytes(salt: str | None) -> bytes:
+    return b"\x00" if salt is None else b"\x01" + salt.encode("utf-8") + b"\x00"
+
+
+def chain_hash(parent: BlockHash | None, packed: bytes, salt: bytes) -> BlockHash:
+    """Hash of one full block (its tokens packed as int64) chained from its parent's hash; the salt separates
+    tenants' caches."""
     digest = hashlib.blake2b(digest_size=16)
     digest.update(parent or b"root")
-    digest.update(b"\x00" if salt is None else b"\x01" + salt.encode("utf-8") + b"\x00")
-    digest.update(struct.pack(f"<{len(tokens)}q", *tokens))
+    digest.update(salt)
+    digest.update(packed)
     return digest.digest()
 
 
 def extend_hash_chain(hashes: list[BlockHash], request: Request, num_blocks: int, block_size: int) -> list[BlockHash]:
-    """Grow `hashes` (the request's chain, kept on it) to cover its first `num_blocks` full blocks."""
-    while len(hashes) < num_blocks:
-        index = len(hashes)
-        tokens = request.tokens(index * block_size, (index + 1) * block_size)
-        hashes.append(chain_hash(hashes[-1] if hashes else None, tokens, request.cache_salt))
+    """Grow `hashes` (the request's chain, kept on it) to cover its first `num_blocks` full blocks.
+
+    The new blocks' tokens are packed in one call: a 16k prompt is hashed on the engine thread when it arrives."""
+    first = len(hashes)
+    if num_blocks <= first:
+        return hashes
+    tokens = request.tokens(first * block_size, num_blocks * block_size)
+    packed = struct.pack(f"<{len(tokens)}q", *tokens)
+    salt, width = _salt_bytes(request.cache_salt), 8 * block_size
+    for index in range(num_blocks - first):
+        hashes.append(chain_hash(hashes[-1] if hashes else None, packed[index * width : (index + 1) * width], salt))
     return hashes
 
 

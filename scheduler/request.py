@@ -88,4 +88,9 @@ class Request:
         return self.prompt_ids[position] if position < n else self.output_ids[position - n]
 
     def tokens(self, start: int, end: int) -> tuple[int, ...]:
-        return tuple(self.token_at(i) for i in range(start, end))
+        # slices, not token_at per position: hashing a 16k prompt's blocks runs on the engine thread
+        n = len(self.prompt_ids)
+        if end <= n:
+            return tuple(self.prompt_ids[start:end])
+        outputs = self.output_ids[max(0, start - n) : end - n]
+        return (*self.prompt_ids[start:n], *outputs) if start < n else tuple(outputs)
