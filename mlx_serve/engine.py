@@ -78,6 +78,7 @@ class Engine:
             prefill_gather=engine_setup.prefill_gather(self.pool),
             fuse_decode=engine_setup.fuse_decode(config.fuse_decode, loaded.model, compiled),
             dense_moe=engine_setup.dense_experts(config.dense_experts),
+            dequantize_rows=engine_setup.dequantize_rows(config.dequantize_rows),
         )
         self.scheduler = Scheduler(
             engine_setup.scheduler_config(config, num_blocks, self.context_length), trace=self.trace

@@ -78,6 +78,13 @@ def dense_experts(kind: str) -> bool:
     return kind == "on"
 
 
+def dequantize_rows(rows: int) -> int:
+    """Rows from which quantized projections of decode steps and logits run dense (`DequantizedRows`); 0: never."""
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+        raise InvalidRequest(f"dequantize_rows must be a whole number >= 0, not {rows!r}", param="dequantize_rows")
+    return rows
+
+
 def prefill_gather(pool: Any) -> Any:
     """How long prefill lanes read their history on this backend (None: the pool's slot gather)."""
     from mlx_serve.kernels.paged_gather import select_prefill_gather

@@ -23,6 +23,7 @@ from mlx_serve import dense_experts
 from mlx_serve.kernels.add_norm import AddNorm, select_add_norm
 from mlx_serve.kernels.decode_qkv import HeadSpec, QKVRows, select_qkv_rows
 from mlx_serve.kv_pool import KVPool
+from mlx_serve.quantized_rows import DequantizedRows
 from mlx_serve.ragged import DecodeAttention, DecodeRows
 
 # mlx-lm model modules whose blocks are `h + attn(norm(h))`, then `h + mlp(norm(h))`, with the attention and MLP
@@ -81,10 +82,12 @@ class FusedDecode:
         qkv_rows: QKVRows | None = None,
         add_norm: AddNorm | None = None,
         dense_moe: bool = False,
+        dequantize: DequantizedRows | None = None,
     ) -> None:
         self.model = model
         self.layers = fuse_layers(model)
         self.dense_moe = dense_moe  # experts blocks of large enough steps compute every expert (`dense_experts`)
+        self.linear = (dequantize or DequantizedRows(0)).linear  # quantized projections of many rows: dense
         self.attention = attention
         # kernels on CUDA, mlx-lm's ops elsewhere
         self.qkv_rows = qkv_rows or select_qkv_rows(self.layers[0].spec)
@@ -100,9 +103,10 @@ class FusedDecode:
         next_norms = [layer.block.input_layernorm for layer in self.layers[1:]] + [inner.norm]
         for index, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
             block, attn = layer.block, layer.block.self_attn
-            queries = self.qkv_rows(layer.qkv(x), layer.spec, attn, positions, slots, pool, index)
+            queries = self.qkv_rows(self.linear(layer.qkv, x), layer.spec, attn, positions, slots, pool, index)
             out = self.attention(queries, pool.keys[index], pool.values[index], rows, attn.scale)
-            h, x = self.add_norm(h, attn.o_proj(out.reshape(h.shape[0], -1)), block.post_attention_layernorm)
+            attended = self.linear(attn.o_proj, out.reshape(h.shape[0], -1))
+            h, x = self.add_norm(h, attended, block.post_attention_layernorm)
             h, x = self.add_norm(h, self._mlp(layer, x), next_norm)
         return x
 
@@ -111,9 +115,9 @@ class FusedDecode:
             mlp = layer.block.mlp
             dense = self.dense_moe and dense_experts.supports(mlp) and dense_experts.worth_it(mlp, x.shape[0])
             return dense_experts.dense_moe(mlp, x) if dense else mlp(x)
-        gate_up = layer.gate_up(x)
+        gate_up = self.linear(layer.gate_up, x)
         hidden = gate_up.shape[-1] // 2
-        return layer.block.mlp.down_proj(swiglu(gate_up[:, :hidden], gate_up[:, hidden:]))
+        return self.linear(layer.block.mlp.down_proj, swiglu(gate_up[:, :hidden], gate_up[:, hidden:]))
 
 
 def _head_dim(attn: Any) -> int:

@@ -19,7 +19,7 @@ from mlx_serve import ane_chunks
 from mlx_serve.compiled_step import CompiledDecode
 from mlx_serve.fused_decode import FusedDecode
 from mlx_serve.kv_pool import KVPool, slot_array
-from mlx_serve.quantized_rows import fold_quantized_rows
+from mlx_serve.quantized_rows import DequantizedRows, fold_quantized_rows
 from mlx_serve.ragged import (
     DecodeAttention,
     DecodeRows,
@@ -107,6 +107,7 @@ class ModelRunner:
         prefill_gather: PrefillGather | None = None,
         fuse_decode: bool = False,
         dense_moe: bool = False,
+        dequantize_rows: int = 0,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -128,7 +129,13 @@ class ModelRunner:
         self._tied = bool(getattr(getattr(model, "args", None), "tie_word_embeddings", False))
         # single-row steps replay one compiled graph; the reference attention reads per-lane slot lists instead
         use_compiled = compile_decode and not self._decode_lane_slots
-        fused = FusedDecode(model, self.decode_attention, dense_moe=dense_moe) if use_compiled and fuse_decode else None
+        # quantized projections of decode steps with this many rows: one dense matmul (0: never)
+        self.dequantize = DequantizedRows(dequantize_rows)
+        fused = (
+            FusedDecode(model, self.decode_attention, dense_moe=dense_moe, dequantize=self.dequantize)
+            if use_compiled and fuse_decode
+            else None
+        )
         self.compiled = (
             CompiledDecode(model, pool, self.decode_attention, self._logits, fused) if use_compiled else None
         )
@@ -371,8 +378,8 @@ class ModelRunner:
     def _logits(self, hidden: mx.array) -> mx.array:
         # the LM head runs only on sampling rows: prefill rows never need vocabulary-sized logits
         if self._tied:
-            return self.model.model.embed_tokens.as_linear(hidden)
-        return self.model.lm_head(hidden)
+            return self.dequantize.embedding_as_linear(self.model.model.embed_tokens, hidden)
+        return self.dequantize.linear(self.model.lm_head, hidden)
 
     def _read_samples(
         self, sample_ids: tuple[str, ...], samplers: list[RequestSampler], sampled: Any

@@ -8,6 +8,7 @@ LEVERS = (  # the same engine with one lever off, measured in the same run
     ("decode_compile_off", "compile off", "compiled / eager (info)"),
     ("decode_unfused", "fused forward off", "fused / unfused (info)"),
     ("decode_gathered_experts", "dense experts off", "dense / gathered (info)"),
+    ("decode_quantized_matmul", "dequantized rows off", "dequantized / quantized (info)"),
 )
 
 

@@ -123,7 +123,7 @@ def measure_ours(
     kv_blocks = math.ceil(1.25 * max(p.stream_counts) * (p.decode_prompt + p.decode_tokens + 16) / 16)
     kv_blocks = max(kv_blocks, math.ceil(2.5 * (p.contended_long + p.prefix_len) / 16))
     engine = {"compile_decode": args.compile_decode, "fuse_decode": args.fuse_decode, "cost_model": args.cost_model,
-              "dense_experts": args.dense_experts}  # fmt: skip
+              "dense_experts": args.dense_experts, "dequantize_rows": args.dequantize_rows}  # fmt: skip
     # only the contended engine meets long prompts' chunk shapes: the others skip the warm-up
     side = OurSide(dummy, kv_blocks, 500.0, args.attention, **engine, warm_up=False)
     try:
@@ -145,6 +145,7 @@ def measure_ours(
         ("decode_compile_off", "compile off", {"compile_decode": "off", "fuse_decode": "off"}, args.eager_streams),
         ("decode_unfused", "unfused", {"fuse_decode": "off"}, args.unfused_streams),
         ("decode_gathered_experts", "gathered experts", {"dense_experts": "off"}, args.gathered_experts_streams),
+        ("decode_quantized_matmul", "quantized matmul", {"dequantize_rows": 0}, args.quantized_streams),
         ("decode_reference_attention", "reference attention", {"attention": "reference"},
          [args.reference_streams] if args.reference_streams else []),
     ]  # fmt: skip
@@ -245,6 +246,13 @@ def main() -> None:
         type=lambda text: [int(n) for n in text.split(",") if n],
         default=[],
         help="also decode these stream counts with MoE experts gathered (dense experts off; e.g. 8,64)",
+    )
+    parser.add_argument("--dequantize-rows", type=int, default=0, help="EngineConfig.dequantize_rows (0: never)")
+    parser.add_argument(
+        "--quantized-streams",
+        type=lambda text: [int(n) for n in text.split(",") if n],
+        default=[],
+        help="also decode these stream counts with every quantized matmul kept (dequantize rows 0; e.g. 8,64)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--streams", default="", help="decode stream counts instead of 1,8,32,64 (e.g. 32,64)")

@@ -78,6 +78,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dense-experts", choices=["on", "off"], default="off",
                    help="fused decode steps with enough rows compute every expert of a Qwen3-MoE block in three "
                         "batched matmuls instead of gather_mm (not yet measured on a GPU; default: %(default)s)")
+    g.add_argument("--dequantize-rows", type=int, default=0, metavar="N",
+                   help="quantized models: decode steps of at least N rows (and logits of N rows) run each "
+                        "projection as a dense matmul over its dequantized weights, since MLX's quantized matmul "
+                        "re-reads the packed weights per row on CUDA; bf16 rounding then differs from mlx-lm's "
+                        "(0 = never; default: %(default)s)")
     g.add_argument("--no-warm-up", action="store_true",
                    help="skip building the prefill attention shapes at start (CUDA: the first chunk of each shape "
                         "then stalls the streams for tens of ms)")
@@ -101,7 +106,7 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
         enable_prefix_cache=not args.no_prefix_cache, decode_debt=not args.no_decode_debt,
         ane_lane=args.ane_lane, ane_package=args.ane_package, ane_timeout_s=args.ane_timeout_s,
         decode_attention=args.decode_attention, compile_decode=args.compile_decode, fuse_decode=args.fuse_decode,
-        dense_experts=args.dense_experts, warm_up=not args.no_warm_up,
+        dense_experts=args.dense_experts, dequantize_rows=args.dequantize_rows, warm_up=not args.no_warm_up,
         pipeline=not args.no_pipeline,
         trace=sink_from_env(args.trace), observer=observer,
         progress=not args.no_progress,

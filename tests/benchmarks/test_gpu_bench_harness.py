@@ -49,13 +49,21 @@ def test_contended_only_run_and_its_refusal(tmp_path):
     assert "TTFT / its solo TTFT" in table and "mlx-lm |" in table
 
 
-def test_decode_only_run_with_the_experts_lever(tmp_path):
-    done = run_bench(tmp_path, "--shapes", "tiny-moe", "--decode-only", "--streams", "1,4",
-                     "--decode-rounds", "1", "--dense-experts", "on", "--gathered-experts-streams", "4")  # fmt: skip
+@pytest.mark.parametrize(
+    ("shape", "flags", "lever", "label"),
+    [
+        ("tiny-moe", ["--dense-experts", "on", "--gathered-experts-streams", "4"], "decode_gathered_experts",
+         "dense experts off"),
+        ("tiny-4bit", ["--dequantize-rows", "2", "--quantized-streams", "4"], "decode_quantized_matmul",
+         "dequantized rows off"),
+    ],
+)  # fmt: skip
+def test_decode_only_run_with_a_lever(tmp_path, shape, flags, lever, label):
+    done = run_bench(tmp_path, "--shapes", shape, "--decode-only", "--streams", "1,4", "--decode-rounds", "1", *flags)
     assert done.returncode == 0, done.stderr[-3000:]
     (result,) = json.loads((tmp_path / "gpu_bench.json").read_text())["results"]
-    assert set(result["ours"]["decode"]) == {"1", "4"} and "4" in result["ours"]["decode_gathered_experts"]
-    assert "dense experts off (lever off)" in (tmp_path / "gpu_bench.md").read_text()
+    assert set(result["ours"]["decode"]) == {"1", "4"} and "4" in result["ours"][lever]
+    assert f"{label} (lever off)" in (tmp_path / "gpu_bench.md").read_text()
 
 
 def test_bandwidth_limit_counts_only_the_experts_a_step_reads():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from mlx_lm import load
 
@@ -114,3 +115,41 @@ def test_fused_decode_with_dense_experts_matches_mlx_lm(tiny_qwen3_moe, monkeypa
     assert calls, "the dense experts never ran"
     for i, prompt in enumerate(prompts):
         assert results[i] == reference_tokens(tiny_qwen3_moe, prompt, 12), f"request {i}"
+
+
+def test_dequantized_rows_equal_the_quantized_matmul_in_float32(tiny_qwen3_4bit):
+    from mlx_serve.quantized_rows import DequantizedRows
+
+    model, _ = load(str(tiny_qwen3_4bit))
+    proj = model.model.layers[0].mlp.gate_proj
+    embed = model.model.embed_tokens
+    x = mx.random.normal((6, model.args.hidden_size), key=mx.random.key(2))
+    dense = DequantizedRows(4)
+    assert dense.applies(proj, 6) and not dense.applies(proj, 3) and not DequantizedRows(0).applies(proj, 6)
+    assert mx.array_equal(dense.linear(proj, x), proj(x)).item()
+    assert mx.array_equal(dense.embedding_as_linear(embed, x), embed.as_linear(x)).item()
+    plain = nn.Linear(4, 3)
+    assert not dense.applies(plain, 6)  # only quantized modules change path
+
+
+def test_fused_decode_with_dequantized_rows_matches_mlx_lm(tiny_qwen3_4bit, monkeypatch):
+    from mlx_serve import quantized_rows
+
+    dense_calls = []
+    original = quantized_rows._dense_weight
+    monkeypatch.setattr(quantized_rows, "_dense_weight", lambda m: dense_calls.append(m) or original(m))
+    prompts = [prompt_of(n, seed=110 + n) for n in (23, 7, 41, 16, 30)]
+    config = EngineConfig(
+        model=str(tiny_qwen3_4bit), row_ceiling=24, row_floor=1, compile_decode="on", fuse_decode="on",
+        dequantize_rows=2,
+    )  # fmt: skip
+    engine = Engine.load(config)
+    try:
+        results = run_staggered(engine, prompts, first=2, max_tokens=12)
+    finally:
+        engine.shutdown()
+    assert dense_calls, "no projection ran dense"
+    for i, prompt in enumerate(prompts):
+        assert results[i] == reference_tokens(tiny_qwen3_4bit, prompt, 12), f"request {i}"
+    with pytest.raises(InvalidRequest, match="dequantize_rows must be a whole number"):
+        Engine.load(EngineConfig(model=str(tiny_qwen3_4bit), dequantize_rows=-1))
