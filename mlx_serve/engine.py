@@ -23,6 +23,7 @@ from mlx_serve import engine_setup, introspection
 from mlx_serve.config import EngineConfig
 from mlx_serve.delivery import Delivery, NullObserver
 from mlx_serve.errors import EngineStopped
+from mlx_serve.grammar import Grammars
 from mlx_serve.handle import RequestHandle
 from mlx_serve.outputs import RequestStream
 from mlx_serve.step_trace import trace_step
@@ -61,6 +62,7 @@ class Engine:
         self.config = config
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
+        self.grammars = Grammars(loaded.tokenizer, loaded.vocab_size)  # response_format constraints
         self.model_id: str = loaded.model_id
         self.context_length: int = loaded.context_length
         self.vocab_size: int = loaded.vocab_size
@@ -131,6 +133,8 @@ class Engine:
             raise EngineStopped("the engine is shutting down")
         capacity = self.pool.num_blocks * self.pool.block_size
         engine_setup.validate_request(request, self.vocab_size, self.context_length, capacity)
+        if request.sampling.grammar is not None:
+            self.grammars.check(request.sampling.grammar)
         self.delivery.reserve(self.config.queue_limit + self.config.max_running, self.config.queue_limit)
         request_id = request.request_id or f"req-{uuid.uuid4().hex[:12]}"
         handle = RequestHandle(request_id, self.cancel)
@@ -236,14 +240,16 @@ class Engine:
 
     def _accept(self, sub: _Submission) -> None:
         rid = sub.request.request_id
+        grammar = sub.sampling.grammar
         try:
+            constraint = self.grammars.constraint(grammar) if grammar else None
             with self._lock:
                 self.scheduler.add(sub.request)
-        except Exception as exc:  # QueueFull / RequestTooLarge from the scheduler: refuse this one only
+        except Exception as exc:  # QueueFull / RequestTooLarge from the scheduler, a grammar: refuse this one only
             self.delivery.open(sub.stream, sub.handle)
             self.delivery.finish(rid, "error", None, error=str(exc))
             return
-        self.runner.add_request(rid, sub.sampling)
+        self.runner.add_request(rid, sub.sampling, constraint)
         self.delivery.open(sub.stream, sub.handle)
         if self.trace.enabled:
             r = sub.request
@@ -271,7 +277,7 @@ class Engine:
             self._fail_plan(plan, exc)
             return True
         self._complete_in_flight()
-        if self.config.pipeline and _decode_only(plan):
+        if self.config.pipeline and _decode_only(plan) and not self.runner.constrained(plan):
             placeholders = StepOutcome({lane.request_id: PENDING_TOKEN for lane in plan.lanes}, math.nan)
             with self._lock:
                 advanced = self.scheduler.update(plan, placeholders, time.perf_counter())

@@ -164,8 +164,17 @@ class ModelRunner:
         return shapes
 
     # request lifecycle -------------------------------------------------------------------------------
-    def add_request(self, request_id: str, params: SamplingParams) -> None:
+    def add_request(self, request_id: str, params: SamplingParams, constraint: Any = None) -> None:
+        """`constraint`: a `grammar.Constraint` the request's every token must satisfy (None: free text)."""
         self.samplers[request_id] = RequestSampler.create(params)
+        self.samplers[request_id].constraint = constraint
+
+    def constrained(self, plan: StepPlan) -> bool:
+        """Whether a lane of the step samples under a grammar (its next mask needs this token on the host)."""
+        return any(
+            (sampler := self.samplers.get(lane.request_id)) is not None and sampler.constraint is not None
+            for lane in plan.lanes
+        )
 
     def release_one(self, request_id: str) -> None:
         """Forget a finished request's sampling state (a preempted one keeps it: its seed chain goes on)."""
@@ -387,6 +396,9 @@ class ModelRunner:
         if not sample_ids:
             return {}
         token_ids = sampled.tokens.tolist()
+        for sampler, token_id in zip(samplers, token_ids):
+            if sampler.constraint is not None:  # the grammar's next mask starts from this token
+                sampler.constraint.advance(token_id)
         wanted = [i for i, s in enumerate(samplers) if s.params.logprobs is not None]
         chosen: dict[int, float] = {}
         tops: dict[int, tuple[TokenLogprob, ...]] = {}

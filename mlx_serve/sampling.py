@@ -1,13 +1,15 @@
 """Per-request sampling inside a batched step.
 
 Every sampling row has its own parameters. Greedy rows without logits processors are decided by one argmax;
-the others go through mlx-lm's own logits processors and filters (top-p, min-p, top-k) one row at a time.
+the others go through mlx-lm's own logits processors, a grammar's mask (`grammar`), and filters (top-p, min-p,
+top-k) one row at a time.
 A seeded request draws from its own key chain, so its tokens do not depend on what else is in the batch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
@@ -23,6 +25,7 @@ class RequestSampler:
     processors: list = field(default_factory=list)
     key: mx.array | None = None
     history: mx.array | None = None  # the last `penalty_context` input tokens, kept on the device
+    constraint: Any = None  # a grammar.Constraint (response_format): masks each sample, needs each token read
 
     @classmethod
     def create(cls, params: SamplingParams) -> RequestSampler:
@@ -53,7 +56,12 @@ class RequestSampler:
 
     @property
     def is_plain_greedy(self) -> bool:
-        return self.params.greedy and not self.processors
+        return self.params.greedy and not self.processors and self.constraint is None
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether this row's logits change before the draw (processors or a grammar)."""
+        return bool(self.processors) or self.constraint is not None
 
     def next_key(self) -> mx.array | None:
         if self.key is None:
@@ -73,6 +81,8 @@ def _process(sampler: RequestSampler, logits: mx.array) -> mx.array:
         tokens = sampler.history if sampler.history is not None else mx.array([], dtype=mx.int32)
         for processor in sampler.processors:
             logits = processor(tokens, logits)
+    if sampler.constraint is not None:  # last, so that no processor lifts a token the grammar forbids
+        logits = logits + mx.array(sampler.constraint.mask()).astype(logits.dtype)
     return logits
 
 
@@ -91,7 +101,7 @@ def _draw(sampler: RequestSampler, logprobs: mx.array) -> mx.array:
 
 def sample_rows(logits: mx.array, samplers: list[RequestSampler]) -> SampledRows:
     """Pick one token per row of `logits` `[S, V]`, row i with `samplers[i]`."""
-    if any(s.processors for s in samplers):
+    if any(s.shapes_logits for s in samplers):
         rows = [_process(s, logits[i : i + 1]) for i, s in enumerate(samplers)]
         logits = mx.concatenate(rows, axis=0)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)

@@ -24,6 +24,7 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | None = None
     seed: int | None = None
     logprobs: int | None = None  # None: none; 0: the chosen token's; k: plus the top k alternatives
+    grammar: str | None = None  # an llguidance grammar every token must follow (`grammar`, from response_format)
 
     @property
     def greedy(self) -> bool:

@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from mlx_serve.errors import InvalidRequest
+from mlx_serve.grammar import grammar_for_response_format
 from mlx_serve.server import openai_format as fmt
 from mlx_serve.server.protocol import (
     MAX_CHOICES,
@@ -44,7 +45,8 @@ def parse_chat(body: dict[str, Any], tokenizer: Any, model: ModelInfo) -> Job:
         raise InvalidRequest("top_logprobs needs logprobs set to true", param="top_logprobs")
     requests = build_requests(body, prompt, model, logprobs=(top or 0) if want_logprobs else None,
                               max_token_fields=("max_completion_tokens", "max_tokens"),
-                              n=read_int(body, "n", 1, low=1, high=MAX_CHOICES))
+                              n=read_int(body, "n", 1, low=1, high=MAX_CHOICES),
+                              grammar=grammar_for_response_format(body.get("response_format")))
     return Job(requests, stream, read_stream_options(body, stream), want_logprobs, tools)
 
 

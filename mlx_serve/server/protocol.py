@@ -158,11 +158,13 @@ def read_max_tokens(body: Mapping[str, Any], prompt_len: int, model: ModelInfo, 
 
 def build_requests(body: Mapping[str, Any], prompt_ids: list[int], model: ModelInfo, *,
                    logprobs: int | None, max_token_fields: tuple[str, ...], stop_field: str = "stop",
-                   n: int = 1, prompt_param: str = "messages") -> tuple[GenerationRequest, ...]:
-    """One `GenerationRequest` per choice; a given seed becomes seed + i for choice i."""
+                   n: int = 1, prompt_param: str = "messages", grammar: str | None = None,
+                   ) -> tuple[GenerationRequest, ...]:
+    """One `GenerationRequest` per choice; a given seed becomes seed + i for choice i. `grammar`: what every
+    token must follow (`mlx_serve.grammar`)."""
     if not prompt_ids:
         raise InvalidRequest("The prompt is empty", param=prompt_param)
-    sampling = read_sampling(body, logprobs)
+    sampling = replace(read_sampling(body, logprobs), grammar=grammar)
     sampling.validate(model.vocab_size)
     base = GenerationRequest(
         prompt_ids=tuple(prompt_ids),

@@ -1,0 +1,105 @@
+"""Constrained decoding: OpenAI's `response_format` as a grammar that masks every sampled token (llguidance).
+
+The HTTP layer turns `response_format` into an llguidance grammar (`grammar_for_response_format`); the engine
+checks it against the tokenizer when the request is submitted (`Grammars.check`, a 400 for what cannot compile)
+and gives the runner one `Constraint` per constrained request. Before each of its samples the constraint's
+matcher yields the allowed tokens, applied as an additive mask on the device; after it, the sampled token
+advances the matcher. A constrained request's steps are never left in flight: the next mask needs this token.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from llguidance import LLMatcher, LLTokenizer
+from llguidance.hf import from_tokenizer
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+from mlx_serve.errors import InvalidRequest
+
+# JSON as people read it, with whitespace fixed: "flexible" whitespace lets a weak model pad forever
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def grammar_for_response_format(response_format: object) -> str | None:
+    """The llguidance grammar of an OpenAI `response_format` (None: unconstrained text)."""
+    if response_format is None:
+        return None
+    if not isinstance(response_format, Mapping):
+        raise InvalidRequest("response_format must be an object", param="response_format")
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _json_grammar({"type": "object"})
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, Mapping) or not isinstance(spec.get("schema", {}), Mapping):
+            raise InvalidRequest(
+                "response_format.json_schema must be an object with a `schema` object", param="response_format"
+            )
+        return _json_grammar(dict(spec.get("schema", {})))
+    raise InvalidRequest(
+        f"response_format.type must be text, json_object or json_schema, not {kind!r}", param="response_format"
+    )
+
+
+def _json_grammar(schema: dict) -> str:
+    try:
+        return LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequest(f"response_format: the JSON schema cannot be used: {exc}", param="response_format") from exc
+
+
+class Constraint:
+    """One request's grammar state: the mask of its next token, and advancing past the sampled one."""
+
+    def __init__(self, matcher: LLMatcher, tokenizer: LLTokenizer, vocab_size: int) -> None:
+        self.matcher = matcher
+        self.vocab_size = vocab_size  # the model's logits width (may exceed the tokenizer's)
+        self.eos_token = tokenizer.eos_token
+        self._bitmask = allocate_token_bitmask(1, tokenizer.vocab_size)
+
+    def mask(self) -> np.ndarray:
+        """Additive float32 mask `[vocab]`: 0 where the grammar allows the token, -inf elsewhere."""
+        fill_next_token_bitmask(self.matcher, self._bitmask, 0)
+        allowed = np.unpackbits(self._bitmask[0].view(np.uint8), bitorder="little").astype(bool)
+        mask = np.full(self.vocab_size, -np.inf, dtype=np.float32)
+        n = min(self.vocab_size, allowed.size)
+        mask[:n][allowed[:n]] = 0.0
+        if not np.isfinite(mask).any():  # the grammar has ended or failed: only end-of-sequence remains
+            mask[self.eos_token] = 0.0
+        return mask
+
+    def advance(self, token_id: int) -> None:
+        self.matcher.consume_token(token_id)
+
+
+class Grammars:
+    """The engine's grammar side: the llguidance tokenizer (built on first use) and per-request constraints."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self._hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's wrapper holds the HF tokenizer
+        self.vocab_size = vocab_size
+        self._tokenizer: LLTokenizer | None = None
+
+    @property
+    def tokenizer(self) -> LLTokenizer:
+        if self._tokenizer is None:
+            self._tokenizer = from_tokenizer(self._hf)
+        return self._tokenizer
+
+    def check(self, grammar: str) -> None:
+        """Refuse (400) a grammar this tokenizer cannot run."""
+        failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+        if failed:
+            raise InvalidRequest(f"response_format cannot be enforced: {'; '.join(messages)}", param="response_format")
+
+    def constraint(self, grammar: str) -> Constraint:
+        matcher = LLMatcher(self.tokenizer, grammar)
+        if matcher.is_error():
+            raise InvalidRequest(f"response_format cannot be enforced: {matcher.get_error()}", param="response_format")
+        return Constraint(matcher, self.tokenizer, self.vocab_size)
