@@ -139,7 +139,9 @@ class Engine:
         request_id = request.request_id or f"req-{uuid.uuid4().hex[:12]}"
         handle = RequestHandle(request_id, self.cancel)
         now = time.perf_counter()
-        stop_ids = frozenset(request.stop_token_ids) | (frozenset() if request.ignore_eos else self._eos_ids)
+        # a grammar allows end-of-sequence only once its text is complete: then it ends the request, ignore_eos or not
+        keep_eos = not request.ignore_eos or request.sampling.grammar is not None
+        stop_ids = frozenset(request.stop_token_ids) | (self._eos_ids if keep_eos else frozenset())
         sched_request = Request(
             request_id=request_id,
             prompt_ids=list(request.prompt_ids),
