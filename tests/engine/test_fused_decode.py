@@ -17,11 +17,12 @@ from mlx_serve.kernels.paged_attention import batched_decode_attention
 from tests.engine.reference import prompt_of, reference_tokens, run_staggered
 
 
-@pytest.mark.parametrize("fixture", ["tiny_qwen3_4bit", "tiny_qwen3_8bit", "tiny_qwen3_moe_4bit"])
-def test_fused_decode_matches_mlx_lm_on_quantized_checkpoints(fixture, request):
-    path = request.getfixturevalue(fixture)
-    prompts = [prompt_of(n, seed=70 + n) for n in (23, 7, 41, 16, 30)]
-    config = EngineConfig(model=str(path), row_ceiling=24, row_floor=1, compile_decode="on", fuse_decode="on")
+def assert_fused_parity(path, seed: int, **overrides) -> None:
+    """Five staggered requests through compiled, fused decode steps (with `overrides`) give mlx-lm's tokens."""
+    prompts = [prompt_of(n, seed=seed + n) for n in (23, 7, 41, 16, 30)]
+    config = EngineConfig(
+        model=str(path), row_ceiling=24, row_floor=1, compile_decode="on", fuse_decode="on", **overrides
+    )
     engine = Engine.load(config)
     try:
         assert engine.runner.compiled.fused is not None
@@ -30,6 +31,11 @@ def test_fused_decode_matches_mlx_lm_on_quantized_checkpoints(fixture, request):
         engine.shutdown()
     for i, prompt in enumerate(prompts):
         assert results[i] == reference_tokens(path, prompt, 12), f"request {i}"
+
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen3_4bit", "tiny_qwen3_8bit", "tiny_qwen3_moe_4bit"])
+def test_fused_decode_matches_mlx_lm_on_quantized_checkpoints(fixture, request):
+    assert_fused_parity(request.getfixturevalue(fixture), seed=70)
 
 
 def test_fusing_keeps_one_copy_of_the_weights_and_the_modules_outputs(tiny_qwen3):
@@ -101,20 +107,8 @@ def test_fused_decode_with_dense_experts_matches_mlx_lm(tiny_qwen3_moe, monkeypa
     calls = []
     original = dense_experts.dense_moe
     monkeypatch.setattr(dense_experts, "dense_moe", lambda mlp, x: calls.append(x.shape[0]) or original(mlp, x))
-    prompts = [prompt_of(n, seed=90 + n) for n in (23, 7, 41, 16, 30)]
-    config = EngineConfig(
-        model=str(tiny_qwen3_moe), row_ceiling=24, row_floor=1, compile_decode="on", fuse_decode="on",
-        dense_experts="on",
-    )  # fmt: skip
-    engine = Engine.load(config)
-    try:
-        assert engine.runner.compiled.fused.dense_moe
-        results = run_staggered(engine, prompts, first=2, max_tokens=12)
-    finally:
-        engine.shutdown()
+    assert_fused_parity(tiny_qwen3_moe, seed=90, dense_experts="on")
     assert calls, "the dense experts never ran"
-    for i, prompt in enumerate(prompts):
-        assert results[i] == reference_tokens(tiny_qwen3_moe, prompt, 12), f"request {i}"
 
 
 def test_dequantized_rows_equal_the_quantized_matmul_in_float32(tiny_qwen3_4bit):
@@ -138,18 +132,7 @@ def test_fused_decode_with_dequantized_rows_matches_mlx_lm(tiny_qwen3_4bit, monk
     dense_calls = []
     original = quantized_rows._dense_weight
     monkeypatch.setattr(quantized_rows, "_dense_weight", lambda m: dense_calls.append(m) or original(m))
-    prompts = [prompt_of(n, seed=110 + n) for n in (23, 7, 41, 16, 30)]
-    config = EngineConfig(
-        model=str(tiny_qwen3_4bit), row_ceiling=24, row_floor=1, compile_decode="on", fuse_decode="on",
-        dequantize_rows=2,
-    )  # fmt: skip
-    engine = Engine.load(config)
-    try:
-        results = run_staggered(engine, prompts, first=2, max_tokens=12)
-    finally:
-        engine.shutdown()
+    assert_fused_parity(tiny_qwen3_4bit, seed=110, dequantize_rows=2)
     assert dense_calls, "no projection ran dense"
-    for i, prompt in enumerate(prompts):
-        assert results[i] == reference_tokens(tiny_qwen3_4bit, prompt, 12), f"request {i}"
     with pytest.raises(InvalidRequest, match="dequantize_rows must be a whole number"):
         Engine.load(EngineConfig(model=str(tiny_qwen3_4bit), dequantize_rows=-1))
