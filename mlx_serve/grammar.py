@@ -22,6 +22,7 @@ from mlx_serve.errors import InvalidRequest
 
 # JSON as people read it, with whitespace fixed: "flexible" whitespace lets a weak model pad forever
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_TOOL_PARSER = "mlx_lm.tool_parsers.json_tools"  # <tool_call>{"name": ..., "arguments": {...}}</tool_call>
 
 
 def grammar_for_response_format(response_format: object) -> str | None:
@@ -45,6 +46,58 @@ def grammar_for_response_format(response_format: object) -> str | None:
     raise InvalidRequest(
         f"response_format.type must be text, json_object or json_schema, not {kind!r}", param="response_format"
     )
+
+
+def grammar_for_tool_choice(tool_choice: object, tools: list[dict[str, Any]] | None, tokenizer: Any) -> str | None:
+    """`tool_choice` "required" or a named function: the answer is tool calls only, each a JSON call of an offered
+    tool (name and schema-valid arguments) between the model's markers. None for "auto" / "none" / absent."""
+    if tool_choice in (None, "auto", "none"):
+        return None
+    if tool_choice == "required":
+        chosen, several = tools or [], True
+    elif isinstance(tool_choice, Mapping) and tool_choice.get("type") == "function":
+        name = (tool_choice.get("function") or {}).get("name")
+        chosen, several = [t for t in tools or [] if t["function"]["name"] == name], False
+        if not chosen:
+            raise InvalidRequest(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+    else:
+        raise InvalidRequest(
+            "tool_choice must be none, auto, required or {type: function, function: {name}}", param="tool_choice"
+        )
+    if not chosen:
+        raise InvalidRequest("tool_choice required needs tools", param="tool_choice")
+    parser = getattr(tokenizer, "tool_parser", None)
+    if getattr(parser, "__module__", "") != JSON_TOOL_PARSER:
+        raise InvalidRequest(
+            "tool_choice required or a named function is enforced only for models whose tool calls are JSON between "
+            "markers (Qwen3, Hermes); use auto", param="tool_choice",
+        )  # fmt: skip
+    call = {"anyOf": [_call_schema(t["function"]) for t in chosen], "x-guidance": JSON_OPTIONS}
+    start, end = _marker(tokenizer, tokenizer.tool_call_start), _marker(tokenizer, tokenizer.tool_call_end)
+    repeat = ' ("\\n" call)*' if several else ""
+    lark = f'%llguidance {{}}\nstart: call{repeat}\ncall: {start} "\\n" %json {json.dumps(call)} "\\n" {end}\n'
+    try:
+        return LLMatcher.grammar_from_lark(lark)
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequest(f"tools: a parameters schema cannot be used: {exc}", param="tools") from exc
+
+
+def _call_schema(function: Mapping[str, Any]) -> dict:
+    parameters = function.get("parameters") or {"type": "object"}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": function["name"]}, "arguments": parameters},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def _marker(tokenizer: Any, text: str) -> str:
+    """A tool-call marker in lark: the token itself when it is one added token (llguidance treats those as special,
+    never spelled out by text), else the literal text."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    added = {token.content for token in getattr(hf, "added_tokens_decoder", {}).values()}
+    return text if text in added else json.dumps(text)
 
 
 def _json_grammar(schema: dict) -> str:

@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from mlx_serve.errors import InvalidRequest
+from mlx_serve.grammar import grammar_for_tool_choice
 from mlx_serve.server.openai_format import ChoiceState, GenerationFailed
 from mlx_serve.server.protocol import (
     Job,
@@ -40,8 +41,24 @@ def parse_messages(body: dict[str, Any], tokenizer: Any, model: ModelInfo) -> Jo
     messages = _system_messages(body.get("system")) + _openai_messages(body.get("messages"))
     prompt = render_chat(tokenizer, normalize_messages(messages), tools)
     requests = build_requests(body, prompt, model, logprobs=None, max_token_fields=("max_tokens",),
-                              stop_field="stop_sequences")
+                              stop_field="stop_sequences",
+                              grammar=grammar_for_tool_choice(_openai_tool_choice(body.get("tool_choice")), tools,
+                                                              tokenizer))
     return Job(requests, stream=read_bool(body, "stream"), tools=tools)
+
+
+def _openai_tool_choice(choice: object) -> object:
+    """Anthropic's {type: auto | any | tool | none} as OpenAI's tool_choice."""
+    if choice is None:
+        return None
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind in ("auto", "none"):
+        return kind
+    if kind == "any":
+        return "required"
+    if kind == "tool":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    raise InvalidRequest("tool_choice must be {type: auto | any | tool | none}", param="tool_choice")
 
 
 def _system_messages(system: object) -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from mlx_serve.errors import InvalidRequest
-from mlx_serve.grammar import grammar_for_response_format
+from mlx_serve.grammar import grammar_for_response_format, grammar_for_tool_choice
 from mlx_serve.server import openai_format as fmt
 from mlx_serve.server.protocol import (
     MAX_CHOICES,
@@ -46,8 +46,17 @@ def parse_chat(body: dict[str, Any], tokenizer: Any, model: ModelInfo) -> Job:
     requests = build_requests(body, prompt, model, logprobs=(top or 0) if want_logprobs else None,
                               max_token_fields=("max_completion_tokens", "max_tokens"),
                               n=read_int(body, "n", 1, low=1, high=MAX_CHOICES),
-                              grammar=grammar_for_response_format(body.get("response_format")))
+                              grammar=_grammar(body, tools, tokenizer))
     return Job(requests, stream, read_stream_options(body, stream), want_logprobs, tools)
+
+
+def _grammar(body: dict[str, Any], tools: list[dict[str, Any]] | None, tokenizer: Any) -> str | None:
+    """What the answer must follow: `response_format`, or tool calls only for `tool_choice` required / named."""
+    formatted = grammar_for_response_format(body.get("response_format"))
+    calls = grammar_for_tool_choice(body.get("tool_choice"), tools, tokenizer)
+    if formatted is not None and calls is not None:
+        raise InvalidRequest("response_format and a forced tool_choice cannot both be enforced", param="tool_choice")
+    return formatted or calls
 
 
 def parse_completion(body: dict[str, Any], tokenizer: Any, model: ModelInfo) -> Job:

@@ -93,3 +93,65 @@ def test_bad_response_formats_are_400s(served, client, response_format, message)
                                        response_format=response_format)
     assert message in str(info.value)
     assert info.value.body["param"] == "response_format"
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+        "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"utc": {"type": "boolean"}}, "required": ["utc"], "additionalProperties": False}}},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_required_answers_with_valid_calls(served, client, stream):
+    kwargs = {"model": served.engine.model_id, "messages": _messages(3), "max_tokens": 80, "temperature": 1.0,
+              "seed": 5, "tools": TOOLS, "tool_choice": "required"}  # fmt: skip
+    if stream:
+        chunks = list(client.chat.completions.create(**kwargs, stream=True))
+        deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+        calls = [(tc.function.name, json.loads(tc.function.arguments)) for tc in deltas]
+        reason = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason][-1]
+    else:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        calls = [(tc.function.name, json.loads(tc.function.arguments)) for tc in choice.message.tool_calls]
+        reason = choice.finish_reason
+    assert reason == "tool_calls" and calls
+    for name, arguments in calls:
+        assert (name, set(arguments)) in (("get_weather", {"city"}), ("get_time", {"utc"}))
+
+
+def test_a_named_tool_choice_calls_that_tool(served, client):
+    choice = client.chat.completions.create(
+        model=served.engine.model_id, messages=_messages(4), max_tokens=80, temperature=0, tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+    ).choices[0]
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_time" and isinstance(json.loads(call.function.arguments)["utc"], bool)
+
+
+def test_anthropic_tool_choice_tool_forces_the_call(served):
+    import anthropic
+
+    claude = anthropic.Anthropic(base_url=served.url, api_key="unused", max_retries=0)
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    message = claude.messages.create(model=served.engine.model_id, max_tokens=80, tools=tools,
+                                     tool_choice={"type": "tool", "name": "get_weather"},
+                                     messages=[{"role": "user", "content": "weather?"}])
+    [use] = [block for block in message.content if block.type == "tool_use"]
+    assert message.stop_reason == "tool_use" and use.name == "get_weather" and use.input["city"] in ("Paris", "Rome")
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"tool_choice": "required"}, "needs tools"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among the tools"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot both"),
+    ],
+)
+def test_bad_tool_choices_are_400s(served, client, extra, message):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=served.engine.model_id, messages=_messages(5), max_tokens=4, **extra)
+    assert message in str(info.value) and info.value.body["param"] == "tool_choice"
