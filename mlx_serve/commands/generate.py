@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 HELP = "generate text for one prompt (offline, through the engine)"
 
@@ -22,12 +23,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--memory-budget-gb", type=float, default=None, help="weights + KV pool budget in GiB")
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    parser.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
+                        help="answer with JSON that follows this JSON Schema, enforced token by token")
 
 
 def run(args: argparse.Namespace) -> int:
     from mlx_serve.engine import Engine, EngineConfig
     from mlx_serve.types import GenerationRequest, SamplingParams
 
+    grammar = _schema_grammar(args.json_schema) if args.json_schema else None
     t_load = time.perf_counter()
     engine = Engine.load(EngineConfig(model=args.model, memory_budget_gb=args.memory_budget_gb))
     load_s = time.perf_counter() - t_load
@@ -37,7 +41,9 @@ def run(args: argparse.Namespace) -> int:
         else:
             messages = [{"role": "user", "content": args.prompt}]
             prompt_ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+        sampling = SamplingParams(
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, grammar=grammar
+        )
         request = GenerationRequest(
             prompt_ids=tuple(prompt_ids), max_tokens=args.max_tokens, sampling=sampling, stop=tuple(args.stop)
         )
@@ -81,3 +87,15 @@ def run(args: argparse.Namespace) -> int:
     else:
         print()
     return 0
+
+
+def _schema_grammar(path: Path) -> str:
+    """The grammar of a JSON Schema file, or InvalidRequest (a clear message and exit 1) for a bad one."""
+    from mlx_serve.errors import InvalidRequest
+    from mlx_serve.grammar import grammar_for_response_format
+
+    try:
+        schema = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise InvalidRequest(f"--json-schema {path}: {exc}", param="json_schema") from None
+    return grammar_for_response_format({"type": "json_schema", "json_schema": {"schema": schema}})

@@ -228,3 +228,18 @@ def test_a_failing_step_in_flight_fails_only_its_requests(tiny_qwen3, monkeypatc
         assert engine.status()["kv"]["blocks_used"] == 0
     finally:
         engine.shutdown()
+
+
+def test_generate_cli_json_schema(tiny_qwen3, tmp_path):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}  # fmt: skip
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    argv = [sys.executable, "-m", "mlx_serve", "generate", "--model", str(tiny_qwen3), "--prompt", "answer",
+            "--max-tokens", "30", "--json", "--json-schema"]  # fmt: skip
+    out = subprocess.run([*argv, str(tmp_path / "schema.json")], capture_output=True, text=True, timeout=300, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["finish_reason"] == "stop" and set(json.loads(result["text"])) == {"ok"}
+    (tmp_path / "bad.json").write_text(json.dumps({"type": "objectx"}))
+    for bad in (tmp_path / "bad.json", tmp_path / "missing.json"):
+        failed = subprocess.run([*argv, str(bad)], capture_output=True, text=True, timeout=300)
+        assert failed.returncode == 1 and failed.stderr.startswith("error:"), failed.stderr
