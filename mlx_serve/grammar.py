@@ -48,13 +48,16 @@ def grammar_for_response_format(response_format: object) -> str | None:
     )
 
 
-def grammar_for_tool_choice(tool_choice: object, tools: list[dict[str, Any]] | None, tokenizer: Any) -> str | None:
+def grammar_for_tool_choice(
+    tool_choice: object, tools: list[dict[str, Any]] | None, tokenizer: Any, parallel: bool = True
+) -> str | None:
     """`tool_choice` "required" or a named function: the answer is tool calls only, each a JSON call of an offered
-    tool (name and schema-valid arguments) between the model's markers. None for "auto" / "none" / absent."""
+    tool (name and schema-valid arguments) between the model's markers; one call unless `parallel` and required.
+    None for "auto" / "none" / absent."""
     if tool_choice in (None, "auto", "none"):
         return None
     if tool_choice == "required":
-        chosen, several = tools or [], True
+        chosen, several = tools or [], parallel
     elif isinstance(tool_choice, Mapping) and tool_choice.get("type") == "function":
         name = (tool_choice.get("function") or {}).get("name")
         chosen, several = [t for t in tools or [] if t["function"]["name"] == name], False

@@ -55,3 +55,39 @@ def test_unusable_formats_are_refused(tokenizer, response_format):
     with pytest.raises(InvalidRequest) as info:
         Grammars(tokenizer, 2048).check(grammar_for_response_format(response_format))
     assert info.value.param == "response_format"
+
+
+TOOLS = [{"type": "function", "function": {"name": "ping", "parameters": {
+    "type": "object", "properties": {"n": {"enum": [1, 2]}}, "required": ["n"], "additionalProperties": False}}}]
+
+
+def _walk(grammars, grammar, seed: int) -> tuple[list[int], object]:
+    constraint = grammars.constraint(grammar)
+    rng, tokens = np.random.default_rng(seed), []
+    for _ in range(200):
+        allowed = np.flatnonzero(np.isfinite(constraint.mask()))
+        token = int(rng.choice(allowed))
+        if token == constraint.eos_token:
+            break
+        tokens.append(token)
+        constraint.advance(token)
+    return tokens, constraint
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_forced_tool_calls_are_calls_only(tokenizer, parallel):
+    from mlx_serve.grammar import grammar_for_tool_choice
+
+    grammars = Grammars(tokenizer, 2048)
+    grammar = grammar_for_tool_choice("required", TOOLS, tokenizer, parallel)
+    grammars.check(grammar)
+    tokens, constraint = _walk(grammars, grammar, seed=4)
+    text = tokenizer.decode(tokens)
+    start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
+    assert text.startswith(start) and text.endswith(end)
+    for call in text.split(end)[:-1]:
+        assert json.loads(call.strip().removeprefix(start)) in ({"name": "ping", "arguments": {"n": 1}},
+                                                               {"name": "ping", "arguments": {"n": 2}})
+    # after a complete call: another one may follow only with parallel calls
+    assert (np.isfinite(constraint.mask()).sum() > 1) == parallel
+    assert parallel or text.count(start) == 1

@@ -53,7 +53,8 @@ def parse_chat(body: dict[str, Any], tokenizer: Any, model: ModelInfo) -> Job:
 def _grammar(body: dict[str, Any], tools: list[dict[str, Any]] | None, tokenizer: Any) -> str | None:
     """What the answer must follow: `response_format`, or tool calls only for `tool_choice` required / named."""
     formatted = grammar_for_response_format(body.get("response_format"))
-    calls = grammar_for_tool_choice(body.get("tool_choice"), tools, tokenizer)
+    parallel = read_bool(body, "parallel_tool_calls", True)
+    calls = grammar_for_tool_choice(body.get("tool_choice"), tools, tokenizer, parallel)
     if formatted is not None and calls is not None:
         raise InvalidRequest("response_format and a forced tool_choice cannot both be enforced", param="tool_choice")
     return formatted or calls
