@@ -166,8 +166,7 @@ class ModelRunner:
     # request lifecycle -------------------------------------------------------------------------------
     def add_request(self, request_id: str, params: SamplingParams, constraint: Any = None) -> None:
         """`constraint`: a `grammar.Constraint` the request's every token must satisfy (None: free text)."""
-        self.samplers[request_id] = RequestSampler.create(params)
-        self.samplers[request_id].constraint = constraint
+        self.samplers[request_id] = RequestSampler.create(params, constraint)
 
     def constrained(self, plan: StepPlan) -> bool:
         """Whether a lane of the step samples under a grammar (its next mask needs this token on the host)."""

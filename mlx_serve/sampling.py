@@ -28,7 +28,7 @@ class RequestSampler:
     constraint: Any = None  # a grammar.Constraint (response_format): masks each sample, needs each token read
 
     @classmethod
-    def create(cls, params: SamplingParams) -> RequestSampler:
+    def create(cls, params: SamplingParams, constraint: Any = None) -> RequestSampler:
         processors = make_logits_processors(
             logit_bias=dict(params.logit_bias) if params.logit_bias else None,
             repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None,
@@ -39,7 +39,7 @@ class RequestSampler:
             frequency_context_size=params.penalty_context,
         )
         key = mx.random.key(params.seed) if params.seed is not None else None
-        return cls(params=params, processors=processors, key=key)
+        return cls(params=params, processors=processors, key=key, constraint=constraint)
 
     def observe(self, start: int, inputs: mx.array) -> None:
         """Track the tokens that pass through the model (lazily: a pending decode token is not known yet).
