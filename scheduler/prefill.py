@@ -19,6 +19,8 @@ from scheduler.ordering import count_overtakes, order_prefill_candidates
 from scheduler.plan import PENDING_TOKEN, Lane, LaneKind, Path
 from scheduler.request import Request, RequestState
 
+PREFIX_PROBE_BLOCKS = 16  # blocks hashed before the prefix cache is asked; doubled while all hit
+
 if TYPE_CHECKING:
     from scheduler.core import Scheduler
 
@@ -41,10 +43,19 @@ class PrefillPlanner:
         self.ordered = order_prefill_candidates([*prefilling, *waiting], self.config.max_overtakes)
 
     def prefix_hits(self, request: Request) -> list[int]:
-        """Cached blocks for the request's leading full blocks, never covering its last token."""
+        """Cached blocks for the request's leading full blocks, never covering its last token.
+
+        The hash chain grows (doubling) only while every block so far is cached: a new 30k-token prompt without a
+        cached prefix hashes 16 blocks on the engine thread, not 1,900 (the rest as its chunks complete)."""
+        if not self.config.enable_prefix_cache:
+            return []
         max_blocks = (request.num_tokens - 1) // self.config.block_size
-        hashes = self.scheduler.block_hashes(request, max_blocks) if self.config.enable_prefix_cache else []
-        return self.scheduler.blocks.match_prefix(hashes[:max_blocks])
+        want = min(max_blocks, PREFIX_PROBE_BLOCKS)
+        while True:
+            hits = self.scheduler.blocks.match_prefix(self.scheduler.block_hashes(request, want)[:want])
+            if len(hits) < want or want == max_blocks:
+                return hits
+            want = min(max_blocks, 2 * want)
 
     def demand(self) -> list[PrefillChunk]:
         """Rows each candidate wants, in order (for the budget's prediction only)."""

@@ -112,6 +112,19 @@ def test_prefix_cache_hit_never_covers_the_last_prompt_token() -> None:
     assert scheduler.stats.prefix_hit_tokens == 48
 
 
+@pytest.mark.parametrize("shared_blocks", [0, 15, 16, 17, 40, 200])
+def test_prefix_lookup_finds_the_whole_cached_run_and_hashes_little_on_a_miss(shared_blocks) -> None:
+    """The lookup grows the hash chain only while it hits, and finds exactly the shared leading blocks."""
+    scheduler = make_scheduler(num_blocks=2048)
+    scheduler.add(make_request("first", 16 * 300, max_tokens=1))
+    drain(scheduler)
+    shared = make_request("second", 16 * 300, max_tokens=1)
+    shared.prompt_ids[16 * shared_blocks] = 7  # the first differing block
+    scheduler.add(shared)
+    assert scheduler.schedule(1.0).lanes[0].start == 16 * shared_blocks
+    assert len(shared.block_hashes) <= max(16, 2 * shared_blocks) + 1  # not all 299 of a miss
+
+
 def test_cache_salt_separates_prefixes() -> None:
     scheduler = make_scheduler()
     scheduler.add(make_request("a", 64, max_tokens=1, cache_salt="tenant-1"))
