@@ -243,3 +243,29 @@ def test_generate_cli_json_schema(tiny_qwen3, tmp_path):
     for bad in (tmp_path / "bad.json", tmp_path / "missing.json"):
         failed = subprocess.run([*argv, str(bad)], capture_output=True, text=True, timeout=300)
         assert failed.returncode == 1 and failed.stderr.startswith("error:"), failed.stderr
+
+
+def test_constrained_requests_stay_in_their_grammar_through_preemption(tiny_qwen3):
+    """JSON-constrained requests in a pool too small for all of them: preempted and recomputed, every answer is
+    still a sequence its grammar accepts from the start (the matcher never missed or repeated a token)."""
+    from llguidance import LLMatcher
+
+    from mlx_serve.grammar import grammar_for_response_format
+
+    engine = Engine.load(EngineConfig(model=str(tiny_qwen3), block_size=16, kv_blocks=10, enable_prefix_cache=False))
+    grammar = grammar_for_response_format({"type": "json_object"})
+    sampling = SamplingParams(temperature=1.0, seed=9, grammar=grammar)
+    requests = [GenerationRequest(prompt_ids=tuple(prompt_of(30 + 3 * i, seed=60 + i)), max_tokens=30,
+                                  sampling=sampling) for i in range(6)]  # fmt: skip
+    try:
+        completions = engine.generate(requests)
+        stats = engine.stats()
+        tokenizer = engine.grammars.tokenizer
+    finally:
+        engine.shutdown()
+    assert stats["preemptions_total"] > 0  # the pool really ran out
+    for completion in completions:
+        tokens = list(completion.token_ids)
+        fresh = LLMatcher(tokenizer, grammar)
+        assert fresh.validate_tokens(tokens) == len(tokens), completion.text
+        assert completion.text.startswith("{")
