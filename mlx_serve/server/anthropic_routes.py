@@ -42,9 +42,13 @@ def parse_messages(body: dict[str, Any], tokenizer: Any, model: ModelInfo) -> Jo
     prompt = render_chat(tokenizer, normalize_messages(messages), tools)
     requests = build_requests(body, prompt, model, logprobs=None, max_token_fields=("max_tokens",),
                               stop_field="stop_sequences",
-                              grammar=grammar_for_tool_choice(_openai_tool_choice(body.get("tool_choice")), tools,
-                                                              tokenizer))
+                              grammar=_tool_grammar(body.get("tool_choice"), tools, tokenizer))
     return Job(requests, stream=read_bool(body, "stream"), tools=tools)
+
+
+def _tool_grammar(choice: object, tools: list[dict[str, Any]] | None, tokenizer: Any) -> str | None:
+    parallel = not (isinstance(choice, dict) and choice.get("disable_parallel_tool_use") is True)
+    return grammar_for_tool_choice(_openai_tool_choice(choice), tools, tokenizer, parallel)
 
 
 def _openai_tool_choice(choice: object) -> object:

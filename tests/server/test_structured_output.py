@@ -155,3 +155,21 @@ def test_bad_tool_choices_are_400s(served, client, extra, message):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=served.engine.model_id, messages=_messages(5), max_tokens=4, **extra)
     assert message in str(info.value) and info.value.body["param"] == "tool_choice"
+
+
+@pytest.mark.parametrize("single", [False, True])
+def test_anthropic_any_tool_honours_disable_parallel_tool_use(served, single):
+    import anthropic
+
+    claude = anthropic.Anthropic(base_url=served.url, api_key="unused", max_retries=0)
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    uses = []
+    for seed in range(4):
+        message = claude.messages.create(
+            model=served.engine.model_id, max_tokens=120, tools=tools,
+            tool_choice={"type": "any", "disable_parallel_tool_use": single}, messages=[{"role": "user", "content": "go"}],
+            extra_body={"seed": seed, "temperature": 1.0},
+        )  # fmt: skip
+        assert message.stop_reason == "tool_use"
+        uses.append(sum(block.type == "tool_use" for block in message.content))
+    assert all(n == 1 for n in uses) if single else max(uses) > 1, uses
