@@ -79,10 +79,7 @@ def grammar_for_tool_choice(
     start, end = _marker(tokenizer, tokenizer.tool_call_start), _marker(tokenizer, tokenizer.tool_call_end)
     repeat = ' ("\\n" call)*' if several else ""
     lark = f'%llguidance {{}}\nstart: call{repeat}\ncall: {start} "\\n" %json {json.dumps(call)} "\\n" {end}\n'
-    try:
-        return LLMatcher.grammar_from_lark(lark)
-    except (ValueError, TypeError) as exc:
-        raise InvalidRequest(f"tools: a parameters schema cannot be used: {exc}", param="tools") from exc
+    return _validated(LLMatcher.grammar_from_lark(lark), "tools", "a tool's parameters schema")
 
 
 def _call_schema(function: Mapping[str, Any]) -> dict:
@@ -105,9 +102,18 @@ def _marker(tokenizer: Any, text: str) -> str:
 
 def _json_grammar(schema: dict) -> str:
     try:
-        return LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
+        grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
     except (ValueError, TypeError) as exc:
         raise InvalidRequest(f"response_format: the JSON schema cannot be used: {exc}", param="response_format") from exc
+    return _validated(grammar, "response_format", "the JSON schema")
+
+
+def _validated(grammar: str, param: str, what: str) -> str:
+    """The grammar, compiled once without a tokenizer so that a bad schema is a 400 naming the field to blame."""
+    failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, None)
+    if failed:
+        raise InvalidRequest(f"{param}: {what} cannot be enforced: {'; '.join(messages)}", param=param)
+    return grammar
 
 
 class Constraint:
@@ -152,7 +158,8 @@ class Grammars:
         """Refuse (400) a grammar this tokenizer cannot run."""
         failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if failed:
-            raise InvalidRequest(f"response_format cannot be enforced: {'; '.join(messages)}", param="response_format")
+            # what the HTTP layer could not see: this tokenizer (a schema error is caught there, with its field)
+            raise InvalidRequest(f"the output format cannot be enforced: {'; '.join(messages)}", param="response_format")
 
     def constraint(self, grammar: str) -> Constraint:
         matcher = LLMatcher(self.tokenizer, grammar)

@@ -173,3 +173,11 @@ def test_anthropic_any_tool_honours_disable_parallel_tool_use(served, single):
         assert message.stop_reason == "tool_use"
         uses.append(sum(block.type == "tool_use" for block in message.content))
     assert all(n == 1 for n in uses) if single else max(uses) > 1, uses
+
+
+def test_a_tool_schema_that_cannot_be_enforced_blames_tools(served, client):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=served.engine.model_id, messages=_messages(6), max_tokens=4,
+                                       tools=tools, tool_choice="required")
+    assert "objectx" in str(info.value) and info.value.body["param"] == "tools"
