@@ -39,7 +39,7 @@ def chain_hash(parent: BlockHash | None, packed: bytes, salt: bytes) -> BlockHas
 def extend_hash_chain(hashes: list[BlockHash], request: Request, num_blocks: int, block_size: int) -> list[BlockHash]:
     """Grow `hashes` (the request's chain, kept on it) to cover its first `num_blocks` full blocks.
 
-    The new blocks' tokens are packed in one call: a 16k prompt is hashed on the engine thread when it arrives."""
+    The new blocks' tokens are packed in one call (this runs on the engine thread, between two steps)."""
     first = len(hashes)
     if num_blocks <= first:
         return hashes
