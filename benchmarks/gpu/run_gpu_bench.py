@@ -204,6 +204,11 @@ def write(results: list[dict], out: Path, header: str, meta: dict) -> None:
     (out / "gpu_bench.md").write_text(markdown(results, header) + "\n")
 
 
+def _counts(text: str) -> list[int]:
+    """A comma-separated list of stream counts ("8,64")."""
+    return [int(n) for n in text.split(",") if n]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -229,28 +234,28 @@ def main() -> None:
     parser.add_argument("--cost-model", default="ema", choices=("ema", "bucketed", "affine"))
     parser.add_argument(
         "--eager-streams",
-        type=lambda text: [int(n) for n in text.split(",") if n],
+        type=_counts,
         default=[],
         help="also decode these stream counts with compile off (e.g. 1,8,32)",
     )
     parser.add_argument("--fuse-decode", default="auto", choices=("auto", "on", "off"))
     parser.add_argument(
         "--unfused-streams",
-        type=lambda text: [int(n) for n in text.split(",") if n],
+        type=_counts,
         default=[],
         help="also decode these stream counts with the fused decode forward off (e.g. 1,8)",
     )
     parser.add_argument("--dense-experts", default="off", choices=("on", "off"))
     parser.add_argument(
         "--gathered-experts-streams",
-        type=lambda text: [int(n) for n in text.split(",") if n],
+        type=_counts,
         default=[],
         help="also decode these stream counts with MoE experts gathered (dense experts off; e.g. 8,64)",
     )
     parser.add_argument("--dequantize-rows", type=int, default=0, help="EngineConfig.dequantize_rows (0: never)")
     parser.add_argument(
         "--quantized-streams",
-        type=lambda text: [int(n) for n in text.split(",") if n],
+        type=_counts,
         default=[],
         help="also decode these stream counts with every quantized matmul kept (dequantize rows 0; e.g. 8,64)",
     )
