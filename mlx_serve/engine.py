@@ -268,9 +268,6 @@ class Engine:
             return self._complete_in_flight()
         t1 = trace.now()
         previous = self._in_flight
-        if previous is not None and not _decode_only(plan):
-            # a step read back at once trains the cost model: its time must start from an idle device
-            self.runner.wait(previous.step)
         try:
             step = self.runner.submit(plan, previous.step if previous else None)
         except Exception as exc:  # an MLX failure fails this step's requests, never the engine

@@ -71,10 +71,14 @@ def fuse_decode(kind: str, model: Any, compiled: bool) -> bool:
 
 
 def dense_experts(kind: str) -> bool:
-    """Whether fused decode steps with enough rows compute every expert of an MoE block densely
-    (`mlx_serve.dense_experts`). Off by default until the H200 run measures it against gather_mm."""
-    if kind not in ("on", "off"):
-        raise InvalidRequest(f"dense_experts must be on or off, not {kind!r}", param="dense_experts")
+    """Whether steps with enough rows compute every expert of an MoE block densely (`mlx_serve.dense_experts`):
+    auto = on with MLX's CUDA backend, where gather_mm reads experts far below bandwidth (measured on the H200)."""
+    if kind not in ("auto", "on", "off"):
+        raise InvalidRequest(f"dense_experts must be auto, on or off, not {kind!r}", param="dense_experts")
+    if kind == "auto":
+        from mlx_serve.kernels.paged_attention import cuda_available
+
+        return cuda_available()
     return kind == "on"
 
 

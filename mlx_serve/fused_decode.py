@@ -19,7 +19,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
-from mlx_serve import dense_experts
 from mlx_serve.kernels.add_norm import AddNorm, select_add_norm
 from mlx_serve.kernels.decode_qkv import HeadSpec, QKVRows, select_qkv_rows
 from mlx_serve.kv_pool import KVPool
@@ -81,12 +80,10 @@ class FusedDecode:
         attention: DecodeAttention,
         qkv_rows: QKVRows | None = None,
         add_norm: AddNorm | None = None,
-        dense_moe: bool = False,
         dequantize: DequantizedRows | None = None,
     ) -> None:
         self.model = model
         self.layers = fuse_layers(model)
-        self.dense_moe = dense_moe  # experts blocks of large enough steps compute every expert (`dense_experts`)
         self.linear = (dequantize or DequantizedRows(0)).linear  # quantized projections of many rows: dense
         self.attention = attention
         # kernels on CUDA, mlx-lm's ops elsewhere
@@ -111,10 +108,8 @@ class FusedDecode:
         return x
 
     def _mlp(self, layer: FusedLayer, x: mx.array) -> mx.array:
-        if layer.gate_up is None:
-            mlp = layer.block.mlp
-            dense = self.dense_moe and dense_experts.supports(mlp) and dense_experts.worth_it(mlp, x.shape[0])
-            return dense_experts.dense_moe(mlp, x) if dense else mlp(x)
+        if layer.gate_up is None:  # an experts block (dense for enough rows where `dense_experts` is installed)
+            return layer.block.mlp(x)
         gate_up = self.linear(layer.gate_up, x)
         hidden = gate_up.shape[-1] // 2
         return self.linear(layer.block.mlp.down_proj, swiglu(gate_up[:, :hidden], gate_up[:, hidden:]))

@@ -14,20 +14,29 @@ import mlx.nn as nn
 
 
 class RowsQuantizedLinear(nn.QuantizedLinear):
+    dequantize_from = 0  # rows from which a product runs over the dequantized weights (`DequantizedRows`); 0: never
+
     def __call__(self, x: mx.array) -> mx.array:
+        rows = x.size // x.shape[-1]
+        if self.dequantize_from and rows >= self.dequantize_from and self.get("global_scale") is None:
+            y = x @ _dense_weight(self).T
+            return y + self["bias"] if "bias" in self else y
         if x.ndim == 3 and x.shape[1] == 1 and x.shape[0] > 1:
             rows = x.shape[0]
             return super().__call__(x.reshape(1, rows, x.shape[2])).reshape(rows, 1, -1)
         return super().__call__(x)
 
 
-def fold_quantized_rows(model: Any) -> int:
-    """Make the model's quantized linears fold rows; returns how many it changed."""
+def fold_quantized_rows(model: Any, dequantize_from: int = 0) -> int:
+    """Make the model's quantized linears fold rows, and run products of `dequantize_from` rows or more (0:
+    never) over their dequantized weights; returns how many it changed."""
     changed = 0
     for _, module in model.named_modules():
         if type(module) is nn.QuantizedLinear:
             module.__class__ = RowsQuantizedLinear
             changed += 1
+        if type(module) is RowsQuantizedLinear:
+            module.dequantize_from = dequantize_from
     return changed
 
 
@@ -37,8 +46,9 @@ class DequantizedRows:
 
     On the H200 MLX's 4-bit matmul costs grow linearly with rows (0.038 / 0.064 / 0.119 ms for 1 / 2 / 4 rows of a
     4096 x 12288 projection, bf16 0.033-0.044 ms at any of them), so decode steps of many lanes pay a packed read
-    per row. Exact on the CPU in float32; in bf16 the weights round to bf16 before the product, so greedy tokens
-    can differ from mlx-lm's in the last place: opt-in (`--dequantize-rows`).
+    per row, and a 2k-row prefill chunk runs at a third of the bf16 model's speed. Exact on the CPU in float32; in
+    bf16 the weights round to bf16 before the product, so greedy tokens can differ from mlx-lm's in the last
+    place: opt-in (`--dequantize-rows`). Prefill and mixed steps take the same threshold (`fold_quantized_rows`).
     """
 
     def __init__(self, min_rows: int) -> None:

@@ -15,9 +15,11 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlx_serve import ane_chunks
+from mlx_serve import ane_chunks, dense_experts
 from mlx_serve.compiled_step import CompiledDecode
 from mlx_serve.fused_decode import FusedDecode
+from mlx_serve.kernels.paged_attention import cuda_available
+from mlx_serve.kernels.step_clock import CONTINUITY_S, GpuStepClock, StepClock, step_interval_ms
 from mlx_serve.kv_pool import KVPool, slot_array
 from mlx_serve.quantized_rows import DequantizedRows, fold_quantized_rows
 from mlx_serve.ragged import (
@@ -83,7 +85,8 @@ class InFlightStep:
     started: float
     phases: dict[str, float]
     ane: tuple = ()  # ane_chunks.AneChunk submitted with this step
-    elapsed_ms: float | None = None  # set once the step is known done (wait or collect)
+    stamp: mx.array | None = None  # the device clock's reading after the step (None: timed on the host)
+    elapsed_ms: float | None = None  # set once the step is read back
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +111,7 @@ class ModelRunner:
         fuse_decode: bool = False,
         dense_moe: bool = False,
         dequantize_rows: int = 0,
+        clock: StepClock | None | str = "auto",
     ) -> None:
         self.model = model
         self.pool = pool
@@ -123,16 +127,21 @@ class ModelRunner:
         self.prefill_lane = prefill_lane  # the ANE lane (or its CPU stand-in); None when off
         self.lane_timeout_s = lane_timeout_s
         self.samplers: dict[str, RequestSampler] = {}
-        self._last_done = 0.0  # when the last step was known done (waited for or read back)
+        # steps are timed on the device where it has a clock (see kernels/step_clock.py), else on the host
+        self.clock = (GpuStepClock() if cuda_available() else None) if clock == "auto" else clock
+        self._last_done = 0.0  # host time the last step was read back
+        self._last_end_ns: int | None = None  # the device clock at the last step's end
         install_ragged_attention(model)
-        fold_quantized_rows(model)
+        fold_quantized_rows(model, dequantize_rows)
+        if dense_moe:  # MoE blocks compute steps of enough (and not too many) rows over every expert
+            dense_experts.install(model)
         self._tied = bool(getattr(getattr(model, "args", None), "tie_word_embeddings", False))
         # single-row steps replay one compiled graph; the reference attention reads per-lane slot lists instead
         use_compiled = compile_decode and not self._decode_lane_slots
         # quantized projections of decode steps with this many rows: one dense matmul (0: never)
         self.dequantize = DequantizedRows(dequantize_rows)
         fused = (
-            FusedDecode(model, self.decode_attention, dense_moe=dense_moe, dequantize=self.dequantize)
+            FusedDecode(model, self.decode_attention, dequantize=self.dequantize)
             if use_compiled and fuse_decode
             else None
         )
@@ -200,11 +209,18 @@ class ModelRunner:
             sample_ids, sampled = self._submit_compiled(gpu_lanes, previous)
         else:
             sample_ids, sampled = prepared.sample_ids, self._submit_eager(prepared)
+        stamp = self._stamp(sampled) if gpu_lanes else None
         t2 = time.perf_counter()
         phases = {"preparation": (t1 - t0) * 1e3, "submission": (t2 - t1) * 1e3}
         rows = {rid: i for i, rid in enumerate(sample_ids)}
         samplers = [self.samplers[rid] for rid in sample_ids]
-        return InFlightStep(plan, sample_ids, samplers, sampled, rows, t0, phases, tuple(chunks))
+        return InFlightStep(plan, sample_ids, samplers, sampled, rows, t0, phases, tuple(chunks), stamp)
+
+    def _stamp(self, sampled: SampledRows | None) -> mx.array | None:
+        """The device clock after the step's last output: its tokens, else the last layer's KV writes."""
+        if self.clock is None:
+            return None
+        return self.clock.stamp(sampled.tokens if sampled is not None else self.pool.state()[-1])
 
     def _submit_eager(self, prepared: _PreparedStep) -> SampledRows | None:
         if not prepared.layout.decode and not prepared.layout.lanes:  # every lane of the step is on the ANE lane
@@ -235,28 +251,25 @@ class ModelRunner:
         mx.async_eval(sampled.tokens, self.pool.state())
         return sampled
 
-    def wait(self, step: InFlightStep) -> None:
-        """Block until a queued step is done and time it there. The engine calls this before queuing a step it
-        reads back at once: that step's time then starts from an idle device and includes its own submission,
-        which on CUDA can block for most of a large prefill (booked to the step before, the cost model saw a
-        2k-row chunk as a quarter of its real cost)."""
-        try:
-            mx.eval(step.sampled.tokens if step.sampled is not None else self.pool.state())
-        except Exception:  # collect() meets the same failure and reports it with the step's requests
-            return
-        self._mark_done(step)
-
     def _mark_done(self, step: InFlightStep) -> None:
-        if step.elapsed_ms is None:
-            now = time.perf_counter()
-            # a step queued behind another starts when that one is done, not when it was queued
-            step.elapsed_ms = (now - max(step.started, self._last_done)) * 1e3
-            self._last_done = now
+        if step.elapsed_ms is not None:
+            return
+        now = time.perf_counter()
+        # on the host, a step queued behind another starts when that one was read back, not when it was queued
+        host_ms = (now - max(step.started, self._last_done)) * 1e3
+        end_ns = self.clock.read_ns(step.stamp) if step.stamp is not None else None
+        continuous = step.started <= self._last_done + CONTINUITY_S
+        step.elapsed_ms = step_interval_ms(host_ms, end_ns, self._last_end_ns, continuous)
+        self._last_done, self._last_end_ns = now, end_ns
 
     def collect(self, step: InFlightStep) -> RunnerOutput:
         """Wait for a submitted step and read its tokens back."""
         t2 = time.perf_counter()
-        samples = self._read_samples(step.sample_ids, step.samplers, step.sampled)
+        try:
+            samples = self._read_samples(step.sample_ids, step.samplers, step.sampled)
+        except Exception:
+            self._last_end_ns = None  # the failed step has no end to time the next one from
+            raise
         spans = self._collect_ane(step, samples) if step.ane else []
         if step.sampled is None or step.ane:
             # nothing read back proves the KV writes done. Such a step is never left in flight, so the pool's

@@ -245,7 +245,7 @@ def main() -> None:
         default=[],
         help="also decode these stream counts with the fused decode forward off (e.g. 1,8)",
     )
-    parser.add_argument("--dense-experts", default="off", choices=("on", "off"))
+    parser.add_argument("--dense-experts", default="auto", choices=("auto", "on", "off"))
     parser.add_argument(
         "--gathered-experts-streams",
         type=_counts,

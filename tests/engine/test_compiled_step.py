@@ -94,11 +94,26 @@ def test_pipelined_step_is_timed_from_the_previous_read_back(tiny_qwen3, compile
     assert out.samples["r"].token_id >= 0
 
 
-def test_step_queued_after_a_wait_is_timed_from_its_own_submission(tiny_qwen3):
-    """The engine waits for the step in flight before queuing a step it reads back at once (one with prefill).
-    The waited step's time ends at the wait, not when it is read back after the next submission; the next step's
-    time starts at its own submission, so host time spent queuing it (on CUDA, a large prefill's async_eval can
-    block) is booked to it and the cost model learns its real cost."""
+class _FakeDeviceClock:
+    """Stamps that read back as given device times, in read order (the runner reads steps in queue order)."""
+
+    def __init__(self, ends_ns: list[int]) -> None:
+        self.ends_ns = list(ends_ns)
+        self.stamped = 0
+
+    def stamp(self, after):
+        self.stamped += 1
+        return after.reshape(-1)[:1] * 0  # computed once the step's output is
+
+    def read_ns(self, stamp) -> int:
+        return self.ends_ns.pop(0)
+
+
+def test_steps_are_timed_by_the_device_clock_between_consecutive_ends(tiny_qwen3):
+    """With a device clock, a step that followed the previous one without the engine idling is timed as the
+    interval between their device ends, whatever the host did meanwhile (on CUDA the host can block inside a
+    large step's submission, and host clocks then book that time to the step before). After an idle engine the
+    interval would include the idle time, so that step is timed on the host."""
     import time
 
     import mlx.core as mx
@@ -108,30 +123,49 @@ def test_step_queued_after_a_wait_is_timed_from_its_own_submission(tiny_qwen3):
     from mlx_serve.kv_pool import KVLayout, KVPool
     from mlx_serve.runner import ModelRunner
     from mlx_serve.types import SamplingParams
-    from scheduler.plan import Lane, LaneKind, StepPlan
+    from scheduler.plan import PENDING_TOKEN, Lane, LaneKind, StepPlan
 
     model, _ = load(str(tiny_qwen3))
     args = model.args
     layout = KVLayout(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, mx.float32)
-    runner = ModelRunner(model, KVPool(layout, 8, 16), select_decode_attention("auto"))
+    base = 1_000_000_000
+    clock = _FakeDeviceClock([base, base + 7_000_000, base + 900_000_000, base + 912_500_000])
+    runner = ModelRunner(model, KVPool(layout, 8, 16), select_decode_attention("auto"), clock=clock)
     runner.add_request("r", SamplingParams(temperature=0.0))
     runner.add_request("p", SamplingParams(temperature=0.0))
-    decode = StepPlan(0, (Lane("r", LaneKind.DECODE, (5,), 0, (0, 1), True),), 0, "t", None, True)
-    prefill = StepPlan(1, (Lane("p", LaneKind.PREFILL, tuple(range(1, 9)), 0, (2, 3), True),), 8, "t", None, True)
 
-    first = runner.submit(decode)
-    runner.wait(first)
-    waited = time.perf_counter()
-    time.sleep(0.2)  # the device is idle here: neither step's time
+    def decode(step: int, token: int) -> StepPlan:
+        return StepPlan(step, (Lane("r", LaneKind.DECODE, (token,), step, (0, 1), True),), 0, "t", None, True)
+
+    first = runner.submit(decode(0, 5))
+    second = runner.submit(decode(1, PENDING_TOKEN), first)
+    time.sleep(0.05)  # host time (publishing, a blocking submission) is not the device's
+    first_out, second_out = runner.collect(first), runner.collect(second)
+    assert second_out.outcome.elapsed_ms == 7.0
+    assert first_out.outcome.elapsed_ms < 1000.0  # nothing before it on the device: host time, not the stamp
+
+    time.sleep(0.05)  # the engine idles: the next step's device interval would include this
+    prefill = StepPlan(2, (Lane("p", LaneKind.PREFILL, tuple(range(1, 9)), 0, (2, 3), True),), 8, "t", None, True)
     queued = time.perf_counter()
-    second = runner.submit(prefill)
-    time.sleep(0.2)  # host work after queuing the step (publishing the first step's tokens) is its wall time
-    first_out = runner.collect(first)
-    second_out = runner.collect(second)
-    done = time.perf_counter()
-    assert first_out.outcome.elapsed_ms <= (waited - first.started) * 1e3 + 1.0
-    assert 200.0 <= second_out.outcome.elapsed_ms <= (done - queued) * 1e3 + 1.0
-    assert first_out.samples["r"].token_id >= 0 and second_out.samples["p"].token_id >= 0
+    third = runner.collect(runner.submit(prefill))
+    assert 0.0 < third.outcome.elapsed_ms <= (time.perf_counter() - queued) * 1e3 + 1.0
+    fourth = runner.collect(runner.submit(decode(2, 7)))  # queued right after the third's read-back
+    assert fourth.outcome.elapsed_ms == 12.5
+    assert clock.stamped == 4 and not clock.ends_ns
+    assert all(out.samples for out in (first_out, second_out, third, fourth))
+
+
+def test_gpu_clock_reads_its_two_words_as_nanoseconds():
+    import mlx.core as mx
+
+    from mlx_serve.kernels.step_clock import GpuStepClock, step_interval_ms
+
+    value = (7 << 32) | 123_456_789
+    assert GpuStepClock().read_ns(mx.array([123_456_789, 7], dtype=mx.uint32)) == value
+    assert step_interval_ms(3.0, value + 2_000_000, value, True) == 2.0
+    assert step_interval_ms(3.0, value + 2_000_000, value, False) == 3.0  # the engine idled between them
+    assert step_interval_ms(3.0, value, None, True) == 3.0  # no previous end on the device
+    assert step_interval_ms(3.0, value, value + 1, True) == 3.0  # a clock that went back is not trusted
 
 
 def test_compiled_decode_keeps_penalties_logprobs_and_seeds(tiny_qwen3):

@@ -190,20 +190,20 @@ def test_penalties_and_logit_bias_match_mlx_lm_processors(engine, tiny_qwen3):
 
 
 def test_a_failing_step_in_flight_fails_only_its_requests(tiny_qwen3, monkeypatch):
-    """The decode step left in flight fails when it is read back, after a prefill step was queued behind it (and
-    waited for it): its request ends with an error, the newcomer gets mlx-lm's tokens, KV is all given back, and
-    the engine serves the next request."""
+    """The decode step left in flight fails when it is read back, after a prefill step was queued behind it: its
+    request ends with an error, the newcomer gets mlx-lm's tokens, KV is all given back, and the engine serves the
+    next request."""
     engine = Engine.load(EngineConfig(model=str(tiny_qwen3), block_size=16, kv_blocks=256))
     try:
         runner = engine.runner
         victim = engine.submit(GenerationRequest(prompt_ids=tuple(prompt_of(9, seed=40)), max_tokens=200))
         armed, waited = threading.Event(), []
-        original_wait, original_collect = runner.wait, runner.collect
+        original_submit, original_collect = runner.submit, runner.collect
 
-        def wait(step):
-            original_wait(step)
-            if armed.is_set() and not waited:
-                waited.append(step)
+        def submit(plan, previous=None):
+            if armed.is_set() and not waited and previous is not None and plan.prefill_rows:
+                waited.append(previous)  # the step in flight when a prefill step is queued behind it
+            return original_submit(plan, previous)
 
         def collect(step):
             if waited and step is waited[0] and armed.is_set():
@@ -211,7 +211,7 @@ def test_a_failing_step_in_flight_fails_only_its_requests(tiny_qwen3, monkeypatc
                 raise RuntimeError("injected device failure")
             return original_collect(step)
 
-        monkeypatch.setattr(runner, "wait", wait)
+        monkeypatch.setattr(runner, "submit", submit)
         monkeypatch.setattr(runner, "collect", collect)
         events = iter(victim)
         assert all(next(events).error is None for _ in range(3))
@@ -219,7 +219,7 @@ def test_a_failing_step_in_flight_fails_only_its_requests(tiny_qwen3, monkeypatc
         newcomer_prompt = prompt_of(30, seed=41)
         newcomer = engine.submit(GenerationRequest(prompt_ids=tuple(newcomer_prompt), max_tokens=8))
         rest = list(events)
-        assert waited and not armed.is_set(), "no prefill step waited for a step in flight"
+        assert waited and not armed.is_set(), "no prefill step was queued behind a step in flight"
         assert rest[-1].finish_reason == "error" and "injected device failure" in rest[-1].error
         tokens = [e.token_id for e in newcomer if e.token_id is not None]
         assert tokens == reference_tokens(tiny_qwen3, newcomer_prompt, 8)

@@ -97,7 +97,7 @@ def test_dense_experts_refuse_what_they_cannot_compute(tiny_qwen3_moe_4bit, tiny
     dense, _ = load(str(tiny_qwen3))
     assert not dense_experts.supports(quantized.model.layers[0].mlp)  # gather_qmm keeps the packed weights
     assert not dense_experts.supports(dense.model.layers[0].mlp)
-    with pytest.raises(InvalidRequest, match="dense_experts must be on or off"):
+    with pytest.raises(InvalidRequest, match="dense_experts must be auto, on or off"):
         Engine.load(EngineConfig(model=str(tiny_qwen3), dense_experts="always"))
 
 
@@ -109,6 +109,47 @@ def test_fused_decode_with_dense_experts_matches_mlx_lm(tiny_qwen3_moe, monkeypa
     monkeypatch.setattr(dense_experts, "dense_moe", lambda mlp, x: calls.append(x.shape[0]) or original(mlp, x))
     assert_fused_parity(tiny_qwen3_moe, seed=90, dense_experts="on")
     assert calls, "the dense experts never ran"
+
+
+def test_installed_dense_experts_choose_by_rows_and_keep_the_weights(tiny_qwen3_moe, monkeypatch):
+    from mlx.utils import tree_flatten
+
+    from mlx_serve import dense_experts
+
+    model, _ = load(str(tiny_qwen3_moe))
+    names = [name for name, _ in tree_flatten(model.parameters())]
+    assert dense_experts.install(model, max_rows=4) == model.args.num_hidden_layers
+    assert dense_experts.install(model, max_rows=4) == 0  # idempotent
+    assert [name for name, _ in tree_flatten(model.parameters())] == names
+    calls = []
+    original = dense_experts.dense_moe
+    monkeypatch.setattr(dense_experts, "dense_moe", lambda mlp, x: calls.append(x.shape[0]) or original(mlp, x))
+    mlp = model.model.layers[0].mlp
+    gathered = type(mlp).__mro__[1].__call__  # mlx-lm's own block
+    for rows in (3, 6):
+        x = mx.random.normal((rows, 1, model.args.hidden_size), key=mx.random.key(rows))  # the [T, 1] rows layout
+        got, expected = mlp(x), gathered(mlp, x)
+        assert got.shape == x.shape and mx.allclose(got, expected, rtol=1e-5, atol=1e-6).item()
+    assert calls == [3]  # 6 rows are past max_rows: gather_mm
+
+
+def test_eager_steps_with_dense_experts_match_mlx_lm(tiny_qwen3_moe, monkeypatch):
+    """Prefill chunks and mixed steps (not only fused decode) through the dense experts give mlx-lm's tokens."""
+    from mlx_serve import dense_experts
+
+    calls = []
+    original = dense_experts.dense_moe
+    monkeypatch.setattr(dense_experts, "dense_moe", lambda mlp, x: calls.append(x.shape[0]) or original(mlp, x))
+    prompts = [prompt_of(n, seed=95 + n) for n in (23, 7, 41)]
+    engine = Engine.load(EngineConfig(model=str(tiny_qwen3_moe), row_ceiling=24, row_floor=1, compile_decode="off",
+                                      dense_experts="on"))  # fmt: skip
+    try:
+        results = run_staggered(engine, prompts, first=2, max_tokens=10)
+    finally:
+        engine.shutdown()
+    for i, prompt in enumerate(prompts):
+        assert results[i] == reference_tokens(tiny_qwen3_moe, prompt, 10), f"request {i}"
+    assert max(calls) > len(prompts), "no prefill chunk went through the dense experts"
 
 
 def test_dequantized_rows_equal_the_quantized_matmul_in_float32(tiny_qwen3_4bit):
@@ -136,3 +177,32 @@ def test_fused_decode_with_dequantized_rows_matches_mlx_lm(tiny_qwen3_4bit, monk
     assert dense_calls, "no projection ran dense"
     with pytest.raises(InvalidRequest, match="dequantize_rows must be a whole number"):
         Engine.load(EngineConfig(model=str(tiny_qwen3_4bit), dequantize_rows=-1))
+
+
+def test_eager_steps_with_dequantized_rows_match_mlx_lm(tiny_qwen3_4bit, monkeypatch):
+    """Prefill chunks of enough rows take the dequantized product too (MLX's 4-bit GEMM on CUDA runs prefill at a
+    third of bf16 speed); equal to the quantized matmul in float32, so mlx-lm's tokens."""
+    from mlx_serve import quantized_rows
+
+    model, _ = load(str(tiny_qwen3_4bit))
+    quantized_rows.fold_quantized_rows(model, dequantize_from=4)
+    proj = model.model.layers[0].mlp.gate_proj
+    dense_calls = []
+    original = quantized_rows._dense_weight
+    monkeypatch.setattr(quantized_rows, "_dense_weight", lambda m: dense_calls.append(m) or original(m))
+    for rows in (6, 3):
+        x = mx.random.normal((rows, 1, model.args.hidden_size), key=mx.random.key(rows))  # the [T, 1] rows layout
+        want = nn.QuantizedLinear.__call__(proj, x.reshape(1, rows, -1)).reshape(rows, 1, -1)
+        assert mx.array_equal(proj(x), want).item()
+    assert len(dense_calls) == 1  # the 6-row product only
+
+    prompts = [prompt_of(n, seed=120 + n) for n in (23, 7, 41)]
+    engine = Engine.load(EngineConfig(model=str(tiny_qwen3_4bit), row_ceiling=24, row_floor=1, compile_decode="off",
+                                      dequantize_rows=8))  # fmt: skip
+    try:
+        results = run_staggered(engine, prompts, first=2, max_tokens=10)
+    finally:
+        engine.shutdown()
+    for i, prompt in enumerate(prompts):
+        assert results[i] == reference_tokens(tiny_qwen3_4bit, prompt, 10), f"request {i}"
+    assert len(dense_calls) > 1, "no prefill chunk ran dense"
