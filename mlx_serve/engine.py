@@ -28,7 +28,7 @@ from mlx_serve.handle import RequestHandle
 from mlx_serve.outputs import RequestStream
 from mlx_serve.step_trace import trace_step
 from mlx_serve.types import Completion, GenerationRequest
-from scheduler import FinishReason, LaneKind, Request, Scheduler, StepOutcome, StepPlan
+from scheduler import FinishReason, Request, Scheduler, StepOutcome, StepPlan
 from scheduler.plan import PENDING_TOKEN
 from tracing.events import RequestArrived, Span
 from tracing.sink import sink_from_env
@@ -258,8 +258,9 @@ class Engine:
             self.trace.emit(RequestArrived(self.trace.now(), rid, r.num_prompt_tokens, r.max_tokens, r.priority))
 
     def _step(self) -> bool:
-        """Plan, queue and account one step. A decode-only step is left in flight: its tokens are read back
-        while the next step is already queued behind it (see docs/DESIGN.md, "One step in flight")."""
+        """Plan, queue and account one step. A step that samples is left in flight (decode lanes, and prefill
+        chunks riding with them): its tokens are read back while the next step is already queued behind it, so
+        the host builds one step while the device runs the other (see docs/DESIGN.md, "One step in flight")."""
         trace = self.trace
         t0 = trace.now()
         with self._lock:
@@ -276,7 +277,7 @@ class Engine:
             self._fail_plan(plan, exc)
             return True
         self._complete_in_flight()
-        if self.config.pipeline and _decode_only(plan) and not self.runner.constrained(plan):
+        if self.config.pipeline and self.runner.can_stay_in_flight(step):
             placeholders = StepOutcome({lane.request_id: PENDING_TOKEN for lane in plan.lanes}, math.nan)
             with self._lock:
                 advanced = self.scheduler.update(plan, placeholders, time.perf_counter())
@@ -314,6 +315,9 @@ class Engine:
                     self.scheduler.cancel(request.request_id, FinishReason.STOP)
                 request.finish_reason = FinishReason.STOP
             self.delivery.publish(request, sample)
+        if plan.prefill_rows:  # its time was unknown at the update: the cost model learns it now
+            with self._lock:
+                self.scheduler.observe(plan, output.outcome)
         self._account(plan, output, in_flight.t0, in_flight.t1, t2)
         return True
 
@@ -343,12 +347,6 @@ class Engine:
             with self._lock:
                 request = self.scheduler.cancel(lane.request_id, FinishReason.ERROR)
             self.delivery.finish(lane.request_id, "error", request, error=f"engine step failed: {exc}")
-
-
-def _decode_only(plan: StepPlan) -> bool:
-    """Steps that may stay in flight: every lane one decode row (prefill steps train the cost model and need
-    their exact time; ANE chunks are prefill)."""
-    return all(lane.kind is LaneKind.DECODE for lane in plan.lanes)
 
 
 def _engine_thread(engine_ref: weakref.ref) -> None:

@@ -177,6 +177,11 @@ class ModelRunner:
         """`constraint`: a `grammar.Constraint` the request's every token must satisfy (None: free text)."""
         self.samplers[request_id] = RequestSampler.create(params, constraint)
 
+    def can_stay_in_flight(self, step: InFlightStep) -> bool:
+        """Whether the engine may queue the next step before reading this one back: it samples (its tokens prove
+        its KV writes done), has no ANE chunk (collected on the host) and no lane whose next mask needs its token."""
+        return step.sampled is not None and not step.ane and not self.constrained(step.plan)
+
     def constrained(self, plan: StepPlan) -> bool:
         """Whether a lane of the step samples under a grammar (its next mask needs this token on the host)."""
         return any(

@@ -159,6 +159,11 @@ class Scheduler:
             train_cost_model(self.cost_model, plan, outcome)
         return got_token
 
+    def observe(self, plan: StepPlan, outcome: StepOutcome) -> None:
+        """Train the cost model on a step's measured time when it was updated before it was known (a step left in
+        flight is updated with placeholder tokens and no time, which the cost model ignores)."""
+        train_cost_model(self.cost_model, plan, outcome)
+
     # ---- internals used by PrefillPlanner
     def admit(self, request: Request, hit_blocks: list[int]) -> None:
         """Move a waiting request to running, holding its prefix-cache hits (`grow` adds fresh blocks)."""

@@ -269,3 +269,37 @@ def test_constrained_requests_stay_in_their_grammar_through_preemption(tiny_qwen
         fresh = LLMatcher(tokenizer, grammar)
         assert fresh.validate_tokens(tokens) == len(tokens), completion.text
         assert completion.text.startswith("{")
+
+
+def test_prefill_chunks_riding_with_decode_lanes_stay_in_flight(tiny_qwen3, monkeypatch):
+    """A step with a prefill chunk and decode lanes is left in flight like a decode step (the host builds the next
+    step meanwhile); the tokens still equal mlx-lm's, and the cost model learns each such step's measured time
+    once it is read back (the update at queuing time has none)."""
+    from tests.engine.reference import run_staggered
+
+    engine = Engine.load(EngineConfig(model=str(tiny_qwen3), row_ceiling=16, row_floor=1, cost_model="affine"))
+    try:
+        runner, scheduler = engine.runner, engine.scheduler
+        left, learned = [], []
+        original_stay, original_observe = runner.can_stay_in_flight, scheduler.observe
+
+        def stay(step):
+            verdict = original_stay(step)
+            if step.plan.prefill_rows and any(lane.kind.value == "decode" for lane in step.plan.lanes):
+                left.append(verdict)
+            return verdict
+
+        def observe(plan, outcome):
+            learned.append(outcome.elapsed_ms)
+            original_observe(plan, outcome)
+
+        monkeypatch.setattr(runner, "can_stay_in_flight", stay)
+        monkeypatch.setattr(scheduler, "observe", observe)
+        prompts = [prompt_of(n, seed=130 + n) for n in (9, 40, 23, 35)]
+        results = run_staggered(engine, prompts, first=1, max_tokens=10)
+    finally:
+        engine.shutdown()
+    for i, prompt in enumerate(prompts):
+        assert results[i] == reference_tokens(tiny_qwen3, prompt, 10), f"request {i}"
+    assert left and all(left), "no mixed step was left in flight"
+    assert learned and all(ms > 0 and ms == ms for ms in learned)  # finite, measured
