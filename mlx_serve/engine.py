@@ -25,6 +25,7 @@ from mlx_serve.delivery import Delivery, NullObserver
 from mlx_serve.errors import EngineStopped
 from mlx_serve.grammar import Grammars
 from mlx_serve.handle import RequestHandle
+from mlx_serve.kernels.paged_attention import cuda_available
 from mlx_serve.outputs import RequestStream
 from mlx_serve.step_trace import trace_step
 from mlx_serve.types import Completion, GenerationRequest
@@ -78,7 +79,8 @@ class Engine:
             lane_timeout_s=config.ane_timeout_s,
             compile_decode=compiled,
             prefill_gather=engine_setup.prefill_gather(self.pool),
-            fuse_decode=engine_setup.fuse_decode(config.fuse_decode, loaded.model, compiled),
+            fuse_decode=(fused := engine_setup.fuse_decode(config.fuse_decode, loaded.model, compiled)),
+            fuse_mixed=engine_setup.fuse_mixed(config.fuse_mixed, fused),
             dense_moe=engine_setup.dense_experts(config.dense_experts),
             dequantize_rows=engine_setup.dequantize_rows(config.dequantize_rows),
         )
@@ -93,7 +95,7 @@ class Engine:
         self._wakeup = threading.Event()
         self._prompt_rows = 0  # prompt rows computed (prefix-cache hits excluded)
         self._stopping = False
-        self._in_flight: _InFlight | None = None  # a decode-only step whose tokens are not read back yet
+        self._in_flight: _InFlight | None = None  # a step whose tokens are not read back yet
         self.warmed: tuple[int, float] = (0, 0.0)  # attention shapes built before serving, and the seconds it took
         self._drained = threading.Event()
         self._thread = threading.Thread(
@@ -200,12 +202,15 @@ class Engine:
         t0 = time.perf_counter()
         try:
             shapes = self.runner.warm_prefill_attention(self.context_length, self.config.row_ceiling)
+            # the quantized matmul variants MLX compiles on first use (CUDA only: elsewhere nothing is compiled)
+            products = self.runner.warm_quantized_products(self.config.row_ceiling) if cuda_available() else 0
         except Exception:  # a warm-up failure costs first-use time later, never the engine
-            log.exception("attention warm-up failed")
+            log.exception("warm-up failed")
             return
         self.warmed = (shapes, time.perf_counter() - t0)
-        if shapes:
-            log.info("warmed %d prefill attention shapes in %.1f s", shapes, self.warmed[1])
+        if shapes or products:
+            log.info("warmed %d prefill attention shapes and %d quantized products in %.1f s", shapes, products,
+                     self.warmed[1])  # fmt: skip
 
     def _loop(self) -> None:
         while True:

@@ -70,6 +70,16 @@ def fuse_decode(kind: str, model: Any, compiled: bool) -> bool:
     return compiled and reason is None and compile_decode("auto")
 
 
+def fuse_mixed(kind: str, fused: bool) -> bool:
+    """Whether steps with prefill chunks take the fused forward too (`FusedDecode.mixed`): fewer ops a layer to
+    build and launch, the fixed cost that bounds a contended chunk on CUDA. Off until measured on a GPU."""
+    if kind not in ("on", "off"):
+        raise InvalidRequest(f"fuse_mixed must be on or off, not {kind!r}", param="fuse_mixed")
+    if kind == "on" and not fused:
+        raise InvalidRequest("fuse_mixed on needs the fused decode forward (fuse_decode)", param="fuse_mixed")
+    return kind == "on"
+
+
 def dense_experts(kind: str) -> bool:
     """Whether steps with enough rows compute every expert of an MoE block densely (`mlx_serve.dense_experts`):
     auto = on with MLX's CUDA backend, where gather_mm reads experts far below bandwidth (measured on the H200)."""

@@ -6,12 +6,14 @@ prologue (q/k norms, two RoPEs, two KV scatters) in one kernel (`kernels.decode_
 o_proj, and gate/up in one matmul. The weights stay mlx-lm's: each projection becomes a slice (a view) of the
 concatenated matrix, so the eager path and memory are unchanged.
 
-Used for steps whose lanes are all single rows (`compiled_step`); prefill keeps mlx-lm's modules.
+Used for steps whose lanes are all single rows (`compiled_step`); with `--fuse-mixed on`, eagerly for steps with
+prefill chunks too (`FusedDecode.mixed`), whose host build is what bounds a contended chunk's size on CUDA.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +25,7 @@ from mlx_serve.kernels.add_norm import AddNorm, select_add_norm
 from mlx_serve.kernels.decode_qkv import HeadSpec, QKVRows, select_qkv_rows
 from mlx_serve.kv_pool import KVPool
 from mlx_serve.quantized_rows import DequantizedRows
-from mlx_serve.ragged import DecodeAttention, DecodeRows
+from mlx_serve.ragged import DecodeAttention, DecodeRows, RaggedLayerCache, StepLayout
 
 # mlx-lm model modules whose blocks are `h + attn(norm(h))`, then `h + mlp(norm(h))`, with the attention and MLP
 # written as below (checked against mlx-lm 0.32)
@@ -93,6 +95,29 @@ class FusedDecode:
     def __call__(
         self, tokens: mx.array, positions: mx.array, slots: mx.array, rows: DecodeRows, pool: KVPool
     ) -> mx.array:
+        """Hidden states after the final norm `[T, hidden]` of a step whose lanes are all single rows."""
+
+        def attend(index: int, queries: mx.array, scale: float) -> mx.array:
+            return self.attention(queries, pool.keys[index], pool.values[index], rows, scale)
+
+        return self._forward(tokens, positions, slots, pool, attend)
+
+    def mixed(self, tokens: mx.array, layout: StepLayout, pool: KVPool) -> mx.array:
+        """The same forward for any step (`--fuse-mixed`): decode rows and prefill chunks, attention per lane as in
+        `RaggedLayerCache`. A chunk reads its own rows' K/V back from the pool, which the prologue kernel writes in
+        place: `mx.depends` orders the reads after it (the decode kernel reads after it through the queries)."""
+
+        def attend(index: int, queries: mx.array, scale: float) -> mx.array:
+            view = pool.view(pool.keys, pool.values)
+            view.keys[index], view.values[index] = mx.depends([pool.keys[index], pool.values[index]], [queries])
+            return RaggedLayerCache(view, index, layout).attention(queries, scale)
+
+        return self._forward(tokens, layout.positions, layout.write_slots, pool, attend)
+
+    def _forward(
+        self, tokens: mx.array, positions: mx.array, slots: mx.array, pool: KVPool,
+        attend: Callable[[int, mx.array, float], mx.array],
+    ) -> mx.array:  # fmt: skip
         inner = self.model.model
         h = inner.embed_tokens(tokens)
         x = self.layers[0].block.input_layernorm(h)
@@ -101,7 +126,7 @@ class FusedDecode:
         for index, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
             block, attn = layer.block, layer.block.self_attn
             queries = self.qkv_rows(self.linear(layer.qkv, x), layer.spec, attn, positions, slots, pool, index)
-            out = self.attention(queries, pool.keys[index], pool.values[index], rows, attn.scale)
+            out = attend(index, queries, attn.scale)
             attended = self.linear(attn.o_proj, out.reshape(h.shape[0], -1))
             h, x = self.add_norm(h, attended, block.post_attention_layernorm)
             h, x = self.add_norm(h, self._mlp(layer, x), next_norm)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from mlx_serve import ane_chunks, dense_experts
@@ -111,6 +112,7 @@ class ModelRunner:
         fuse_decode: bool = False,
         dense_moe: bool = False,
         dequantize_rows: int = 0,
+        fuse_mixed: bool = False,
         clock: StepClock | None | str = "auto",
     ) -> None:
         self.model = model
@@ -148,6 +150,7 @@ class ModelRunner:
         self.compiled = (
             CompiledDecode(model, pool, self.decode_attention, self._logits, fused) if use_compiled else None
         )
+        self.fused_mixed = fused if fuse_mixed else None  # steps with prefill through the fused forward too
 
     def warm_prefill_attention(self, max_len: int, max_rows: int) -> int:
         """Build the attention graph of every bucketed prefill shape up to `max_len` history and `max_rows` rows.
@@ -171,6 +174,28 @@ class ModelRunner:
                 shapes += 1
             rows *= 2
         return shapes
+
+    def warm_quantized_products(self, max_rows: int) -> int:
+        """Run every distinct quantized projection of the step (the fused ones too) once at each power-of-two row
+        count up to `max_rows`. On CUDA, MLX compiles a quantized matmul variant the first time a row range meets
+        it, tens of seconds each on the H200 (the seventh run's first 16k 4-bit prefill took ~70 s, a cold 8k
+        prompt 40 s): paid here, before serving, not by a request. Returns the number of products run."""
+        modules = [m for _, m in self.model.named_modules() if isinstance(m, nn.QuantizedLinear)]
+        fused = self.compiled.fused if self.compiled is not None else None
+        for layer in fused.layers if fused is not None else ():
+            modules.extend(m for m in (layer.qkv, layer.gate_up) if isinstance(m, nn.QuantizedLinear))
+        shapes = {}
+        for module in modules:
+            key = (module.weight.shape, module.scales.dtype, module.group_size, module.bits, module.mode)
+            shapes.setdefault(key, module)
+        products = 0
+        for module in shapes.values():
+            width = module.scales.shape[-1] * module.group_size
+            rows = 1
+            while rows <= max_rows:
+                mx.eval(module(mx.zeros((rows, 1, width), dtype=module.scales.dtype)))  # the step's [T, 1] rows
+                products, rows = products + 1, rows * 2
+        return products
 
     # request lifecycle -------------------------------------------------------------------------------
     def add_request(self, request_id: str, params: SamplingParams, constraint: Any = None) -> None:
@@ -398,6 +423,8 @@ class ModelRunner:
 
     def _forward(self, prepared: _PreparedStep) -> mx.array:
         """Hidden states after the final norm, `[T, hidden]`."""
+        if self.fused_mixed is not None:
+            return self.fused_mixed.mixed(prepared.inputs[:, 0], prepared.layout, self.pool)
         caches = [RaggedLayerCache(self.pool, layer, prepared.layout) for layer in range(len(self.pool.keys))]
         return self.model.model(prepared.inputs, cache=caches)[:, 0, :]
 

@@ -28,10 +28,12 @@ def mlx_lm_tokens(model, prompt: list[int]) -> list[int]:
     return [int(token) for (token, _), _ in zip(steps, range(TOKENS))]
 
 
-def our_tokens(dummy, prompts: list[list[int]], compile_decode: str, fuse_decode: str) -> list[list[int]]:
+def our_tokens(
+    dummy, prompts: list[list[int]], compile_decode: str, fuse_decode: str, fuse_mixed: str = "off"
+) -> list[list[int]]:
     config = EngineConfig(
         model="check", kv_blocks=1024, decode_attention="auto", row_ceiling=1024, compile_decode=compile_decode,
-        fuse_decode=fuse_decode,
+        fuse_decode=fuse_decode, fuse_mixed=fuse_mixed,
     )  # fmt: skip
     engine = Engine.from_model(dummy.model, dummy.tokenizer, dummy.config, config)
     try:
@@ -43,15 +45,17 @@ def our_tokens(dummy, prompts: list[list[int]], compile_decode: str, fuse_decode
         engine.shutdown()
 
 
-def agreement(dtype: str, compile_decode: str = "auto", fuse_decode: str = "auto") -> tuple[float, float]:
+def agreement(
+    dtype: str, compile_decode: str = "auto", fuse_decode: str = "auto", fuse_mixed: str = "off"
+) -> tuple[float, float]:
     dummy = build_dummy_model("tiny", dtype, seed=3)
     prompts = [Prompts(dummy.config["vocab_size"], seed=n).one(n) for n in LENGTHS]
     theirs = [mlx_lm_tokens(dummy.model, p) for p in prompts]
-    ours = our_tokens(dummy, prompts, compile_decode, fuse_decode)
+    ours = our_tokens(dummy, prompts, compile_decode, fuse_decode, fuse_mixed)
     same = sum(a == b for t, o in zip(theirs, ours) for a, b in zip(t, o)) / (TOKENS * len(prompts))
     first = sum(t[0] == o[0] for t, o in zip(theirs, ours)) / len(prompts)
     print(
-        f"{dtype}, compile {compile_decode}, fuse {fuse_decode}: tokens agree {same:.0%}, first tokens {first:.0%}; ours {ours[0][:6]} theirs {theirs[0][:6]}"
+        f"{dtype}, compile {compile_decode}, fuse {fuse_decode}, mixed {fuse_mixed}: tokens agree {same:.0%}, first tokens {first:.0%}; ours {ours[0][:6]} theirs {theirs[0][:6]}"
     )
     return same, first
 
@@ -60,9 +64,10 @@ def main() -> int:
     same32, _ = agreement("float32")
     unfused32, _ = agreement("float32", "auto", "off")
     eager32, _ = agreement("float32", "off", "off")
+    mixed32, _ = agreement("float32", "auto", "on", "on")  # prefill chunks through the fused forward too
     _, first16 = agreement("bfloat16")
     agreement("bfloat16", "auto", "off")
-    ok = min(same32, unfused32, eager32) >= 0.9 and first16 >= 2 / 3
+    ok = min(same32, unfused32, eager32, mixed32) >= 0.9 and first16 >= 2 / 3
     print("engine check:", "ok" if ok else "FAILED")
     return 0 if ok else 1
 

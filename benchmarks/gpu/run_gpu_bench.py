@@ -123,7 +123,8 @@ def measure_ours(
     kv_blocks = math.ceil(1.25 * max(p.stream_counts) * (p.decode_prompt + p.decode_tokens + 16) / 16)
     kv_blocks = max(kv_blocks, math.ceil(2.5 * (p.contended_long + p.prefix_len) / 16))
     engine = {"compile_decode": args.compile_decode, "fuse_decode": args.fuse_decode, "cost_model": args.cost_model,
-              "dense_experts": args.dense_experts, "dequantize_rows": args.dequantize_rows}  # fmt: skip
+              "dense_experts": args.dense_experts, "dequantize_rows": args.dequantize_rows,
+              "fuse_mixed": args.fuse_mixed}  # fmt: skip
     # only the contended engine meets long prompts' chunk shapes: the others skip the warm-up
     side = OurSide(dummy, kv_blocks, 500.0, args.attention, **engine, warm_up=False)
     try:
@@ -239,6 +240,8 @@ def main() -> None:
         help="also decode these stream counts with compile off (e.g. 1,8,32)",
     )
     parser.add_argument("--fuse-decode", default="auto", choices=("auto", "on", "off"))
+    parser.add_argument("--fuse-mixed", default="off", choices=("on", "off"),
+                        help="steps with prefill chunks through the fused forward too (FusedDecode.mixed)")
     parser.add_argument(
         "--unfused-streams",
         type=_counts,

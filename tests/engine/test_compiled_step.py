@@ -222,3 +222,43 @@ def test_warm_up_builds_every_bucketed_prefill_shape(tiny_qwen3):
     pool = KVPool(KVLayout(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, mx.float32), 8, 16)
     assert ModelRunner(model, pool, kv_bucket=0).warm_prefill_attention(100, 70) == 0
     assert ModelRunner(model, pool, kv_bucket=32).warm_prefill_attention(100, 70) == 3
+
+
+def test_warm_up_runs_each_quantized_projection_shape_at_every_row_bucket(tiny_qwen3_4bit, monkeypatch):
+    """Each distinct quantized projection (the fused q/k/v and gate/up ones too) once at 1, 2, 4, ... rows up to
+    the row ceiling, through the step's own `[T, 1]` path; a bf16 model has none."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm import load
+
+    from mlx_serve.kernels.paged_attention import select_decode_attention
+    from mlx_serve.kv_pool import KVLayout, KVPool
+    from mlx_serve.runner import ModelRunner
+
+    model, _ = load(str(tiny_qwen3_4bit))
+    args = model.args
+    pool = KVPool(KVLayout(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, mx.float32), 8, 16)
+    runner = ModelRunner(model, pool, select_decode_attention("auto"), compile_decode=True, fuse_decode=True)
+    calls = []
+    original = nn.QuantizedLinear.__call__
+    monkeypatch.setattr(nn.QuantizedLinear, "__call__", lambda self, x: calls.append((self.weight.shape, x.size
+                        // x.shape[-1])) or original(self, x))  # fmt: skip
+    products = runner.warm_quantized_products(20)
+    shapes = {shape for shape, _ in calls}
+    fused = runner.compiled.fused.layers[0]
+    assert {fused.qkv.weight.shape, fused.gate_up.weight.shape, model.model.layers[0].mlp.down_proj.weight.shape} <= shapes
+    assert products == len(shapes) * 5  # rows 1, 2, 4, 8, 16
+    assert sorted({rows for _, rows in calls}) == [1, 2, 4, 8, 16]
+
+
+def test_warm_up_of_a_dense_model_runs_no_quantized_product(tiny_qwen3):
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from mlx_serve.kv_pool import KVLayout, KVPool
+    from mlx_serve.runner import ModelRunner
+
+    model, _ = load(str(tiny_qwen3))
+    args = model.args
+    pool = KVPool(KVLayout(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, mx.float32), 8, 16)
+    assert ModelRunner(model, pool).warm_quantized_products(64) == 0

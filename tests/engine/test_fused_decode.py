@@ -206,3 +206,24 @@ def test_eager_steps_with_dequantized_rows_match_mlx_lm(tiny_qwen3_4bit, monkeyp
     for i, prompt in enumerate(prompts):
         assert results[i] == reference_tokens(tiny_qwen3_4bit, prompt, 10), f"request {i}"
     assert len(dense_calls) > 1, "no prefill chunk ran dense"
+
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen3", "tiny_qwen3_moe", "tiny_qwen3_4bit"])
+def test_steps_with_prefill_through_the_fused_forward_match_mlx_lm(fixture, request, monkeypatch):
+    """`fuse_mixed`: prefill chunks and mixed steps take the fused forward (q/k/v as one matmul, the prologue
+    writing every row's K/V, each lane's attention as in the ragged cache) and still give mlx-lm's tokens."""
+    mixed_rows = []
+    original = FusedDecode.mixed
+    monkeypatch.setattr(
+        FusedDecode, "mixed", lambda self, tokens, layout, pool: mixed_rows.append(tokens.shape[0])
+        or original(self, tokens, layout, pool),
+    )
+    assert_fused_parity(request.getfixturevalue(fixture), seed=140, fuse_mixed="on")
+    assert mixed_rows and max(mixed_rows) > 5, "no step with prefill took the fused forward"
+
+
+def test_fuse_mixed_needs_the_fused_forward(tiny_qwen3):
+    with pytest.raises(InvalidRequest, match="fuse_mixed on needs the fused decode forward"):
+        Engine.load(EngineConfig(model=str(tiny_qwen3), compile_decode="on", fuse_decode="off", fuse_mixed="on"))
+    with pytest.raises(InvalidRequest, match="fuse_mixed must be on or off"):
+        Engine.load(EngineConfig(model=str(tiny_qwen3), fuse_mixed="auto"))
