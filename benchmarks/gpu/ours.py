@@ -185,6 +185,8 @@ class OurSide:
             "mixed_ms_max": max((e.measured_ms for e in mixed), default=None),
             "mixed_predicted_ms_p50": med([e.predicted_ms for e in mixed if e.predicted_ms is not None]),
             "decode_only_ms_p50": med([e.measured_ms for e in alone]),
+            # the host's share of a mixed step (building and queuing its graph is its fixed cost on CUDA)
+            "mixed_host_ms_p50": self._phases({e.step_id for e in mixed}),
             # where the longest gaps come from
             "slowest": [
                 {"step": e.step_id, "prefill_rows": e.prefill_rows, "decode_lanes": e.decode_lanes,

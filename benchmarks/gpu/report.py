@@ -100,6 +100,10 @@ def rows_for_shape(r: dict) -> list[dict]:
             "(info)",
             None,
         )
+        host = st.get("mixed_host_ms_p50") or {}
+        if host:
+            cells = ", ".join(f"{name} {_fmt(ms)}" for name, ms in host.items())
+            add("contended: host ms of a step with prefill (p50)", None, cells, None, "(info)", None)
     sp = ours["shared_prefix"]
     add("shared prefix: warm TTFT / cold TTFT", None, sp["ratio"], None, "<= 0.10", _ok_le(sp["ratio"], 0.10))
     return rows

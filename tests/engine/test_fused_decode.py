@@ -17,20 +17,23 @@ from mlx_serve.kernels.paged_attention import batched_decode_attention
 from tests.engine.reference import prompt_of, reference_tokens, run_staggered
 
 
-def assert_fused_parity(path, seed: int, **overrides) -> None:
-    """Five staggered requests through compiled, fused decode steps (with `overrides`) give mlx-lm's tokens."""
+def assert_parity(path, seed: int, **config) -> Engine:
+    """Five staggered requests through an engine with `config` give mlx-lm's tokens; returns the (shut) engine."""
     prompts = [prompt_of(n, seed=seed + n) for n in (23, 7, 41, 16, 30)]
-    config = EngineConfig(
-        model=str(path), row_ceiling=24, row_floor=1, compile_decode="on", fuse_decode="on", **overrides
-    )
-    engine = Engine.load(config)
+    engine = Engine.load(EngineConfig(model=str(path), row_ceiling=24, row_floor=1, **config))
     try:
-        assert engine.runner.compiled.fused is not None
         results = run_staggered(engine, prompts, first=2, max_tokens=12)
     finally:
         engine.shutdown()
     for i, prompt in enumerate(prompts):
         assert results[i] == reference_tokens(path, prompt, 12), f"request {i}"
+    return engine
+
+
+def assert_fused_parity(path, seed: int, **overrides) -> None:
+    """The same through compiled, fused decode steps (with `overrides`)."""
+    engine = assert_parity(path, seed, compile_decode="on", fuse_decode="on", **overrides)
+    assert engine.runner.compiled.fused is not None
 
 
 @pytest.mark.parametrize("fixture", ["tiny_qwen3_4bit", "tiny_qwen3_8bit", "tiny_qwen3_moe_4bit"])
@@ -140,16 +143,8 @@ def test_eager_steps_with_dense_experts_match_mlx_lm(tiny_qwen3_moe, monkeypatch
     calls = []
     original = dense_experts.dense_moe
     monkeypatch.setattr(dense_experts, "dense_moe", lambda mlp, x: calls.append(x.shape[0]) or original(mlp, x))
-    prompts = [prompt_of(n, seed=95 + n) for n in (23, 7, 41)]
-    engine = Engine.load(EngineConfig(model=str(tiny_qwen3_moe), row_ceiling=24, row_floor=1, compile_decode="off",
-                                      dense_experts="on"))  # fmt: skip
-    try:
-        results = run_staggered(engine, prompts, first=2, max_tokens=10)
-    finally:
-        engine.shutdown()
-    for i, prompt in enumerate(prompts):
-        assert results[i] == reference_tokens(tiny_qwen3_moe, prompt, 10), f"request {i}"
-    assert max(calls) > len(prompts), "no prefill chunk went through the dense experts"
+    assert_parity(tiny_qwen3_moe, seed=95, compile_decode="off", dense_experts="on")
+    assert max(calls) > 5, "no prefill chunk went through the dense experts"
 
 
 def test_dequantized_rows_equal_the_quantized_matmul_in_float32(tiny_qwen3_4bit):
@@ -196,15 +191,7 @@ def test_eager_steps_with_dequantized_rows_match_mlx_lm(tiny_qwen3_4bit, monkeyp
         assert mx.array_equal(proj(x), want).item()
     assert len(dense_calls) == 1  # the 6-row product only
 
-    prompts = [prompt_of(n, seed=120 + n) for n in (23, 7, 41)]
-    engine = Engine.load(EngineConfig(model=str(tiny_qwen3_4bit), row_ceiling=24, row_floor=1, compile_decode="off",
-                                      dequantize_rows=8))  # fmt: skip
-    try:
-        results = run_staggered(engine, prompts, first=2, max_tokens=10)
-    finally:
-        engine.shutdown()
-    for i, prompt in enumerate(prompts):
-        assert results[i] == reference_tokens(tiny_qwen3_4bit, prompt, 10), f"request {i}"
+    assert_parity(tiny_qwen3_4bit, seed=120, compile_decode="off", dequantize_rows=8)
     assert len(dense_calls) > 1, "no prefill chunk ran dense"
 
 
