@@ -104,13 +104,14 @@ class FusedDecode:
 
     def mixed(self, tokens: mx.array, layout: StepLayout, pool: KVPool) -> mx.array:
         """The same forward for any step (`--fuse-mixed`): decode rows and prefill chunks, attention per lane as in
-        `RaggedLayerCache`. A chunk reads its own rows' K/V back from the pool, which the prologue kernel writes in
-        place: `mx.depends` orders the reads after it (the decode kernel reads after it through the queries)."""
+        `RaggedLayerCache`. The prologue kernel writes the rows' K/V into the pool in place, a side effect MLX's
+        graph does not see: the pool's arrays are re-pointed through `mx.depends` on its output, so a chunk that
+        reads its own rows back, a step that evaluates only the pool (prefill without sampling) and the next step
+        all come after the writes."""
 
         def attend(index: int, queries: mx.array, scale: float) -> mx.array:
-            view = pool.view(pool.keys, pool.values)
-            view.keys[index], view.values[index] = mx.depends([pool.keys[index], pool.values[index]], [queries])
-            return RaggedLayerCache(view, index, layout).attention(queries, scale)
+            pool.keys[index], pool.values[index] = mx.depends([pool.keys[index], pool.values[index]], [queries])
+            return RaggedLayerCache(pool, index, layout).attention(queries, scale)
 
         return self._forward(tokens, layout.positions, layout.write_slots, pool, attend)
 

@@ -140,7 +140,7 @@ class ModelRunner:
         self._tied = bool(getattr(getattr(model, "args", None), "tie_word_embeddings", False))
         # single-row steps replay one compiled graph; the reference attention reads per-lane slot lists instead
         use_compiled = compile_decode and not self._decode_lane_slots
-        # quantized projections of decode steps with this many rows: one dense matmul (0: never)
+        # quantized products of this many rows (fused decode steps, logits; prefill through fold_quantized_rows): dense
         self.dequantize = DequantizedRows(dequantize_rows)
         fused = (
             FusedDecode(model, self.decode_attention, dequantize=self.dequantize)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import io
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -214,3 +215,36 @@ def test_fuse_mixed_needs_the_fused_forward(tiny_qwen3):
         Engine.load(EngineConfig(model=str(tiny_qwen3), compile_decode="on", fuse_decode="off", fuse_mixed="on"))
     with pytest.raises(InvalidRequest, match="fuse_mixed must be on or off"):
         Engine.load(EngineConfig(model=str(tiny_qwen3), fuse_mixed="auto"))
+
+
+def test_the_fused_forward_for_prefill_makes_the_pool_depend_on_each_layers_writes(tiny_qwen3):
+    """On CUDA the prologue kernel writes K/V in place, unseen by MLX's graph: a prefill chunk that samples
+    nothing evaluates only the pool, so each layer's pool arrays must depend on its prologue, or nothing runs."""
+    from mlx_lm import load
+
+    from mlx_serve.kv_pool import KVLayout, KVPool
+    from mlx_serve.ragged import LaneRows, StepLayout
+
+    model, _ = load(str(tiny_qwen3))
+    args = model.args
+    pool = KVPool(KVLayout(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, mx.float32), 8, 16)
+    prologues = []
+
+    def in_place_qkv(qkv, spec, attn, positions, slots, pool, layer):  # like the kernel: no pool write in the graph
+        queries = qkv[:, : spec.heads * spec.head_dim].reshape(qkv.shape[0], spec.heads, 1, spec.head_dim)
+        prologues.append(queries)
+        return queries
+
+    fused = FusedDecode(model, batched_decode_attention, in_place_qkv)
+    rows = 5
+    slots = mx.arange(rows, dtype=mx.int32)
+    lane = LaneRows(0, rows, slots)
+    layout = StepLayout(mx.arange(rows, dtype=mx.int32), slots, None, (lane,))
+    before = list(pool.keys)
+    fused.mixed(mx.arange(1, rows + 1, dtype=mx.int32), layout, pool)
+    assert len(prologues) == args.num_hidden_layers
+    for layer in range(args.num_hidden_layers):
+        assert pool.keys[layer] is not before[layer]  # re-pointed through mx.depends on this layer's prologue
+        dot = io.StringIO()
+        mx.export_to_dot(dot, pool.keys[layer])
+        assert "Depends" in dot.getvalue()
