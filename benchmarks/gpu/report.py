@@ -89,24 +89,27 @@ def rows_for_shape(r: dict) -> list[dict]:
     p_solo, o_solo = peer["prefill"][long]["ttft_s"], ours["prefill"][long]["ttft_s"]
     p_x, o_x = pc["long_ttft_s"] / p_solo, oc["long_ttft_s"] / o_solo
     add(f"contended: {long}-token TTFT / its solo TTFT", p_x, o_x, None, "<= 1.5", _ok_le(o_x, 1.5))
-    st = oc.get("steps")
-    if st:
-        add(
-            "contended: our steps with prefill (count, rows p50, ms p50 / predicted p50); decode-only (count, ms p50)",
-            None,
-            f"{st['mixed_steps']}, {_fmt(st['mixed_rows_p50'])}, {_fmt(st['mixed_ms_p50'])} / "
-            f"{_fmt(st['mixed_predicted_ms_p50'])}; {st['decode_only_steps']}, {_fmt(st['decode_only_ms_p50'])}",
-            None,
-            "(info)",
-            None,
-        )
-        host = st.get("mixed_host_ms_p50") or {}
-        if host:
-            cells = ", ".join(f"{name} {_fmt(ms)}" for name, ms in host.items())
-            add("contended: host ms of a step with prefill (p50)", None, cells, None, "(info)", None)
+    for metric, cell in _step_cells(oc.get("steps")):
+        add(metric, None, cell, None, "(info)", None)
     sp = ours["shared_prefix"]
     add("shared prefix: warm TTFT / cold TTFT", None, sp["ratio"], None, "<= 0.10", _ok_le(sp["ratio"], 0.10))
     return rows
+
+
+def _step_cells(st: dict | None) -> list[tuple[str, str]]:
+    """What our scheduler did in the contended phase, as (metric, cell) rows of information."""
+    if not st:
+        return []
+    cells = [(
+        "contended: our steps with prefill (count, rows p50, ms p50 / predicted p50); decode-only (count, ms p50)",
+        f"{st['mixed_steps']}, {_fmt(st['mixed_rows_p50'])}, {_fmt(st['mixed_ms_p50'])} / "
+        f"{_fmt(st['mixed_predicted_ms_p50'])}; {st['decode_only_steps']}, {_fmt(st['decode_only_ms_p50'])}",
+    )]  # fmt: skip
+    host = st.get("mixed_host_ms_p50") or {}
+    if host:
+        phases = ", ".join(f"{name} {_fmt(ms)}" for name, ms in host.items())
+        cells.append(("contended: host ms of a step with prefill (p50)", phases))
+    return cells
 
 
 def _ms(c: dict) -> str:
@@ -162,6 +165,7 @@ def markdown(results: list[dict], header: str) -> str:
                 ("shared prefix: warm TTFT / cold TTFT", prefix, "<= 0.10", 0.1),
             ):
                 lines.append(f"| {metric} | | {value:.2f} | | {target} | {MET[_ok_le(value, ceiling)]} |")
+            lines += [f"| {metric} | | {cell} | | (info) | |" for metric, cell in _step_cells(c.get("steps"))]
             lines.append("")
             continue
         for row in rows_for_shape(r):

@@ -40,13 +40,17 @@ def test_full_run_writes_every_figure_and_the_table(tmp_path):
 def test_contended_only_run_and_its_refusal(tmp_path):
     refused = run_bench(tmp_path, "--shapes", "tiny", "--contended-only")
     assert refused.returncode == 2 and "--contended-only needs --step-target-ms" in refused.stderr
-    done = run_bench(tmp_path, "--shapes", "tiny", "--contended-only", "--step-target-ms", "40")
+    # with the fused forward for steps with prefill, as the next device run measures it
+    done = run_bench(tmp_path, "--shapes", "tiny", "--contended-only", "--step-target-ms", "40", "--compile-decode",
+                     "on", "--fuse-decode", "on", "--fuse-mixed", "on")  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     (result,) = json.loads((tmp_path / "gpu_bench.json").read_text())["results"]
     assert result["peer"] == {} and "decode" not in result["ours"]
     assert result["step_target_ms"] == pytest.approx(40.0)
+    assert "submission" in result["ours"]["contended"]["steps"]["mixed_host_ms_p50"]
     table = (tmp_path / "gpu_bench.md").read_text()
     assert "TTFT / its solo TTFT" in table and "mlx-lm |" in table
+    assert "host ms of a step with prefill" in table
 
 
 @pytest.mark.parametrize(
