@@ -91,7 +91,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="skip building the prefill attention shapes at start (CUDA: the first chunk of each shape "
                         "then stalls the streams for tens of ms)")
     g.add_argument("--no-pipeline", action="store_true",
-                   help="read every step back before planning the next (normally a decode-only step stays in "
+                   help="read every step back before planning the next (normally a step that samples stays in "
                         "flight while the next is queued)")
     s.add_argument("--trace", default=None, metavar="FILE",
                    help="capture trace events in memory and write them to FILE (JSONL) at exit")
