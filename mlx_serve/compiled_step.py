@@ -45,19 +45,21 @@ class CompiledDecode:
         attention: DecodeAttention,
         logits: Callable[[mx.array], mx.array],
         fused: FusedDecode | None = None,
+        min_lanes: int = 1,
     ) -> None:
         self.model = model
         self.pool = pool
         self.attention = attention
         self.logits = logits
         self.fused = fused  # the fused forward; None: mlx-lm's modules through ragged caches
+        self.min_lanes = min_lanes  # a step of 2+ lanes is padded to at least this many (see ModelRunner)
         self._step = mx.compile(self._traced)
         self.shapes: set[tuple[int, int]] = set()  # (lanes, width) buckets traced so far
 
     def __call__(self, lanes: Sequence[Lane], tokens: mx.array) -> mx.array:
         """`tokens` `[len(lanes)]` are the lanes' inputs (possibly still being computed by the previous step)."""
         n = len(lanes)
-        count = lane_bucket(n)
+        count = max(lane_bucket(n), self.min_lanes) if n > 1 else 1
         size = self.pool.block_size
         width = width_bucket(max(-(-lane.end // size) for lane in lanes))
         scratch = self.pool.scratch_block

@@ -262,3 +262,36 @@ def test_warm_up_of_a_dense_model_runs_no_quantized_product(tiny_qwen3):
     args = model.args
     pool = KVPool(KVLayout(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, mx.float32), 8, 16)
     assert ModelRunner(model, pool).warm_quantized_products(64) == 0
+
+
+def test_a_quantized_decode_step_of_few_lanes_padded_to_eight_rows_keeps_its_tokens(tiny_qwen3_4bit):
+    """On CUDA a 4-bit step of 2-7 lanes is padded to 8 rows (MLX's quantized GEMM from 8 rows reads the packed
+    weights once, its per-row kernel below once per row): the padding rows change nothing of the real lanes."""
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from mlx_serve.kernels.paged_attention import select_decode_attention
+    from mlx_serve.kv_pool import KVLayout, KVPool
+    from mlx_serve.runner import QUANTIZED_MIN_LANES, ModelRunner
+    from mlx_serve.types import SamplingParams
+    from scheduler.plan import Lane, LaneKind, StepPlan
+
+    model, _ = load(str(tiny_qwen3_4bit))
+    args = model.args
+    layout = KVLayout(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, mx.float32)
+
+    def decode_step(min_lanes: int):
+        runner = ModelRunner(model, KVPool(layout, 16, 16), select_decode_attention("auto"), compile_decode=True)
+        runner.compiled.min_lanes = min_lanes
+        for i in range(3):
+            runner.add_request(f"r{i}", SamplingParams(temperature=0.0, logprobs=2))
+        lanes = tuple(Lane(f"r{i}", LaneKind.DECODE, (7 + i,), 0, (i,), True) for i in range(3))
+        out = runner.execute(StepPlan(0, lanes, 0, "t", None, True))
+        return runner.compiled.shapes, [(s.token_id, s.logprob) for s in out.samples.values()]
+
+    plain_shapes, plain = decode_step(1)
+    padded_shapes, padded = decode_step(QUANTIZED_MIN_LANES)
+    assert {lanes for lanes, _ in plain_shapes} == {4} and {lanes for lanes, _ in padded_shapes} == {8}
+    assert [t for t, _ in padded] == [t for t, _ in plain]
+    for (_, a), (_, b) in zip(padded, plain):
+        assert abs(a - b) < 1e-5
