@@ -78,7 +78,7 @@ class RunnerOutput:
     lane_spans: list = field(default_factory=list)  # ANE chunk spans (host submit-to-ready intervals)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class InFlightStep:
     """A step queued on the device whose tokens have not been read back yet."""
 
@@ -91,7 +91,6 @@ class InFlightStep:
     phases: dict[str, float]
     ane: tuple = ()  # ane_chunks.AneChunk submitted with this step
     stamp: mx.array | None = None  # the device clock's reading after the step (None: timed on the host)
-    elapsed_ms: float | None = None  # set once the step is read back
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,16 +286,16 @@ class ModelRunner:
         mx.async_eval(sampled.tokens, self.pool.state())
         return sampled
 
-    def _mark_done(self, step: InFlightStep) -> None:
-        if step.elapsed_ms is not None:
-            return
+    def _elapsed_ms(self, step: InFlightStep) -> float:
+        """The step's time, now that it is read back (see kernels/step_clock.py)."""
         now = time.perf_counter()
         # on the host, a step queued behind another starts when that one was read back, not when it was queued
         host_ms = (now - max(step.started, self._last_done)) * 1e3
         end_ns = self.clock.read_ns(step.stamp) if step.stamp is not None else None
         continuous = step.started <= self._last_done + CONTINUITY_S
-        step.elapsed_ms = step_interval_ms(host_ms, end_ns, self._last_end_ns, continuous)
+        elapsed_ms = step_interval_ms(host_ms, end_ns, self._last_end_ns, continuous)
         self._last_done, self._last_end_ns = now, end_ns
+        return elapsed_ms
 
     def collect(self, step: InFlightStep) -> RunnerOutput:
         """Wait for a submitted step and read its tokens back."""
@@ -312,8 +311,7 @@ class ModelRunner:
             # arrays are still its own; a sampled step's tokens depend on every layer's writes already
             mx.eval(self.pool.state())
         t3 = time.perf_counter()
-        self._mark_done(step)
-        elapsed_ms = step.elapsed_ms
+        elapsed_ms = self._elapsed_ms(step)
         ane_ms = max((span.end - span.start) * 1e3 for span in spans) if spans else None
         outcome = StepOutcome({rid: s.token_id for rid, s in samples.items()}, elapsed_ms, ane_elapsed_ms=ane_ms)
         return RunnerOutput(outcome, samples, {**step.phases, "consumption": (t3 - t2) * 1e3}, spans)
