@@ -24,7 +24,6 @@ from mlx_lm.models.activations import swiglu
 from mlx_serve.kernels.add_norm import AddNorm, select_add_norm
 from mlx_serve.kernels.decode_qkv import HeadSpec, QKVRows, select_qkv_rows
 from mlx_serve.kv_pool import KVPool
-from mlx_serve.quantized_rows import DequantizedRows
 from mlx_serve.ragged import DecodeAttention, DecodeRows, RaggedLayerCache, StepLayout
 
 # mlx-lm model modules whose blocks are `h + attn(norm(h))`, then `h + mlp(norm(h))`, with the attention and MLP
@@ -82,11 +81,9 @@ class FusedDecode:
         attention: DecodeAttention,
         qkv_rows: QKVRows | None = None,
         add_norm: AddNorm | None = None,
-        dequantize: DequantizedRows | None = None,
     ) -> None:
         self.model = model
         self.layers = fuse_layers(model)
-        self.linear = (dequantize or DequantizedRows(0)).linear  # quantized projections of many rows: dense
         self.attention = attention
         # kernels on CUDA, mlx-lm's ops elsewhere
         self.qkv_rows = qkv_rows or select_qkv_rows(self.layers[0].spec)
@@ -126,19 +123,20 @@ class FusedDecode:
         next_norms = [layer.block.input_layernorm for layer in self.layers[1:]] + [inner.norm]
         for index, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
             block, attn = layer.block, layer.block.self_attn
-            queries = self.qkv_rows(self.linear(layer.qkv, x), layer.spec, attn, positions, slots, pool, index)
+            # quantized projections of many rows run dense where the runner folded them so (`--dequantize-rows`)
+            queries = self.qkv_rows(layer.qkv(x), layer.spec, attn, positions, slots, pool, index)
             out = attend(index, queries, attn.scale)
-            attended = self.linear(attn.o_proj, out.reshape(h.shape[0], -1))
-            h, x = self.add_norm(h, attended, block.post_attention_layernorm)
+            h, x = self.add_norm(h, attn.o_proj(out.reshape(h.shape[0], -1)), block.post_attention_layernorm)
             h, x = self.add_norm(h, self._mlp(layer, x), next_norm)
         return x
 
-    def _mlp(self, layer: FusedLayer, x: mx.array) -> mx.array:
+    @staticmethod
+    def _mlp(layer: FusedLayer, x: mx.array) -> mx.array:
         if layer.gate_up is None:  # an experts block (dense for enough rows where `dense_experts` is installed)
             return layer.block.mlp(x)
-        gate_up = self.linear(layer.gate_up, x)
+        gate_up = layer.gate_up(x)
         hidden = gate_up.shape[-1] // 2
-        return self.linear(layer.block.mlp.down_proj, swiglu(gate_up[:, :hidden], gate_up[:, hidden:]))
+        return layer.block.mlp.down_proj(swiglu(gate_up[:, :hidden], gate_up[:, hidden:]))
 
 
 def _head_dim(attn: Any) -> int:

@@ -19,8 +19,7 @@ class RowsQuantizedLinear(nn.QuantizedLinear):
     def __call__(self, x: mx.array) -> mx.array:
         rows = x.size // x.shape[-1]
         if self.dequantize_from and rows >= self.dequantize_from and self.get("global_scale") is None:
-            y = x @ _dense_weight(self).T
-            return y + self["bias"] if "bias" in self else y
+            return _dense_product(self, x)
         if x.ndim == 3 and x.shape[1] == 1 and x.shape[0] > 1:
             rows = x.shape[0]
             return super().__call__(x.reshape(1, rows, x.shape[2])).reshape(rows, 1, -1)
@@ -48,7 +47,8 @@ class DequantizedRows:
     4096 x 12288 projection, bf16 0.033-0.044 ms at any of them), so decode steps of many lanes pay a packed read
     per row, and a 2k-row prefill chunk runs at a third of the bf16 model's speed. Exact on the CPU in float32; in
     bf16 the weights round to bf16 before the product, so greedy tokens can differ from mlx-lm's in the last
-    place: opt-in (`--dequantize-rows`). Prefill and mixed steps take the same threshold (`fold_quantized_rows`).
+    place: opt-in (`--dequantize-rows`). The runner's quantized linears decide for themselves with the same
+    threshold (`fold_quantized_rows`); this class serves what is not such a linear (a tied embedding's output).
     """
 
     def __init__(self, min_rows: int) -> None:
@@ -64,16 +64,18 @@ class DequantizedRows:
 
     def linear(self, module: nn.Module, x: mx.array) -> mx.array:
         """`module(x)` for a linear over rows `[T, D]`."""
-        if not self.applies(module, x.shape[0]):
-            return module(x)
-        y = x @ _dense_weight(module).T
-        return y + module["bias"] if "bias" in module else y
+        return _dense_product(module, x) if self.applies(module, x.shape[0]) else module(x)
 
     def embedding_as_linear(self, embedding: nn.Module, x: mx.array) -> mx.array:
         """`embedding.as_linear(x)` (tied output projections)."""
         if not self.applies(embedding, x.shape[0]):
             return embedding.as_linear(x)
         return x @ _dense_weight(embedding).T
+
+
+def _dense_product(module: nn.Module, x: mx.array) -> mx.array:
+    y = x @ _dense_weight(module).T
+    return y + module["bias"] if "bias" in module else y
 
 
 def _dense_weight(module: nn.Module) -> mx.array:

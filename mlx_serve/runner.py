@@ -143,13 +143,9 @@ class ModelRunner:
         self._tied = bool(getattr(getattr(model, "args", None), "tie_word_embeddings", False))
         # single-row steps replay one compiled graph; the reference attention reads per-lane slot lists instead
         use_compiled = compile_decode and not self._decode_lane_slots
-        # quantized products of this many rows (fused decode steps, logits; prefill through fold_quantized_rows): dense
+        # a tied output projection of this many rows runs dense too (the quantized linears were folded above)
         self.dequantize = DequantizedRows(dequantize_rows)
-        fused = (
-            FusedDecode(model, self.decode_attention, dequantize=self.dequantize)
-            if use_compiled and fuse_decode
-            else None
-        )
+        fused = FusedDecode(model, self.decode_attention) if use_compiled and fuse_decode else None
         quantized = any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
         min_lanes = QUANTIZED_MIN_LANES if quantized and cuda_available() else 1
         self.compiled = (
@@ -436,7 +432,7 @@ class ModelRunner:
         # the LM head runs only on sampling rows: prefill rows never need vocabulary-sized logits
         if self._tied:
             return self.dequantize.embedding_as_linear(self.model.model.embed_tokens, hidden)
-        return self.dequantize.linear(self.model.lm_head, hidden)
+        return self.model.lm_head(hidden)
 
     def _read_samples(
         self, sample_ids: tuple[str, ...], samplers: list[RequestSampler], sampled: Any
