@@ -13,8 +13,9 @@ prefill chunks too (`FusedDecode.mixed`), whose host build is what bounds a cont
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
@@ -22,7 +23,7 @@ import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
 from mlx_serve.kernels.add_norm import AddNorm, select_add_norm
-from mlx_serve.kernels.decode_qkv import HeadSpec, QKVRows, select_qkv_rows
+from mlx_serve.kernels.decode_qkv import HeadSpec, QKVRows, plain_qkv_rows, select_qkv_rows
 from mlx_serve.kv_pool import KVPool
 from mlx_serve.ragged import DecodeAttention, DecodeRows, RaggedLayerCache, StepLayout
 
@@ -97,24 +98,36 @@ class FusedDecode:
         def attend(index: int, queries: mx.array, scale: float) -> mx.array:
             return self.attention(queries, pool.keys[index], pool.values[index], rows, scale)
 
-        return self._forward(tokens, positions, slots, pool, attend)
+        return self._forward(tokens, positions, slots, pool, attend, self.qkv_rows)
 
     def mixed(self, tokens: mx.array, layout: StepLayout, pool: KVPool) -> mx.array:
         """The same forward for any step (`--fuse-mixed`): decode rows and prefill chunks, attention per lane as in
-        `RaggedLayerCache`. The prologue kernel writes the rows' K/V into the pool in place, a side effect MLX's
-        graph does not see: the pool's arrays are re-pointed through `mx.depends` on its output, so a chunk that
-        reads its own rows back, a step that evaluates only the pool (prefill without sampling) and the next step
-        all come after the writes."""
+        `RaggedLayerCache`.
+
+        The CUDA prologue writes the rows' K/V into the pool in place, a write MLX does not see: its graph orders
+        kernels by the arrays they output. Its queries order the decode attention (which reads them); the pool's
+        arrays are re-pointed through `mx.depends` on them so that a step evaluating only the pool (prefill without
+        sampling) still runs the writes; and the history gather takes them as an input so it reads the pool after
+        the writes. A step whose history is read any other way takes mlx-lm's prologue (a functional scatter)."""
+        qkv_rows = self.qkv_rows
+        in_place = getattr(qkv_rows, "in_place", False)
+        gather = layout.prefill_gather
+        ordered_reads = getattr(gather, "orders_after", False) and all(lane.table is not None for lane in layout.lanes)
+        if in_place and not ordered_reads:
+            qkv_rows, in_place = plain_qkv_rows, False
 
         def attend(index: int, queries: mx.array, scale: float) -> mx.array:
-            pool.keys[index], pool.values[index] = mx.depends([pool.keys[index], pool.values[index]], [queries])
-            return RaggedLayerCache(pool, index, layout).attention(queries, scale)
+            step = layout
+            if in_place:
+                pool.keys[index], pool.values[index] = mx.depends([pool.keys[index], pool.values[index]], [queries])
+                step = replace(layout, prefill_gather=functools.partial(gather, after=queries))
+            return RaggedLayerCache(pool, index, step).attention(queries, scale)
 
-        return self._forward(tokens, layout.positions, layout.write_slots, pool, attend)
+        return self._forward(tokens, layout.positions, layout.write_slots, pool, attend, qkv_rows)
 
     def _forward(
         self, tokens: mx.array, positions: mx.array, slots: mx.array, pool: KVPool,
-        attend: Callable[[int, mx.array, float], mx.array],
+        attend: Callable[[int, mx.array, float], mx.array], qkv_rows: QKVRows,
     ) -> mx.array:  # fmt: skip
         inner = self.model.model
         h = inner.embed_tokens(tokens)
@@ -124,7 +137,7 @@ class FusedDecode:
         for index, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
             block, attn = layer.block, layer.block.self_attn
             # quantized projections of many rows run dense where the runner folded them so (`--dequantize-rows`)
-            queries = self.qkv_rows(layer.qkv(x), layer.spec, attn, positions, slots, pool, index)
+            queries = qkv_rows(layer.qkv(x), layer.spec, attn, positions, slots, pool, index)
             out = attend(index, queries, attn.scale)
             h, x = self.add_norm(h, attn.o_proj(out.reshape(h.shape[0], -1)), block.post_attention_layernorm)
             h, x = self.add_norm(h, self._mlp(layer, x), next_norm)

@@ -109,6 +109,9 @@ def kernel_qkv_rows(
     )[0]
 
 
+kernel_qkv_rows.in_place = True  # its pool writes are invisible to MLX's graph (see FusedDecode.mixed)
+
+
 def select_qkv_rows(spec: HeadSpec) -> QKVRows:
     """The kernel on MLX's CUDA backend when the head fits, else mlx-lm's ops."""
     from mlx_serve.kernels.paged_attention import cuda_available

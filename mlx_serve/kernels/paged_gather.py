@@ -44,10 +44,11 @@ THREADS = 256
 
 
 @functools.cache
-def _kernel() -> object:
-    return mx.fast.cuda_kernel(
-        "mlx_serve_paged_gather", ["k_pool", "v_pool", "table", "length"], ["k_out", "v_out"], GATHER_SOURCE
-    )
+def _kernel(ordered: bool) -> object:
+    # `after` is never read: it is an input only so MLX's CUDA graph orders this kernel after the one that made it
+    inputs = ["k_pool", "v_pool", "table", "length"] + (["after"] if ordered else [])
+    name = "mlx_serve_paged_gather_after" if ordered else "mlx_serve_paged_gather"
+    return mx.fast.cuda_kernel(name, inputs, ["k_out", "v_out"], GATHER_SOURCE)
 
 
 def gather_supports(pool_keys: mx.array) -> bool:
@@ -55,13 +56,18 @@ def gather_supports(pool_keys: mx.array) -> bool:
     return (head_dim * itemsize) % 16 == 0
 
 
-def paged_gather(pool_keys: mx.array, pool_values: mx.array, lane: LaneRows, block_size: int) -> tuple[mx.array, mx.array]:
-    """Keys and values of positions [0, lane.kv_len) as `[1, kv_heads, kv_len, head_dim]` each."""
+def paged_gather(
+    pool_keys: mx.array, pool_values: mx.array, lane: LaneRows, block_size: int, after: mx.array | None = None
+) -> tuple[mx.array, mx.array]:
+    """Keys and values of positions [0, lane.kv_len) as `[1, kv_heads, kv_len, head_dim]` each.
+
+    MLX's CUDA graph orders kernels by the arrays they output, so a kernel that wrote the pool in place (an input to
+    it) is not seen as the pool's writer: pass its output as `after` to read the pool only once it has run."""
     _, kv_heads, head_dim = pool_keys.shape
     shape = (1, kv_heads, lane.kv_len, head_dim)
     vectors = kv_heads * lane.kv_len * head_dim * pool_keys.dtype.size // 16
-    keys, values = _kernel()(
-        inputs=[pool_keys, pool_values, lane.table, lane.length],
+    keys, values = _kernel(after is not None)(
+        inputs=[pool_keys, pool_values, lane.table, lane.length] + ([after] if after is not None else []),
         template=[("T", pool_keys.dtype), ("D", head_dim), ("BS", block_size)],
         grid=(-(-vectors // THREADS) * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
@@ -69,6 +75,9 @@ def paged_gather(pool_keys: mx.array, pool_values: mx.array, lane: LaneRows, blo
         output_dtypes=[pool_keys.dtype, pool_keys.dtype],
     )
     return keys, values
+
+
+paged_gather.orders_after = True  # takes `after`: may read a pool written in place (see FusedDecode.mixed)
 
 
 def table_gather(pool_keys: mx.array, pool_values: mx.array, lane: LaneRows, block_size: int) -> tuple[mx.array, mx.array]:

@@ -217,37 +217,76 @@ def test_fuse_mixed_needs_the_fused_forward(tiny_qwen3):
         Engine.load(EngineConfig(model=str(tiny_qwen3), fuse_mixed="auto"))
 
 
-def test_the_fused_forward_for_prefill_makes_the_pool_depend_on_each_layers_writes(tiny_qwen3):
-    """On CUDA the prologue kernel writes K/V in place, unseen by MLX's graph: a prefill chunk that samples
-    nothing evaluates only the pool, so each layer's pool arrays must depend on its prologue, or nothing runs."""
-    from mlx_lm import load
-
+def _in_place_mixed_step(model, gather, table: bool):
+    """One 5-row prefill chunk through `FusedDecode.mixed` with a stand-in for the CUDA prologue: like the kernel,
+    its K/V writes are not in MLX's graph. Returns the pool, its arrays before the step, and each prologue's queries."""
     from mlx_serve.kv_pool import KVLayout, KVPool
     from mlx_serve.ragged import LaneRows, StepLayout
 
-    model, _ = load(str(tiny_qwen3))
     args = model.args
     pool = KVPool(KVLayout(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, mx.float32), 8, 16)
     prologues = []
 
-    def in_place_qkv(qkv, spec, attn, positions, slots, pool, layer):  # like the kernel: no pool write in the graph
+    def in_place_qkv(qkv, spec, attn, positions, slots, pool, layer):
         queries = qkv[:, : spec.heads * spec.head_dim].reshape(qkv.shape[0], spec.heads, 1, spec.head_dim)
         prologues.append(queries)
         return queries
 
-    fused = FusedDecode(model, batched_decode_attention, in_place_qkv)
+    in_place_qkv.in_place = True
     rows = 5
     slots = mx.arange(rows, dtype=mx.int32)
-    lane = LaneRows(0, rows, slots)
-    layout = StepLayout(mx.arange(rows, dtype=mx.int32), slots, None, (lane,))
+    if table:
+        lane = LaneRows(0, rows, slots, table=mx.array([0], dtype=mx.int32), length=mx.array([rows, 16], dtype=mx.int32),
+                        kv_len=16, mask=mx.zeros((1, 1, rows, 16)))  # fmt: skip
+    else:
+        lane = LaneRows(0, rows, slots)
+    layout = StepLayout(mx.arange(rows, dtype=mx.int32), slots, None, (lane,), prefill_gather=gather)
     before = list(pool.keys)
-    fused.mixed(mx.arange(1, rows + 1, dtype=mx.int32), layout, pool)
-    assert len(prologues) == args.num_hidden_layers
-    for layer in range(args.num_hidden_layers):
+    FusedDecode(model, batched_decode_attention, in_place_qkv).mixed(mx.arange(1, rows + 1, dtype=mx.int32), layout, pool)
+    return pool, before, prologues
+
+
+def test_the_fused_forward_for_prefill_orders_the_pool_after_each_layers_in_place_writes(tiny_qwen3):
+    """On CUDA the prologue kernel writes K/V in place, unseen by MLX's graph, which orders kernels only by the
+    arrays they output. A chunk that samples nothing evaluates only the pool, so each layer's pool arrays must
+    depend on its prologue, or nothing runs; and the history gather must take the prologue's output, or it may
+    run beside the writes and read stale K/V (the device test's failure before this)."""
+    from mlx_lm import load
+
+    from mlx_serve.kernels.paged_gather import table_gather
+
+    model, _ = load(str(tiny_qwen3))
+    afters = []
+
+    def ordered_gather(pool_keys, pool_values, lane, block_size, after=None):
+        afters.append(after)
+        return table_gather(pool_keys, pool_values, lane, block_size)
+
+    ordered_gather.orders_after = True
+    pool, before, prologues = _in_place_mixed_step(model, ordered_gather, table=True)
+    layers = model.args.num_hidden_layers
+    assert len(prologues) == layers
+    assert len(afters) == layers and all(after is queries for after, queries in zip(afters, prologues))
+    for layer in range(layers):
         assert pool.keys[layer] is not before[layer]  # re-pointed through mx.depends on this layer's prologue
         dot = io.StringIO()
         mx.export_to_dot(dot, pool.keys[layer])
         assert "Depends" in dot.getvalue()
+
+
+@pytest.mark.parametrize("table", [False, True])
+def test_an_in_place_prologue_is_not_used_where_the_history_read_cannot_be_ordered_after_it(tiny_qwen3, table):
+    """A lane read by slot indexing, or a gather without an `after` input, cannot be ordered after in-place
+    writes: the step takes mlx-lm's prologue (a scatter MLX orders itself)."""
+    from mlx_lm import load
+
+    from mlx_serve.kernels.paged_gather import table_gather
+
+    model, _ = load(str(tiny_qwen3))
+    pool, _, prologues = _in_place_mixed_step(model, table_gather, table=table)
+    assert prologues == []
+    for layer in range(model.args.num_hidden_layers):  # the scatter wrote the chunk's keys
+        assert mx.all(mx.any(pool.keys[layer][:5] != 0, axis=(1, 2))).item()
 
 
 @pytest.mark.parametrize("kv_bucket", [0, 32])
