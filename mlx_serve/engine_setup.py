@@ -72,11 +72,16 @@ def fuse_decode(kind: str, model: Any, compiled: bool) -> bool:
 
 def fuse_mixed(kind: str, fused: bool) -> bool:
     """Whether steps with prefill chunks take the fused forward too (`FusedDecode.mixed`): fewer ops a layer to
-    build and launch, the fixed cost that bounds a contended chunk on CUDA. Off until measured on a GPU."""
-    if kind not in ("on", "off"):
-        raise InvalidRequest(f"fuse_mixed must be on or off, not {kind!r}", param="fuse_mixed")
+    build and launch, the fixed cost that bounds a contended chunk on CUDA. auto = on with MLX's CUDA backend and
+    the fused decode forward (H200, 8B, 8 streams + a 16k prompt: TTFT 3.93 -> 3.10x solo in one run)."""
+    if kind not in ("auto", "on", "off"):
+        raise InvalidRequest(f"fuse_mixed must be auto, on or off, not {kind!r}", param="fuse_mixed")
     if kind == "on" and not fused:
         raise InvalidRequest("fuse_mixed on needs the fused decode forward (fuse_decode)", param="fuse_mixed")
+    if kind == "auto":
+        from mlx_serve.kernels.paged_attention import cuda_available
+
+        return fused and cuda_available()
     return kind == "on"
 
 

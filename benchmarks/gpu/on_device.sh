@@ -2,12 +2,15 @@
 # The GPU run in one device call, after the recipe's call 1 (../shared/device/README.md: stage the wheels here with
 # ../shared/device/stage-wheels.sh; call 1 copies part A to /root/stage). Call 2, carrying .device-wheels/b:
 #   bash benchmarks/gpu/on_device.sh [--no-check] [run_gpu_bench arguments...]
+#   source benchmarks/gpu/on_device.sh --install-only   (installs, sets PYTHONPATH in the calling shell)
 # installs MLX's CUDA wheels into /root/site, checks greedy parity with mlx-lm (check_engine), then runs the bench
 # with its JSON, table and log under $OUT. Put every run of a session into one call: a fresh machine costs minutes.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 check=1
+install_only=0
 if [ "${1:-}" = "--no-check" ]; then check=0; shift; fi
+if [ "${1:-}" = "--install-only" ]; then install_only=1; shift; fi
 OUT=${OUT:-gpu_bench_out}
 mkdir -p "$OUT"
 wheels=.device-wheels
@@ -24,6 +27,7 @@ if ! python3 -c "import llguidance" 2>/dev/null; then
   for m in __init__ hf numpy; do printf 'def __getattr__(name):\n    return None\n' > "/root/site/llguidance/$m.py"; done
 fi
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
+if [ "$install_only" = 1 ]; then return 0 2>/dev/null || exit 0; fi
 if [ "$check" = 1 ]; then
   python3 -m benchmarks.gpu.check_engine > "$OUT/check_engine.log" 2>&1 || { tail -20 "$OUT/check_engine.log"; exit 1; }
   tail -3 "$OUT/check_engine.log"

@@ -240,8 +240,8 @@ def main() -> None:
         help="also decode these stream counts with compile off (e.g. 1,8,32)",
     )
     parser.add_argument("--fuse-decode", default="auto", choices=("auto", "on", "off"))
-    parser.add_argument("--fuse-mixed", default="off", choices=("on", "off"),
-                        help="steps with prefill chunks through the fused forward too (FusedDecode.mixed)")
+    parser.add_argument("--fuse-mixed", default="auto", choices=("auto", "on", "off"),
+                        help="steps with prefill chunks through the fused forward too (FusedDecode.mixed; auto: CUDA)")
     parser.add_argument(
         "--unfused-streams",
         type=_counts,

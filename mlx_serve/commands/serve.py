@@ -75,9 +75,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="compiled decode steps run q/k/v and gate/up as single matmuls and the attention prologue "
                         "as one kernel: auto = on with MLX's CUDA backend for Qwen3, Qwen3-MoE and Llama "
                         "(default: %(default)s)")
-    g.add_argument("--fuse-mixed", choices=["on", "off"], default="off",
+    g.add_argument("--fuse-mixed", choices=["auto", "on", "off"], default="auto",
                    help="steps with prefill chunks take the fused forward too (fewer ops to launch a layer; needs "
-                        "--fuse-decode; not yet measured on a GPU; default: %(default)s)")
+                        "--fuse-decode; auto = on with CUDA; default: %(default)s)")
     g.add_argument("--dense-experts", choices=["auto", "on", "off"], default="auto",
                    help="steps of enough (up to 1,024) rows compute every expert of a Qwen3-MoE block in three "
                         "batched matmuls instead of gather_mm: auto = on with MLX's CUDA backend, where it made "

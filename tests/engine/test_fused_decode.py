@@ -213,8 +213,19 @@ def test_steps_with_prefill_through_the_fused_forward_match_mlx_lm(fixture, requ
 def test_fuse_mixed_needs_the_fused_forward(tiny_qwen3):
     with pytest.raises(InvalidRequest, match="fuse_mixed on needs the fused decode forward"):
         Engine.load(EngineConfig(model=str(tiny_qwen3), compile_decode="on", fuse_decode="off", fuse_mixed="on"))
-    with pytest.raises(InvalidRequest, match="fuse_mixed must be on or off"):
-        Engine.load(EngineConfig(model=str(tiny_qwen3), fuse_mixed="auto"))
+    with pytest.raises(InvalidRequest, match="fuse_mixed must be auto, on or off"):
+        Engine.load(EngineConfig(model=str(tiny_qwen3), fuse_mixed="sometimes"))
+
+
+def test_fuse_mixed_auto_is_on_only_with_cuda_and_the_fused_forward(monkeypatch):
+    import mlx_serve.kernels.paged_attention as paged_attention
+    from mlx_serve import engine_setup
+
+    for cuda in (False, True):
+        monkeypatch.setattr(paged_attention, "cuda_available", lambda cuda=cuda: cuda)
+        assert engine_setup.fuse_mixed("auto", fused=True) is cuda
+        assert engine_setup.fuse_mixed("auto", fused=False) is False
+        assert engine_setup.fuse_mixed("off", fused=True) is False
 
 
 def _in_place_mixed_step(model, gather, table: bool):

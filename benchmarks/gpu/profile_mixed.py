@@ -1,0 +1,192 @@
+"""Where a step with a prefill chunk spends its time on CUDA: the whole step, then the host cost of each op in it.
+
+The contended steps of issue 7 cost ~18 ms of host submission on the 8B shape against a 7.7 ms decode step, and
+that fixed cost is what keeps a 16k prompt's chunks small. This splits it:
+- `step`: 8 decode lanes plus one chunk of `--rows` rows over a `--history`-token history, through the runner as the
+  engine builds it (eager, and `--fuse-mixed`), each step synchronous: preparation (host metadata), build (Python
+  graph), async_eval (MLX encodes and launches), wait (the device finishing after that); then the same step queued
+  `--repeats` times back to back (pipelined ms per step).
+- `op`: each kind of op such a step is made of, `layers` independent instances in one graph: host microseconds a
+  call spends in async_eval (encode and launch) and in all (until the results are ready).
+
+    python -m benchmarks.gpu.profile_mixed --shape 8b --lanes 8 --rows 128 --history 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import mlx.core as mx
+
+from benchmarks.gpu.models import build_dummy_model
+from mlx_serve.engine_setup import prefill_gather
+from mlx_serve.kernels.paged_attention import cuda_available, select_decode_attention
+from mlx_serve.kv_pool import KVLayout, KVPool
+from mlx_serve.runner import KV_BUCKET, ModelRunner, history_bucket, query_bucket
+from mlx_serve.sampling import sample_rows
+from mlx_serve.types import SamplingParams
+from scheduler.plan import Lane, LaneKind, StepPlan
+
+BLOCK = 16
+DECODE_HISTORY = 512
+WARMUP = 3
+
+
+def _median(samples: list[float], scale: float = 1e3) -> float:
+    return round(scale * statistics.median(samples), 3)
+
+
+def step_phases(model, layout: KVLayout, lanes: int, rows: int, history: int, fuse_mixed: bool, repeats: int) -> dict:
+    """One mixed step's host phases and device wait (synchronous), and its pipelined cost."""
+    decode_blocks = -(-(DECODE_HISTORY + WARMUP + 2 * repeats + 1) // BLOCK)  # every step writes a row
+    chunk_blocks = -(-(history + rows) // BLOCK)
+    pool = KVPool(layout, lanes * decode_blocks + chunk_blocks, BLOCK)
+    runner = ModelRunner(
+        model, pool, select_decode_attention("auto"), compile_decode=True, fuse_decode=True, fuse_mixed=fuse_mixed,
+        prefill_gather=prefill_gather(pool),
+    )  # fmt: skip
+    for rid in [f"d{i}" for i in range(lanes)] + ["p"]:
+        runner.add_request(rid, SamplingParams(temperature=0.0))
+    chunk_ids = tuple(range(lanes * decode_blocks, lanes * decode_blocks + chunk_blocks))
+
+    def plan(step: int) -> StepPlan:
+        decode = tuple(
+            Lane(f"d{i}", LaneKind.DECODE, (7,), DECODE_HISTORY + step, tuple(range(i * decode_blocks, (i + 1) * decode_blocks)), True)
+            for i in range(lanes)
+        )  # fmt: skip
+        chunk = Lane("p", LaneKind.PREFILL, (11,) * rows, history, chunk_ids, False)
+        return StepPlan(step, (*decode, chunk), rows, "profile", None, True)
+
+    phases: dict[str, list[float]] = {"preparation": [], "build": [], "async_eval": [], "wait": []}
+    for step in range(WARMUP + repeats):
+        lanes_ = list(plan(step).lanes)
+        t0 = time.perf_counter()
+        prepared = runner._prepare(lanes_, None)
+        t1 = time.perf_counter()
+        hidden = runner._forward(prepared)
+        logits = runner._logits(hidden[prepared.sample_rows])
+        sampled = sample_rows(logits, [runner.samplers[rid] for rid in prepared.sample_ids])
+        t2 = time.perf_counter()
+        mx.async_eval(sampled.tokens, pool.state())
+        t3 = time.perf_counter()
+        mx.eval(sampled.tokens, pool.state())
+        t4 = time.perf_counter()
+        if step >= WARMUP:
+            for name, span in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                phases[name].append(span)
+    start = time.perf_counter()
+    in_flight = None
+    for step in range(repeats):
+        current = runner.submit(plan(WARMUP + repeats + step))
+        if in_flight is not None:
+            runner.collect(in_flight)
+        in_flight = current
+    runner.collect(in_flight)
+    pipelined = (time.perf_counter() - start) / repeats
+    return {f"{name}_ms": _median(spans) for name, spans in phases.items()} | {"pipelined_ms": round(1e3 * pipelined, 3)}
+
+
+def _time_calls(make: Callable[[int], list[mx.array]], count: int, repeats: int) -> dict:
+    """Host microseconds per call of `count` independent calls in one graph: in async_eval, and until done."""
+    queued, done = [], []
+    for attempt in range(WARMUP + repeats):
+        outputs = []
+        for i in range(count):
+            outputs.extend(make(i))
+        t0 = time.perf_counter()
+        mx.async_eval(outputs)
+        t1 = time.perf_counter()
+        mx.eval(outputs)
+        t2 = time.perf_counter()
+        if attempt >= WARMUP:
+            queued.append((t1 - t0) / count)
+            done.append((t2 - t0) / count)
+    return {"async_eval_us": _median(queued, 1e6), "total_us": _median(done, 1e6)}
+
+
+def op_costs(model, layout: KVLayout, rows: int, history: int, lanes: int, repeats: int) -> dict[str, dict]:
+    """Each op of a mixed step's layer, as many calls as the model has layers, on inputs of the step's shapes."""
+    args = model.args
+    heads, kv_heads, head_dim, dtype = args.num_attention_heads, layout.num_kv_heads, layout.head_dim, layout.dtype
+    count = args.num_hidden_layers
+    query_rows = query_bucket(rows)
+    padded = history_bucket(history + rows, KV_BUCKET)
+    block = model.model.layers[0]
+    total_rows = lanes + rows
+    key = iter(mx.random.split(mx.random.key(0), 64 * count))
+
+    def normal(*shape: int) -> mx.array:
+        array = (0.1 * mx.random.normal(shape, key=next(key))).astype(dtype)
+        mx.eval(array)
+        return array
+
+    xs = [normal(total_rows, args.hidden_size) for _ in range(count)]
+    qs = [normal(1, heads, query_rows, head_dim) for _ in range(count)]
+    kvs = [normal(1, kv_heads, padded, head_dim) for _ in range(count)]
+    mask = mx.zeros((1, 1, query_rows, padded), dtype)
+    scale = head_dim**-0.5
+
+    def unfused_attention(q: mx.array, kv: mx.array) -> mx.array:
+        grouped = q.reshape(1, kv_heads, heads // kv_heads * query_rows, head_dim)
+        scores = (grouped * scale) @ kv.swapaxes(-1, -2)
+        scores = scores.reshape(1, heads, query_rows, padded) + mask
+        weights = mx.softmax(scores, axis=-1, precise=True).reshape(1, kv_heads, -1, padded)
+        return (weights @ kv).reshape(1, heads, query_rows, head_dim)
+
+    ops: dict[str, Callable[[int], list[mx.array]]] = {
+        "add": lambda i: [xs[i] + xs[(i + 1) % count]],
+        "rms_norm": lambda i: [block.input_layernorm(xs[i])],
+        "q_proj": lambda i: [block.self_attn.q_proj(xs[i])],
+        "sdpa_masked": lambda i: [mx.fast.scaled_dot_product_attention(qs[i], kvs[i], kvs[i], scale=scale, mask=mask)],
+        "sdpa_causal": lambda i: [mx.fast.scaled_dot_product_attention(qs[i], kvs[i], kvs[i], scale=scale, mask="causal")],
+        "attention_unfused": lambda i: [unfused_attention(qs[i], kvs[i])],
+        "pad_queries": lambda i: [mx.pad(qs[i][:, :, :rows], [(0, 0), (0, 0), (0, query_rows - rows), (0, 0)])],
+    }  # fmt: skip
+    if hasattr(block.mlp, "gate_proj"):  # dense MLP (an MoE block's experts are another study)
+        ops["gate_proj"] = lambda i: [block.mlp.gate_proj(xs[i])]
+    if cuda_available():
+        from mlx_serve.kernels.add_norm import kernel_add_norm
+        from mlx_serve.kernels.paged_gather import paged_gather
+        from mlx_serve.ragged import LaneRows
+
+        pool = KVPool(layout, -(-padded // BLOCK), BLOCK)
+        table = mx.arange(-(-(history + rows) // BLOCK), dtype=mx.int32)
+        lane = LaneRows(0, rows, mx.zeros((0,), mx.int32), mask, table, mx.array([history + rows, padded], dtype=mx.int32),
+                        padded, query_rows)  # fmt: skip
+        ops["paged_gather"] = lambda i: list(paged_gather(pool.keys[i], pool.values[i], lane, BLOCK))
+        ops["add_norm_kernel"] = lambda i: list(kernel_add_norm(xs[i], xs[(i + 1) % count], block.input_layernorm))
+    return {name: _time_calls(make, count, repeats) for name, make in ops.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="8b")
+    parser.add_argument("--lanes", type=int, default=8)
+    parser.add_argument("--rows", default="128", help="chunk rows, comma-separated (e.g. 64,128,512)")
+    parser.add_argument("--history", type=int, default=8192)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--parts", default="step,op")
+    args = parser.parse_args()
+    dummy = build_dummy_model(args.shape)
+    margs = dummy.model.args
+    head_dim = getattr(margs, "head_dim", None) or margs.hidden_size // margs.num_attention_heads
+    layout = KVLayout(margs.num_hidden_layers, margs.num_key_value_heads, head_dim, mx.bfloat16)
+    base = {"shape": args.shape, "lanes": args.lanes, "history": args.history}
+    for rows in [int(n) for n in args.rows.split(",")]:
+        if "step" in args.parts:
+            for fuse_mixed in (False, True):
+                row = step_phases(dummy.model, layout, args.lanes, rows, args.history, fuse_mixed, args.repeats)
+                print(json.dumps({**base, "rows": rows, "part": "step", "fuse_mixed": fuse_mixed, **row}), flush=True)
+                mx.clear_cache()
+        if "op" in args.parts:
+            for name, row in op_costs(dummy.model, layout, rows, args.history, args.lanes, args.repeats).items():
+                print(json.dumps({**base, "rows": rows, "part": "op", "op": name, **row}), flush=True)
+            mx.clear_cache()
+
+
+if __name__ == "__main__":
+    main()
