@@ -80,7 +80,8 @@ class Engine:
             compile_decode=compiled,
             prefill_gather=engine_setup.prefill_gather(self.pool),
             fuse_decode=(fused := engine_setup.fuse_decode(config.fuse_decode, loaded.model, compiled)),
-            fuse_mixed=engine_setup.fuse_mixed(config.fuse_mixed, fused),
+            fuse_mixed=(mixed := engine_setup.fuse_mixed(config.fuse_mixed, fused)),
+            compile_mixed=engine_setup.compile_mixed(config.compile_mixed, mixed),
             dense_moe=engine_setup.dense_experts(config.dense_experts),
             dequantize_rows=engine_setup.dequantize_rows(config.dequantize_rows),
         )

@@ -85,6 +85,17 @@ def fuse_mixed(kind: str, fused: bool) -> bool:
     return kind == "on"
 
 
+def compile_mixed(kind: str, fused_mixed: bool) -> bool:
+    """Whether a step of decode lanes and one prefill chunk replays an `mx.compile`d trace of the fused forward per
+    bucketed shape (`CompiledMixed`): its Python build and MLX encode are the fixed cost of a contended step.
+    auto = wherever steps with prefill take the fused forward (`fuse_mixed`)."""
+    if kind not in ("auto", "on", "off"):
+        raise InvalidRequest(f"compile_mixed must be auto, on or off, not {kind!r}", param="compile_mixed")
+    if kind == "on" and not fused_mixed:
+        raise InvalidRequest("compile_mixed on needs fuse_mixed", param="compile_mixed")
+    return fused_mixed and kind != "off"
+
+
 def dense_experts(kind: str) -> bool:
     """Whether steps with enough rows compute every expert of an MoE block densely (`mlx_serve.dense_experts`):
     auto = on with MLX's CUDA backend, where gather_mm reads experts far below bandwidth (measured on the H200)."""

@@ -17,6 +17,8 @@ import mlx.nn as nn
 import numpy as np
 
 from mlx_serve import ane_chunks, dense_experts
+from mlx_serve.buckets import KV_BUCKET, QUERY_BUCKET_MIN, history_bucket, query_bucket
+from mlx_serve.compiled_mixed import CompiledMixed, compilable
 from mlx_serve.compiled_step import CompiledDecode
 from mlx_serve.fused_decode import FusedDecode
 from mlx_serve.kernels.paged_attention import cuda_available
@@ -40,27 +42,10 @@ from scheduler.plan import PENDING_TOKEN
 
 log = logging.getLogger("mlx_serve.runner")
 
-KV_BUCKET = 1024  # history bucket unit of prefill lanes on CUDA
-QUERY_BUCKET_MIN = 64  # fewest query rows a bucketed prefill lane's attention runs with
 # MLX's CUDA quantized matmul runs a matrix-vector kernel per row below 8 rows (a packed read per row: 0.068 / 0.121
 # ms for 2 / 4 rows of a 4096x12288 4-bit product on the H200) and one GEMM from 8 (0.036 ms): quantized decode steps
 # of 2-7 lanes are padded to 8
 QUANTIZED_MIN_LANES = 8
-
-
-def query_bucket(rows: int) -> int:
-    """Query rows a bucketed prefill lane's attention is padded to: a power of two, at least 64. Chunk budgets
-    are powers of two already; this catches a prompt's last, partial chunk."""
-    return max(QUERY_BUCKET_MIN, 1 << (rows - 1).bit_length())
-
-
-def history_bucket(end: int, unit: int) -> int:
-    """Padded KV length of a prefill lane: 1, 2, 4, 8 units, then multiples of 4 units (at most 2x padding where
-    attention is cheap, at most 1.5x beyond), so a 16k prompt's chunks meet 6 shapes on the way, not 17."""
-    units = -(-end // unit)
-    if units <= 8:
-        return unit * (1 << (units - 1).bit_length())
-    return unit * (-(-units // 4) * 4)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +101,7 @@ class ModelRunner:
         dense_moe: bool = False,
         dequantize_rows: int = 0,
         fuse_mixed: bool = False,
+        compile_mixed: bool = False,
         clock: StepClock | None | str = "auto",
     ) -> None:
         self.model = model
@@ -152,6 +138,12 @@ class ModelRunner:
             CompiledDecode(model, pool, self.decode_attention, self._logits, fused, min_lanes) if use_compiled else None
         )
         self.fused_mixed = fused if fuse_mixed else None  # steps with prefill through the fused forward too
+        # a decode batch with one prefill chunk replays a compiled trace per shape (where the history is bucketed)
+        self.compiled_mixed = (
+            CompiledMixed(pool, fused, self.decode_attention, self._logits, min_lanes)
+            if compile_mixed and self.fused_mixed is not None
+            else None
+        )
 
     def warm_prefill_attention(self, max_len: int, max_rows: int) -> int:
         """Build the attention graph of every bucketed prefill shape up to `max_len` history and `max_rows` rows.
@@ -234,10 +226,16 @@ class ModelRunner:
         gpu_lanes, ane_lanes = ane_chunks.split_lanes(plan.lanes, self.prefill_lane)
         chunks = ane_chunks.submit(self.prefill_lane, ane_lanes, self.pool) if ane_lanes else []
         compiled = self.compiled is not None and bool(gpu_lanes) and all(lane.rows == 1 for lane in gpu_lanes)
-        prepared = None if compiled else self._prepare(gpu_lanes, previous)
+        mixed = (
+            not compiled and self.compiled_mixed is not None and bool(self.kv_bucket)
+            and self.prefill_gather is not None and compilable(gpu_lanes)
+        )  # fmt: skip
+        prepared = None if compiled or mixed else self._prepare(gpu_lanes, previous)
         t1 = time.perf_counter()
         if compiled:
             sample_ids, sampled = self._submit_compiled(gpu_lanes, previous)
+        elif mixed:
+            sample_ids, sampled = self._submit_compiled_mixed(gpu_lanes, previous)
         else:
             sample_ids, sampled = prepared.sample_ids, self._submit_eager(prepared)
         stamp = self._stamp(sampled) if gpu_lanes else None
@@ -270,6 +268,19 @@ class ModelRunner:
         sampling = [i for i, lane in enumerate(lanes) if lane.samples]
         sample_ids = tuple(lanes[i].request_id for i in sampling)
         if 0 < len(sampling) < len(lanes):
+            logits = logits[mx.array(sampling, dtype=mx.int32)]
+        return sample_ids, self._queue(logits if sample_ids else None, sample_ids)
+
+    def _submit_compiled_mixed(
+        self, lanes: list[Lane], previous: InFlightStep | None
+    ) -> tuple[tuple[str, ...], SampledRows | None]:
+        ordered = sorted(lanes, key=lambda lane: lane.rows != 1)  # the decode lanes, then the chunk
+        tokens = self._input_tokens(ordered, previous)
+        self._observe(ordered, tokens, list(range(len(ordered))))
+        logits = self.compiled_mixed(ordered[:-1], ordered[-1], tokens, self.kv_bucket, self.prefill_gather)
+        sampling = [i for i, lane in enumerate(ordered) if lane.samples]
+        sample_ids = tuple(ordered[i].request_id for i in sampling)
+        if 0 < len(sampling) < len(ordered):
             logits = logits[mx.array(sampling, dtype=mx.int32)]
         return sample_ids, self._queue(logits if sample_ids else None, sample_ids)
 

@@ -3,9 +3,9 @@
 The contended steps of issue 7 cost ~18 ms of host submission on the 8B shape against a 7.7 ms decode step, and
 that fixed cost is what keeps a 16k prompt's chunks small. This splits it:
 - `step`: 8 decode lanes plus one chunk of `--rows` rows over a `--history`-token history, through the runner as the
-  engine builds it (eager, and `--fuse-mixed`), each step synchronous: preparation (host metadata), build (Python
-  graph), async_eval (MLX encodes and launches), wait (the device finishing after that); then the same step queued
-  `--repeats` times back to back (pipelined ms per step).
+  engine runs it (`--variants`: mlx-lm's modules, the fused forward, its compiled trace), each step synchronous:
+  submission (host metadata, graph build, MLX's encode and launch) and wait (the device finishing after that), the
+  first step's whole time (a trace's cost), then the step queued `--repeats` times with one in flight (ms a step).
 - `op`: each kind of op such a step is made of, `layers` independent instances in one graph: host microseconds a
   call spends in async_eval (encode and launch) and in all (until the results are ready).
 
@@ -27,7 +27,6 @@ from mlx_serve.engine_setup import prefill_gather
 from mlx_serve.kernels.paged_attention import cuda_available, select_decode_attention
 from mlx_serve.kv_pool import KVLayout, KVPool
 from mlx_serve.runner import KV_BUCKET, ModelRunner, history_bucket, query_bucket
-from mlx_serve.sampling import sample_rows
 from mlx_serve.types import SamplingParams
 from scheduler.plan import Lane, LaneKind, StepPlan
 
@@ -40,14 +39,23 @@ def _median(samples: list[float], scale: float = 1e3) -> float:
     return round(scale * statistics.median(samples), 3)
 
 
-def step_phases(model, layout: KVLayout, lanes: int, rows: int, history: int, fuse_mixed: bool, repeats: int) -> dict:
-    """One mixed step's host phases and device wait (synchronous), and its pipelined cost."""
+VARIANTS = {  # name: (fuse_mixed, compile_mixed)
+    "modules": (False, False),  # mlx-lm's modules through the ragged caches
+    "fused": (True, False),  # the fused forward, eager
+    "compiled": (True, True),  # the fused forward, a compiled trace per bucketed shape (CompiledMixed)
+}
+
+
+def step_phases(model, layout: KVLayout, lanes: int, rows: int, history: int, variant: str, repeats: int) -> dict:
+    """One mixed step's host submission (preparation, build, encode) and device wait when run synchronously, the
+    first step's (a compiled variant traces it), and the step's cost queued back to back (one in flight)."""
     decode_blocks = -(-(DECODE_HISTORY + WARMUP + 2 * repeats + 1) // BLOCK)  # every step writes a row
     chunk_blocks = -(-(history + rows) // BLOCK)
     pool = KVPool(layout, lanes * decode_blocks + chunk_blocks, BLOCK)
+    fuse_mixed, compile_mixed = VARIANTS[variant]
     runner = ModelRunner(
         model, pool, select_decode_attention("auto"), compile_decode=True, fuse_decode=True, fuse_mixed=fuse_mixed,
-        prefill_gather=prefill_gather(pool),
+        compile_mixed=compile_mixed, prefill_gather=prefill_gather(pool),
     )  # fmt: skip
     for rid in [f"d{i}" for i in range(lanes)] + ["p"]:
         runner.add_request(rid, SamplingParams(temperature=0.0))
@@ -61,33 +69,28 @@ def step_phases(model, layout: KVLayout, lanes: int, rows: int, history: int, fu
         chunk = Lane("p", LaneKind.PREFILL, (11,) * rows, history, chunk_ids, False)
         return StepPlan(step, (*decode, chunk), rows, "profile", None, True)
 
-    phases: dict[str, list[float]] = {"preparation": [], "build": [], "async_eval": [], "wait": []}
+    submit, wait, first = [], [], 0.0
     for step in range(WARMUP + repeats):
-        lanes_ = list(plan(step).lanes)
         t0 = time.perf_counter()
-        prepared = runner._prepare(lanes_, None)
+        in_flight = runner.submit(plan(step))
         t1 = time.perf_counter()
-        hidden = runner._forward(prepared)
-        logits = runner._logits(hidden[prepared.sample_rows])
-        sampled = sample_rows(logits, [runner.samplers[rid] for rid in prepared.sample_ids])
+        runner.collect(in_flight)
         t2 = time.perf_counter()
-        mx.async_eval(sampled.tokens, pool.state())
-        t3 = time.perf_counter()
-        mx.eval(sampled.tokens, pool.state())
-        t4 = time.perf_counter()
+        first = first or t2 - t0
         if step >= WARMUP:
-            for name, span in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
-                phases[name].append(span)
+            submit.append(t1 - t0)
+            wait.append(t2 - t1)
     start = time.perf_counter()
     in_flight = None
     for step in range(repeats):
-        current = runner.submit(plan(WARMUP + repeats + step))
+        current = runner.submit(plan(WARMUP + repeats + step), in_flight)
         if in_flight is not None:
             runner.collect(in_flight)
         in_flight = current
     runner.collect(in_flight)
     pipelined = (time.perf_counter() - start) / repeats
-    return {f"{name}_ms": _median(spans) for name, spans in phases.items()} | {"pipelined_ms": round(1e3 * pipelined, 3)}
+    return {"submit_ms": _median(submit), "wait_ms": _median(wait), "first_ms": round(1e3 * first, 1),
+            "pipelined_ms": round(1e3 * pipelined, 3)}  # fmt: skip
 
 
 def _time_calls(make: Callable[[int], list[mx.array]], count: int, repeats: int) -> dict:
@@ -170,6 +173,7 @@ def main() -> None:
     parser.add_argument("--history", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--parts", default="step,op")
+    parser.add_argument("--variants", default="modules,fused,compiled", help=f"steps through: {', '.join(VARIANTS)}")
     args = parser.parse_args()
     dummy = build_dummy_model(args.shape)
     margs = dummy.model.args
@@ -178,9 +182,9 @@ def main() -> None:
     base = {"shape": args.shape, "lanes": args.lanes, "history": args.history}
     for rows in [int(n) for n in args.rows.split(",")]:
         if "step" in args.parts:
-            for fuse_mixed in (False, True):
-                row = step_phases(dummy.model, layout, args.lanes, rows, args.history, fuse_mixed, args.repeats)
-                print(json.dumps({**base, "rows": rows, "part": "step", "fuse_mixed": fuse_mixed, **row}), flush=True)
+            for variant in args.variants.split(","):
+                row = step_phases(dummy.model, layout, args.lanes, rows, args.history, variant, args.repeats)
+                print(json.dumps({**base, "rows": rows, "part": "step", "variant": variant, **row}), flush=True)
                 mx.clear_cache()
         if "op" in args.parts:
             for name, row in op_costs(dummy.model, layout, rows, args.history, args.lanes, args.repeats).items():

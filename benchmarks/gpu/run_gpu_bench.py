@@ -124,7 +124,7 @@ def measure_ours(
     kv_blocks = max(kv_blocks, math.ceil(2.5 * (p.contended_long + p.prefix_len) / 16))
     engine = {"compile_decode": args.compile_decode, "fuse_decode": args.fuse_decode, "cost_model": args.cost_model,
               "dense_experts": args.dense_experts, "dequantize_rows": args.dequantize_rows,
-              "fuse_mixed": args.fuse_mixed}  # fmt: skip
+              "fuse_mixed": args.fuse_mixed, "compile_mixed": args.compile_mixed}  # fmt: skip
     # only the contended engine meets long prompts' chunk shapes: the others skip the warm-up
     side = OurSide(dummy, kv_blocks, 500.0, args.attention, **engine, warm_up=False)
     try:
@@ -242,6 +242,8 @@ def main() -> None:
     parser.add_argument("--fuse-decode", default="auto", choices=("auto", "on", "off"))
     parser.add_argument("--fuse-mixed", default="auto", choices=("auto", "on", "off"),
                         help="steps with prefill chunks through the fused forward too (FusedDecode.mixed; auto: CUDA)")
+    parser.add_argument("--compile-mixed", default="auto", choices=("auto", "on", "off"),
+                        help="decode lanes + one chunk through a compiled trace (CompiledMixed; auto: with fuse-mixed)")
     parser.add_argument(
         "--unfused-streams",
         type=_counts,

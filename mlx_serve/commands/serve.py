@@ -78,6 +78,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--fuse-mixed", choices=["auto", "on", "off"], default="auto",
                    help="steps with prefill chunks take the fused forward too (fewer ops to launch a layer; needs "
                         "--fuse-decode; auto = on with CUDA; default: %(default)s)")
+    g.add_argument("--compile-mixed", choices=["auto", "on", "off"], default="auto",
+                   help="a step of decode lanes and one prefill chunk replays a compiled trace per bucketed shape "
+                        "(needs --fuse-mixed; auto = with it; default: %(default)s)")
     g.add_argument("--dense-experts", choices=["auto", "on", "off"], default="auto",
                    help="steps of enough (up to 1,024) rows compute every expert of a Qwen3-MoE block in three "
                         "batched matmuls instead of gather_mm: auto = on with MLX's CUDA backend, where it made "
@@ -110,7 +113,7 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
         enable_prefix_cache=not args.no_prefix_cache, decode_debt=not args.no_decode_debt,
         ane_lane=args.ane_lane, ane_package=args.ane_package, ane_timeout_s=args.ane_timeout_s,
         decode_attention=args.decode_attention, compile_decode=args.compile_decode, fuse_decode=args.fuse_decode,
-        dense_experts=args.dense_experts, fuse_mixed=args.fuse_mixed, dequantize_rows=args.dequantize_rows, warm_up=not args.no_warm_up,
+        dense_experts=args.dense_experts, fuse_mixed=args.fuse_mixed, compile_mixed=args.compile_mixed, dequantize_rows=args.dequantize_rows, warm_up=not args.no_warm_up,
         pipeline=not args.no_pipeline,
         trace=sink_from_env(args.trace), observer=observer,
         progress=not args.no_progress,

@@ -1,5 +1,5 @@
 """`FusedDecode.mixed` with the CUDA kernels (in-place K/V prologue, paged gather, bucketed SDPA) against the eager
-step: the part of `--fuse-mixed` the CPU cannot test. A first chunk that samples nothing evaluates only the pool,
+step, eager and compiled (`CompiledMixed`): the part of `--fuse-mixed` the CPU cannot test. A first chunk that samples nothing evaluates only the pool,
 so it also checks that each layer's in-place writes run (the pool's arrays depend on them)."""
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def _small_qwen3():
 
 @on_cuda
 @pytest.mark.device
-def test_fused_mixed_steps_with_the_kernels_equal_the_eager_steps():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_fused_mixed_steps_with_the_kernels_equal_the_eager_steps(compiled):
     model = _small_qwen3()
     args = model.args
     layout = KVLayout(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, mx.float32)
@@ -48,7 +49,8 @@ def test_fused_mixed_steps_with_the_kernels_equal_the_eager_steps():
     def run(fuse_mixed: bool) -> list[tuple[int, float]]:
         pool = KVPool(layout, 128, 16)
         runner = ModelRunner(model, pool, select_decode_attention("auto"), compile_decode=True, fuse_decode=True,
-                             fuse_mixed=fuse_mixed, prefill_gather=prefill_gather(pool))  # fmt: skip
+                             fuse_mixed=fuse_mixed, compile_mixed=fuse_mixed and compiled,
+                             prefill_gather=prefill_gather(pool))  # fmt: skip
         for rid in ("d", "p"):
             runner.add_request(rid, SamplingParams(temperature=0.0, logprobs=1))
         # a chunk that samples nothing: only the pool is evaluated

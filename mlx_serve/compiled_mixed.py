@@ -1,0 +1,132 @@
+"""Steps of single-row lanes and one prefill chunk (a contended step) through `mx.compile`d fused forwards.
+
+Profiled on the H200 (8B, 8 decode lanes and a 128-row chunk over 8k tokens, `benchmarks/gpu/profile_mixed.py`):
+the eager fused forward spends 4.8 ms building its graph in Python and 9.8 ms in MLX's encode, against ~10 ms of
+GPU work, and that fixed cost is what keeps a contended chunk small. Compiled, a shape is traced once and replayed.
+Shapes repeat because every dimension is a bucket: decode lanes as `compiled_step` pads them, the chunk's rows to a
+`query_bucket` (pad rows repeat the last position and write the pool's scratch block), its history to a
+`history_bucket`, and the causal mask is computed in the graph from the rows' positions.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_serve.buckets import history_bucket, query_bucket
+from mlx_serve.compiled_step import lane_bucket, width_bucket
+from mlx_serve.fused_decode import FusedDecode
+from mlx_serve.kv_pool import KVPool, slot_array
+from mlx_serve.ragged import DecodeAttention, DecodeRows, LaneRows, PrefillGather, StepLayout
+from scheduler import Lane
+
+
+def compilable(lanes: Sequence[Lane]) -> bool:
+    """Steps it runs: single-row lanes and exactly one prefill chunk (two chunks in one step stay eager)."""
+    return sum(1 for lane in lanes if lane.rows > 1) == 1
+
+
+class CompiledMixed:
+    """Returns the logits of `[decode lanes..., the chunk's last row]` of a `compilable` step."""
+
+    def __init__(
+        self,
+        pool: KVPool,
+        fused: FusedDecode,
+        attention: DecodeAttention,
+        logits: Callable[[mx.array], mx.array],
+        min_lanes: int = 1,
+    ) -> None:
+        self.pool = pool
+        self.fused = fused
+        self.attention = attention
+        self.logits = logits
+        self.min_lanes = min_lanes  # 2+ decode lanes are padded to at least this many (see ModelRunner)
+        # one compiled function per (with decode lanes, history gather): a step of a chunk alone has no decode
+        # attention to trace, and a trace keeps the functions it was traced with
+        self._steps: dict[tuple[bool, PrefillGather], Callable] = {}
+        self.shapes: set[tuple[int, int, int, int]] = set()  # (decode lanes, their table width, rows, history)
+
+    def __call__(
+        self, decode: Sequence[Lane], chunk: Lane, tokens: mx.array, kv_bucket: int, gather: PrefillGather
+    ) -> mx.array:
+        """`tokens` `[len(decode) + chunk.rows]`: the decode lanes' inputs, then the chunk's, whose history is
+        padded to a `history_bucket` of `kv_bucket` and read through `gather`."""
+        size, scratch = self.pool.block_size, self.pool.scratch_block
+        n = len(decode)
+        count = (max(lane_bucket(n), self.min_lanes) if n > 1 else n) if n else 0
+        width = width_bucket(max(-(-lane.end // size) for lane in decode)) if n else 1
+        tables = np.full((max(count, 1), width), scratch, dtype=np.int32)
+        lengths = np.ones(max(count, 1), dtype=np.int32)
+        positions = np.zeros(count, dtype=np.int32)
+        for i, lane in enumerate(decode):
+            used = -(-lane.end // size)
+            tables[i, :used] = lane.block_ids[:used]
+            lengths[i], positions[i] = lane.end, lane.start
+        decode_slots = tables[np.arange(count), positions // size] * size + positions % size
+
+        rows = query_bucket(chunk.rows)
+        padded = history_bucket(chunk.end, kv_bucket)
+        pad = rows - chunk.rows
+        # pad rows repeat the last position (finite attention, dropped) and write scratch slots no lane reads
+        chunk_positions = np.minimum(np.arange(chunk.start, chunk.start + rows), chunk.end - 1).astype(np.int32)
+        chunk_slots = np.concatenate([
+            slot_array(chunk.block_ids, chunk.start, chunk.end, size),
+            scratch * size + np.arange(pad, dtype=np.int32) % size,
+        ])  # fmt: skip
+        used = -(-chunk.end // size)
+        table = np.full(padded // size, scratch, dtype=np.int32)
+        table[:used] = chunk.block_ids[:used]
+
+        parts = [tokens[:n]]
+        if count > n:
+            parts.append(mx.zeros((count - n,), dtype=tokens.dtype))
+        parts.append(tokens[n:])
+        if pad:
+            parts.append(mx.zeros((pad,), dtype=tokens.dtype))
+        inputs = mx.concatenate(parts) if len(parts) > 1 else parts[0]
+        sample_rows = np.append(np.arange(count), count + chunk.rows - 1).astype(np.int32)
+        self.shapes.add((count, width, rows, padded))
+        key = (count > 0, gather)
+        if key not in self._steps:
+            self._steps[key] = mx.compile(functools.partial(self._traced, *key))
+        logits, keys, values = self._steps[key](
+            inputs,
+            mx.array(np.concatenate([positions, chunk_positions])),
+            mx.array(np.concatenate([decode_slots, chunk_slots]).astype(np.int32)),
+            mx.array(tables), mx.array(lengths), mx.array(table), mx.array([chunk.end, padded], dtype=mx.int32),
+            mx.array(sample_rows), self.pool.keys, self.pool.values,
+        )  # fmt: skip
+        self.pool.keys[:], self.pool.values[:] = keys, values
+        return mx.concatenate([logits[:n], logits[-1:]]) if count > n else logits
+
+    def _traced(
+        self,
+        with_decode: bool,
+        gather: PrefillGather,
+        tokens: mx.array,
+        positions: mx.array,
+        slots: mx.array,
+        tables: mx.array,
+        lengths: mx.array,
+        table: mx.array,
+        length: mx.array,
+        sample_rows: mx.array,
+        keys: list[mx.array],
+        values: list[mx.array],
+    ) -> tuple[mx.array, list[mx.array], list[mx.array]]:
+        pool = self.pool.view(keys, values)
+        count = tables.shape[0] if with_decode else 0
+        rows, padded = tokens.shape[0] - count, table.shape[0] * pool.block_size
+        dtype = pool.layout.dtype
+        key_positions = mx.arange(padded, dtype=mx.int32)[None, :]
+        visible = key_positions <= positions[count:, None]
+        mask = mx.where(visible, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))[None, None]
+        chunk = LaneRows(count, rows, mx.zeros((0,), dtype=mx.int32), mask, table, length, padded, rows)
+        decode = DecodeRows(count, tables, lengths, pool.block_size, lanes=()) if with_decode else None
+        layout = StepLayout(positions, slots, decode, (chunk,), self.attention, gather)
+        hidden = self.fused.mixed(tokens, layout, pool)
+        return self.logits(hidden[sample_rows]), pool.keys, pool.values

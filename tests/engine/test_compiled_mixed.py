@@ -1,0 +1,118 @@
+"""`CompiledMixed`: decode lanes and one prefill chunk through a compiled trace of the fused forward, with every
+dimension padded to a bucket. On the CPU with the CUDA layout (history in buckets read through the block table by
+the kernel's plain-MLX twin): the same tokens and log-probabilities as the eager steps, and mlx-lm's greedy tokens
+through the engine."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+
+from mlx_serve.engine import Engine, EngineConfig
+from mlx_serve.errors import InvalidRequest
+from mlx_serve.kernels.paged_attention import select_decode_attention
+from mlx_serve.kernels.paged_gather import table_gather
+from mlx_serve.kv_pool import KVLayout, KVPool
+from mlx_serve.runner import ModelRunner
+from mlx_serve.types import GenerationRequest, SamplingParams
+from scheduler.plan import PENDING_TOKEN, Lane, LaneKind, StepPlan
+from tests.engine.reference import prompt_of, reference_tokens
+
+DECODE = ("a", "b", "c")  # three decode lanes: padded to four
+
+
+def _blocks(index: int) -> tuple[int, ...]:
+    return tuple(range(8 * index, 8 * index + 8))  # 128 tokens a request
+
+
+def _steps(runner: ModelRunner) -> list[tuple[str, int, float]]:
+    """Prefill the decode lanes, then a 100-token prompt in chunks of 30 (the last one samples) beside them, a step
+    queued while the previous one is in flight (pending tokens), then a chunk alone; every sample, in order."""
+    samples: list[tuple[str, int, float]] = []
+
+    def record(out) -> None:
+        samples.extend((rid, s.token_id, s.logprob) for rid, s in sorted(out.samples.items()))
+
+    prompts = {rid: prompt_of(9 + 4 * i, seed=160 + i) for i, rid in enumerate(DECODE)}
+    long_prompt, alone = prompt_of(100, seed=170), prompt_of(40, seed=171)
+    for rid in (*DECODE, "p", "q"):
+        runner.add_request(rid, SamplingParams(temperature=0.0, logprobs=2))
+    first = StepPlan(0, tuple(Lane(rid, LaneKind.PREFILL, tuple(p), 0, _blocks(i), True)
+                              for i, (rid, p) in enumerate(prompts.items())), 40, "t", None, False)  # fmt: skip
+    out = runner.execute(first)
+    record(out)
+    tokens = {rid: out.samples[rid].token_id for rid in DECODE}
+    ends = {rid: len(p) for rid, p in prompts.items()}
+    in_flight = None
+    for step, start in enumerate(range(0, 100, 30), start=1):
+        chunk = tuple(long_prompt[start : start + 30])
+        pending = in_flight is not None
+        lanes = tuple(Lane(rid, LaneKind.DECODE, (PENDING_TOKEN if pending else tokens[rid],), ends[rid], _blocks(i), True)
+                      for i, rid in enumerate(DECODE))  # fmt: skip
+        plan = StepPlan(step, (*lanes, Lane("p", LaneKind.PREFILL, chunk, start, _blocks(3), start + 30 >= 100)),
+                        30, "t", None, True)  # fmt: skip
+        current = runner.submit(plan, in_flight)
+        if in_flight is not None:
+            record(runner.collect(in_flight))
+        if step % 2:  # every other step waits: its tokens feed the next plan directly
+            out = runner.collect(current)
+            record(out)
+            tokens.update({rid: out.samples[rid].token_id for rid in DECODE})
+            in_flight = None
+        else:
+            in_flight = current
+        ends = {rid: end + 1 for rid, end in ends.items()}
+    if in_flight is not None:
+        record(runner.collect(in_flight))
+    out = runner.execute(StepPlan(9, (Lane("q", LaneKind.PREFILL, tuple(alone), 0, _blocks(4), True),), 40, "t", None,
+                                  False))  # fmt: skip
+    record(out)
+    return samples
+
+
+def _runner(model, compile_mixed: bool, fuse_mixed: bool = True) -> ModelRunner:
+    args = model.args
+    layout = KVLayout(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, mx.float32)
+    return ModelRunner(model, KVPool(layout, 48, 16), select_decode_attention("auto"), kv_bucket=32,
+                       compile_decode=True, fuse_decode=True, fuse_mixed=fuse_mixed, compile_mixed=compile_mixed,
+                       prefill_gather=table_gather)  # fmt: skip
+
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen3", "tiny_qwen3_moe"])
+def test_compiled_mixed_steps_equal_the_eager_steps(fixture, request):
+    model, _ = load(str(request.getfixturevalue(fixture)))
+    compiled_runner = _runner(model, compile_mixed=True)
+    compiled = _steps(compiled_runner)
+    eager = _steps(_runner(model, compile_mixed=False))
+    modules = _steps(_runner(model, compile_mixed=False, fuse_mixed=False))
+    assert [s[:2] for s in compiled] == [s[:2] for s in eager] == [s[:2] for s in modules]
+    for a, b in zip(compiled, eager):
+        assert abs(a[2] - b[2]) < 1e-4, (a, b)
+    shapes = compiled_runner.compiled_mixed.shapes
+    # 3 lanes padded to 4 (2 blocks each), 30-row chunks to 64 rows, histories of 32-128 tokens; the chunk alone
+    assert (4, 2, 64, 32) in shapes and (4, 2, 64, 128) in shapes and (0, 1, 64, 64) in shapes
+    assert len(shapes) < 6  # four chunk steps and the lone chunk: shapes repeat
+
+
+def test_compiled_mixed_steps_through_the_engine_match_mlx_lm(tiny_qwen3):
+    """Staggered requests with prefill cut into 7-row chunks beside decoding streams: mlx-lm's greedy tokens."""
+    prompts = [prompt_of(n, seed=180 + i) for i, n in enumerate((45, 12, 70, 9, 33))]
+    engine = Engine.load(EngineConfig(model=str(tiny_qwen3), row_ceiling=7, row_floor=1, compile_decode="on",
+                                      fuse_decode="on", fuse_mixed="on", compile_mixed="on", warm_up=False))  # fmt: skip
+    engine.runner.kv_bucket = 32
+    engine.runner.prefill_gather = table_gather
+    try:
+        completions = engine.generate([GenerationRequest(prompt_ids=tuple(p), max_tokens=8) for p in prompts])
+        assert engine.runner.compiled_mixed.shapes, "no step took the compiled mixed forward"
+    finally:
+        engine.shutdown()
+    for prompt, completion in zip(prompts, completions):
+        assert list(completion.token_ids) == reference_tokens(tiny_qwen3, prompt, 8)
+
+
+def test_compile_mixed_settings(tiny_qwen3):
+    with pytest.raises(InvalidRequest, match="compile_mixed on needs fuse_mixed"):
+        Engine.load(EngineConfig(model=str(tiny_qwen3), fuse_mixed="off", compile_mixed="on"))
+    with pytest.raises(InvalidRequest, match="compile_mixed must be auto, on or off"):
+        Engine.load(EngineConfig(model=str(tiny_qwen3), compile_mixed="yes"))
