@@ -6,6 +6,9 @@ GPU work, and that fixed cost is what keeps a contended chunk small. Compiled, a
 Shapes repeat because every dimension is a bucket: decode lanes as `compiled_step` pads them, the chunk's rows to a
 `query_bucket` (pad rows repeat the last position and write the pool's scratch block), its history to a
 `history_bucket`, and the causal mask is computed in the graph from the rows' positions.
+
+Measured in the same call (eighth run): host submission 13.4 -> 7.6 ms, but the step stays 20.5 ms queued back to
+back: such steps are bound by the GPU there, so `--compile-mixed` is opt-in (auto = off).
 """
 
 from __future__ import annotations

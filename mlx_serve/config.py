@@ -28,7 +28,7 @@ class EngineConfig:
     warm_up: bool = True  # build the prefill attention shapes before serving (CUDA: cuDNN graphs, seconds)
     fuse_decode: str = "auto"  # "auto" (on when compiled on CUDA and the family is known) | "on" | "off"
     fuse_mixed: str = "auto"  # "auto" (on with CUDA) | "on" | "off": steps with prefill take the fused forward too
-    compile_mixed: str = "auto"  # "auto" (with fuse_mixed) | "on" | "off": decode lanes + one chunk replay a trace
+    compile_mixed: str = "auto"  # "auto" (off) | "on" | "off": decode lanes + one chunk replay a compiled trace
     dense_experts: str = "auto"  # "auto" (on with CUDA) | "on" | "off": MoE steps of enough rows use every expert
     dequantize_rows: int = 0  # quantized projections of steps with this many rows as dense matmuls (0: never)
     ane_lane: str = "off"  # "off" | "cpu" (labelled MLX CPU stand-in) | "ane" (Core ML, macOS only)

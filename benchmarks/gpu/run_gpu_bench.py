@@ -243,7 +243,7 @@ def main() -> None:
     parser.add_argument("--fuse-mixed", default="auto", choices=("auto", "on", "off"),
                         help="steps with prefill chunks through the fused forward too (FusedDecode.mixed; auto: CUDA)")
     parser.add_argument("--compile-mixed", default="auto", choices=("auto", "on", "off"),
-                        help="decode lanes + one chunk through a compiled trace (CompiledMixed; auto: with fuse-mixed)")
+                        help="decode lanes + one chunk through a compiled trace (CompiledMixed; auto: off)")
     parser.add_argument(
         "--unfused-streams",
         type=_counts,

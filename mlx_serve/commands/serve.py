@@ -80,7 +80,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "--fuse-decode; auto = on with CUDA; default: %(default)s)")
     g.add_argument("--compile-mixed", choices=["auto", "on", "off"], default="auto",
                    help="a step of decode lanes and one prefill chunk replays a compiled trace per bucketed shape "
-                        "(needs --fuse-mixed; auto = with it; default: %(default)s)")
+                        "(needs --fuse-mixed; auto = off: GPU-bound steps gained nothing on the H200; default: %(default)s)")
     g.add_argument("--dense-experts", choices=["auto", "on", "off"], default="auto",
                    help="steps of enough (up to 1,024) rows compute every expert of a Qwen3-MoE block in three "
                         "batched matmuls instead of gather_mm: auto = on with MLX's CUDA backend, where it made "

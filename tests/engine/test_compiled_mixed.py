@@ -116,3 +116,7 @@ def test_compile_mixed_settings(tiny_qwen3):
         Engine.load(EngineConfig(model=str(tiny_qwen3), fuse_mixed="off", compile_mixed="on"))
     with pytest.raises(InvalidRequest, match="compile_mixed must be auto, on or off"):
         Engine.load(EngineConfig(model=str(tiny_qwen3), compile_mixed="yes"))
+    from mlx_serve import engine_setup
+
+    assert engine_setup.compile_mixed("auto", True) is False  # off until a GPU measurement says otherwise
+    assert engine_setup.compile_mixed("on", True) is True
