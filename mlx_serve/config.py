@@ -15,7 +15,7 @@ class EngineConfig:
     max_running: int = 64
     queue_limit: int = 1024
     max_model_len: int | None = None  # None = the model's max_position_embeddings
-    step_target_ms: float = 500.0
+    step_target_ms: float | str = 500.0  # or "auto": AUTO_STEP_FACTOR measured decode-only steps (engine_setup)
     row_ceiling: int = 2048  # most rows one step carries (SCHEDULER.md)
     row_floor: int = 64  # fewest prefill rows a contended step is cut to
     cost_model: str = "ema"

@@ -321,9 +321,8 @@ class Engine:
                     self.scheduler.cancel(request.request_id, FinishReason.STOP)
                 request.finish_reason = FinishReason.STOP
             self.delivery.publish(request, sample)
-        if plan.prefill_rows:  # its time was unknown at the update: the cost model learns it now
-            with self._lock:
-                self.scheduler.observe(plan, output.outcome)
+        with self._lock:  # its time was unknown at the update: the cost model and the step target learn it now
+            self.scheduler.observe(plan, output.outcome)
         self._account(plan, output, in_flight.t0, in_flight.t1, t2)
         return True
 

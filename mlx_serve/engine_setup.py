@@ -10,15 +10,29 @@ from mlx_serve.errors import ContextLengthExceeded, InvalidRequest
 from mlx_serve.types import GenerationRequest
 from scheduler import SchedulerConfig
 
+AUTO_STEP_FACTOR = 3.0  # `step_target_ms="auto"`: a contended step may take 3 decode steps (scheduler/step_target.py)
+
+
+def step_target(value: float | str) -> tuple[float, float]:
+    """(fixed target in ms, factor over the measured decode step; 0: fixed) for `EngineConfig.step_target_ms`."""
+    if value == "auto":
+        return 500.0, AUTO_STEP_FACTOR  # the seed's value holds until a decode step has been measured
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise InvalidRequest(f"step_target_ms must be a number of milliseconds > 0 or 'auto', not {value!r}",
+                             param="step_target_ms")  # fmt: skip
+    return float(value), 0.0
+
 
 def scheduler_config(c: EngineConfig, num_blocks: int, context_length: int) -> SchedulerConfig:
+    target_ms, factor = step_target(c.step_target_ms)
     return SchedulerConfig(
         num_blocks=num_blocks,
         block_size=c.block_size,
         max_running=c.max_running,
         queue_limit=c.queue_limit + c.max_running,  # the engine refuses first, synchronously, in submit()
         max_model_len=context_length,
-        step_target_ms=c.step_target_ms,
+        step_target_ms=target_ms,
+        step_target_factor=factor,
         row_ceiling=c.row_ceiling,
         row_floor=c.row_floor,
         cost_model=c.cost_model,

@@ -41,6 +41,7 @@ def status(scheduler: Scheduler, model_id: str, block_size: int) -> dict:
             "budget_halvings": stats.budget_halvings,
             "prefix_hit_tokens": stats.prefix_hit_tokens,
         },
+        "step_target_ms": round(scheduler.step_target.ms, 2),  # the one contended steps are cut to now
         "kv": {
             "blocks_total": blocks.num_blocks,
             "blocks_used": blocks.num_used_blocks,

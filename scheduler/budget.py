@@ -43,8 +43,11 @@ def choose_row_budget(
     decode_lanes: int,
     in_debt: bool,
     contended: bool,
+    target_ms: float | None = None,
 ) -> BudgetDecision:
-    """The prefill row budget for a step whose ordered prefill demand is `demand`."""
+    """The prefill row budget for a step whose ordered prefill demand is `demand`, against `target_ms` (default:
+    the config's fixed target; the scheduler passes its `StepTarget`'s)."""
+    target = config.step_target_ms if target_ms is None else target_ms
 
     def predict(budget: int) -> float | None:
         chunks = fill_shortest_first(demand, budget)
@@ -57,7 +60,7 @@ def choose_row_budget(
         return BudgetDecision(0, "decode-debt", 0, None)
     halvings = 0
     predicted = predict(budget)
-    while predicted is not None and predicted > config.step_target_ms and budget > config.row_floor:
+    while predicted is not None and predicted > target and budget > config.row_floor:
         budget = max(config.row_floor, budget // 2)
         halvings += 1
         predicted = predict(budget)

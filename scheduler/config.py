@@ -18,8 +18,11 @@ class SchedulerConfig:
     max_model_len: int = 32768  # a request finishes LENGTH when its tokens reach this
     row_ceiling: int = 2048
     row_floor: int = 64
-    # 500 ms is the seed's Apple-GPU value; a fast GPU (H200) wants ~50-100 ms.
+    # 500 ms is the seed's Apple-GPU value; a fast GPU (H200) wants tens of ms. With a factor > 0 the target is
+    # that many measured decode-only steps (at least step_target_floor_ms), this value only until one is measured
     step_target_ms: float = 500.0
+    step_target_factor: float = 0.0
+    step_target_floor_ms: float = 20.0
     cost_model: str = "ema"  # "ema" | "bucketed" | "affine" (env MLX_SERVE_PREFILL_COST_MODEL overrides)
     max_overtakes: int = 4
     decode_debt: bool = True
@@ -35,6 +38,8 @@ class SchedulerConfig:
             raise ValueError("max_running must be >= 1; queue_limit and max_overtakes >= 0")
         if not self.step_target_ms > 0:
             raise ValueError(f"step_target_ms must be > 0, got {self.step_target_ms}")
+        if not (self.step_target_factor >= 0 and self.step_target_floor_ms >= 0):
+            raise ValueError("step_target_factor and step_target_floor_ms must be >= 0")
         if self.cost_model not in COST_MODELS:
             raise ValueError(f"cost_model must be one of {COST_MODELS}, got {self.cost_model!r}")
 

@@ -19,6 +19,7 @@ from scheduler.plan import Lane, LaneKind, StepOutcome, StepPlan
 from scheduler.prefill import PrefillPlanner
 from scheduler.request import FinishReason, Request, RequestState
 from scheduler.stats import SchedulerStats
+from scheduler.step_target import StepTarget
 from scheduler.tracing_hooks import emit_admitted, emit_step_planned
 from tracing.sink import NULL_SINK, TraceSink
 
@@ -31,6 +32,7 @@ class Scheduler:
         self.trace = trace
         self.blocks = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_cache)
         self.cost_model = make_cost_model(config.resolved_cost_model())
+        self.step_target = StepTarget(config.step_target_ms, config.step_target_factor, config.step_target_floor_ms)
         self.stats = SchedulerStats()
         self.max_len = min(config.max_model_len, config.pool_tokens)
         self._waiting: list[Request] = []  # WAITING or PREEMPTED: no KV held
@@ -157,12 +159,14 @@ class Scheduler:
             self._last_update_had_prefill = plan.prefill_rows > 0
         if plan.contended:
             train_cost_model(self.cost_model, plan, outcome)
+        self.step_target.observe(plan, outcome)
         return got_token
 
     def observe(self, plan: StepPlan, outcome: StepOutcome) -> None:
-        """Train the cost model on a step's measured time when it was updated before it was known (a step left in
-        flight is updated with placeholder tokens and no time, which the cost model ignores)."""
+        """Learn a step's measured time when it was updated before it was known (a step left in flight is updated
+        with placeholder tokens and no time, which the cost model and the step target ignore)."""
         train_cost_model(self.cost_model, plan, outcome)
+        self.step_target.observe(plan, outcome)
 
     # ---- internals used by PrefillPlanner
     def admit(self, request: Request, hit_blocks: list[int]) -> None:
@@ -210,8 +214,8 @@ class Scheduler:
 
     def _choose_budget(self, planner: PrefillPlanner, decode_lanes: list[Lane], now: float) -> BudgetDecision:
         in_debt = False
+        target = self.step_target.ms
         if self.config.decode_debt and decode_lanes and not self._last_step_was_debt:
-            target = self.config.step_target_ms
             in_debt = any(
                 stream_in_debt(now - r.last_token_time, r.last_token_gap if self._last_update_had_prefill else None,
                                target)
@@ -220,7 +224,7 @@ class Scheduler:
             )
         contended = bool(decode_lanes) or bool(self.decoding_streams())  # a stream in flight still streams
         return choose_row_budget(
-            self.config, self.cost_model, planner.demand(), len(decode_lanes), in_debt, contended
+            self.config, self.cost_model, planner.demand(), len(decode_lanes), in_debt, contended, target
         )
 
     def _stalled(self) -> bool:

@@ -8,6 +8,8 @@ import json
 import sys
 from typing import Any
 
+from mlx_serve.commands.serve import step_target_arg
+
 HELP = "run a named benchmark workload (offline, contended, prefix) against a model and print a table"
 
 # kept here rather than imported from mlx_serve.workloads so that `--help` does not import MLX
@@ -26,8 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weights + KV pool budget (default: a share of the machine)")
     engine.add_argument("--kv-blocks", type=int, default=None, metavar="N", help="exact KV pool size in blocks")
     engine.add_argument("--max-running", type=int, default=64, help="most requests holding KV at once (default 64)")
-    engine.add_argument("--step-target-ms", type=float, default=500.0, metavar="MS",
-                        help="contended steps are cut to fit this time (default 500)")
+    engine.add_argument("--step-target-ms", type=step_target_arg, default=500.0, metavar="MS|auto",
+                        help="contended steps are cut to fit this time; auto: 3x the decode step (default 500)")
     engine.add_argument("--prefill-cost-model", choices=("ema", "bucketed", "affine"), default="ema",
                         help="step-time predictor for row budgets (default ema)")
     engine.add_argument("--row-ceiling", type=int, default=2048, help="most rows per step (default 2048)")

@@ -9,6 +9,19 @@ from typing import Any
 HELP = "Serve a model over an OpenAI- and Anthropic-compatible HTTP API."
 
 
+def step_target_arg(text: str) -> float | str:
+    """`--step-target-ms`: milliseconds > 0, or auto."""
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds or auto, not {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, not {text}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     http = parser.add_argument_group("HTTP")
@@ -42,9 +55,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
                    help="context length limit (default: the model's max_position_embeddings)")
     s = parser.add_argument_group("scheduler")
-    s.add_argument("--step-target-ms", type=float, default=500.0, metavar="MS",
+    s.add_argument("--step-target-ms", type=step_target_arg, default=500.0, metavar="MS|auto",
                    help="a contended step's row budget is halved while its predicted time exceeds this; 500 suits "
-                        "Apple GPUs, fast datacenter GPUs want far less (default: %(default)s)")
+                        "Apple GPUs, fast datacenter GPUs want far less; auto: 3x the measured decode step, at least "
+                        "20 ms (default: %(default)s)")
     s.add_argument("--row-ceiling", type=int, default=2048, help="most rows (tokens) per step (default: %(default)s)")
     s.add_argument("--row-floor", type=int, default=64,
                    help="fewest prefill rows a contended step is cut to (default: %(default)s)")

@@ -33,6 +33,16 @@ def test_serve_help_explains_the_engine_flags(capsys):
         assert flag in out
 
 
+def test_step_target_takes_milliseconds_or_auto(capsys):
+    parser = build_parser()
+    assert parser.parse_args(["serve", "--step-target-ms", "auto"]).step_target_ms == "auto"
+    assert parser.parse_args(["serve", "--step-target-ms", "40"]).step_target_ms == 40.0
+    for bad in ("fast", "0", "-5"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--step-target-ms", bad])
+        assert "--step-target-ms" in capsys.readouterr().err
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

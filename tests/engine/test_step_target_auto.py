@@ -1,0 +1,30 @@
+"""`step_target_ms="auto"` through the engine: the scheduler's target follows the measured decode steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlx_serve import engine_setup
+from mlx_serve.engine import Engine, EngineConfig
+from mlx_serve.errors import InvalidRequest
+from mlx_serve.types import GenerationRequest
+from tests.engine.reference import prompt_of
+
+
+def test_auto_learns_the_decode_step_and_keeps_the_floor(tiny_qwen3):
+    engine = Engine.load(EngineConfig(model=str(tiny_qwen3), step_target_ms="auto", warm_up=False))
+    try:
+        target = engine.scheduler.step_target
+        assert target.ms == 500.0  # nothing measured yet
+        engine.generate([GenerationRequest(prompt_ids=tuple(prompt_of(12, seed=1)), max_tokens=12)])
+        assert target.decode_step_ms is not None and target.decode_step_ms > 0
+        assert target.ms == max(20.0, engine_setup.AUTO_STEP_FACTOR * target.decode_step_ms)
+        assert engine.status()["step_target_ms"] == round(target.ms, 2)  # what /v1/status shows
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("value", ["fast", 0, -1.0, True])
+def test_a_bad_step_target_is_a_clear_error(tiny_qwen3, value):
+    with pytest.raises(InvalidRequest, match="step_target_ms must be a number of milliseconds > 0 or 'auto'"):
+        Engine.load(EngineConfig(model=str(tiny_qwen3), step_target_ms=value, warm_up=False))

@@ -1,0 +1,96 @@
+"""The adaptive step target (`step_target_factor`, `--step-target-ms auto`): a contended step may take a multiple
+of the measured decode-only step, never less than the floor, the fixed target until one is measured."""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import given
+from hypothesis import strategies as st
+from scheduler_helpers import fake_outcome, make_request, run_step
+
+from scheduler import Scheduler, SchedulerConfig
+from scheduler.cost_models import EmaCostModel
+from scheduler.plan import Lane, LaneKind, StepOutcome, StepPlan
+from scheduler.step_target import StepTarget
+
+
+def _plan(decode: int, prefill_rows: int = 0) -> StepPlan:
+    lanes = [Lane(f"d{i}", LaneKind.DECODE, (1,), 10, (0,), True) for i in range(decode)]
+    if prefill_rows:
+        lanes.append(Lane("p", LaneKind.PREFILL, (1,) * prefill_rows, 0, (1,), False))
+    return StepPlan(0, tuple(lanes), prefill_rows, "t", None, bool(decode))
+
+
+def test_the_fixed_target_holds_until_a_decode_step_is_measured() -> None:
+    target = StepTarget(500.0, factor=3.0, floor_ms=20.0)
+    assert target.ms == 500.0
+    target.observe(_plan(8, prefill_rows=256), StepOutcome({}, 40.0))  # a mixed step teaches nothing
+    target.observe(_plan(8), StepOutcome({}, math.nan))  # a step left in flight: no time yet
+    target.observe(_plan(8), StepOutcome({}, 10.0, failed={"d0": "boom"}))
+    assert target.ms == 500.0
+    target.observe(_plan(8), StepOutcome({}, 10.0))
+    assert target.ms == 30.0
+    target.observe(_plan(8), StepOutcome({}, 2.0))  # EMA: 10 + 0.25 * (2 - 10) = 8 -> 24 ms
+    assert target.ms == 24.0
+    for _ in range(20):
+        target.observe(_plan(8), StepOutcome({}, 1.0))
+    assert target.ms == 20.0  # the floor
+
+
+def test_without_a_factor_the_target_is_fixed() -> None:
+    target = StepTarget(120.0)
+    target.observe(_plan(8), StepOutcome({}, 10.0))
+    assert target.ms == 120.0
+
+
+@given(st.lists(st.tuples(st.integers(0, 64), st.integers(0, 512), st.floats(0.01, 1e4)), max_size=40),
+       st.floats(0.5, 8.0), st.floats(0.0, 100.0))  # fmt: skip
+def test_the_adaptive_target_is_the_fixed_one_or_a_floored_multiple_of_a_decode_step(steps, factor, floor) -> None:
+    target = StepTarget(500.0, factor=factor, floor_ms=floor)
+    decode_times = []
+    for decode, rows, elapsed in steps:
+        target.observe(_plan(decode, rows), StepOutcome({}, elapsed))
+        if decode and not rows:
+            decode_times.append(elapsed)
+    if not decode_times:
+        assert target.ms == 500.0
+    else:
+        assert target.ms >= floor
+        assert target.ms <= max(floor, factor * max(decode_times)) * (1 + 1e-9)
+        assert target.ms >= max(floor, factor * min(decode_times)) * (1 - 1e-9)
+
+
+def test_a_contended_budget_is_cut_to_the_measured_decode_steps_multiple() -> None:
+    """10 ms decode steps: at factor 3 the target is 30 ms, and a 0.1 ms/row model cuts a 2,048-row budget to 256."""
+    config = SchedulerConfig(num_blocks=4096, step_target_factor=3.0, step_target_floor_ms=5.0)
+    scheduler = Scheduler(config)
+    scheduler.add(make_request("stream", 10, max_tokens=100))
+    for step in range(4):
+        run_step(scheduler, step * 0.01, elapsed_ms=10.0)  # prefill, then decode-only steps of 10 ms
+    assert scheduler.step_target.ms == 30.0
+    model = scheduler.cost_model = EmaCostModel()
+    model.ms_per_row = 0.1
+    scheduler.add(make_request("prompt", 5000, base=7000))
+    plan = scheduler.schedule(0.05)
+    assert plan.row_budget == 256 and plan.prefill_rows == 256 and plan.predicted_ms <= 30.0
+    fixed = Scheduler(SchedulerConfig(num_blocks=4096))  # the seed's 500 ms: the ceiling fits
+    fixed.add(make_request("stream", 10, max_tokens=100))
+    for step in range(4):
+        run_step(fixed, step * 0.01, elapsed_ms=10.0)
+    fixed.cost_model = model
+    fixed.add(make_request("prompt", 5000, base=7000))
+    assert fixed.schedule(0.05).row_budget == 2048  # the ceiling (the decode row counts toward it)
+
+
+def test_decode_debt_uses_the_adaptive_target() -> None:
+    """A 90 ms mixed step is debt against 3 x 10 ms decode steps (it would not be against the seed's 500)."""
+    scheduler = Scheduler(SchedulerConfig(num_blocks=4096, step_target_factor=3.0))
+    scheduler.add(make_request("stream", 10, max_tokens=100))
+    for step in range(4):
+        run_step(scheduler, step * 0.01, elapsed_ms=10.0)
+    scheduler.add(make_request("prompt", 5000, base=7000))
+    mixed = scheduler.schedule(0.05)
+    assert mixed.prefill_rows > 0
+    scheduler.update(mixed, fake_outcome(mixed, elapsed_ms=90.0), 0.14)
+    assert scheduler.schedule(0.14).budget_reason == "decode-debt"
