@@ -32,6 +32,7 @@ from benchmarks.gpu.models import build_dummy_model
 from benchmarks.gpu.ours import OurSide
 from benchmarks.gpu.report import markdown
 from benchmarks.gpu.workloads import FULL, QUICK, TINY, BenchParams, Prompts
+from mlx_serve.commands.serve import step_target_arg
 
 
 class Progress:
@@ -161,7 +162,7 @@ def measure_ours(
         if str(p.contended_streams) in out.get("decode", {})
         else None
     )
-    target = args.step_target_ms or max(20.0, args.target_factor * (step8 or 10.0))
+    target = args.step_target_ms or max(20.0, args.target_factor * (step8 or 10.0))  # or "auto": the engine's own
     side = OurSide(dummy, kv_blocks, target, args.attention, **engine)
     try:
         side.prefill(prompts, p.prefill_lengths[0])  # the cost model learns prefill, then contended steps
@@ -173,12 +174,14 @@ def measure_ours(
         out["contended"] = side.contended(prompts, p)
         note(f"{dummy.name} ours contended", out["contended"])
         out["shared_prefix"] = side.shared_prefix(prompts, p)
-        out["scheduler"] = side.engine.status()["counters"]
+        status = side.engine.status()
+        out["scheduler"] = status["counters"]
+        out["step_target_ms"] = status["step_target_ms"]  # with auto: the one it had learned by the end
         note(f"{dummy.name} ours shared prefix", out["shared_prefix"])
     finally:
         side.close()
     mx.clear_cache()
-    return target
+    return out["step_target_ms"]
 
 
 def bench_shape(name: str, p: BenchParams, args: argparse.Namespace, result: dict, note: Progress) -> None:
@@ -222,7 +225,8 @@ def main() -> None:
         "--attention", default="auto", help="decode attention of our engine (auto/kernel/reference)"
     )
     parser.add_argument(
-        "--step-target-ms", type=float, default=None, help="default: target-factor x 8-stream step"
+        "--step-target-ms", type=step_target_arg, default=None,
+        help="default: target-factor x 8-stream step; auto: the engine's own (3x its measured decode step)"
     )
     parser.add_argument("--target-factor", type=float, default=3.0)
     parser.add_argument(

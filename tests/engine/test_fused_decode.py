@@ -196,7 +196,7 @@ def test_eager_steps_with_dequantized_rows_match_mlx_lm(tiny_qwen3_4bit, monkeyp
     assert len(dense_calls) > 1, "no prefill chunk ran dense"
 
 
-@pytest.mark.parametrize("fixture", ["tiny_qwen3", "tiny_qwen3_moe", "tiny_qwen3_4bit"])
+@pytest.mark.parametrize("fixture", ["tiny_qwen3", "tiny_qwen3_moe", "tiny_qwen3_4bit", "tiny_llama"])
 def test_steps_with_prefill_through_the_fused_forward_match_mlx_lm(fixture, request, monkeypatch):
     """`fuse_mixed`: prefill chunks and mixed steps take the fused forward (q/k/v as one matmul, the prologue
     writing every row's K/V, each lane's attention as in the ragged cache) and still give mlx-lm's tokens."""
