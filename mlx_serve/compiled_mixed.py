@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_serve.buckets import history_bucket, query_bucket
-from mlx_serve.compiled_step import lane_bucket, width_bucket
+from mlx_serve.compiled_step import decode_tables, lane_bucket
 from mlx_serve.fused_decode import FusedDecode
 from mlx_serve.kv_pool import KVPool, slot_array
 from mlx_serve.ragged import DecodeAttention, DecodeRows, LaneRows, PrefillGather, StepLayout
@@ -60,16 +60,9 @@ class CompiledMixed:
         padded to a `history_bucket` of `kv_bucket` and read through `gather`."""
         size, scratch = self.pool.block_size, self.pool.scratch_block
         n = len(decode)
-        count = (max(lane_bucket(n), self.min_lanes) if n > 1 else n) if n else 0
-        width = width_bucket(max(-(-lane.end // size) for lane in decode)) if n else 1
-        tables = np.full((max(count, 1), width), scratch, dtype=np.int32)
-        lengths = np.ones(max(count, 1), dtype=np.int32)
-        positions = np.zeros(count, dtype=np.int32)
-        for i, lane in enumerate(decode):
-            used = -(-lane.end // size)
-            tables[i, :used] = lane.block_ids[:used]
-            lengths[i], positions[i] = lane.end, lane.start
-        decode_slots = tables[np.arange(count), positions // size] * size + positions % size
+        count = max(lane_bucket(n), self.min_lanes) if n > 1 else n
+        # a step without decode lanes still passes a (one pad lane) table: the traced function leaves it unread
+        meta = decode_tables(decode, max(count, 1), self.pool)
 
         rows = query_bucket(chunk.rows)
         padded = history_bucket(chunk.end, kv_bucket)
@@ -92,15 +85,15 @@ class CompiledMixed:
             parts.append(mx.zeros((pad,), dtype=tokens.dtype))
         inputs = mx.concatenate(parts) if len(parts) > 1 else parts[0]
         sample_rows = np.append(np.arange(count), count + chunk.rows - 1).astype(np.int32)
-        self.shapes.add((count, width, rows, padded))
+        self.shapes.add((count, meta.tables.shape[1], rows, padded))
         key = (count > 0, gather)
         if key not in self._steps:
             self._steps[key] = mx.compile(functools.partial(self._traced, *key))
         logits, keys, values = self._steps[key](
             inputs,
-            mx.array(np.concatenate([positions, chunk_positions])),
-            mx.array(np.concatenate([decode_slots, chunk_slots]).astype(np.int32)),
-            mx.array(tables), mx.array(lengths), mx.array(table), mx.array([chunk.end, padded], dtype=mx.int32),
+            mx.array(np.concatenate([meta.positions[:count], chunk_positions])),
+            mx.array(np.concatenate([meta.slots[:count], chunk_slots]).astype(np.int32)),
+            mx.array(meta.tables), mx.array(meta.lengths), mx.array(table), mx.array([chunk.end, padded], dtype=mx.int32),
             mx.array(sample_rows), self.pool.keys, self.pool.values,
         )  # fmt: skip
         self.pool.keys[:], self.pool.values[:] = keys, values

@@ -10,6 +10,7 @@ block, and their logits are dropped.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -33,6 +34,31 @@ def width_bucket(blocks: int) -> int:
     if blocks <= 256:
         return 1 << max(blocks - 1, 0).bit_length()
     return -(-blocks // 256) * 256
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeTables:
+    """The single-row lanes of a step padded to `count` lanes and `width` blocks; pad lanes sit in the scratch
+    block (one token of history, position 0), so their attention is finite and their logits are dropped."""
+
+    tables: np.ndarray  # [count, width] int32 block ids
+    lengths: np.ndarray  # [count] KV length including the new row
+    positions: np.ndarray  # [count] the new row's position
+    slots: np.ndarray  # [count] the pool slot it writes
+
+
+def decode_tables(lanes: Sequence[Lane], count: int, pool: KVPool) -> DecodeTables:
+    size, scratch = pool.block_size, pool.scratch_block
+    width = width_bucket(max(-(-lane.end // size) for lane in lanes)) if lanes else 1
+    tables = np.full((count, width), scratch, dtype=np.int32)
+    lengths = np.ones(count, dtype=np.int32)
+    positions = np.zeros(count, dtype=np.int32)
+    for i, lane in enumerate(lanes):
+        used = -(-lane.end // size)
+        tables[i, :used] = lane.block_ids[:used]
+        lengths[i], positions[i] = lane.end, lane.start
+    slots = (tables[np.arange(count), positions // size] * size + positions % size).astype(np.int32)
+    return DecodeTables(tables, lengths, positions, slots)
 
 
 class CompiledDecode:
@@ -60,23 +86,12 @@ class CompiledDecode:
         """`tokens` `[len(lanes)]` are the lanes' inputs (possibly still being computed by the previous step)."""
         n = len(lanes)
         count = max(lane_bucket(n), self.min_lanes) if n > 1 else 1
-        size = self.pool.block_size
-        width = width_bucket(max(-(-lane.end // size) for lane in lanes))
-        scratch = self.pool.scratch_block
-        tables = np.full((count, width), scratch, dtype=np.int32)
-        lengths = np.ones(count, dtype=np.int32)
-        positions = np.zeros(count, dtype=np.int32)
-        for i, lane in enumerate(lanes):
-            used = -(-lane.end // size)
-            tables[i, :used] = lane.block_ids[:used]
-            lengths[i] = lane.end
-            positions[i] = lane.start
-        slots = tables[np.arange(count), positions // size] * size + positions % size
+        meta = decode_tables(lanes, count, self.pool)
         if count > n:
             tokens = mx.concatenate([tokens, mx.zeros((count - n,), dtype=tokens.dtype)])
-        self.shapes.add((count, width))
+        self.shapes.add((count, meta.tables.shape[1]))
         logits, keys, values = self._step(
-            tokens, mx.array(positions), mx.array(slots), mx.array(tables), mx.array(lengths),
+            tokens, mx.array(meta.positions), mx.array(meta.slots), mx.array(meta.tables), mx.array(meta.lengths),
             self.pool.keys, self.pool.values,
         )  # fmt: skip
         self.pool.keys[:], self.pool.values[:] = keys, values
