@@ -181,8 +181,9 @@ def test_health_models_and_status(http, served):
     assert http.get("/health").json()["status"] == "ok"
     models = http.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == [served.engine.model_id]
+    assert http.post(CHAT, json=_chat()).status_code == 200  # at least one step, whichever tests ran before
     status = http.get("/v1/status").json()
-    assert set(status) >= {"model", "requests", "counters", "kv"}
+    assert set(status) >= {"model", "requests", "counters", "kv", "step_target_ms"}
     assert status["counters"]["steps"] > 0
 
 
