@@ -6,8 +6,8 @@ prologue (q/k norms, two RoPEs, two KV scatters) in one kernel (`kernels.decode_
 o_proj, and gate/up in one matmul. The weights stay mlx-lm's: each projection becomes a slice (a view) of the
 concatenated matrix, so the eager path and memory are unchanged.
 
-Used for steps whose lanes are all single rows (`compiled_step`); with `--fuse-mixed on`, eagerly for steps with
-prefill chunks too (`FusedDecode.mixed`), whose host build is what bounds a contended chunk's size on CUDA.
+Used for steps whose lanes are all single rows (`compiled_step`); with `--fuse-mixed` (auto = on with CUDA), for
+steps with prefill chunks too (`FusedDecode.mixed`: eagerly, or as a compiled trace with `--compile-mixed on`).
 """
 
 from __future__ import annotations

@@ -43,11 +43,10 @@ def choose_row_budget(
     decode_lanes: int,
     in_debt: bool,
     contended: bool,
-    target_ms: float | None = None,
+    target_ms: float,
 ) -> BudgetDecision:
-    """The prefill row budget for a step whose ordered prefill demand is `demand`, against `target_ms` (default:
-    the config's fixed target; the scheduler passes its `StepTarget`'s)."""
-    target = config.step_target_ms if target_ms is None else target_ms
+    """The prefill row budget for a step whose ordered prefill demand is `demand`, against `target_ms` (the
+    scheduler's `StepTarget`: fixed, or a multiple of the measured decode step)."""
 
     def predict(budget: int) -> float | None:
         chunks = fill_shortest_first(demand, budget)
@@ -60,7 +59,7 @@ def choose_row_budget(
         return BudgetDecision(0, "decode-debt", 0, None)
     halvings = 0
     predicted = predict(budget)
-    while predicted is not None and predicted > target and budget > config.row_floor:
+    while predicted is not None and predicted > target_ms and budget > config.row_floor:
         budget = max(config.row_floor, budget // 2)
         halvings += 1
         predicted = predict(budget)
