@@ -48,7 +48,9 @@ def test_contended_only_run_and_its_refusal(tmp_path):
     assert result["peer"] == {} and "decode" not in result["ours"]
     assert result["step_target_ms"] >= 20.0  # learned by the end of the run, never under the floor
     assert result["ours"]["step_target_ms"] == result["step_target_ms"]
-    assert "submission" in result["ours"]["contended"]["steps"]["mixed_host_ms_p50"]
+    steps = result["ours"]["contended"]["steps"]
+    assert "submission" in steps["mixed_host_ms_p50"]
+    assert steps["prefill_steps"] and all(len(step) == 5 and step[0] > 0 for step in steps["prefill_steps"])
     table = (tmp_path / "gpu_bench.md").read_text()
     assert "TTFT / its solo TTFT" in table and "mlx-lm |" in table
     assert "host ms of a step with prefill" in table
