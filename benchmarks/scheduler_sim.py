@@ -34,6 +34,9 @@ POLICIES: dict[str, dict] = {
     "affine": {"cost_model": "affine"},
     "ema-no-debt": {"cost_model": "ema", "decode_debt": False},
     "ceiling-only": {"cost_model": "ema", "step_target_ms": 1e12},  # never halves: the no-budget baseline
+    # the engine's `--step-target-ms auto`: 3 measured decode-only steps (at least 20 ms) instead of a fixed value
+    "ema-auto-target": {"cost_model": "ema", "step_target_factor": 3.0},
+    "affine-auto-target": {"cost_model": "affine", "step_target_factor": 3.0},
 }
 
 
