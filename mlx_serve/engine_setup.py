@@ -23,6 +23,12 @@ def step_target(value: float | str) -> tuple[float, float]:
     return float(value), 0.0
 
 
+def _check_switch(kind: str, name: str) -> None:
+    """An auto/on/off setting, or a clear 400 naming it."""
+    if kind not in ("auto", "on", "off"):
+        raise InvalidRequest(f"{name} must be auto, on or off, not {kind!r}", param=name)
+
+
 def scheduler_config(c: EngineConfig, num_blocks: int, context_length: int) -> SchedulerConfig:
     target_ms, factor = step_target(c.step_target_ms)
     return SchedulerConfig(
@@ -55,8 +61,7 @@ def decode_attention(kind: str) -> Any:
 def compile_decode(kind: str) -> bool:
     """Whether single-row steps run compiled. "auto": on with MLX's CUDA backend, where host time is the
     decode step's bottleneck; off on the CPU backend, where the first call of each shape compiles C++."""
-    if kind not in ("auto", "on", "off"):
-        raise InvalidRequest(f"compile_decode must be auto, on or off, not {kind!r}", param="compile_decode")
+    _check_switch(kind, "compile_decode")
     if kind == "auto":
         import mlx.core as mx
 
@@ -67,8 +72,7 @@ def compile_decode(kind: str) -> bool:
 def fuse_decode(kind: str, model: Any, compiled: bool) -> bool:
     """Whether compiled single-row steps take the fused forward (`mlx_serve.fused_decode`). "auto": with MLX's
     CUDA backend, for the families it knows; "on" refuses a model it does not know, with the reason."""
-    if kind not in ("auto", "on", "off"):
-        raise InvalidRequest(f"fuse_decode must be auto, on or off, not {kind!r}", param="fuse_decode")
+    _check_switch(kind, "fuse_decode")
     if kind == "off":
         return False
     from mlx_serve.fused_decode import unsupported_reason
@@ -88,8 +92,7 @@ def fuse_mixed(kind: str, fused: bool) -> bool:
     """Whether steps with prefill chunks take the fused forward too (`FusedDecode.mixed`): fewer ops a layer to
     build and launch, the fixed cost that bounds a contended chunk on CUDA. auto = on with MLX's CUDA backend and
     the fused decode forward (H200, 8B, 8 streams + a 16k prompt: TTFT 3.93 -> 3.10x solo in one run)."""
-    if kind not in ("auto", "on", "off"):
-        raise InvalidRequest(f"fuse_mixed must be auto, on or off, not {kind!r}", param="fuse_mixed")
+    _check_switch(kind, "fuse_mixed")
     if kind == "on" and not fused:
         raise InvalidRequest("fuse_mixed on needs the fused decode forward (fuse_decode)", param="fuse_mixed")
     if kind == "auto":
@@ -104,8 +107,7 @@ def compile_mixed(kind: str, fused_mixed: bool) -> bool:
     bucketed shape (`CompiledMixed`): it halves a contended step's host submission (H200, 8B, 8 lanes and a 128-row
     chunk over 8k: 13.4 -> 7.6 ms), but such steps are bound by the GPU there (20.5 ms a step either way) and each
     new shape costs a 44-61 ms trace at first use, so auto = off until a measurement says otherwise."""
-    if kind not in ("auto", "on", "off"):
-        raise InvalidRequest(f"compile_mixed must be auto, on or off, not {kind!r}", param="compile_mixed")
+    _check_switch(kind, "compile_mixed")
     if kind == "on" and not fused_mixed:
         raise InvalidRequest("compile_mixed on needs fuse_mixed", param="compile_mixed")
     return fused_mixed and kind == "on"
@@ -114,8 +116,7 @@ def compile_mixed(kind: str, fused_mixed: bool) -> bool:
 def dense_experts(kind: str) -> bool:
     """Whether steps with enough rows compute every expert of an MoE block densely (`mlx_serve.dense_experts`):
     auto = on with MLX's CUDA backend, where gather_mm reads experts far below bandwidth (measured on the H200)."""
-    if kind not in ("auto", "on", "off"):
-        raise InvalidRequest(f"dense_experts must be auto, on or off, not {kind!r}", param="dense_experts")
+    _check_switch(kind, "dense_experts")
     if kind == "auto":
         from mlx_serve.kernels.paged_attention import cuda_available
 
