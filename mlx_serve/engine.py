@@ -84,6 +84,7 @@ class Engine:
             compile_mixed=engine_setup.compile_mixed(config.compile_mixed, mixed),
             dense_moe=engine_setup.dense_experts(config.dense_experts),
             dequantize_rows=engine_setup.dequantize_rows(config.dequantize_rows),
+            split_k=engine_setup.split_quantized_k(config.split_quantized_k),
         )
         self.scheduler = Scheduler(
             engine_setup.scheduler_config(config, num_blocks, self.context_length), trace=self.trace

@@ -73,6 +73,17 @@ def fuse_layers(model: Any) -> list[FusedLayer]:
     return layers
 
 
+def viewed_projections(layers: list[FusedLayer]) -> set[int]:
+    """Ids of the block projections that are views of the fused layers' arrays (`_concatenate`)."""
+    ids = set()
+    for layer in layers:
+        attn = layer.block.self_attn
+        ids.update(id(p) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+        if layer.gate_up is not None:
+            ids.update(id(p) for p in (layer.block.mlp.gate_proj, layer.block.mlp.up_proj))
+    return ids
+
+
 class FusedDecode:
     """The hidden states `[T, hidden]` of a single-row step, with its KV written to the pool."""
 

@@ -20,11 +20,11 @@ from mlx_serve import ane_chunks, dense_experts
 from mlx_serve.buckets import KV_BUCKET, QUERY_BUCKET_MIN, history_bucket, query_bucket
 from mlx_serve.compiled_mixed import CompiledMixed, compilable
 from mlx_serve.compiled_step import CompiledDecode
-from mlx_serve.fused_decode import FusedDecode
+from mlx_serve.fused_decode import FusedDecode, viewed_projections
 from mlx_serve.kernels.paged_attention import cuda_available
 from mlx_serve.kernels.step_clock import CONTINUITY_S, GpuStepClock, StepClock, step_interval_ms
 from mlx_serve.kv_pool import KVPool, slot_array
-from mlx_serve.quantized_rows import DequantizedRows, fold_quantized_rows
+from mlx_serve.quantized_rows import DequantizedRows, fold_quantized_rows, split_standalone_projections
 from mlx_serve.ragged import (
     DecodeAttention,
     DecodeRows,
@@ -102,6 +102,7 @@ class ModelRunner:
         dequantize_rows: int = 0,
         fuse_mixed: bool = False,
         compile_mixed: bool = False,
+        split_k: bool = False,
         clock: StepClock | None | str = "auto",
     ) -> None:
         self.model = model
@@ -132,6 +133,8 @@ class ModelRunner:
         # a tied output projection of this many rows runs dense too (the quantized linears were folded above)
         self.dequantize = DequantizedRows(dequantize_rows)
         fused = FusedDecode(model, self.decode_attention) if use_compiled and fuse_decode else None
+        if split_k:  # narrow quantized projections as batched products over K slices (`quantized_rows.split_k`)
+            split_standalone_projections(model, viewed_projections(fused.layers) if fused is not None else set())
         quantized = any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
         min_lanes = QUANTIZED_MIN_LANES if quantized and cuda_available() else 1
         self.compiled = (
@@ -183,7 +186,7 @@ class ModelRunner:
             shapes.setdefault(key, module)
         products = 0
         for module in shapes.values():
-            width = module.scales.shape[-1] * module.group_size
+            width = module.scales.shape[-1] * module.group_size * getattr(module, "k_splits", 1)
             rows = 1
             while rows <= max_rows:
                 mx.eval(module(mx.zeros((rows, 1, width), dtype=module.scales.dtype)))  # the step's [T, 1] rows

@@ -8,13 +8,17 @@ dequantized to a dense matmul (`DequantizedRows`, `--dequantize-rows`); up to 2,
     python -m benchmarks.gpu.bench_quantized --projections   # every 8B projection the fused decode step runs
 
 The second form looks for the 4-bit 8-lane decode step's missing time (16.6 ms against 7.7 for bf16 8B in the
-seventh run, though the 4096x12288 product of 8 rows costs what bf16 does): each projection of the fused 8B
-forward (and the LM head), rows given as the fused forward gives them (`[M, K]`), bf16 against 4-bit.
+seventh run, though the 4096x12288 product of 8 rows costs what bf16 does when one layer is called 36 times, its
+packed weights then served from L2): each projection of the fused 8B forward (and the LM head) over distinct
+layers, rows given as the fused forward gives them (`[M, K]`), bf16 against 4-bit and 4-bit split over K. MLX's
+4-bit GEMM (`qmm_sm80`) runs one thread block per 128 output columns, so a 4096-wide projection gets 32 blocks on
+132 SMs; a batched product over K slices gets `splits` times as many.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import mlx.core as mx
@@ -37,18 +41,59 @@ def _layers(k: int, n: int) -> tuple[nn.Linear, nn.QuantizedLinear]:
     return dense, quant
 
 
+def _split_k(quant: nn.QuantizedLinear, splits: int) -> tuple[mx.array, mx.array, mx.array]:
+    """The packed weight, scales and biases as `splits` contiguous slices of K: `[splits, N, K / splits / ...]`."""
+    n = quant.weight.shape[0]
+    parts = (quant.weight, quant.scales, quant.biases)
+    return tuple(mx.contiguous(a.reshape(n, splits, -1).transpose(1, 0, 2)) for a in parts)
+
+
+def _split_k_product(x: mx.array, sliced: tuple[mx.array, mx.array, mx.array], splits: int) -> mx.array:
+    """`x @ W.T` as one batched quantized matmul over K slices (splits x more thread blocks), summed over slices."""
+    m, k = x.shape
+    xs = x.reshape(m, splits, k // splits).transpose(1, 0, 2)
+    return mx.quantized_matmul(xs, *sliced, transpose=True, group_size=64, bits=4).sum(axis=0)
+
+
 def projections() -> None:
+    """Each projection as `calls` distinct layers called one after another (each call's input waits for the
+    previous call's output, as in a forward pass: independent calls would run side by side in MLX's CUDA graph and
+    hide a kernel that fills few SMs; a 4-bit layer fits the H200's 50 MB L2, so the layers are distinct), bf16
+    against 4-bit, and 4-bit split over K."""
     for name, k, n in PROJECTIONS:
-        dense, quant = _layers(k, n)
-        for m in (1, 8, 32, 64):
-            x = mx.random.normal((m, k)).astype(mx.bfloat16)
-            mx.eval(x)
-            row = {
-                "projection": name, "rows": m,
-                "bf16_ms": time_ms(lambda x=x, f=dense: [f(x) for _ in range(CALLS)]) / CALLS,
-                "q4_ms": time_ms(lambda x=x, f=quant: [f(x) for _ in range(CALLS)]) / CALLS,
-            }  # fmt: skip
+        for row in _projection_rows(name, k, n):
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+
+
+def _chained(x: mx.array, products: list) -> list[mx.array]:
+    """`products` applied in turn, each input scaled by a zero-weighted element of the previous output (one
+    elementwise kernel, the same for every variant) so that the calls run in sequence."""
+    outputs = []
+    for product in products:
+        y = product(x)
+        outputs.append(y)
+        x = x * (1 + 0 * y[:1, :1])
+    return outputs
+
+
+def _projection_rows(name: str, k: int, n: int):
+    calls = 4 if name == "lm_head" else CALLS
+    layers = [_layers(k, n) for _ in range(calls)]
+    splits = [s for s in (2, 4, 8) if name != "lm_head" and (k // s) % 64 == 0]
+    sliced = {s: [_split_k(quant, s) for _, quant in layers] for s in splits}
+    mx.eval(sliced)
+    for m in (8, 16, 32, 64):
+        x = mx.random.normal((m, k)).astype(mx.bfloat16)
+        mx.eval(x)
+        row = {
+            "projection": name, "rows": m, "distinct_layers": calls,
+            "bf16_ms": time_ms(lambda x=x: _chained(x, [dense for dense, _ in layers])) / calls,
+            "q4_ms": time_ms(lambda x=x: _chained(x, [quant for _, quant in layers])) / calls,
+        }  # fmt: skip
+        for s in splits:
+            products = [functools.partial(_split_k_product, sliced=parts, splits=s) for parts in sliced[s]]
+            row[f"q4_split{s}_ms"] = time_ms(lambda x=x, products=products: _chained(x, products)) / calls
+        yield row
 
 
 def by_rows() -> None:

@@ -52,7 +52,7 @@ def agreement(
 ) -> tuple[float, float]:  # fmt: skip
     dummy = build_dummy_model("tiny", dtype, seed=3)
     prompts = [Prompts(dummy.config["vocab_size"], seed=n).one(n) for n in LENGTHS]
-    theirs = [mlx_lm_tokens(dummy.model, p) for p in prompts]
+    theirs = [mlx_lm_tokens(dummy.peer_model, p) for p in prompts]
     ours = our_tokens(dummy, prompts, compile_decode, fuse_decode, fuse_mixed, compile_mixed)
     same = sum(a == b for t, o in zip(theirs, ours) for a, b in zip(t, o)) / (TOKENS * len(prompts))
     first = sum(t[0] == o[0] for t, o in zip(theirs, ours)) / len(prompts)

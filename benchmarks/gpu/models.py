@@ -6,6 +6,7 @@ than the device machine's disk, so nothing but the tokenizer (a few MB) touches 
 
 from __future__ import annotations
 
+import copy
 import json
 import tempfile
 from dataclasses import dataclass
@@ -48,6 +49,20 @@ class DummyModel:
     config: dict  # config.json contents
     weight_bytes: int
     expert_bytes: int = 0  # of weight_bytes, the mixture-of-experts blocks' experts (a step reads only the chosen)
+    peer_model: Any = None  # `model` as mlx-lm built it, for mlx-lm's side (`pristine_copy`)
+
+
+def pristine_copy(module: nn.Module) -> nn.Module:
+    """The module tree anew (new module objects of the classes mlx-lm built) sharing every array. Our engine makes
+    its changes on its model's modules (rows folded into one matrix, dense experts, projections re-laid over K
+    slices); mlx-lm's side of a comparison runs on this copy, which keeps none of them."""
+    clone = copy.copy(module)
+    for key, value in module.items():
+        if isinstance(value, nn.Module):
+            clone[key] = pristine_copy(value)
+        elif isinstance(value, list):
+            clone[key] = [pristine_copy(v) if isinstance(v, nn.Module) else v for v in value]
+    return clone
 
 
 def _random_weights(model: Any, dtype: mx.Dtype, seed: int) -> None:
@@ -95,4 +110,4 @@ def build_dummy_model(name: str, dtype: str = "bfloat16", seed: int = 0) -> Dumm
     weights = tree_flatten(model.parameters())
     weight_bytes = sum(v.nbytes for _, v in weights)
     expert_bytes = sum(v.nbytes for key, v in weights if ".switch_mlp." in key)
-    return DummyModel(name, model, _tokenizer(config), config, weight_bytes, expert_bytes)
+    return DummyModel(name, model, _tokenizer(config), config, weight_bytes, expert_bytes, pristine_copy(model))

@@ -6,11 +6,19 @@ same steps pipelined (one in flight) as the engine runs them. mlx-lm's own batch
 cache is measured the same way. Run it under different MLX settings (e.g. MLX_MAX_OPS_PER_BUFFER) to compare.
 
     python -m benchmarks.gpu.profile_step --shape 8b --lanes 1,8,64 --variants fused,compiled,mlx-lm
+
+With `--cuda-profile`, one more synchronous step of each of our variants runs between cuProfilerStart and
+cuProfilerStop, so that Nsight Compute started with `--profile-from-start off` times that step's kernels alone:
+
+    ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
+        python -m benchmarks.gpu.profile_step --shape 8b-4bit --lanes 8 --variants fused --cuda-profile
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import json
 import os
 import statistics
@@ -33,7 +41,22 @@ def _median_ms(samples: list[float]) -> float:
     return round(1e3 * statistics.median(samples), 3)
 
 
-def ours(model, layout: KVLayout, lanes: int, history: int, compiled: bool, fused: bool = False) -> dict:
+@contextlib.contextmanager
+def cuda_profiled(enabled: bool):
+    """Nsight Compute's capture range (`--profile-from-start off`) around the block, when enabled."""
+    cuda = ctypes.CDLL("libcuda.so.1") if enabled else None
+    if cuda is not None:
+        cuda.cuProfilerStart()
+    try:
+        yield
+    finally:
+        if cuda is not None:
+            cuda.cuProfilerStop()
+
+
+def ours(
+    model, layout: KVLayout, lanes: int, history: int, compiled: bool, fused: bool = False, profiled: bool = False
+) -> dict:
     blocks_per_lane = -(-(history + 101 + STEPS + 8) // 16)
     pool = KVPool(layout, lanes * blocks_per_lane, 16)
     runner = ModelRunner(model, pool, select_decode_attention("auto"), compile_decode=compiled, fuse_decode=fused)
@@ -72,6 +95,11 @@ def ours(model, layout: KVLayout, lanes: int, history: int, compiled: bool, fuse
             build.append(t1 - t0)
             queue.append(t2 - t1)
             wait.append(t3 - t2)
+    if profiled:
+        mx.synchronize()
+        with cuda_profiled(True):
+            runner.collect(runner.submit(plan(STEPS + 3, False)))
+            mx.synchronize()
     previous = runner.submit(plan(100, False))
     t0 = time.perf_counter()
     for step in range(101, 101 + STEPS):
@@ -128,6 +156,7 @@ def main() -> None:
     parser.add_argument("--lanes", default="1,8,64")
     parser.add_argument("--history", type=int, default=1024)
     parser.add_argument("--variants", default="fused,compiled,eager,mlx-lm")
+    parser.add_argument("--cuda-profile", action="store_true", help="one step of ours in a CUDA profiler range")
     args = parser.parse_args()
     dummy = build_dummy_model(args.shape)
     args_ = dummy.model.args
@@ -139,10 +168,10 @@ def main() -> None:
     for lanes in [int(n) for n in args.lanes.split(",")]:
         for variant in args.variants.split(","):
             if variant == "mlx-lm":
-                row = mlx_lm(dummy.model, lanes, args.history)
+                row = mlx_lm(dummy.peer_model, lanes, args.history)
             else:
                 compiled, fused = variant in ("compiled", "fused"), variant == "fused"
-                row = ours(dummy.model, layout, lanes, args.history, compiled, fused)
+                row = ours(dummy.model, layout, lanes, args.history, compiled, fused, args.cuda_profile)
             print(json.dumps({"shape": args.shape, "env": env, "lanes": lanes, "variant": variant, **row}), flush=True)
             mx.clear_cache()
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from benchmarks.gpu import peer
-from benchmarks.gpu.models import build_dummy_model
+from benchmarks.gpu.models import build_dummy_model, pristine_copy
 from benchmarks.gpu.ours import OurSide
 from benchmarks.gpu.report import markdown
 from benchmarks.gpu.workloads import FULL, QUICK, TINY, BenchParams, Prompts
@@ -52,7 +52,7 @@ class Progress:
 
 def measure_peer(dummy, prompts: Prompts, p: BenchParams, out: dict, note: Progress, decode_only: bool = False) -> None:
     """mlx-lm's figures except decode, which `measure_decode` takes interleaved with ours."""
-    model = dummy.model
+    model = dummy.peer_model
     peer.decode(model, prompts, replace(p, decode_prompt=min(256, p.decode_prompt), decode_tokens=4), 8)
     peer.prefill(model, prompts, p.prefill_lengths[0])  # warm-up: JIT compilation, allocations
     if decode_only:
@@ -78,8 +78,8 @@ def measure_decode(
         for n in p.stream_counts:
             def theirs(n: int = n) -> dict:
                 if n == 1:  # batch 1 is compared with generate_step, mlx-lm's fastest single-stream path
-                    return peer.generate_step_decode(dummy.model, prompts, p)
-                return peer.decode(dummy.model, prompts, p, n)
+                    return peer.generate_step_decode(dummy.peer_model, prompts, p)
+                return peer.decode(dummy.peer_model, prompts, p, n)
 
             order = (("mlx-lm", theirs), ("ours", lambda n=n: side.decode(prompts, p, n)))
             for name, run in order if round_ % 2 == 0 else order[::-1]:
@@ -102,9 +102,13 @@ def measure_lever(
     dummy, kv_blocks: int, args: argparse.Namespace, engine: dict, prompts: Prompts, p: BenchParams,
     streams: list[int], label: str, note: Progress,
 ) -> dict:
-    """Decode figures of our engine with `engine`'s overrides (one fast path off), for the lever's before/after."""
+    """Decode figures of our engine with `engine`'s overrides (one fast path off), for the lever's before/after.
+    A lever that changes the weights' layout (split over K) runs on a fresh copy of mlx-lm's modules: our first
+    engine re-laid the shared model's arrays in place."""
     engine = dict(engine)
     attention = engine.pop("attention", args.attention)
+    if engine.get("split_quantized_k") == "off":
+        dummy = replace(dummy, model=pristine_copy(dummy.peer_model))
     side = OurSide(dummy, kv_blocks, 500.0, attention, **engine, warm_up=False)
     try:
         figures = {}
@@ -125,6 +129,7 @@ def measure_ours(
     kv_blocks = max(kv_blocks, math.ceil(2.5 * (p.contended_long + p.prefix_len) / 16))
     engine = {"compile_decode": args.compile_decode, "fuse_decode": args.fuse_decode, "cost_model": args.cost_model,
               "dense_experts": args.dense_experts, "dequantize_rows": args.dequantize_rows,
+              "split_quantized_k": args.split_quantized_k,
               "fuse_mixed": args.fuse_mixed, "compile_mixed": args.compile_mixed}  # fmt: skip
     # only the contended engine meets long prompts' chunk shapes: the others skip the warm-up
     side = OurSide(dummy, kv_blocks, 500.0, args.attention, **engine, warm_up=False)
@@ -148,6 +153,7 @@ def measure_ours(
         ("decode_unfused", "unfused", {"fuse_decode": "off"}, args.unfused_streams),
         ("decode_gathered_experts", "gathered experts", {"dense_experts": "off"}, args.gathered_experts_streams),
         ("decode_quantized_matmul", "quantized matmul", {"dequantize_rows": 0}, args.quantized_streams),
+        ("decode_unsplit", "not split over K", {"split_quantized_k": "off"}, args.unsplit_streams),
         ("decode_reference_attention", "reference attention", {"attention": "reference"},
          [args.reference_streams] if args.reference_streams else []),
     ]  # fmt: skip
@@ -255,6 +261,11 @@ def main() -> None:
         help="also decode these stream counts with the fused decode forward off (e.g. 1,8)",
     )
     parser.add_argument("--dense-experts", default="auto", choices=("auto", "on", "off"))
+    parser.add_argument("--split-quantized-k", default="auto", choices=("auto", "on", "off"))
+    parser.add_argument(
+        "--unsplit-streams", default="", type=_counts,
+        help="also decode these stream counts with quantized projections not split over K (e.g. 8,64)",
+    )
     parser.add_argument(
         "--gathered-experts-streams",
         type=_counts,

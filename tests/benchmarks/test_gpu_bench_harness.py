@@ -63,6 +63,7 @@ def test_contended_only_run_and_its_refusal(tmp_path):
          "dense experts off"),
         ("tiny-4bit", ["--dequantize-rows", "2", "--quantized-streams", "4"], "decode_quantized_matmul",
          "dequantized rows off"),
+        ("tiny-4bit", ["--split-quantized-k", "on", "--unsplit-streams", "4"], "decode_unsplit", "split over K off"),
     ],
 )  # fmt: skip
 def test_decode_only_run_with_a_lever(tmp_path, shape, flags, lever, label):
@@ -82,3 +83,27 @@ def test_bandwidth_limit_counts_only_the_experts_a_step_reads():
     assert step_bytes(moe, 1) == pytest.approx(3e9 + 58e9 / 16)  # one row reads 8 of 128 experts
     assert step_bytes(moe, 8) < step_bytes(moe, 64) < 61e9
     assert step_bytes(moe, 1000) == pytest.approx(61e9)
+
+
+def test_mlx_lm_side_runs_on_modules_our_engine_never_changes(monkeypatch):
+    """Our engine folds rows, fuses and re-lays the model's projections in place; mlx-lm's side of the comparison
+    runs on `peer_model`, which keeps mlx-lm's classes and arrays (and so its speed and numbers)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from benchmarks.gpu.models import build_dummy_model
+    from mlx_serve import quantized_rows
+    from mlx_serve.engine import Engine, EngineConfig
+
+    monkeypatch.setattr(quantized_rows, "SPLIT_MIN_WIDTH", 64)
+    dummy = build_dummy_model("tiny-4bit", "float32")
+    tokens = mx.array([[1, 5, 9, 2]])
+    before = dummy.peer_model(tokens)
+    mx.eval(before)
+    config = EngineConfig(model="tiny", kv_blocks=64, compile_decode="on", fuse_decode="on", split_quantized_k="on")
+    Engine.from_model(dummy.model, dummy.tokenizer, dummy.config, config).shutdown()
+    ours, theirs = dummy.model.model.layers[0], dummy.peer_model.model.layers[0]
+    assert type(ours.mlp.down_proj) is quantized_rows.RowsQuantizedLinear and ours.mlp.down_proj.k_splits > 1
+    assert type(theirs.mlp.down_proj) is nn.QuantizedLinear and theirs.mlp.down_proj.weight.ndim == 2
+    assert theirs.self_attn.q_proj is not ours.self_attn.q_proj
+    assert mx.array_equal(dummy.peer_model(tokens), before).item()

@@ -31,10 +31,11 @@ def assert_parity(path, seed: int, **config) -> Engine:
     return engine
 
 
-def assert_fused_parity(path, seed: int, **overrides) -> None:
+def assert_fused_parity(path, seed: int, **overrides) -> Engine:
     """The same through compiled, fused decode steps (with `overrides`)."""
     engine = assert_parity(path, seed, compile_decode="on", fuse_decode="on", **overrides)
     assert engine.runner.compiled.fused is not None
+    return engine
 
 
 @pytest.mark.parametrize("fixture", ["tiny_qwen3_4bit", "tiny_qwen3_8bit", "tiny_qwen3_moe_4bit"])
@@ -194,6 +195,24 @@ def test_eager_steps_with_dequantized_rows_match_mlx_lm(tiny_qwen3_4bit, monkeyp
 
     assert_parity(tiny_qwen3_4bit, seed=120, compile_decode="off", dequantize_rows=8)
     assert len(dense_calls) > 1, "no prefill chunk ran dense"
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_projections_split_over_k_match_mlx_lm(tiny_qwen3_4bit, monkeypatch, fused):
+    """`--split-quantized-k on`: o_proj and down_proj (and, without the fused forward, every projection) as sums of
+    products over K slices, in decode and prefill steps; in float32 only the order of the sum changes."""
+    from mlx_serve import quantized_rows
+
+    monkeypatch.setattr(quantized_rows, "SPLIT_MIN_WIDTH", 64)  # the tiny model's 128/256-wide inputs split too
+    if fused:
+        engine = assert_fused_parity(tiny_qwen3_4bit, seed=130, split_quantized_k="on", fuse_mixed="on")
+    else:
+        engine = assert_parity(tiny_qwen3_4bit, seed=131, compile_decode="off", split_quantized_k="on")
+    block = engine.runner.model.model.layers[0]
+    assert block.mlp.down_proj.k_splits == 4 and block.self_attn.o_proj.k_splits == 2
+    assert block.self_attn.q_proj.k_splits == (1 if fused else 2)
+    with pytest.raises(InvalidRequest, match="split_quantized_k must be auto, on or off"):
+        Engine.load(EngineConfig(model=str(tiny_qwen3_4bit), split_quantized_k="yes"))
 
 
 @pytest.mark.parametrize("fixture", ["tiny_qwen3", "tiny_qwen3_moe", "tiny_qwen3_4bit", "tiny_llama"])

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+import pytest
 
+from mlx_serve import quantized_rows
 from mlx_serve.quantized_rows import RowsQuantizedLinear, fold_quantized_rows
 
 
@@ -21,3 +23,60 @@ def test_folded_rows_equal_row_by_row_results():
     assert mx.array_equal(got, expected)
     single = x[:1]  # one row stays a matrix-vector product, as mlx-lm's own decode
     assert model(single).shape == (1, 1, 32)
+
+
+def _quantized(in_dims: int, out_dims: int, bias: bool = False) -> RowsQuantizedLinear:
+    layer = nn.QuantizedLinear.from_linear(nn.Linear(in_dims, out_dims, bias=bias), group_size=64, bits=4)
+    layer.__class__ = RowsQuantizedLinear
+    return layer
+
+
+@pytest.mark.parametrize("splits", [2, 4])
+@pytest.mark.parametrize("bias", [False, True])
+def test_products_split_over_k_equal_the_whole_product(splits, bias):
+    mx.random.seed(splits)
+    layer = _quantized(256, 96, bias)
+    inputs = [mx.random.normal(shape) for shape in ((5, 1, 256), (1, 7, 256), (9, 256), (256,))]
+    expected = [layer(x) for x in inputs]
+    whole = quantized_rows._dense_weight(layer)
+    mx.eval(expected, whole)
+    quantized_rows.split_k(layer, splits)
+    assert layer.k_splits == splits and layer.weight.shape[0] == splits and layer.scales.shape == (splits, 96, 4 // splits)
+    for x, want in zip(inputs, expected):
+        got = layer(x)
+        assert got.shape == want.shape
+        assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item()  # float32: only the order of the sum differs
+    assert mx.array_equal(quantized_rows._dense_weight(layer), whole).item()  # `--dequantize-rows` reads it back
+    quantized_rows.split_k(layer, 2)  # already split: unchanged
+    assert layer.k_splits == splits
+
+
+def test_k_splits_fill_the_gpu_with_slices_of_whole_tiles():
+    k_splits_for = quantized_rows.k_splits_for
+    assert k_splits_for(4096, 4096, 64) == 8  # Qwen3-8B o_proj: 32 blocks -> 256
+    assert k_splits_for(4096, 12288, 64) == 8  # down_proj
+    assert k_splits_for(24576, 4096, 64) == 2  # gate/up fused: 192 blocks -> 384
+    assert k_splits_for(151936, 4096, 64) == 1  # the LM head fills the GPU already
+    assert k_splits_for(1024, 2048, 64) == 4  # slices no narrower than 512
+    assert k_splits_for(1024, 1536, 64) == 2  # 768 wide; 384 would be too narrow
+    assert k_splits_for(4096, 4096, 1024) == 4  # a slice holds whole quantization groups
+
+
+def test_only_projections_no_fused_layer_views_are_split(tiny_qwen3_4bit, monkeypatch):
+    from mlx_lm import load
+
+    from mlx_serve.fused_decode import FusedDecode, viewed_projections
+    from mlx_serve.kernels.decode_qkv import plain_qkv_rows
+    from mlx_serve.kernels.paged_attention import batched_decode_attention
+
+    monkeypatch.setattr(quantized_rows, "SPLIT_MIN_WIDTH", 64)
+    model, _ = load(str(tiny_qwen3_4bit))
+    fold_quantized_rows(model)
+    fused = FusedDecode(model, batched_decode_attention, plain_qkv_rows)
+    layers = len(model.model.layers)
+    split = quantized_rows.split_standalone_projections(model, viewed_projections(fused.layers))
+    assert split == 2 * layers  # o_proj and down_proj of every block; q/k/v/gate/up are views of fused arrays
+    block = model.model.layers[0]
+    assert block.self_attn.o_proj.k_splits == 2 and block.mlp.down_proj.k_splits == 4
+    assert block.self_attn.q_proj.k_splits == 1 and block.mlp.up_proj.k_splits == 1
+    assert quantized_rows.split_standalone_projections(model, viewed_projections(fused.layers)) == 0
