@@ -20,6 +20,12 @@ cat /root/stage/part_aa "$wheels/b/part_ab" > "/root/stage/$name"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /root/site \
   "/root/stage/$name" "$wheels"/b/*.whl || exit 3
 export PYTHONPATH=/root/site:$PWD
+# MLX's compiled CUDA kernels (NVRTC: minutes for the 4-bit GEMMs) persist across machines: carry .ptx-cache (the
+# ptx.tgz a previous call left under $OUT) and the JIT reads them instead of compiling; the cache goes back in $OUT
+export MLX_PTX_CACHE_DIR=/root/ptx
+mkdir -p "$MLX_PTX_CACHE_DIR"
+[ -f .ptx-cache/ptx.tgz ] && tar xzf .ptx-cache/ptx.tgz -C "$MLX_PTX_CACHE_DIR"
+trap 'tar czf "$OUT/ptx.tgz" -C "$MLX_PTX_CACHE_DIR" .' EXIT
 # llguidance (structured output) has no wheel for the device's Python on the registry mirror; the bench never
 # constrains a request, so an import-only stand-in lets the engine load there
 if ! python3 -c "import llguidance" 2>/dev/null; then

@@ -23,7 +23,8 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from benchmarks.gpu.models import build_dummy_model
-from mlx_serve.engine_setup import prefill_gather
+from benchmarks.gpu.profile_step import cuda_profiled
+from mlx_serve.engine_setup import prefill_gather, split_quantized_k
 from mlx_serve.kernels.paged_attention import cuda_available, select_decode_attention
 from mlx_serve.kv_pool import KVLayout, KVPool
 from mlx_serve.runner import KV_BUCKET, ModelRunner, history_bucket, query_bucket
@@ -46,7 +47,9 @@ VARIANTS = {  # name: (fuse_mixed, compile_mixed)
 }
 
 
-def step_phases(model, layout: KVLayout, lanes: int, rows: int, history: int, variant: str, repeats: int) -> dict:
+def step_phases(
+    model, layout: KVLayout, lanes: int, rows: int, history: int, variant: str, repeats: int, profiled: bool = False
+) -> dict:
     """One mixed step's host submission (preparation, build, encode) and device wait when run synchronously, the
     first step's (a compiled variant traces it), and the step's cost queued back to back (one in flight)."""
     decode_blocks = -(-(DECODE_HISTORY + WARMUP + 2 * repeats + 1) // BLOCK)  # every step writes a row
@@ -55,7 +58,7 @@ def step_phases(model, layout: KVLayout, lanes: int, rows: int, history: int, va
     fuse_mixed, compile_mixed = VARIANTS[variant]
     runner = ModelRunner(
         model, pool, select_decode_attention("auto"), compile_decode=True, fuse_decode=True, fuse_mixed=fuse_mixed,
-        compile_mixed=compile_mixed, prefill_gather=prefill_gather(pool),
+        compile_mixed=compile_mixed, prefill_gather=prefill_gather(pool), split_k=split_quantized_k("auto"),
     )  # fmt: skip
     for rid in [f"d{i}" for i in range(lanes)] + ["p"]:
         runner.add_request(rid, SamplingParams(temperature=0.0))
@@ -80,6 +83,11 @@ def step_phases(model, layout: KVLayout, lanes: int, rows: int, history: int, va
         if step >= WARMUP:
             submit.append(t1 - t0)
             wait.append(t2 - t1)
+    if profiled:  # one more synchronous step in Nsight Compute's capture range (see profile_step)
+        mx.synchronize()
+        with cuda_profiled(True):
+            runner.collect(runner.submit(plan(WARMUP + repeats)))
+            mx.synchronize()
     start = time.perf_counter()
     in_flight = None
     for step in range(repeats):
@@ -174,6 +182,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--parts", default="step,op")
     parser.add_argument("--variants", default="modules,fused,compiled", help=f"steps through: {', '.join(VARIANTS)}")
+    parser.add_argument("--cuda-profile", action="store_true", help="one step in a CUDA profiler range (ncu)")
     args = parser.parse_args()
     dummy = build_dummy_model(args.shape)
     margs = dummy.model.args
@@ -183,7 +192,9 @@ def main() -> None:
     for rows in [int(n) for n in args.rows.split(",")]:
         if "step" in args.parts:
             for variant in args.variants.split(","):
-                row = step_phases(dummy.model, layout, args.lanes, rows, args.history, variant, args.repeats)
+                row = step_phases(
+                    dummy.model, layout, args.lanes, rows, args.history, variant, args.repeats, args.cuda_profile
+                )
                 print(json.dumps({**base, "rows": rows, "part": "step", "variant": variant, **row}), flush=True)
                 mx.clear_cache()
         if "op" in args.parts:

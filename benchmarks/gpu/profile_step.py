@@ -27,6 +27,7 @@ import time
 import mlx.core as mx
 
 from benchmarks.gpu.models import build_dummy_model
+from mlx_serve.engine_setup import split_quantized_k
 from mlx_serve.kernels.paged_attention import select_decode_attention
 from mlx_serve.kv_pool import KVLayout, KVPool
 from mlx_serve.runner import ModelRunner
@@ -59,7 +60,10 @@ def ours(
 ) -> dict:
     blocks_per_lane = -(-(history + 101 + STEPS + 8) // 16)
     pool = KVPool(layout, lanes * blocks_per_lane, 16)
-    runner = ModelRunner(model, pool, select_decode_attention("auto"), compile_decode=compiled, fuse_decode=fused)
+    runner = ModelRunner(
+        model, pool, select_decode_attention("auto"), compile_decode=compiled, fuse_decode=fused,
+        split_k=split_quantized_k("auto"),
+    )  # fmt: skip
     ids = [f"r{i}" for i in range(lanes)]
     for rid in ids:
         runner.add_request(rid, SamplingParams(temperature=0.0))
@@ -114,7 +118,7 @@ def ours(
     }  # fmt: skip
 
 
-def mlx_lm(model, lanes: int, history: int) -> dict:
+def mlx_lm(model, lanes: int, history: int, profiled: bool = False) -> dict:
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
@@ -133,6 +137,12 @@ def mlx_lm(model, lanes: int, history: int) -> dict:
             build.append(t1 - t0)
             queue.append(t2 - t1)
             wait.append(t3 - t2)
+    if profiled:
+        mx.synchronize()
+        with cuda_profiled(True):
+            token = mx.argmax(model(token, cache=cache)[:, -1, :], axis=-1)[:, None]
+            mx.eval(token)
+            mx.synchronize()
     # pipelined as generate_step does: queue step n+1 before reading step n
     t0 = time.perf_counter()
     nxt = mx.argmax(model(token, cache=cache)[:, -1, :], axis=-1)[:, None]
@@ -168,7 +178,7 @@ def main() -> None:
     for lanes in [int(n) for n in args.lanes.split(",")]:
         for variant in args.variants.split(","):
             if variant == "mlx-lm":
-                row = mlx_lm(dummy.peer_model, lanes, args.history)
+                row = mlx_lm(dummy.peer_model, lanes, args.history, args.cuda_profile)
             else:
                 compiled, fused = variant in ("compiled", "fused"), variant == "fused"
                 row = ours(dummy.model, layout, lanes, args.history, compiled, fused, args.cuda_profile)

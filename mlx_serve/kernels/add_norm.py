@@ -17,7 +17,7 @@ from mlx_serve.kernels.paged_attention_cuda import HEADER
 
 AddNorm = Callable[[mx.array, mx.array, Any], tuple[mx.array, mx.array]]
 THREADS = 256
-MAX_WIDTH = 64 * THREADS  # a thread keeps its share of the row in registers
+MAX_WIDTH = 32 * THREADS  # a thread keeps its share of the row (three values an element) in registers
 
 # Template: T (dtype of x, r, weight and the outputs), N (row width), THREADS. Inputs: x, r [rows, N],
 # weight [N], eps [1] float32. Outputs: h, y [rows, N]. Grid: one block of THREADS per row.
@@ -26,17 +26,27 @@ ADD_NORM_SOURCE = r"""
   constexpr int WARPS = THREADS / 32;
   const size_t row = blockIdx.x;
   const int tid = threadIdx.x;
-  float sums[PER];
-  float ss = 0.f;
+  // every load is issued before the first store: the compiler may not move a load of x, r or weight past a store
+  // to h or y (the pointers may alias), so interleaving them would wait out one memory latency per element
+  float xs[PER], rs[PER], ws[PER];
   #pragma unroll
   for (int i = 0; i < PER; ++i) {
     const int e = tid + i * THREADS;
-    if (e < N) {
-      const T s = pa_from_float<T>(pa_to_float(x[row * N + e]) + pa_to_float(r[row * N + e]));
-      h[row * N + e] = s;
-      sums[i] = pa_to_float(s);
-      ss += sums[i] * sums[i];
-    }
+    xs[i] = e < N ? pa_to_float(x[row * N + e]) : 0.f;
+    rs[i] = e < N ? pa_to_float(r[row * N + e]) : 0.f;
+    ws[i] = e < N ? pa_to_float(weight[e]) : 0.f;
+  }
+  const float epsilon = eps[0];
+  float ss = 0.f;
+  #pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    xs[i] = pa_to_float(pa_from_float<T>(xs[i] + rs[i]));  // the sum rounds to T, as MLX's add does
+    ss += xs[i] * xs[i];
+  }
+  #pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int e = tid + i * THREADS;
+    if (e < N) h[row * N + e] = pa_from_float<T>(xs[i]);
   }
   #pragma unroll
   for (int o = 16; o > 0; o /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, o);
@@ -46,14 +56,11 @@ ADD_NORM_SOURCE = r"""
   float total = 0.f;
   #pragma unroll
   for (int w = 0; w < WARPS; ++w) total += partial[w];
-  const float inv = rsqrtf(total / N + eps[0]);
+  const float inv = rsqrtf(total / N + epsilon);
   #pragma unroll
   for (int i = 0; i < PER; ++i) {
     const int e = tid + i * THREADS;
-    if (e < N) {
-      const T normed = pa_from_float<T>(sums[i] * inv);
-      y[row * N + e] = pa_from_float<T>(pa_to_float(weight[e]) * pa_to_float(normed));
-    }
+    if (e < N) y[row * N + e] = pa_from_float<T>(ws[i] * pa_to_float(pa_from_float<T>(xs[i] * inv)));
   }
 """
 

@@ -41,6 +41,14 @@ QKV_SOURCE = r"""
     x1[j] = pa_to_float(src[i1[j]]);
     x2[j] = pa_to_float(src[i2[j]]);
   }
+  // a K head's V row is loaded now, before any store: a load after a store to the pool (which may alias) waits
+  T vv[D / 32];
+  const int kvh = head - H;
+  if (!is_query) {
+    const T* vs = qkv + ((size_t)row * (H + 2 * KVH) + H + KVH + kvh) * D;
+    #pragma unroll
+    for (int j = 0; j < D / 32; ++j) vv[j] = vs[lane + 32 * j];
+  }
 
   if (NORM) {
     float ss = 0.f;
@@ -77,7 +85,6 @@ QKV_SOURCE = r"""
     for (int j = 0; j < PPL; ++j) { dst[i1[j]] = r1[j]; dst[i2[j]] = r2[j]; }
     return;
   }
-  const int kvh = head - H;
   const size_t at = ((size_t)slots[row] * KVH + kvh) * D;
   TK* kd = const_cast<TK*>(k_pool) + at;
   TK* vd = const_cast<TK*>(v_pool) + at;
@@ -86,6 +93,6 @@ QKV_SOURCE = r"""
     kd[i1[j]] = pa_from_float<TK>(pa_to_float(r1[j]));
     kd[i2[j]] = pa_from_float<TK>(pa_to_float(r2[j]));
   }
-  const T* vs = qkv + ((size_t)row * (H + 2 * KVH) + H + KVH + kvh) * D;
-  for (int e = lane; e < D; e += 32) vd[e] = pa_from_float<TK>(pa_to_float(vs[e]));
+  #pragma unroll
+  for (int j = 0; j < D / 32; ++j) vd[lane + 32 * j] = pa_from_float<TK>(pa_to_float(vv[j]));
 """
