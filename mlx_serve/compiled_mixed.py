@@ -23,7 +23,15 @@ from mlx_serve.buckets import history_bucket, query_bucket
 from mlx_serve.compiled_step import decode_tables, lane_bucket
 from mlx_serve.fused_decode import FusedDecode
 from mlx_serve.kv_pool import KVPool, slot_array
-from mlx_serve.ragged import DecodeAttention, DecodeRows, LaneRows, PrefillGather, StepLayout
+from mlx_serve.ragged import (
+    ChunkAttention,
+    DecodeAttention,
+    DecodeRows,
+    LaneRows,
+    PrefillGather,
+    StepLayout,
+    sdpa_chunk_attention,
+)
 from scheduler import Lane
 
 
@@ -42,8 +50,10 @@ class CompiledMixed:
         attention: DecodeAttention,
         logits: Callable[[mx.array], mx.array],
         min_lanes: int = 1,
+        chunk_attention: ChunkAttention = sdpa_chunk_attention,
     ) -> None:
         self.pool = pool
+        self.chunk_attention = chunk_attention
         self.fused = fused
         self.attention = attention
         self.logits = logits
@@ -123,6 +133,6 @@ class CompiledMixed:
         mask = mx.where(visible, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))[None, None]
         chunk = LaneRows(count, rows, mx.zeros((0,), dtype=mx.int32), mask, table, length, padded, rows)
         decode = DecodeRows(count, tables, lengths, pool.block_size, lanes=()) if with_decode else None
-        layout = StepLayout(positions, slots, decode, (chunk,), self.attention, gather)
+        layout = StepLayout(positions, slots, decode, (chunk,), self.attention, gather, self.chunk_attention)
         hidden = self.fused.mixed(tokens, layout, pool)
         return self.logits(hidden[sample_rows]), pool.keys, pool.values

@@ -85,6 +85,7 @@ class Engine:
             dense_moe=engine_setup.dense_experts(config.dense_experts),
             dequantize_rows=engine_setup.dequantize_rows(config.dequantize_rows),
             split_k=engine_setup.split_quantized_k(config.split_quantized_k),
+            chunk_attention=engine_setup.chunk_attention(config.chunk_attention),
         )
         self.scheduler = Scheduler(
             engine_setup.scheduler_config(config, num_blocks, self.context_length), trace=self.trace

@@ -137,6 +137,19 @@ def split_quantized_k(kind: str) -> bool:
     return kind == "on"
 
 
+def chunk_attention(kind: str) -> Any:
+    """How prefill chunks attend (`ragged.ChunkAttention`): "sdpa" (MLX's fused attention, cuDNN on CUDA) or
+    "matmul" (`MatmulChunkAttention`: chunks of up to 128 query rows as two matmuls and a softmax, every output
+    tile a thread block; not measured on the GPU yet, so opt-in)."""
+    from mlx_serve.ragged import MatmulChunkAttention, sdpa_chunk_attention
+
+    if kind == "sdpa":
+        return sdpa_chunk_attention
+    if kind == "matmul":
+        return MatmulChunkAttention()
+    raise InvalidRequest(f"chunk_attention must be sdpa or matmul, not {kind!r}", param="chunk_attention")
+
+
 def dequantize_rows(rows: int) -> int:
     """Rows from which quantized projections of decode steps and logits run dense (`DequantizedRows`); 0: never."""
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:

@@ -26,6 +26,7 @@ from mlx_serve.kernels.step_clock import CONTINUITY_S, GpuStepClock, StepClock, 
 from mlx_serve.kv_pool import KVPool, slot_array
 from mlx_serve.quantized_rows import DequantizedRows, fold_quantized_rows, split_standalone_projections
 from mlx_serve.ragged import (
+    ChunkAttention,
     DecodeAttention,
     DecodeRows,
     LaneRows,
@@ -34,6 +35,7 @@ from mlx_serve.ragged import (
     StepLayout,
     install_ragged_attention,
     reference_decode_attention,
+    sdpa_chunk_attention,
 )
 from mlx_serve.sampling import RequestSampler, SampledRows, sample_rows, top_logprobs
 from mlx_serve.types import SamplingParams, TokenLogprob
@@ -103,6 +105,7 @@ class ModelRunner:
         fuse_mixed: bool = False,
         compile_mixed: bool = False,
         split_k: bool = False,
+        chunk_attention: ChunkAttention | None = None,
         clock: StepClock | None | str = "auto",
     ) -> None:
         self.model = model
@@ -116,6 +119,7 @@ class ModelRunner:
         self.kv_bucket = (KV_BUCKET if mx.cuda.is_available() else 0) if kv_bucket is None else kv_bucket
         # how bucketed prefill lanes read their history: a kernel through the block table (CUDA), else slots
         self.prefill_gather = prefill_gather
+        self.chunk_attention = chunk_attention or sdpa_chunk_attention  # how prefill lanes attend
         self.prefill_lane = prefill_lane  # the ANE lane (or its CPU stand-in); None when off
         self.lane_timeout_s = lane_timeout_s
         self.samplers: dict[str, RequestSampler] = {}
@@ -143,7 +147,7 @@ class ModelRunner:
         self.fused_mixed = fused if fuse_mixed else None  # steps with prefill through the fused forward too
         # a decode batch with one prefill chunk replays a compiled trace per shape (where the history is bucketed)
         self.compiled_mixed = (
-            CompiledMixed(pool, fused, self.decode_attention, self._logits, min_lanes)
+            CompiledMixed(pool, fused, self.decode_attention, self._logits, min_lanes, self.chunk_attention)
             if compile_mixed and self.fused_mixed is not None
             else None
         )
@@ -376,6 +380,7 @@ class ModelRunner:
             lanes=tuple(lanes[num_single:]),
             decode_attention=self.decode_attention,
             prefill_gather=self.prefill_gather,
+            chunk_attention=self.chunk_attention,
         )
         return _PreparedStep(
             inputs=inputs[:, None],

@@ -129,7 +129,7 @@ def measure_ours(
     kv_blocks = max(kv_blocks, math.ceil(2.5 * (p.contended_long + p.prefix_len) / 16))
     engine = {"compile_decode": args.compile_decode, "fuse_decode": args.fuse_decode, "cost_model": args.cost_model,
               "dense_experts": args.dense_experts, "dequantize_rows": args.dequantize_rows,
-              "split_quantized_k": args.split_quantized_k,
+              "split_quantized_k": args.split_quantized_k, "chunk_attention": args.chunk_attention,
               "fuse_mixed": args.fuse_mixed, "compile_mixed": args.compile_mixed}  # fmt: skip
     # only the contended engine meets long prompts' chunk shapes: the others skip the warm-up
     side = OurSide(dummy, kv_blocks, 500.0, args.attention, **engine, warm_up=False)
@@ -262,6 +262,7 @@ def main() -> None:
     )
     parser.add_argument("--dense-experts", default="auto", choices=("auto", "on", "off"))
     parser.add_argument("--split-quantized-k", default="auto", choices=("auto", "on", "off"))
+    parser.add_argument("--chunk-attention", default="sdpa", choices=("sdpa", "matmul"))
     parser.add_argument(
         "--unsplit-streams", default="", type=_counts,
         help="also decode these stream counts with quantized projections not split over K (e.g. 8,64)",

@@ -103,6 +103,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="quantized models: narrow projections (o_proj, down_proj) run as one batched product over "
                         "slices of their input dimension, summed, so that MLX's CUDA quantized GEMM fills the GPU: "
                         "auto = on with MLX's CUDA backend (default: %(default)s)")
+    g.add_argument("--chunk-attention", choices=["sdpa", "matmul"], default="sdpa",
+                   help="how prefill chunks attend: MLX's fused attention, or (matmul) chunks of up to 128 rows as "
+                        "two matmuls and a softmax, which keeps every SM busy where a small chunk reads a long "
+                        "history (opt-in until measured; default: %(default)s)")
     g.add_argument("--dequantize-rows", type=int, default=0, metavar="N",
                    help="quantized models: steps of at least N rows (prefill chunks, decode batches, logits) run each "
                         "projection as a dense matmul over its dequantized weights, since MLX's quantized matmul "
@@ -131,7 +135,7 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
         enable_prefix_cache=not args.no_prefix_cache, decode_debt=not args.no_decode_debt,
         ane_lane=args.ane_lane, ane_package=args.ane_package, ane_timeout_s=args.ane_timeout_s,
         decode_attention=args.decode_attention, compile_decode=args.compile_decode, fuse_decode=args.fuse_decode,
-        dense_experts=args.dense_experts, fuse_mixed=args.fuse_mixed, compile_mixed=args.compile_mixed, split_quantized_k=args.split_quantized_k, dequantize_rows=args.dequantize_rows, warm_up=not args.no_warm_up,
+        dense_experts=args.dense_experts, fuse_mixed=args.fuse_mixed, compile_mixed=args.compile_mixed, split_quantized_k=args.split_quantized_k, chunk_attention=args.chunk_attention, dequantize_rows=args.dequantize_rows, warm_up=not args.no_warm_up,
         pipeline=not args.no_pipeline,
         trace=sink_from_env(args.trace), observer=observer,
         progress=not args.no_progress,

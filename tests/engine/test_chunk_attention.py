@@ -1,0 +1,74 @@
+"""Prefill chunks attending through two matmuls and a softmax (`--chunk-attention matmul`) give MLX's attention."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_serve import ragged
+from mlx_serve.engine import Engine, EngineConfig
+from mlx_serve.errors import InvalidRequest
+from mlx_serve.kernels.paged_gather import table_gather
+from mlx_serve.ragged import MatmulChunkAttention, sdpa_chunk_attention
+from mlx_serve.types import GenerationRequest
+from tests.engine.reference import prompt_of, reference_tokens
+
+
+def _chunk(rows: int, history: int, heads: int, kv_heads: int, dtype: mx.Dtype, seed: int):
+    """A chunk's queries, its padded history and the bucketed lane's mask (the last `rows` positions of `history`
+    are the chunk; the history is padded by 16 masked slots, as `_bucketed_lane` pads it)."""
+    rng = np.random.default_rng(seed)
+    padded = history + 16
+    q = mx.array(rng.standard_normal((1, heads, rows, 64)).astype(np.float32)).astype(dtype)
+    k = mx.array(rng.standard_normal((1, kv_heads, padded, 64)).astype(np.float32)).astype(dtype)
+    v = mx.array(rng.standard_normal((1, kv_heads, padded, 64)).astype(np.float32)).astype(dtype)
+    query_pos = mx.arange(history - rows, history)[:, None]
+    visible = mx.arange(padded)[None, :] <= query_pos
+    mask = mx.where(visible, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))[None, None]
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(8, 2), (4, 4), (16, 2)])
+def test_matmul_attention_equals_sdpa(dtype, heads, kv_heads):
+    q, k, v, mask = _chunk(rows=24, history=200, heads=heads, kv_heads=kv_heads, dtype=dtype, seed=heads)
+    want = sdpa_chunk_attention(q, k, v, 0.125, mask)
+    got = MatmulChunkAttention()(q, k, v, 0.125, mask)
+    assert got.shape == want.shape == q.shape and got.dtype == dtype
+    tolerance = 1e-5 if dtype == mx.float32 else 1e-2
+    assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32), rtol=tolerance, atol=tolerance).item()
+
+
+def test_matmul_attention_leaves_large_chunks_and_maskless_lanes_to_sdpa(monkeypatch):
+    calls = []
+    monkeypatch.setattr(ragged, "sdpa_chunk_attention", lambda *a: calls.append(a[0].shape[2]) or a[0])
+    attention = MatmulChunkAttention(max_rows=16)
+    q, k, v, mask = _chunk(rows=24, history=100, heads=4, kv_heads=2, dtype=mx.float32, seed=0)
+    attention(q, k, v, 0.125, mask)  # more rows than max_rows
+    attention(q[:, :, :8], k[:, :, :100], v[:, :, :100], 0.125, "causal")  # exact history: no mask array
+    assert calls == [24, 8]
+    out = attention(q[:, :, :8], k, v, 0.125, mask[:, :, :8])
+    assert calls == [24, 8] and out.shape == (1, 4, 8, 64)
+
+
+def test_engine_with_matmul_chunk_attention_matches_mlx_lm(tiny_qwen3, monkeypatch):
+    """The CUDA layout on the CPU (history padded to a bucket behind a mask, read through the block table), chunks
+    of 7 rows beside decoding streams: mlx-lm's greedy tokens, and the chunks took the matmul path."""
+    taken = []
+    original = MatmulChunkAttention.__call__
+    monkeypatch.setattr(MatmulChunkAttention, "__call__", lambda self, q, *a: taken.append(q.shape[2]) or original(self, q, *a))
+    prompts = [prompt_of(n, seed=200 + i) for i, n in enumerate((45, 12, 70, 9, 33))]
+    engine = Engine.load(EngineConfig(model=str(tiny_qwen3), row_ceiling=7, row_floor=1, chunk_attention="matmul",
+                                      warm_up=False))  # fmt: skip
+    engine.runner.kv_bucket = 32
+    engine.runner.prefill_gather = table_gather
+    try:
+        completions = engine.generate([GenerationRequest(prompt_ids=tuple(p), max_tokens=8) for p in prompts])
+    finally:
+        engine.shutdown()
+    for prompt, completion in zip(prompts, completions):
+        assert list(completion.token_ids) == reference_tokens(tiny_qwen3, prompt, 8)
+    assert taken, "no chunk took the matmul attention"
+    with pytest.raises(InvalidRequest, match="chunk_attention must be sdpa or matmul"):
+        Engine.load(EngineConfig(model=str(tiny_qwen3), chunk_attention="flash"))
