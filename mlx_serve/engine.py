@@ -81,10 +81,10 @@ class Engine:
             prefill_gather=engine_setup.prefill_gather(self.pool),
             fuse_decode=(fused := engine_setup.fuse_decode(config.fuse_decode, loaded.model, compiled)),
             fuse_mixed=(mixed := engine_setup.fuse_mixed(config.fuse_mixed, fused)),
+            split_k=engine_setup.split_quantized_k(config.split_quantized_k, mixed),
             compile_mixed=engine_setup.compile_mixed(config.compile_mixed, mixed),
             dense_moe=engine_setup.dense_experts(config.dense_experts),
             dequantize_rows=engine_setup.dequantize_rows(config.dequantize_rows),
-            split_k=engine_setup.split_quantized_k(config.split_quantized_k),
             chunk_attention=engine_setup.chunk_attention(config.chunk_attention),
         )
         self.scheduler = Scheduler(

@@ -124,17 +124,23 @@ def dense_experts(kind: str) -> bool:
     return kind == "on"
 
 
-def split_quantized_k(kind: str) -> bool:
-    """Whether narrow quantized projections run as batched products over K slices (`quantized_rows.split_k`):
-    auto = on with MLX's CUDA backend, whose quantized GEMM fills a quarter of the H200's SMs on a 4096-wide
-    projection (8B 4-bit down projection of 8 rows, one layer after another: 0.210 -> 0.082 ms in 8 slices). It
-    changes where the sum rounds (each slice's product is rounded to the activation dtype before the sum)."""
-    _check_switch(kind, "split_quantized_k")
+def split_quantized_k(kind: str, fused_mixed: bool) -> str:
+    """Which quantized projections run as batched products over K slices (`quantized_rows.split_k`): "off",
+    "standalone" (o_proj and down_proj: "on", and auto with MLX's CUDA backend, whose quantized GEMM fills a
+    quarter of the H200's SMs on a 4096-wide projection: 8B 4-bit down projection of 8 rows, one layer after
+    another, 0.210 -> 0.082 ms in 8 slices) or "all" (the fused q/k/v and gate/up too; needs fuse_mixed, opt-in
+    until measured in an engine). Each slice's product rounds to the activation dtype before the sum."""
+    if kind == "all":
+        if not fused_mixed:
+            raise InvalidRequest("split_quantized_k all needs fuse_mixed", param="split_quantized_k")
+        return "all"
+    if kind not in ("auto", "on", "off"):
+        raise InvalidRequest(f"split_quantized_k must be auto, on, off or all, not {kind!r}", param="split_quantized_k")
     if kind == "auto":
         from mlx_serve.kernels.paged_attention import cuda_available
 
-        return cuda_available()
-    return kind == "on"
+        return "standalone" if cuda_available() else "off"
+    return "standalone" if kind == "on" else "off"
 
 
 def chunk_attention(kind: str) -> Any:

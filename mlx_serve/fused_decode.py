@@ -25,6 +25,7 @@ from mlx_lm.models.activations import swiglu
 from mlx_serve.kernels.add_norm import AddNorm, select_add_norm
 from mlx_serve.kernels.decode_qkv import HeadSpec, QKVRows, plain_qkv_rows, select_qkv_rows
 from mlx_serve.kv_pool import KVPool
+from mlx_serve.quantized_rows import RowsQuantizedLinear, k_splits_for, split_k
 from mlx_serve.ragged import DecodeAttention, DecodeRows, RaggedLayerCache, StepLayout
 
 # mlx-lm model modules whose blocks are `h + attn(norm(h))`, then `h + mlp(norm(h))`, with the attention and MLP
@@ -82,6 +83,38 @@ def viewed_projections(layers: list[FusedLayer]) -> set[int]:
         if layer.gate_up is not None:
             ids.update(id(p) for p in (layer.block.mlp.gate_proj, layer.block.mlp.up_proj))
     return ids
+
+
+def split_fused_projections(layers: list[FusedLayer]) -> int:
+    """Re-lay each layer's quantized fused q/k/v and gate/up over K slices (`quantized_rows.split_k`), as the
+    standalone projections are; the block's own q/k/v/gate/up become slices of the new arrays (correct on any
+    backend, but a slice is not a contiguous weight: only the fused forward reads them at speed). Returns how
+    many fused projections it split."""
+    changed = 0
+    for layer in layers:
+        attn, mlp = layer.block.self_attn, layer.block.mlp
+        groups = [(layer.qkv, (attn.q_proj, attn.k_proj, attn.v_proj))]
+        if layer.gate_up is not None:
+            groups.append((layer.gate_up, (mlp.gate_proj, mlp.up_proj)))
+        for fused, parts in groups:
+            if type(fused) is not RowsQuantizedLinear or fused.k_splits != 1 or "biases" not in fused:
+                continue
+            if fused.get("global_scale") is not None:
+                continue
+            out_dims, in_dims = fused.weight.shape[0], fused.scales.shape[-1] * fused.group_size
+            splits = k_splits_for(out_dims, in_dims, fused.group_size)
+            if splits == 1:
+                continue
+            widths = [part.weight.shape[0] for part in parts]
+            split_k(fused, splits)
+            start = 0
+            for part, width in zip(parts, widths):
+                for name in ("weight", "scales", "biases"):
+                    setattr(part, name, fused[name][:, start : start + width])
+                part.k_splits = splits
+                start += width
+            changed += 1
+    return changed
 
 
 class FusedDecode:

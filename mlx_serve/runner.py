@@ -20,7 +20,7 @@ from mlx_serve import ane_chunks, dense_experts
 from mlx_serve.buckets import KV_BUCKET, QUERY_BUCKET_MIN, history_bucket, query_bucket
 from mlx_serve.compiled_mixed import CompiledMixed, compilable
 from mlx_serve.compiled_step import CompiledDecode
-from mlx_serve.fused_decode import FusedDecode, viewed_projections
+from mlx_serve.fused_decode import FusedDecode, split_fused_projections, viewed_projections
 from mlx_serve.kernels.paged_attention import cuda_available
 from mlx_serve.kernels.step_clock import CONTINUITY_S, GpuStepClock, StepClock, step_interval_ms
 from mlx_serve.kv_pool import KVPool, slot_array
@@ -104,7 +104,7 @@ class ModelRunner:
         dequantize_rows: int = 0,
         fuse_mixed: bool = False,
         compile_mixed: bool = False,
-        split_k: bool = False,
+        split_k: str = "off",
         chunk_attention: ChunkAttention | None = None,
         clock: StepClock | None | str = "auto",
     ) -> None:
@@ -137,8 +137,14 @@ class ModelRunner:
         # a tied output projection of this many rows runs dense too (the quantized linears were folded above)
         self.dequantize = DequantizedRows(dequantize_rows)
         fused = FusedDecode(model, self.decode_attention) if use_compiled and fuse_decode else None
-        if split_k:  # narrow quantized projections as batched products over K slices (`quantized_rows.split_k`)
+        # quantized projections as batched products over K slices (`quantized_rows.split_k`): "standalone" ones
+        # (o_proj, down_proj), or "all" (the fused q/k/v and gate/up too: every step then takes the fused forward)
+        if split_k in ("standalone", "all"):
             split_standalone_projections(model, viewed_projections(fused.layers) if fused is not None else set())
+        if split_k == "all":
+            if fused is None or not fuse_mixed:
+                raise ValueError("splitting the fused projections needs the fused forward for every step")
+            split_fused_projections(fused.layers)
         quantized = any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
         min_lanes = QUANTIZED_MIN_LANES if quantized and cuda_available() else 1
         self.compiled = (
@@ -180,8 +186,12 @@ class ModelRunner:
         count up to `max_rows`. On CUDA, MLX compiles a quantized matmul variant the first time a row range meets
         it, tens of seconds each on the H200 (the seventh run's first 16k 4-bit prefill took ~70 s, a cold 8k
         prompt 40 s): paid here, before serving, not by a request. Returns the number of products run."""
-        modules = [m for _, m in self.model.named_modules() if isinstance(m, nn.QuantizedLinear)]
         fused = self.compiled.fused if self.compiled is not None else None
+        # with every step through the fused forward, the block's own q/k/v and gate/up (views of it) never run
+        unused = viewed_projections(fused.layers) if fused is not None and self.fused_mixed is not None else set()
+        modules = [
+            m for _, m in self.model.named_modules() if isinstance(m, nn.QuantizedLinear) and id(m) not in unused
+        ]
         for layer in fused.layers if fused is not None else ():
             modules.extend(m for m in (layer.qkv, layer.gate_up) if isinstance(m, nn.QuantizedLinear))
         shapes = {}

@@ -48,7 +48,8 @@ VARIANTS = {  # name: (fuse_mixed, compile_mixed)
 
 
 def step_phases(
-    model, layout: KVLayout, lanes: int, rows: int, history: int, variant: str, repeats: int, profiled: bool = False
+    model, layout: KVLayout, lanes: int, rows: int, history: int, variant: str, repeats: int, profiled: bool = False,
+    split: str = "auto",
 ) -> dict:
     """One mixed step's host submission (preparation, build, encode) and device wait when run synchronously, the
     first step's (a compiled variant traces it), and the step's cost queued back to back (one in flight)."""
@@ -58,7 +59,7 @@ def step_phases(
     fuse_mixed, compile_mixed = VARIANTS[variant]
     runner = ModelRunner(
         model, pool, select_decode_attention("auto"), compile_decode=True, fuse_decode=True, fuse_mixed=fuse_mixed,
-        compile_mixed=compile_mixed, prefill_gather=prefill_gather(pool), split_k=split_quantized_k("auto"),
+        compile_mixed=compile_mixed, prefill_gather=prefill_gather(pool), split_k=split_quantized_k(split, fuse_mixed),
     )  # fmt: skip
     for rid in [f"d{i}" for i in range(lanes)] + ["p"]:
         runner.add_request(rid, SamplingParams(temperature=0.0))
@@ -183,6 +184,7 @@ def main() -> None:
     parser.add_argument("--parts", default="step,op")
     parser.add_argument("--variants", default="modules,fused,compiled", help=f"steps through: {', '.join(VARIANTS)}")
     parser.add_argument("--cuda-profile", action="store_true", help="one step in a CUDA profiler range (ncu)")
+    parser.add_argument("--split-quantized-k", default="auto", choices=("auto", "on", "off", "all"))
     args = parser.parse_args()
     dummy = build_dummy_model(args.shape)
     margs = dummy.model.args
@@ -193,7 +195,8 @@ def main() -> None:
         if "step" in args.parts:
             for variant in args.variants.split(","):
                 row = step_phases(
-                    dummy.model, layout, args.lanes, rows, args.history, variant, args.repeats, args.cuda_profile
+                    dummy.model, layout, args.lanes, rows, args.history, variant, args.repeats, args.cuda_profile,
+                    args.split_quantized_k,
                 )
                 print(json.dumps({**base, "rows": rows, "part": "step", "variant": variant, **row}), flush=True)
                 mx.clear_cache()

@@ -56,13 +56,14 @@ def cuda_profiled(enabled: bool):
 
 
 def ours(
-    model, layout: KVLayout, lanes: int, history: int, compiled: bool, fused: bool = False, profiled: bool = False
+    model, layout: KVLayout, lanes: int, history: int, compiled: bool, fused: bool = False, profiled: bool = False,
+    split: str = "auto",
 ) -> dict:
     blocks_per_lane = -(-(history + 101 + STEPS + 8) // 16)
     pool = KVPool(layout, lanes * blocks_per_lane, 16)
     runner = ModelRunner(
         model, pool, select_decode_attention("auto"), compile_decode=compiled, fuse_decode=fused,
-        split_k=split_quantized_k("auto"),
+        split_k=split_quantized_k(split, False),
     )  # fmt: skip
     ids = [f"r{i}" for i in range(lanes)]
     for rid in ids:
@@ -167,6 +168,7 @@ def main() -> None:
     parser.add_argument("--history", type=int, default=1024)
     parser.add_argument("--variants", default="fused,compiled,eager,mlx-lm")
     parser.add_argument("--cuda-profile", action="store_true", help="one step of ours in a CUDA profiler range")
+    parser.add_argument("--split-quantized-k", default="auto", choices=("auto", "on", "off"))
     args = parser.parse_args()
     dummy = build_dummy_model(args.shape)
     args_ = dummy.model.args
@@ -181,7 +183,9 @@ def main() -> None:
                 row = mlx_lm(dummy.peer_model, lanes, args.history, args.cuda_profile)
             else:
                 compiled, fused = variant in ("compiled", "fused"), variant == "fused"
-                row = ours(dummy.model, layout, lanes, args.history, compiled, fused, args.cuda_profile)
+                row = ours(
+                    dummy.model, layout, lanes, args.history, compiled, fused, args.cuda_profile, args.split_quantized_k
+                )
             print(json.dumps({"shape": args.shape, "env": env, "lanes": lanes, "variant": variant, **row}), flush=True)
             mx.clear_cache()
 

@@ -11,6 +11,7 @@ LEVERS = (  # the same engine with one lever off, measured in the same run
     ("decode_gathered_experts", "dense experts off", "dense / gathered (info)"),
     ("decode_quantized_matmul", "dequantized rows off", "dequantized / quantized (info)"),
     ("decode_unsplit", "split over K off", "split / whole (info)"),
+    ("decode_split_all", "fused projections split too", "standalone / all split (info)"),
 )
 
 

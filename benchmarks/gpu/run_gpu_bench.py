@@ -100,14 +100,14 @@ def _median_run(results: list[dict]) -> dict:
 
 def measure_lever(
     dummy, kv_blocks: int, args: argparse.Namespace, engine: dict, prompts: Prompts, p: BenchParams,
-    streams: list[int], label: str, note: Progress,
+    streams: list[int], label: str, note: Progress, fresh: bool = False,
 ) -> dict:
     """Decode figures of our engine with `engine`'s overrides (one fast path off), for the lever's before/after.
-    A lever that changes the weights' layout (split over K) runs on a fresh copy of mlx-lm's modules: our first
-    engine re-laid the shared model's arrays in place."""
+    A lever that changes the weights' layout (`fresh`: split over K) runs on a fresh copy of mlx-lm's modules: our
+    first engine re-laid the shared model's arrays in place."""
     engine = dict(engine)
     attention = engine.pop("attention", args.attention)
-    if engine.get("split_quantized_k") == "off":
+    if fresh:
         dummy = replace(dummy, model=pristine_copy(dummy.peer_model))
     side = OurSide(dummy, kv_blocks, 500.0, attention, **engine, warm_up=False)
     try:
@@ -154,12 +154,17 @@ def measure_ours(
         ("decode_gathered_experts", "gathered experts", {"dense_experts": "off"}, args.gathered_experts_streams),
         ("decode_quantized_matmul", "quantized matmul", {"dequantize_rows": 0}, args.quantized_streams),
         ("decode_unsplit", "not split over K", {"split_quantized_k": "off"}, args.unsplit_streams),
+        ("decode_split_all", "fused projections split over K too", {"split_quantized_k": "all"},
+         args.split_all_streams),
         ("decode_reference_attention", "reference attention", {"attention": "reference"},
          [args.reference_streams] if args.reference_streams else []),
     ]  # fmt: skip
     for key, label, overrides, streams in levers:
         if streams:
-            out[key] = measure_lever(dummy, kv_blocks, args, {**engine, **overrides}, prompts, p, streams, label, note)
+            fresh = "split_quantized_k" in overrides
+            out[key] = measure_lever(
+                dummy, kv_blocks, args, {**engine, **overrides}, prompts, p, streams, label, note, fresh
+            )
     if args.decode_only:
         return 0.0
     # the step target for contention: a few 8-stream decode steps, so a prefill chunk never freezes the streams
@@ -261,11 +266,15 @@ def main() -> None:
         help="also decode these stream counts with the fused decode forward off (e.g. 1,8)",
     )
     parser.add_argument("--dense-experts", default="auto", choices=("auto", "on", "off"))
-    parser.add_argument("--split-quantized-k", default="auto", choices=("auto", "on", "off"))
+    parser.add_argument("--split-quantized-k", default="auto", choices=("auto", "on", "off", "all"))
     parser.add_argument("--chunk-attention", default="sdpa", choices=("sdpa", "matmul"))
     parser.add_argument(
         "--unsplit-streams", default="", type=_counts,
         help="also decode these stream counts with quantized projections not split over K (e.g. 8,64)",
+    )
+    parser.add_argument(
+        "--split-all-streams", default="", type=_counts,
+        help="also decode these stream counts with the fused q/k/v and gate/up split over K too (e.g. 8,64)",
     )
     parser.add_argument(
         "--gathered-experts-streams",

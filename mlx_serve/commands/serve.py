@@ -99,10 +99,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="steps of enough (up to 1,024) rows compute every expert of a Qwen3-MoE block in three "
                         "batched matmuls instead of gather_mm: auto = on with MLX's CUDA backend, where it made "
                         "30B-A3B decode 2-4x faster on the H200 (default: %(default)s)")
-    g.add_argument("--split-quantized-k", choices=["auto", "on", "off"], default="auto",
+    g.add_argument("--split-quantized-k", choices=["auto", "on", "off", "all"], default="auto",
                    help="quantized models: narrow projections (o_proj, down_proj) run as one batched product over "
                         "slices of their input dimension, summed, so that MLX's CUDA quantized GEMM fills the GPU: "
-                        "auto = on with MLX's CUDA backend (default: %(default)s)")
+                        "auto = on with MLX's CUDA backend; all: the fused q/k/v and gate/up too, opt-in until "
+                        "measured (default: %(default)s)")
     g.add_argument("--chunk-attention", choices=["sdpa", "matmul"], default="sdpa",
                    help="how prefill chunks attend: MLX's fused attention, or (matmul) chunks of up to 128 rows as "
                         "two matmuls and a softmax, which keeps every SM busy where a small chunk reads a long "

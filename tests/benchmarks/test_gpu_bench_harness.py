@@ -64,6 +64,8 @@ def test_contended_only_run_and_its_refusal(tmp_path):
         ("tiny-4bit", ["--dequantize-rows", "2", "--quantized-streams", "4"], "decode_quantized_matmul",
          "dequantized rows off"),
         ("tiny-4bit", ["--split-quantized-k", "on", "--unsplit-streams", "4"], "decode_unsplit", "split over K off"),
+        ("tiny-4bit", ["--split-all-streams", "4", "--compile-decode", "on", "--fuse-decode", "on", "--fuse-mixed", "on"],
+         "decode_split_all", "fused projections split too"),
     ],
 )  # fmt: skip
 def test_decode_only_run_with_a_lever(tmp_path, shape, flags, lever, label):

@@ -197,22 +197,35 @@ def test_eager_steps_with_dequantized_rows_match_mlx_lm(tiny_qwen3_4bit, monkeyp
     assert len(dense_calls) > 1, "no prefill chunk ran dense"
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_projections_split_over_k_match_mlx_lm(tiny_qwen3_4bit, monkeypatch, fused):
+@pytest.mark.parametrize("mode", ["on, fused", "on, unfused", "all"])
+def test_projections_split_over_k_match_mlx_lm(tiny_qwen3_4bit, monkeypatch, mode):
     """`--split-quantized-k on`: o_proj and down_proj (and, without the fused forward, every projection) as sums of
-    products over K slices, in decode and prefill steps; in float32 only the order of the sum changes."""
+    products over K slices; `all`: the fused q/k/v and gate/up too. Decode and prefill steps; in float32 only the
+    order of the sum changes."""
     from mlx_serve import quantized_rows
 
     monkeypatch.setattr(quantized_rows, "SPLIT_MIN_WIDTH", 64)  # the tiny model's 128/256-wide inputs split too
-    if fused:
+    if mode == "on, fused":
         engine = assert_fused_parity(tiny_qwen3_4bit, seed=130, split_quantized_k="on", fuse_mixed="on")
-    else:
+    elif mode == "on, unfused":
         engine = assert_parity(tiny_qwen3_4bit, seed=131, compile_decode="off", split_quantized_k="on")
+    else:
+        engine = assert_fused_parity(tiny_qwen3_4bit, seed=132, split_quantized_k="all", fuse_mixed="on")
     block = engine.runner.model.model.layers[0]
     assert block.mlp.down_proj.k_splits == 4 and block.self_attn.o_proj.k_splits == 2
-    assert block.self_attn.q_proj.k_splits == (1 if fused else 2)
-    with pytest.raises(InvalidRequest, match="split_quantized_k must be auto, on or off"):
+    assert block.self_attn.q_proj.k_splits == (1 if mode == "on, fused" else 2)
+    if mode == "all":
+        layer = engine.runner.compiled.fused.layers[0]
+        assert layer.qkv.k_splits == 2 and layer.gate_up.k_splits == 2
+        # the block's own projections are slices of the fused arrays, and still compute their part
+        x = mx.random.normal((3, 1, engine.runner.model.args.hidden_size), key=mx.random.key(1))
+        q_width = block.self_attn.q_proj.weight.shape[1]
+        want = layer.qkv(x.reshape(3, -1))[:, :q_width]
+        assert mx.allclose(block.self_attn.q_proj(x).reshape(3, -1), want, rtol=1e-5, atol=1e-5).item()
+    with pytest.raises(InvalidRequest, match="split_quantized_k must be auto, on, off or all"):
         Engine.load(EngineConfig(model=str(tiny_qwen3_4bit), split_quantized_k="yes"))
+    with pytest.raises(InvalidRequest, match="split_quantized_k all needs fuse_mixed"):
+        Engine.load(EngineConfig(model=str(tiny_qwen3_4bit), split_quantized_k="all", fuse_mixed="off"))
 
 
 @pytest.mark.parametrize("fixture", ["tiny_qwen3", "tiny_qwen3_moe", "tiny_qwen3_4bit", "tiny_llama"])

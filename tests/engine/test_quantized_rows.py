@@ -80,3 +80,26 @@ def test_only_projections_no_fused_layer_views_are_split(tiny_qwen3_4bit, monkey
     assert block.self_attn.o_proj.k_splits == 2 and block.mlp.down_proj.k_splits == 4
     assert block.self_attn.q_proj.k_splits == 1 and block.mlp.up_proj.k_splits == 1
     assert quantized_rows.split_standalone_projections(model, viewed_projections(fused.layers)) == 0
+
+
+def test_splitting_the_fused_projections_keeps_one_copy_of_the_weights(tiny_qwen3_4bit, monkeypatch):
+    import gc
+
+    from mlx_lm import load
+
+    from mlx_serve.fused_decode import FusedDecode, split_fused_projections
+    from mlx_serve.kernels.decode_qkv import plain_qkv_rows
+    from mlx_serve.kernels.paged_attention import batched_decode_attention
+
+    monkeypatch.setattr(quantized_rows, "SPLIT_MIN_WIDTH", 64)
+    model, _ = load(str(tiny_qwen3_4bit))
+    fold_quantized_rows(model)
+    fused = FusedDecode(model, batched_decode_attention, plain_qkv_rows)
+    gc.collect()
+    active = mx.get_active_memory()
+    fused_bytes = sum(layer.qkv.weight.nbytes + layer.gate_up.weight.nbytes for layer in fused.layers)
+    assert split_fused_projections(fused.layers) == 2 * len(fused.layers)
+    gc.collect()
+    # the block's projections are re-pointed at the new arrays: the old fused arrays are freed
+    assert mx.get_active_memory() - active < fused_bytes / 4
+    assert split_fused_projections(fused.layers) == 0  # idempotent
