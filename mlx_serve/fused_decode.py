@@ -25,7 +25,7 @@ from mlx_lm.models.activations import swiglu
 from mlx_serve.kernels.add_norm import AddNorm, select_add_norm
 from mlx_serve.kernels.decode_qkv import HeadSpec, QKVRows, plain_qkv_rows, select_qkv_rows
 from mlx_serve.kv_pool import KVPool
-from mlx_serve.quantized_rows import RowsQuantizedLinear, k_splits_for, split_k
+from mlx_serve.quantized_rows import split_where_worth_it
 from mlx_serve.ragged import DecodeAttention, DecodeRows, RaggedLayerCache, StepLayout
 
 # mlx-lm model modules whose blocks are `h + attn(norm(h))`, then `h + mlp(norm(h))`, with the attention and MLP
@@ -97,16 +97,10 @@ def split_fused_projections(layers: list[FusedLayer]) -> int:
         if layer.gate_up is not None:
             groups.append((layer.gate_up, (mlp.gate_proj, mlp.up_proj)))
         for fused, parts in groups:
-            if type(fused) is not RowsQuantizedLinear or fused.k_splits != 1 or "biases" not in fused:
-                continue
-            if fused.get("global_scale") is not None:
-                continue
-            out_dims, in_dims = fused.weight.shape[0], fused.scales.shape[-1] * fused.group_size
-            splits = k_splits_for(out_dims, in_dims, fused.group_size)
+            widths = [part.weight.shape[0] for part in parts]
+            splits = split_where_worth_it(fused)
             if splits == 1:
                 continue
-            widths = [part.weight.shape[0] for part in parts]
-            split_k(fused, splits)
             start = 0
             for part, width in zip(parts, widths):
                 for name in ("weight", "scales", "biases"):

@@ -53,9 +53,9 @@ class RowsQuantizedLinear(nn.QuantizedLinear):
 
 def k_splits_for(out_dims: int, in_dims: int, group_size: int, target_blocks: int = 256, most: int | None = None) -> int:
     """How many K slices give a product of `out_dims` columns at least `target_blocks` thread blocks, keeping each
-    slice a whole number of 64-wide K tiles and quantization groups and at least `SPLIT_MIN_WIDTH` wide. Measured on the H200
-    (8B 4-bit, a 4096 x 12288 down projection of 8 rows, one layer after another): 0.210 ms whole, 0.133 / 0.094 /
-    0.082 ms in 2 / 4 / 8 slices (`python -m benchmarks.gpu.bench_quantized --projections`)."""
+    slice a whole number of 64-wide K tiles and quantization groups and at least `SPLIT_MIN_WIDTH` wide.
+    Measured on the H200 (8B 4-bit, a 4096 x 12288 down projection of 8 rows, one layer after another): 0.210 ms
+    whole, 0.133 / 0.094 / 0.082 ms in 2 / 4 / 8 slices (`python -m benchmarks.gpu.bench_quantized --projections`)."""
     tile, most = max(64, group_size), SPLIT_MOST if most is None else most
     splits = 1
     while splits < most and (out_dims // QMM_BLOCK_COLUMNS) * splits < target_blocks:
@@ -79,22 +79,24 @@ def split_k(module: RowsQuantizedLinear, splits: int) -> None:
     mx.eval(module.parameters())
 
 
+def split_where_worth_it(module: Any) -> int:
+    """Split a folded, affine-quantized, not yet split linear over K as `k_splits_for` says; returns its slices
+    (1: left whole)."""
+    if type(module) is not RowsQuantizedLinear or module.k_splits != 1 or "biases" not in module:
+        return 1
+    if module.get("global_scale") is not None:
+        return 1
+    out_dims, in_dims = module.weight.shape[0], module.scales.shape[-1] * module.group_size
+    split_k(module, k_splits_for(out_dims, in_dims, module.group_size))
+    return module.k_splits
+
+
 def split_standalone_projections(model: Any, shared: set[int]) -> int:
-    """Split over K (`split_k`, `k_splits_for`) every folded quantized linear of `model` whose id is not in
-    `shared` (the projections whose arrays the fused forward's q/k/v and gate/up views share: re-laying those would
-    keep both layouts); returns how many it split."""
-    changed = 0
-    for _, module in model.named_modules():
-        if type(module) is not RowsQuantizedLinear or id(module) in shared or module.k_splits != 1:
-            continue
-        if module.get("global_scale") is not None or "biases" not in module:
-            continue
-        out_dims, in_dims = module.weight.shape[0], module.scales.shape[-1] * module.group_size
-        splits = k_splits_for(out_dims, in_dims, module.group_size)
-        if splits > 1:
-            split_k(module, splits)
-            changed += 1
-    return changed
+    """Split over K (`split_where_worth_it`) every quantized linear of `model` whose id is not in `shared` (the
+    projections whose arrays the fused forward's q/k/v and gate/up views share: re-laying those alone would keep
+    both layouts); returns how many it split."""
+    modules = [module for _, module in model.named_modules() if id(module) not in shared]
+    return sum(split_where_worth_it(module) > 1 for module in modules)
 
 
 def fold_quantized_rows(model: Any, dequantize_from: int = 0) -> int:
