@@ -19,8 +19,9 @@ import mlx.nn as nn
 
 # MLX's CUDA quantized GEMM (`qmm_sm80`, MLX 0.32): output columns per thread block
 QMM_BLOCK_COLUMNS = 128
+SPLIT_TARGET_BLOCKS = 256  # thread blocks a split product should reach (the H200 has 132 SMs)
 SPLIT_MIN_WIDTH = 512  # narrowest K slice `k_splits_for` makes
-SPLIT_MOST = 8  # most K slices `k_splits_for` makes
+SPLIT_MOST = 8  # most K slices `k_splits_for` makes (8 against 4: 790 against 747 tok/s, 8B 4-bit, 8 streams)
 
 
 class RowsQuantizedLinear(nn.QuantizedLinear):
@@ -51,14 +52,13 @@ class RowsQuantizedLinear(nn.QuantizedLinear):
         return y.reshape(*lead, y.shape[-1])
 
 
-def k_splits_for(out_dims: int, in_dims: int, group_size: int, target_blocks: int = 256, most: int | None = None) -> int:
-    """How many K slices give a product of `out_dims` columns at least `target_blocks` thread blocks, keeping each
+def k_splits_for(out_dims: int, in_dims: int, group_size: int) -> int:
+    """How many K slices give a product of `out_dims` columns `SPLIT_TARGET_BLOCKS` thread blocks, keeping each
     slice a whole number of 64-wide K tiles and quantization groups and at least `SPLIT_MIN_WIDTH` wide.
     Measured on the H200 (8B 4-bit, a 4096 x 12288 down projection of 8 rows, one layer after another): 0.210 ms
     whole, 0.133 / 0.094 / 0.082 ms in 2 / 4 / 8 slices (`python -m benchmarks.gpu.bench_quantized --projections`)."""
-    tile, most = max(64, group_size), SPLIT_MOST if most is None else most
-    splits = 1
-    while splits < most and (out_dims // QMM_BLOCK_COLUMNS) * splits < target_blocks:
+    tile, splits = max(64, group_size), 1
+    while splits < SPLIT_MOST and (out_dims // QMM_BLOCK_COLUMNS) * splits < SPLIT_TARGET_BLOCKS:
         width = in_dims // (2 * splits)
         if in_dims % (2 * splits) or width < SPLIT_MIN_WIDTH or width % tile:
             break
