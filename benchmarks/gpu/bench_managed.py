@@ -13,6 +13,7 @@ as the engine does when it builds the next step and reads the previous step's to
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import threading
@@ -163,7 +164,7 @@ def main() -> None:
     device_eps = device_copy(host_eps)
     mx.eval(device_eps)
     for churn in (False, True):
-        with Churn() if churn else _Nothing():
+        with Churn() if churn else contextlib.nullcontext():
             for rows in (1, 8):
                 row = {"churn": churn, "rows": rows, "add_norm_host_eps_ms": add_norm_chain(rows, host_eps),
                        "add_norm_device_eps_ms": add_norm_chain(rows, device_eps)}  # fmt: skip
@@ -172,14 +173,6 @@ def main() -> None:
                 row = {"churn": churn, "lanes": lanes, "read_host_index_ms": index_chain(False, lanes),
                        "read_device_index_ms": index_chain(True, lanes)}  # fmt: skip
                 print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
-
-
-class _Nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc) -> None:
-        return None
 
 
 if __name__ == "__main__":
