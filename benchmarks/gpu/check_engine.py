@@ -14,6 +14,7 @@ import mlx.core as mx
 
 from benchmarks.gpu.models import build_dummy_model
 from benchmarks.gpu.workloads import Prompts
+from mlx_serve import quantized_rows
 from mlx_serve.engine import Engine, EngineConfig
 from mlx_serve.types import GenerationRequest
 
@@ -30,11 +31,11 @@ def mlx_lm_tokens(model, prompt: list[int]) -> list[int]:
 
 def our_tokens(
     dummy, prompts: list[list[int]], compile_decode: str, fuse_decode: str, fuse_mixed: str = "auto",
-    compile_mixed: str = "auto",
+    compile_mixed: str = "auto", **engine: str,
 ) -> list[list[int]]:  # fmt: skip
     config = EngineConfig(
         model="check", kv_blocks=1024, decode_attention="auto", row_ceiling=1024, compile_decode=compile_decode,
-        fuse_decode=fuse_decode, fuse_mixed=fuse_mixed, compile_mixed=compile_mixed,
+        fuse_decode=fuse_decode, fuse_mixed=fuse_mixed, compile_mixed=compile_mixed, **engine,
     )  # fmt: skip
     engine = Engine.from_model(dummy.model, dummy.tokenizer, dummy.config, config)
     try:
@@ -48,16 +49,17 @@ def our_tokens(
 
 def agreement(
     dtype: str, compile_decode: str = "auto", fuse_decode: str = "auto", fuse_mixed: str = "auto",
-    compile_mixed: str = "auto",
+    compile_mixed: str = "auto", shape: str = "tiny", **engine: str,
 ) -> tuple[float, float]:  # fmt: skip
-    dummy = build_dummy_model("tiny", dtype, seed=3)
+    """`engine`: further EngineConfig settings (split_quantized_k, chunk_attention)."""
+    dummy = build_dummy_model(shape, dtype, seed=3)
     prompts = [Prompts(dummy.config["vocab_size"], seed=n).one(n) for n in LENGTHS]
     theirs = [mlx_lm_tokens(dummy.peer_model, p) for p in prompts]
-    ours = our_tokens(dummy, prompts, compile_decode, fuse_decode, fuse_mixed, compile_mixed)
+    ours = our_tokens(dummy, prompts, compile_decode, fuse_decode, fuse_mixed, compile_mixed, **engine)
     same = sum(a == b for t, o in zip(theirs, ours) for a, b in zip(t, o)) / (TOKENS * len(prompts))
     first = sum(t[0] == o[0] for t, o in zip(theirs, ours)) / len(prompts)
     print(
-        f"{dtype}, compile {compile_decode}, fuse {fuse_decode}, mixed {fuse_mixed}, compiled mixed {compile_mixed}: tokens agree {same:.0%}, first tokens {first:.0%}; ours {ours[0][:6]} theirs {theirs[0][:6]}"
+        f"{shape} {dtype}, compile {compile_decode}, fuse {fuse_decode}, mixed {fuse_mixed}, compiled mixed {compile_mixed} {engine}: tokens agree {same:.0%}, first tokens {first:.0%}; ours {ours[0][:6]} theirs {theirs[0][:6]}"
     )
     return same, first
 
@@ -68,9 +70,15 @@ def main() -> int:
     eager_mixed32, _ = agreement("float32", "auto", "auto", "off")  # steps with prefill through mlx-lm's modules
     unfused32, _ = agreement("float32", "auto", "off", "off")
     eager32, _ = agreement("float32", "off", "off", "off")
+    matmul32, _ = agreement("float32", chunk_attention="matmul")  # prefill chunks through two matmuls
     _, first16 = agreement("bfloat16")
     agreement("bfloat16", "auto", "off", "off")
-    ok = min(same32, fused_mixed32, eager_mixed32, unfused32, eager32) >= 0.9 and first16 >= 2 / 3
+    # 4-bit, every projection split over K (the tiny shape's 128-wide inputs split once the floor allows it)
+    quantized_rows.SPLIT_MIN_WIDTH = 64
+    _, first_split = agreement("bfloat16", shape="tiny-4bit")
+    _, first_split_all = agreement("bfloat16", "on", "on", "on", shape="tiny-4bit", split_quantized_k="all")
+    firsts = min(first16, first_split, first_split_all)
+    ok = min(same32, fused_mixed32, eager_mixed32, unfused32, eager32, matmul32) >= 0.9 and firsts >= 2 / 3
     print("engine check:", "ok" if ok else "FAILED")
     return 0 if ok else 1
 
