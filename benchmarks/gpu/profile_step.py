@@ -169,7 +169,15 @@ def main() -> None:
     parser.add_argument("--variants", default="fused,compiled,eager,mlx-lm")
     parser.add_argument("--cuda-profile", action="store_true", help="one step of ours in a CUDA profiler range")
     parser.add_argument("--split-quantized-k", default="auto", choices=("auto", "on", "off"))
+    parser.add_argument(
+        "--single-pass-tokens", type=int, default=None,
+        help="histories up to this many tokens take the decode attention's one-pass kernel (default: the module's)",
+    )
     args = parser.parse_args()
+    if args.single_pass_tokens is not None:
+        from mlx_serve.kernels import paged_attention
+
+        paged_attention.SINGLE_PASS_TOKENS = args.single_pass_tokens
     dummy = build_dummy_model(args.shape)
     args_ = dummy.model.args
     layout = KVLayout(
