@@ -29,6 +29,20 @@ def reference_tokens(path: Path, prompt_ids: list[int], max_tokens: int) -> list
     return out
 
 
+def generate_in_cuda_layout(engine, prompts: list[list[int]], max_tokens: int, gather=None) -> list[list[int]]:
+    """Greedy tokens of `prompts` with prefill lanes laid out as on CUDA: history padded to 32-token buckets behind
+    a mask, read through `gather` (a `PrefillGather`; None: slots). Shuts the engine down."""
+    from mlx_serve.types import GenerationRequest
+
+    engine.runner.kv_bucket = 32
+    engine.runner.prefill_gather = gather
+    try:
+        completions = engine.generate([GenerationRequest(prompt_ids=tuple(p), max_tokens=max_tokens) for p in prompts])
+    finally:
+        engine.shutdown()
+    return [list(completion.token_ids) for completion in completions]
+
+
 def prompt_of(length: int, seed: int, vocab: int = 200, offset: int = 10) -> list[int]:
     """A deterministic prompt of ordinary (non-special) token ids."""
     return [offset + (seed * 7919 + i * 104729) % vocab for i in range(length)]

@@ -11,8 +11,7 @@ from mlx_serve.engine import Engine, EngineConfig
 from mlx_serve.errors import InvalidRequest
 from mlx_serve.kernels.paged_gather import table_gather
 from mlx_serve.ragged import MatmulChunkAttention, sdpa_chunk_attention
-from mlx_serve.types import GenerationRequest
-from tests.engine.reference import prompt_of, reference_tokens
+from tests.engine.reference import generate_in_cuda_layout, prompt_of, reference_tokens
 
 
 def _chunk(rows: int, history: int, heads: int, kv_heads: int, dtype: mx.Dtype, seed: int):
@@ -61,14 +60,8 @@ def test_engine_with_matmul_chunk_attention_matches_mlx_lm(tiny_qwen3, monkeypat
     prompts = [prompt_of(n, seed=200 + i) for i, n in enumerate((45, 12, 70, 9, 33))]
     engine = Engine.load(EngineConfig(model=str(tiny_qwen3), row_ceiling=7, row_floor=1, chunk_attention="matmul",
                                       warm_up=False))  # fmt: skip
-    engine.runner.kv_bucket = 32
-    engine.runner.prefill_gather = table_gather
-    try:
-        completions = engine.generate([GenerationRequest(prompt_ids=tuple(p), max_tokens=8) for p in prompts])
-    finally:
-        engine.shutdown()
-    for prompt, completion in zip(prompts, completions):
-        assert list(completion.token_ids) == reference_tokens(tiny_qwen3, prompt, 8)
+    for prompt, tokens in zip(prompts, generate_in_cuda_layout(engine, prompts, 8, table_gather)):
+        assert tokens == reference_tokens(tiny_qwen3, prompt, 8)
     assert taken, "no chunk took the matmul attention"
     with pytest.raises(InvalidRequest, match="chunk_attention must be sdpa or matmul"):
         Engine.load(EngineConfig(model=str(tiny_qwen3), chunk_attention="flash"))

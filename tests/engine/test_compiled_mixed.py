@@ -15,9 +15,9 @@ from mlx_serve.kernels.paged_attention import select_decode_attention
 from mlx_serve.kernels.paged_gather import table_gather
 from mlx_serve.kv_pool import KVLayout, KVPool
 from mlx_serve.runner import ModelRunner
-from mlx_serve.types import GenerationRequest, SamplingParams
+from mlx_serve.types import SamplingParams
 from scheduler.plan import PENDING_TOKEN, Lane, LaneKind, StepPlan
-from tests.engine.reference import prompt_of, reference_tokens
+from tests.engine.reference import generate_in_cuda_layout, prompt_of, reference_tokens
 
 DECODE = ("a", "b", "c")  # three decode lanes: padded to four
 
@@ -100,15 +100,10 @@ def test_compiled_mixed_steps_through_the_engine_match_mlx_lm(tiny_qwen3):
     prompts = [prompt_of(n, seed=180 + i) for i, n in enumerate((45, 12, 70, 9, 33))]
     engine = Engine.load(EngineConfig(model=str(tiny_qwen3), row_ceiling=7, row_floor=1, compile_decode="on",
                                       fuse_decode="on", fuse_mixed="on", compile_mixed="on", warm_up=False))  # fmt: skip
-    engine.runner.kv_bucket = 32
-    engine.runner.prefill_gather = table_gather
-    try:
-        completions = engine.generate([GenerationRequest(prompt_ids=tuple(p), max_tokens=8) for p in prompts])
-        assert engine.runner.compiled_mixed.shapes, "no step took the compiled mixed forward"
-    finally:
-        engine.shutdown()
-    for prompt, completion in zip(prompts, completions):
-        assert list(completion.token_ids) == reference_tokens(tiny_qwen3, prompt, 8)
+    completions = generate_in_cuda_layout(engine, prompts, 8, table_gather)
+    assert engine.runner.compiled_mixed.shapes, "no step took the compiled mixed forward"
+    for prompt, tokens in zip(prompts, completions):
+        assert tokens == reference_tokens(tiny_qwen3, prompt, 8)
 
 
 def test_compile_mixed_settings(tiny_qwen3):

@@ -6,7 +6,7 @@ import pytest
 
 from mlx_serve.engine import Engine, EngineConfig
 from mlx_serve.types import GenerationRequest
-from tests.engine.reference import prompt_of, reference_tokens, run_staggered
+from tests.engine.reference import generate_in_cuda_layout, prompt_of, reference_tokens, run_staggered
 
 LENGTHS = [3, 17, 40, 9, 64, 5, 33, 21, 90]
 
@@ -62,11 +62,6 @@ def test_bucketed_prefill_history_matches_mlx_lm(gather, tiny_qwen3):
 
     prompts = [prompt_of(n, seed=i) for i, n in enumerate(LENGTHS[:5])]
     engine = _engine(tiny_qwen3, row_ceiling=7, row_floor=1)
-    engine.runner.kv_bucket = 32
-    engine.runner.prefill_gather = table_gather if gather == "table" else None
-    try:
-        completions = engine.generate([GenerationRequest(prompt_ids=tuple(p), max_tokens=8) for p in prompts])
-    finally:
-        engine.shutdown()
-    for prompt, completion in zip(prompts, completions):
-        assert list(completion.token_ids) == reference_tokens(tiny_qwen3, prompt, 8)
+    completions = generate_in_cuda_layout(engine, prompts, 8, table_gather if gather == "table" else None)
+    for prompt, tokens in zip(prompts, completions):
+        assert tokens == reference_tokens(tiny_qwen3, prompt, 8)
