@@ -22,6 +22,9 @@ QMM_BLOCK_COLUMNS = 128
 SPLIT_TARGET_BLOCKS = 256  # thread blocks a split product should reach (the H200 has 132 SMs)
 SPLIT_MIN_WIDTH = 512  # narrowest K slice `k_splits_for` makes
 SPLIT_MOST = 8  # most K slices `k_splits_for` makes (8 against 4: 790 against 747 tok/s, 8B 4-bit, 8 streams)
+# MLX 0.32's CUDA quantized GEMM returns wrong sums (NaN, or 100% off) over a batch of 64-wide K slices; 128 and
+# wider were exact (H200, bf16 and float32, 128 and 4,096 columns): no slice is ever narrower, whatever the floor
+QMM_MIN_SLICE_WIDTH = 128
 
 
 class RowsQuantizedLinear(nn.QuantizedLinear):
@@ -54,10 +57,10 @@ class RowsQuantizedLinear(nn.QuantizedLinear):
 
 def k_splits_for(out_dims: int, in_dims: int, group_size: int) -> int:
     """How many K slices give a product of `out_dims` columns `SPLIT_TARGET_BLOCKS` thread blocks, keeping each
-    slice a whole number of 64-wide K tiles and quantization groups and at least `SPLIT_MIN_WIDTH` wide.
+    slice a whole number of 128-wide K tiles and quantization groups and at least `SPLIT_MIN_WIDTH` wide.
     Measured on the H200 (8B 4-bit, a 4096 x 12288 down projection of 8 rows, one layer after another): 0.210 ms
     whole, 0.133 / 0.094 / 0.082 ms in 2 / 4 / 8 slices (`python -m benchmarks.gpu.bench_quantized --projections`)."""
-    tile, splits = max(64, group_size), 1
+    tile, splits = max(QMM_MIN_SLICE_WIDTH, group_size), 1
     while splits < SPLIT_MOST and (out_dims // QMM_BLOCK_COLUMNS) * splits < SPLIT_TARGET_BLOCKS:
         width = in_dims // (2 * splits)
         if in_dims % (2 * splits) or width < SPLIT_MIN_WIDTH or width % tile:

@@ -73,8 +73,8 @@ def main() -> int:
     matmul32, _ = agreement("float32", chunk_attention="matmul")  # prefill chunks through two matmuls
     _, first16 = agreement("bfloat16")
     agreement("bfloat16", "auto", "off", "off")
-    # 4-bit, every projection split over K (the tiny shape's 128-wide inputs split once the floor allows it)
-    quantized_rows.SPLIT_MIN_WIDTH = 64
+    # 4-bit split over K where slices can be 128 wide (the tiny shape's down_proj; 64-wide slices: MLX is wrong)
+    quantized_rows.SPLIT_MIN_WIDTH = 128
     _, first_split = agreement("bfloat16", shape="tiny-4bit")
     _, first_split_all = agreement("bfloat16", "on", "on", "on", shape="tiny-4bit", split_quantized_k="all")
     firsts = min(first16, first_split, first_split_all)

@@ -98,6 +98,7 @@ def test_mlx_lm_side_runs_on_modules_our_engine_never_changes(monkeypatch):
     from mlx_serve.engine import Engine, EngineConfig
 
     monkeypatch.setattr(quantized_rows, "SPLIT_MIN_WIDTH", 64)
+    monkeypatch.setattr(quantized_rows, "QMM_MIN_SLICE_WIDTH", 64)  # exact on the CPU; not on CUDA
     dummy = build_dummy_model("tiny-4bit", "float32")
     tokens = mx.array([[1, 5, 9, 2]])
     before = dummy.peer_model(tokens)

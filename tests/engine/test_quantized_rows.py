@@ -62,6 +62,12 @@ def test_k_splits_fill_the_gpu_with_slices_of_whole_tiles():
     assert k_splits_for(4096, 4096, 1024) == 4  # a slice holds whole quantization groups
 
 
+def test_no_slice_is_narrower_than_cudas_quantized_gemm_sums_right(monkeypatch):
+    monkeypatch.setattr(quantized_rows, "SPLIT_MIN_WIDTH", 16)
+    assert quantized_rows.k_splits_for(128, 512, 32) == 4  # 128 wide; 64-wide slices came back NaN on the H200
+    assert quantized_rows.k_splits_for(128, 128, 32) == 1
+
+
 def test_only_projections_no_fused_layer_views_are_split(tiny_qwen3_4bit, monkeypatch):
     from mlx_lm import load
 
@@ -70,6 +76,7 @@ def test_only_projections_no_fused_layer_views_are_split(tiny_qwen3_4bit, monkey
     from mlx_serve.kernels.paged_attention import batched_decode_attention
 
     monkeypatch.setattr(quantized_rows, "SPLIT_MIN_WIDTH", 64)
+    monkeypatch.setattr(quantized_rows, "QMM_MIN_SLICE_WIDTH", 64)  # exact on the CPU; not on CUDA
     model, _ = load(str(tiny_qwen3_4bit))
     fold_quantized_rows(model)
     fused = FusedDecode(model, batched_decode_attention, plain_qkv_rows)
@@ -92,6 +99,7 @@ def test_splitting_the_fused_projections_keeps_one_copy_of_the_weights(tiny_qwen
     from mlx_serve.kernels.paged_attention import batched_decode_attention
 
     monkeypatch.setattr(quantized_rows, "SPLIT_MIN_WIDTH", 64)
+    monkeypatch.setattr(quantized_rows, "QMM_MIN_SLICE_WIDTH", 64)  # exact on the CPU; not on CUDA
     model, _ = load(str(tiny_qwen3_4bit))
     fold_quantized_rows(model)
     fused = FusedDecode(model, batched_decode_attention, plain_qkv_rows)
