@@ -97,7 +97,7 @@ def split_fused_projections(layers: list[FusedLayer]) -> int:
         if layer.gate_up is not None:
             groups.append((layer.gate_up, (mlp.gate_proj, mlp.up_proj)))
         for fused, parts in groups:
-            widths = [part.weight.shape[0] for part in parts]
+            widths = [part.weight.shape[-2] for part in parts]
             splits = split_where_worth_it(fused)
             if splits == 1:
                 continue
@@ -191,7 +191,8 @@ class FusedDecode:
 
 
 def _head_dim(attn: Any) -> int:
-    return attn.q_proj.weight.shape[0] // attn.n_heads if not hasattr(attn, "head_dim") else attn.head_dim
+    # the weight's rows: [out, in], or [k_splits, out, in / k_splits] once split over K (`quantized_rows.split_k`)
+    return attn.q_proj.weight.shape[-2] // attn.n_heads if not hasattr(attn, "head_dim") else attn.head_dim
 
 
 def _spec(attn: Any) -> HeadSpec:
@@ -217,14 +218,16 @@ def _concatenate(linears: list[nn.Module]) -> nn.Module:
     `linears` is re-pointed at its slice of the new arrays, so no weight is held twice."""
     names = [name for name in ("weight", "scales", "biases", "bias") if name in linears[0]]
     fused = copy.copy(linears[0])
-    for name in names:
-        setattr(fused, name, mx.concatenate([linear[name] for linear in linears], axis=0))
+    for name in names:  # along the output rows, which split weights hold in their second-to-last axis
+        parts = [linear[name] for linear in linears]
+        setattr(fused, name, mx.concatenate(parts, axis=-2 if parts[0].ndim > 1 else 0))
     mx.eval(fused.parameters())
     start = 0
     for linear in linears:
-        rows = linear[names[0]].shape[0]
+        rows = linear[names[0]].shape[-2]
         for name in names:
-            setattr(linear, name, fused[name][start : start + rows])
+            array = fused[name]
+            setattr(linear, name, array[..., start : start + rows, :] if array.ndim > 1 else array[start : start + rows])
         start += rows
     mx.eval([linear.parameters() for linear in linears])
     return fused

@@ -62,11 +62,14 @@ class StreamReaders:
 
     def read(self, key: int, handle) -> None:
         tokens = []
-        for event in handle:
-            if event.token_id is not None:
-                tokens.append(event.token_id)
-                self.started.set()
-        self.tokens[key] = tokens
+        try:
+            for event in handle:
+                if event.token_id is not None:
+                    tokens.append(event.token_id)
+                    self.started.set()
+        finally:  # a stream that ended without a token (a failed step) must not leave the caller waiting
+            self.tokens[key] = tokens
+            self.started.set()
 
     def join(self) -> dict[int, list[int]]:
         for thread in self._threads:

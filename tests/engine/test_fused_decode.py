@@ -205,6 +205,7 @@ def test_projections_split_over_k_match_mlx_lm(tiny_qwen3_4bit, monkeypatch, mod
     from mlx_serve import quantized_rows
 
     monkeypatch.setattr(quantized_rows, "SPLIT_MIN_WIDTH", 64)  # the tiny model's 128/256-wide inputs split too
+    monkeypatch.setattr(quantized_rows, "QMM_MIN_SLICE_WIDTH", 64)  # exact on the CPU; not on CUDA
     if mode == "on, fused":
         engine = assert_fused_parity(tiny_qwen3_4bit, seed=130, split_quantized_k="on", fuse_mixed="on")
     elif mode == "on, unfused":
@@ -222,6 +223,14 @@ def test_projections_split_over_k_match_mlx_lm(tiny_qwen3_4bit, monkeypatch, mod
         q_width = block.self_attn.q_proj.weight.shape[1]
         want = layer.qkv(x.reshape(3, -1))[:, :q_width]
         assert mx.allclose(block.self_attn.q_proj(x).reshape(3, -1), want, rtol=1e-5, atol=1e-5).item()
+        # a second engine over the same, already split model (the GPU bench builds one model for several engines)
+        again = Engine(engine.config, engine.loaded, engine.pool.num_blocks)
+        prompts = [prompt_of(n, seed=133 + n) for n in (23, 9)]
+        try:
+            results = run_staggered(again, prompts, first=1, max_tokens=8)
+        finally:
+            again.shutdown()
+        assert [results[i] for i in range(2)] == [reference_tokens(tiny_qwen3_4bit, p, 8) for p in prompts]
     with pytest.raises(InvalidRequest, match="split_quantized_k must be auto, on, off or all"):
         Engine.load(EngineConfig(model=str(tiny_qwen3_4bit), split_quantized_k="yes"))
     with pytest.raises(InvalidRequest, match="split_quantized_k all needs fuse_mixed"):
