@@ -144,16 +144,19 @@ def split_quantized_k(kind: str, fused_mixed: bool) -> str:
 
 
 def chunk_attention(kind: str) -> Any:
-    """How prefill chunks attend (`ragged.ChunkAttention`): "sdpa" (MLX's fused attention, cuDNN on CUDA) or
-    "matmul" (`MatmulChunkAttention`: chunks of up to 128 query rows as two matmuls and a softmax, every output
-    tile a thread block; not measured on the GPU yet, so opt-in)."""
-    from mlx_serve.ragged import MatmulChunkAttention, sdpa_chunk_attention
+    """How prefill chunks attend (`ragged.ChunkAttention`): "sdpa" (MLX's fused attention, cuDNN on CUDA), "matmul"
+    (`MatmulChunkAttention`: chunks of up to 128 query rows as two matmuls and a softmax, every output tile a
+    thread block) or "auto": on CUDA, matmul where the history is long for the chunk (`CUDA_CHUNK_ATTENTION`)."""
+    from mlx_serve.kernels.paged_attention import cuda_available
+    from mlx_serve.ragged import CUDA_CHUNK_ATTENTION, MatmulChunkAttention, sdpa_chunk_attention
 
+    if kind == "auto":
+        return CUDA_CHUNK_ATTENTION if cuda_available() else sdpa_chunk_attention
     if kind == "sdpa":
         return sdpa_chunk_attention
     if kind == "matmul":
         return MatmulChunkAttention()
-    raise InvalidRequest(f"chunk_attention must be sdpa or matmul, not {kind!r}", param="chunk_attention")
+    raise InvalidRequest(f"chunk_attention must be auto, sdpa or matmul, not {kind!r}", param="chunk_attention")
 
 
 def dequantize_rows(rows: int) -> int:

@@ -75,14 +75,24 @@ class MatmulChunkAttention:
     64-row chunk over 8k tokens got 32 blocks on the H200's 132 SMs and took 275 us a layer (8B 4-bit, ncu). As
     matmuls every output tile is its own block; a kv head's query heads are stacked as rows so its keys are read
     once. The scores are materialized (heads x rows x history), so larger chunks keep the fused kernel. This is
-    the computation MLX's own unfused attention does (scale the queries, add the mask, softmax in float32)."""
+    the computation MLX's own unfused attention does (scale the queries, add the mask, softmax in float32).
+
+    `history_per_score_row` > 0 keeps the fused kernel unless the history holds that many tokens per score row
+    (query head x chunk row): there cuDNN's blocks are few and long (`bench_chunk_attention`, H200)."""
 
     max_rows: int = 128
+    history_per_score_row: int = 0
+    max_scores: int = 1 << 27  # score elements (heads x rows x history) a chunk may materialize: 256 MiB in bf16
+
+    def takes(self, heads: int, rows: int, length: int) -> bool:
+        """Whether a chunk of this shape goes through the matmuls (else MLX's fused attention)."""
+        scores = heads * rows * length
+        return rows <= self.max_rows and scores <= self.max_scores and length >= self.history_per_score_row * heads * rows
 
     def __call__(self, q: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
         batch, heads, rows, head_dim = q.shape
         kv_heads, length = keys.shape[1], keys.shape[2]
-        if rows > self.max_rows or not isinstance(mask, mx.array) or batch != 1:
+        if not self.takes(heads, rows, length) or not isinstance(mask, mx.array) or batch != 1:
             return sdpa_chunk_attention(q, keys, values, scale, mask)
         group = heads // kv_heads
         stacked = (q * mx.array(scale, q.dtype)).reshape(batch, kv_heads, group * rows, head_dim)
@@ -90,6 +100,11 @@ class MatmulChunkAttention:
         weights = mx.softmax(scores + mask.reshape(1, 1, 1, rows, length), axis=-1, precise=True)
         out = weights.reshape(batch, kv_heads, group * rows, length) @ values
         return out.reshape(batch, heads, rows, head_dim)
+
+
+# H200 (bench_chunk_attention, 8B and 0.6B heads, 2k-16k history): the matmuls won wherever the history held at
+# least 4 tokens per score row, e.g. a 64-row 8B chunk over 8k: 0.15 against cuDNN's 0.21 ms a layer; 16k: 0.23/0.40
+CUDA_CHUNK_ATTENTION = MatmulChunkAttention(max_rows=256, history_per_score_row=4)
 
 
 def reference_decode_attention(

@@ -267,7 +267,7 @@ def main() -> None:
     )
     parser.add_argument("--dense-experts", default="auto", choices=("auto", "on", "off"))
     parser.add_argument("--split-quantized-k", default="auto", choices=("auto", "on", "off", "all"))
-    parser.add_argument("--chunk-attention", default="sdpa", choices=("sdpa", "matmul"))
+    parser.add_argument("--chunk-attention", default="auto", choices=("auto", "sdpa", "matmul"))
     parser.add_argument(
         "--unsplit-streams", default="", type=_counts,
         help="also decode these stream counts with quantized projections not split over K (e.g. 8,64)",

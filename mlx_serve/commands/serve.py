@@ -104,10 +104,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "slices of their input dimension, summed, so that MLX's CUDA quantized GEMM fills the GPU: "
                         "auto = on with MLX's CUDA backend; all: the fused q/k/v and gate/up too, opt-in until "
                         "measured (default: %(default)s)")
-    g.add_argument("--chunk-attention", choices=["sdpa", "matmul"], default="sdpa",
-                   help="how prefill chunks attend: MLX's fused attention, or (matmul) chunks of up to 128 rows as "
-                        "two matmuls and a softmax, which keeps every SM busy where a small chunk reads a long "
-                        "history (opt-in until measured; default: %(default)s)")
+    g.add_argument("--chunk-attention", choices=["auto", "sdpa", "matmul"], default="auto",
+                   help="how prefill chunks attend: MLX's fused attention (sdpa), or (matmul) chunks of up to 128 "
+                        "rows as two matmuls and a softmax, which keeps every SM busy where a small chunk reads a "
+                        "long history; auto = matmul with MLX's CUDA backend where the history holds 4 tokens per "
+                        "query head and row (default: %(default)s)")
     g.add_argument("--dequantize-rows", type=int, default=0, metavar="N",
                    help="quantized models: steps of at least N rows (prefill chunks, decode batches, logits) run each "
                         "projection as a dense matmul over its dequantized weights, since MLX's quantized matmul "

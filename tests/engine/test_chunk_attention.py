@@ -6,9 +6,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_serve import ragged
+from mlx_serve import engine_setup, ragged
 from mlx_serve.engine import Engine, EngineConfig
 from mlx_serve.errors import InvalidRequest
+from mlx_serve.kernels.paged_attention import cuda_available
 from mlx_serve.kernels.paged_gather import table_gather
 from mlx_serve.ragged import MatmulChunkAttention, sdpa_chunk_attention
 from tests.engine.reference import generate_in_cuda_layout, prompt_of, reference_tokens
@@ -63,5 +64,17 @@ def test_engine_with_matmul_chunk_attention_matches_mlx_lm(tiny_qwen3, monkeypat
     for prompt, tokens in zip(prompts, generate_in_cuda_layout(engine, prompts, 8, table_gather)):
         assert tokens == reference_tokens(tiny_qwen3, prompt, 8)
     assert taken, "no chunk took the matmul attention"
-    with pytest.raises(InvalidRequest, match="chunk_attention must be sdpa or matmul"):
+    with pytest.raises(InvalidRequest, match="chunk_attention must be auto, sdpa or matmul"):
         Engine.load(EngineConfig(model=str(tiny_qwen3), chunk_attention="flash"))
+
+
+def test_auto_chunk_attention_takes_matmuls_only_for_long_histories_within_the_score_budget():
+    """The CUDA rule: 4 history tokens per score row (query head x row), at most 256 rows and 2**27 scores."""
+    rule = ragged.CUDA_CHUNK_ATTENTION
+    assert rule.takes(heads=32, rows=64, length=8192)  # 8B: 64-row chunk over 8k (cuDNN 0.21, matmuls 0.15 ms)
+    assert not rule.takes(heads=32, rows=128, length=8192)  # 128 rows over 8k: cuDNN's 0.24 beat 0.25 ms
+    assert rule.takes(heads=16, rows=256, length=16384) and not rule.takes(heads=16, rows=512, length=32768)
+    assert not rule.takes(heads=64, rows=256, length=1 << 16)  # 2**30 scores: over the budget
+    on_cuda = cuda_available()
+    assert engine_setup.chunk_attention("auto") is (rule if on_cuda else ragged.sdpa_chunk_attention)
+    assert engine_setup.chunk_attention("matmul").history_per_score_row == 0
