@@ -100,10 +100,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "batched matmuls instead of gather_mm: auto = on with MLX's CUDA backend, where it made "
                         "30B-A3B decode 2-4x faster on the H200 (default: %(default)s)")
     g.add_argument("--split-quantized-k", choices=["auto", "on", "off", "all"], default="auto",
-                   help="quantized models: narrow projections (o_proj, down_proj) run as one batched product over "
-                        "slices of their input dimension, summed, so that MLX's CUDA quantized GEMM fills the GPU: "
-                        "auto = on with MLX's CUDA backend; all: the fused q/k/v and gate/up too, opt-in until "
-                        "measured (default: %(default)s)")
+                   help="quantized models: narrow projections (o_proj, down_proj; all: the fused q/k/v and gate/up "
+                        "too) run as one batched product over slices of their input dimension, summed, so that "
+                        "MLX's CUDA quantized GEMM fills the GPU: auto = all with MLX's CUDA backend and the fused "
+                        "mixed forward, on (o_proj, down_proj) with CUDA otherwise (default: %(default)s)")
     g.add_argument("--chunk-attention", choices=["auto", "sdpa", "matmul"], default="auto",
                    help="how prefill chunks attend: MLX's fused attention (sdpa), or (matmul) chunks of up to 128 "
                         "rows as two matmuls and a softmax, which keeps every SM busy where a small chunk reads a "
