@@ -30,7 +30,7 @@ class EngineConfig:
     fuse_mixed: str = "auto"  # "auto" (on with CUDA) | "on" | "off": steps with prefill take the fused forward too
     compile_mixed: str = "auto"  # "auto" (off) | "on" | "off": decode lanes + one chunk replay a compiled trace
     dense_experts: str = "auto"  # "auto" (on with CUDA) | "on" | "off": MoE steps of enough rows use every expert
-    split_quantized_k: str = "auto"  # "auto" (on with CUDA) | "on" | "off" | "all": quantized projections over K slices
+    split_quantized_k: str = "auto"  # "auto" (all with CUDA) | "on" | "off" | "all": quantized projections over K slices
     chunk_attention: str = "auto"  # "auto" | "sdpa" | "matmul": how prefill chunks attend (`ragged.ChunkAttention`)
     dequantize_rows: int = 0  # quantized projections of steps with this many rows as dense matmuls (0: never)
     ane_lane: str = "off"  # "off" | "cpu" (labelled MLX CPU stand-in) | "ane" (Core ML, macOS only)
