@@ -54,3 +54,13 @@ def tiny_qwen3_moe_4bit(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _build(
         tmp_path_factory, "qwen3_moe_q4", arch="qwen3_moe", preset="tiny", seed=6, dtype="float32", quantize_bits=4
     )
+
+
+@pytest.fixture
+def narrow_k_splits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let the tiny models' 128/256-wide inputs split over K into 64-wide slices: exact on the CPU's kernels, not
+    on CUDA's (`quantized_rows.QMM_MIN_SLICE_WIDTH`), so CPU tests only."""
+    from mlx_serve import quantized_rows
+
+    monkeypatch.setattr(quantized_rows, "SPLIT_MIN_WIDTH", 64)
+    monkeypatch.setattr(quantized_rows, "QMM_MIN_SLICE_WIDTH", 64)

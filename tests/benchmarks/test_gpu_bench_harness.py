@@ -87,7 +87,7 @@ def test_bandwidth_limit_counts_only_the_experts_a_step_reads():
     assert step_bytes(moe, 1000) == pytest.approx(61e9)
 
 
-def test_mlx_lm_side_runs_on_modules_our_engine_never_changes(monkeypatch):
+def test_mlx_lm_side_runs_on_modules_our_engine_never_changes(narrow_k_splits):
     """Our engine folds rows, fuses and re-lays the model's projections in place; mlx-lm's side of the comparison
     runs on `peer_model`, which keeps mlx-lm's classes and arrays (and so its speed and numbers)."""
     import mlx.core as mx
@@ -97,8 +97,6 @@ def test_mlx_lm_side_runs_on_modules_our_engine_never_changes(monkeypatch):
     from mlx_serve import quantized_rows
     from mlx_serve.engine import Engine, EngineConfig
 
-    monkeypatch.setattr(quantized_rows, "SPLIT_MIN_WIDTH", 64)
-    monkeypatch.setattr(quantized_rows, "QMM_MIN_SLICE_WIDTH", 64)  # exact on the CPU; not on CUDA
     dummy = build_dummy_model("tiny-4bit", "float32")
     tokens = mx.array([[1, 5, 9, 2]])
     before = dummy.peer_model(tokens)

@@ -198,14 +198,10 @@ def test_eager_steps_with_dequantized_rows_match_mlx_lm(tiny_qwen3_4bit, monkeyp
 
 
 @pytest.mark.parametrize("mode", ["on, fused", "on, unfused", "all"])
-def test_projections_split_over_k_match_mlx_lm(tiny_qwen3_4bit, monkeypatch, mode):
+def test_projections_split_over_k_match_mlx_lm(tiny_qwen3_4bit, narrow_k_splits, mode):
     """`--split-quantized-k on`: o_proj and down_proj (and, without the fused forward, every projection) as sums of
     products over K slices; `all`: the fused q/k/v and gate/up too. Decode and prefill steps; in float32 only the
     order of the sum changes."""
-    from mlx_serve import quantized_rows
-
-    monkeypatch.setattr(quantized_rows, "SPLIT_MIN_WIDTH", 64)  # the tiny model's 128/256-wide inputs split too
-    monkeypatch.setattr(quantized_rows, "QMM_MIN_SLICE_WIDTH", 64)  # exact on the CPU; not on CUDA
     if mode == "on, fused":
         engine = assert_fused_parity(tiny_qwen3_4bit, seed=130, split_quantized_k="on", fuse_mixed="on")
     elif mode == "on, unfused":

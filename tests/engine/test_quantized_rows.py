@@ -68,18 +68,23 @@ def test_no_slice_is_narrower_than_cudas_quantized_gemm_sums_right(monkeypatch):
     assert quantized_rows.k_splits_for(128, 128, 32) == 1
 
 
-def test_only_projections_no_fused_layer_views_are_split(tiny_qwen3_4bit, monkeypatch):
+def _folded_and_fused(path):
+    """The tiny 4-bit model loaded by mlx-lm, its rows folded and its q/k/v and gate/up fused, as the engine has it."""
     from mlx_lm import load
 
-    from mlx_serve.fused_decode import FusedDecode, viewed_projections
+    from mlx_serve.fused_decode import FusedDecode
     from mlx_serve.kernels.decode_qkv import plain_qkv_rows
     from mlx_serve.kernels.paged_attention import batched_decode_attention
 
-    monkeypatch.setattr(quantized_rows, "SPLIT_MIN_WIDTH", 64)
-    monkeypatch.setattr(quantized_rows, "QMM_MIN_SLICE_WIDTH", 64)  # exact on the CPU; not on CUDA
-    model, _ = load(str(tiny_qwen3_4bit))
+    model, _ = load(str(path))
     fold_quantized_rows(model)
-    fused = FusedDecode(model, batched_decode_attention, plain_qkv_rows)
+    return model, FusedDecode(model, batched_decode_attention, plain_qkv_rows)
+
+
+def test_only_projections_no_fused_layer_views_are_split(tiny_qwen3_4bit, narrow_k_splits):
+    from mlx_serve.fused_decode import viewed_projections
+
+    model, fused = _folded_and_fused(tiny_qwen3_4bit)
     layers = len(model.model.layers)
     split = quantized_rows.split_standalone_projections(model, viewed_projections(fused.layers))
     assert split == 2 * layers  # o_proj and down_proj of every block; q/k/v/gate/up are views of fused arrays
@@ -89,20 +94,12 @@ def test_only_projections_no_fused_layer_views_are_split(tiny_qwen3_4bit, monkey
     assert quantized_rows.split_standalone_projections(model, viewed_projections(fused.layers)) == 0
 
 
-def test_splitting_the_fused_projections_keeps_one_copy_of_the_weights(tiny_qwen3_4bit, monkeypatch):
+def test_splitting_the_fused_projections_keeps_one_copy_of_the_weights(tiny_qwen3_4bit, narrow_k_splits):
     import gc
 
-    from mlx_lm import load
+    from mlx_serve.fused_decode import split_fused_projections
 
-    from mlx_serve.fused_decode import FusedDecode, split_fused_projections
-    from mlx_serve.kernels.decode_qkv import plain_qkv_rows
-    from mlx_serve.kernels.paged_attention import batched_decode_attention
-
-    monkeypatch.setattr(quantized_rows, "SPLIT_MIN_WIDTH", 64)
-    monkeypatch.setattr(quantized_rows, "QMM_MIN_SLICE_WIDTH", 64)  # exact on the CPU; not on CUDA
-    model, _ = load(str(tiny_qwen3_4bit))
-    fold_quantized_rows(model)
-    fused = FusedDecode(model, batched_decode_attention, plain_qkv_rows)
+    _, fused = _folded_and_fused(tiny_qwen3_4bit)
     gc.collect()
     active = mx.get_active_memory()
     fused_bytes = sum(layer.qkv.weight.nbytes + layer.gate_up.weight.nbytes for layer in fused.layers)
