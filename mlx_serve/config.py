@@ -18,6 +18,7 @@ class EngineConfig:
     step_target_ms: float | str = 500.0  # or "auto": AUTO_STEP_FACTOR measured decode-only steps (engine_setup)
     row_ceiling: int = 2048  # most rows one step carries (SCHEDULER.md)
     row_floor: int = 64  # fewest prefill rows a contended step is cut to
+    row_quantum: int | str = "auto"  # contended steps fill their last row tile of this many rows; auto: engine_setup
     cost_model: str = "ema"
     max_overtakes: int = 4
     enable_prefix_cache: bool = True

@@ -88,7 +88,11 @@ class Engine:
             chunk_attention=engine_setup.chunk_attention(config.chunk_attention),
         )
         self.scheduler = Scheduler(
-            engine_setup.scheduler_config(config, num_blocks, self.context_length), trace=self.trace
+            engine_setup.scheduler_config(
+                config, num_blocks, self.context_length,
+                engine_setup.row_quantum(config.row_quantum, self.runner.quantized_projections > 0),
+            ),
+            trace=self.trace,
         )
         self.delivery = Delivery(self.observer, self.trace, self._finish_on_stop_string, self.runner.release_one)
         self._eos_ids = frozenset(self.tokenizer.eos_token_ids)

@@ -10,6 +10,7 @@ from mlx_serve.errors import ContextLengthExceeded, InvalidRequest
 from mlx_serve.types import GenerationRequest
 from scheduler import SchedulerConfig
 
+QMM_ROW_TILE = 64  # rows of an output tile of MLX's CUDA quantized GEMM (qmm_sm80) for 33 rows and more
 AUTO_STEP_FACTOR = 3.0  # `step_target_ms="auto"`: a contended step may take 3 decode steps (scheduler/step_target.py)
 
 
@@ -29,7 +30,21 @@ def _check_switch(kind: str, name: str) -> None:
         raise InvalidRequest(f"{name} must be auto, on or off, not {kind!r}", param=name)
 
 
-def scheduler_config(c: EngineConfig, num_blocks: int, context_length: int) -> SchedulerConfig:
+def row_quantum(value: int | str, quantized: bool) -> int:
+    """The scheduler's `row_quantum` for `EngineConfig.row_quantum`. auto: with MLX's CUDA backend and quantized
+    projections, the quantized GEMM's 64-row tile (8 decode lanes + 64 prefill rows run two tiles, as 8 + 120
+    do), else 1 (off: cuBLAS showed no cliff at 136 rows on the H200, RESULTS eighth run)."""
+    if value == "auto":
+        from mlx_serve.kernels.paged_attention import cuda_available
+
+        return QMM_ROW_TILE if quantized and cuda_available() else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidRequest(f"row_quantum must be a whole number >= 1 or 'auto', not {value!r}", param="row_quantum")
+    return value
+
+
+def scheduler_config(c: EngineConfig, num_blocks: int, context_length: int, quantum: int = 1) -> SchedulerConfig:
+    """`quantum`: the resolved `row_quantum` (it depends on the loaded model)."""
     target_ms, factor = step_target(c.step_target_ms)
     return SchedulerConfig(
         num_blocks=num_blocks,
@@ -41,6 +56,7 @@ def scheduler_config(c: EngineConfig, num_blocks: int, context_length: int) -> S
         step_target_factor=factor,
         row_ceiling=c.row_ceiling,
         row_floor=c.row_floor,
+        row_quantum=quantum,
         cost_model=c.cost_model,
         max_overtakes=c.max_overtakes,
         decode_debt=c.decode_debt,

@@ -128,7 +128,7 @@ class ModelRunner:
         self._last_done = 0.0  # host time the last step was read back
         self._last_end_ns: int | None = None  # the device clock at the last step's end
         install_ragged_attention(model)
-        fold_quantized_rows(model, dequantize_rows)
+        self.quantized_projections = fold_quantized_rows(model, dequantize_rows)  # sets the scheduler's row tile
         if dense_moe:  # MoE blocks compute steps of enough (and not too many) rows over every expert
             dense_experts.install(model)
         self._tied = bool(getattr(getattr(model, "args", None), "tie_word_embeddings", False))

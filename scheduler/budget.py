@@ -1,5 +1,6 @@
 """Row budgets: the ceiling when uncontended; halved toward the floor while a contended step is predicted over
-the target; none at all for one step when a stream is in decode debt.
+the target, then grown to fill the step's last row tile (`SchedulerConfig.row_quantum`); none at all for one step
+when a stream is in decode debt.
 
 The prediction changes only which budget is chosen: the order of the lanes and who is admitted are decided
 elsewhere and never look at it.
@@ -63,11 +64,23 @@ def choose_row_budget(
         budget = max(config.row_floor, budget // 2)
         halvings += 1
         predicted = predict(budget)
+    filled = fill_row_tile(budget, decode_lanes, config.row_quantum, config.row_ceiling)
+    if filled != budget:
+        budget, predicted = filled, predict(filled)
     if halvings:
         reason = f"halved:{halvings}"
     else:
         reason = "contended-untrained" if predicted is None and demand else "contended"
     return BudgetDecision(budget, reason, halvings, predicted)
+
+
+def fill_row_tile(budget: int, decode_lanes: int, quantum: int, ceiling: int) -> int:
+    """`budget` grown so the step's rows (decode lanes + prefill) end on a multiple of `quantum`, never past the
+    ceiling and never below `budget`: e.g. 8 lanes + 64 rows is two 64-row tiles, 8 + 120 costs the same."""
+    if quantum <= 1 or budget <= 0:
+        return budget
+    rows = -(-(budget + decode_lanes) // quantum) * quantum
+    return max(budget, min(rows, ceiling) - decode_lanes)
 
 
 def stream_in_debt(waited_s: float, last_gap_s: float | None, target_ms: float) -> bool:

@@ -18,6 +18,9 @@ class SchedulerConfig:
     max_model_len: int = 32768  # a request finishes LENGTH when its tokens reach this
     row_ceiling: int = 2048
     row_floor: int = 64
+    # a contended step's rows (decode lanes + prefill) grow to fill their last tile of this many rows: where a GEMM
+    # runs in row tiles (MLX's CUDA quantized GEMM: 64), rows in a partly filled tile cost nothing more. 1: off
+    row_quantum: int = 1
     # 500 ms is the seed's Apple-GPU value; a fast GPU (H200) wants tens of ms. With a factor > 0 the target is
     # that many measured decode-only steps (at least step_target_floor_ms), this value only until one is measured
     step_target_ms: float = 500.0
@@ -34,6 +37,8 @@ class SchedulerConfig:
             raise ValueError("num_blocks and block_size must be >= 1")
         if not 1 <= self.row_floor <= self.row_ceiling:
             raise ValueError(f"need 1 <= row_floor <= row_ceiling, got {self.row_floor}, {self.row_ceiling}")
+        if self.row_quantum < 1:
+            raise ValueError(f"row_quantum must be >= 1, got {self.row_quantum}")
         if self.max_running < 1 or self.queue_limit < 0 or self.max_overtakes < 0:
             raise ValueError("max_running must be >= 1; queue_limit and max_overtakes >= 0")
         if not self.step_target_ms > 0:

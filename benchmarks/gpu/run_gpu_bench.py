@@ -32,7 +32,7 @@ from benchmarks.gpu.models import build_dummy_model, pristine_copy
 from benchmarks.gpu.ours import OurSide
 from benchmarks.gpu.report import markdown
 from benchmarks.gpu.workloads import FULL, QUICK, TINY, BenchParams, Prompts
-from mlx_serve.commands.serve import step_target_arg
+from mlx_serve.commands.serve import row_quantum_arg, step_target_arg
 
 
 class Progress:
@@ -130,7 +130,8 @@ def measure_ours(
     engine = {"compile_decode": args.compile_decode, "fuse_decode": args.fuse_decode, "cost_model": args.cost_model,
               "dense_experts": args.dense_experts, "dequantize_rows": args.dequantize_rows,
               "split_quantized_k": args.split_quantized_k, "chunk_attention": args.chunk_attention,
-              "fuse_mixed": args.fuse_mixed, "compile_mixed": args.compile_mixed}  # fmt: skip
+              "fuse_mixed": args.fuse_mixed, "compile_mixed": args.compile_mixed,
+              "row_quantum": args.row_quantum}  # fmt: skip
     # only the contended engine meets long prompts' chunk shapes: the others skip the warm-up
     side = OurSide(dummy, kv_blocks, 500.0, args.attention, **engine, warm_up=False)
     try:
@@ -268,6 +269,8 @@ def main() -> None:
     parser.add_argument("--dense-experts", default="auto", choices=("auto", "on", "off"))
     parser.add_argument("--split-quantized-k", default="auto", choices=("auto", "on", "off", "all"))
     parser.add_argument("--chunk-attention", default="auto", choices=("auto", "sdpa", "matmul"))
+    parser.add_argument("--row-quantum", default="auto", type=row_quantum_arg,
+                        help="EngineConfig.row_quantum: contended steps fill their last row tile (1: off)")
     parser.add_argument(
         "--unsplit-streams", default="", type=_counts,
         help="also decode these stream counts with quantized projections not split over K (e.g. 8,64)",

@@ -22,6 +22,15 @@ def step_target_arg(text: str) -> float | str:
     return value
 
 
+def row_quantum_arg(text: str) -> int | str:
+    """`--row-quantum`: a whole number >= 1, or auto."""
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1 or auto, not {text!r}")
+    return int(text)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     http = parser.add_argument_group("HTTP")
@@ -62,6 +71,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--row-ceiling", type=int, default=2048, help="most rows (tokens) per step (default: %(default)s)")
     s.add_argument("--row-floor", type=int, default=64,
                    help="fewest prefill rows a contended step is cut to (default: %(default)s)")
+    s.add_argument("--row-quantum", type=row_quantum_arg, default="auto", metavar="N|auto",
+                   help="a contended step's rows (decode lanes + prefill) grow to fill their last tile of N rows, "
+                        "which a GEMM that works in row tiles runs at no extra cost; auto: 64 (MLX's CUDA quantized "
+                        "GEMM) for quantized models with CUDA, else 1 = off (default: %(default)s)")
     s.add_argument("--prefill-cost-model", choices=["ema", "bucketed", "affine"], default="ema",
                    help="step-time predictor for row budgets: one EMA ms-per-row, the 96-cell bucketed table, or "
                         "an affine fit (fixed + rows + attention pairs + decode lanes) (default: %(default)s; env "
@@ -133,7 +146,7 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
         model=args.model, memory_budget_gb=args.memory_budget_gb, kv_blocks=args.kv_blocks,
         block_size=args.block_size, max_running=args.max_running, queue_limit=args.queue_limit,
         max_model_len=args.max_model_len, step_target_ms=args.step_target_ms, row_ceiling=args.row_ceiling,
-        row_floor=args.row_floor, cost_model=args.prefill_cost_model, max_overtakes=args.max_overtakes,
+        row_floor=args.row_floor, row_quantum=args.row_quantum, cost_model=args.prefill_cost_model, max_overtakes=args.max_overtakes,
         enable_prefix_cache=not args.no_prefix_cache, decode_debt=not args.no_decode_debt,
         ane_lane=args.ane_lane, ane_package=args.ane_package, ane_timeout_s=args.ane_timeout_s,
         decode_attention=args.decode_attention, compile_decode=args.compile_decode, fuse_decode=args.fuse_decode,

@@ -131,3 +131,22 @@ def test_a_slow_decode_only_step_is_not_decode_debt() -> None:
     scheduler.add(make_request("prompt", 500, base=7000))
     plan = scheduler.schedule(0.31)
     assert plan.budget_reason != "decode-debt" and prefill_ids(plan) == ["prompt"]
+
+
+def test_a_halved_budget_grows_to_fill_its_last_row_tile() -> None:
+    """8 decode lanes beside a long prompt, halved to the 64-row floor: with 64-row tiles the step carries 120
+    prefill rows (8 + 120 = two full tiles, what 8 + 64 already cost), without tiles 64."""
+    budgets = {}
+    for quantum in (1, 64):
+        config = SchedulerConfig(num_blocks=4096, cost_model="ema", step_target_ms=20.0, row_quantum=quantum)
+        scheduler = Scheduler(config)
+        for index in range(8):
+            scheduler.add(make_request(f"stream{index}", 4, max_tokens=500, base=1000 * (index + 1)))
+        run_step(scheduler, 0.0, elapsed_ms=5.0)  # the streams' prompts, uncontended
+        scheduler.add(make_request("long", 16_000, max_tokens=1, base=900_000))
+        scheduler.cost_model.observe(StepShape((PrefillChunk(256, 0),), 8), 256 * 1.0)  # 1 ms a row
+        plan = scheduler.schedule(0.01)
+        decode_lanes = [lane for lane in plan.lanes if lane.kind is LaneKind.DECODE]
+        assert len(decode_lanes) == 8 and plan.budget_reason.startswith("halved")
+        budgets[quantum] = (plan.row_budget, plan.prefill_rows)
+    assert budgets == {1: (64, 64), 64: (120, 120)}

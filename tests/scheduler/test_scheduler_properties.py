@@ -39,12 +39,13 @@ cancel = st.fixed_dictionaries({"kind": st.just("cancel"), "index": st.integers(
 actions = st.lists(st.one_of(arrival, arrival, step, step, step, cancel), min_size=10, max_size=80)
 
 configs = st.builds(
-    lambda num_blocks, block_size, ceiling, floor_shift, max_running, overtakes, model, target, cache, ane: (
+    lambda num_blocks, block_size, ceiling, floor_shift, max_running, overtakes, model, target, cache, ane, quantum: (
         SchedulerConfig(
             num_blocks=num_blocks,
             block_size=block_size,
             row_ceiling=ceiling,
             row_floor=max(1, ceiling >> floor_shift),
+            row_quantum=quantum,
             max_running=max_running,
             max_overtakes=overtakes,
             cost_model=model,
@@ -65,6 +66,7 @@ configs = st.builds(
     target=st.sampled_from([20.0, 500.0]),
     cache=st.booleans(),
     ane=st.booleans(),
+    quantum=st.sampled_from([1, 1, 16, 64]),
 )
 
 
@@ -127,12 +129,14 @@ def test_random_interleavings_keep_every_invariant(config: SchedulerConfig, scri
 
 
 ample = st.builds(
-    lambda ceiling, floor_shift, target: SchedulerConfig(
-        num_blocks=1024, row_ceiling=ceiling, row_floor=max(1, ceiling >> floor_shift), step_target_ms=target
+    lambda ceiling, floor_shift, target, quantum: SchedulerConfig(
+        num_blocks=1024, row_ceiling=ceiling, row_floor=max(1, ceiling >> floor_shift), step_target_ms=target,
+        row_quantum=quantum,
     ),
     ceiling=st.sampled_from([256, 2048]),
     floor_shift=st.integers(1, 5),
     target=st.sampled_from([5.0, 50.0, 500.0]),
+    quantum=st.sampled_from([1, 64]),
 )
 
 
@@ -158,6 +162,9 @@ def test_contended_steps_carry_at_least_the_floor(
         if plan.contended and plan.budget_reason != "decode-debt":
             assert config.row_floor <= plan.row_budget <= config.row_ceiling
             assert plan.prefill_rows >= min(config.row_floor, waiting_rows)
+            lanes = plan.num_rows - plan.prefill_rows
+            if config.row_quantum > 1 and plan.row_budget + lanes < config.row_ceiling:
+                assert (plan.row_budget + lanes) % config.row_quantum == 0  # the last row tile is full
         if not plan.contended:
             assert plan.row_budget == config.row_ceiling
 

@@ -43,6 +43,16 @@ def test_step_target_takes_milliseconds_or_auto(capsys):
         assert "--step-target-ms" in capsys.readouterr().err
 
 
+def test_row_quantum_takes_a_whole_number_or_auto(capsys):
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).row_quantum == "auto"
+    assert parser.parse_args(["serve", "--row-quantum", "64"]).row_quantum == 64
+    for bad in ("tile", "0", "-64", "1.5"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--row-quantum", bad])
+        assert "--row-quantum" in capsys.readouterr().err
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
