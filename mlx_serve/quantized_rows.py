@@ -104,15 +104,15 @@ def split_standalone_projections(model: Any, shared: set[int]) -> int:
 
 def fold_quantized_rows(model: Any, dequantize_from: int = 0) -> int:
     """Make the model's quantized linears fold rows, and run products of `dequantize_from` rows or more (0:
-    never) over their dequantized weights; returns how many it changed."""
-    changed = 0
+    never) over their dequantized weights; returns how many fold rows now (an earlier engine's included)."""
+    folded = 0
     for _, module in model.named_modules():
         if type(module) is nn.QuantizedLinear:
             module.__class__ = RowsQuantizedLinear
-            changed += 1
         if type(module) is RowsQuantizedLinear:
             module.dequantize_from = dequantize_from
-    return changed
+            folded += 1
+    return folded
 
 
 class DequantizedRows:
