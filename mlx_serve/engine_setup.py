@@ -14,10 +14,13 @@ QMM_ROW_TILE = 64  # rows of an output tile of MLX's CUDA quantized GEMM (qmm_sm
 AUTO_STEP_FACTOR = 3.0  # `step_target_ms="auto"`: a contended step may take 3 decode steps (scheduler/step_target.py)
 
 
-def step_target(value: float | str) -> tuple[float, float]:
-    """(fixed target in ms, factor over the measured decode step; 0: fixed) for `EngineConfig.step_target_ms`."""
+def step_target(value: float | str, factor: float = AUTO_STEP_FACTOR) -> tuple[float, float]:
+    """(fixed target in ms, factor over the measured decode step; 0: fixed) for `EngineConfig.step_target_ms` and
+    its `step_target_factor` (used with auto)."""
     if value == "auto":
-        return 500.0, AUTO_STEP_FACTOR  # the seed's value holds until a decode step has been measured
+        if isinstance(factor, bool) or not isinstance(factor, int | float) or not factor > 0:
+            raise InvalidRequest(f"step_target_factor must be a number > 0, not {factor!r}", param="step_target_factor")
+        return 500.0, float(factor)  # the seed's value holds until a decode step has been measured
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise InvalidRequest(f"step_target_ms must be a number of milliseconds > 0 or 'auto', not {value!r}",
                              param="step_target_ms")  # fmt: skip
@@ -45,7 +48,7 @@ def row_quantum(value: int | str, quantized: bool) -> int:
 
 def scheduler_config(c: EngineConfig, num_blocks: int, context_length: int, quantum: int = 1) -> SchedulerConfig:
     """`quantum`: the resolved `row_quantum` (it depends on the loaded model)."""
-    target_ms, factor = step_target(c.step_target_ms)
+    target_ms, factor = step_target(c.step_target_ms, c.step_target_factor)
     return SchedulerConfig(
         num_blocks=num_blocks,
         block_size=c.block_size,

@@ -131,7 +131,7 @@ def measure_ours(
               "dense_experts": args.dense_experts, "dequantize_rows": args.dequantize_rows,
               "split_quantized_k": args.split_quantized_k, "chunk_attention": args.chunk_attention,
               "fuse_mixed": args.fuse_mixed, "compile_mixed": args.compile_mixed,
-              "row_quantum": args.row_quantum}  # fmt: skip
+              "row_quantum": args.row_quantum, "step_target_factor": args.target_factor}  # fmt: skip
     # only the contended engine meets long prompts' chunk shapes: the others skip the warm-up
     side = OurSide(dummy, kv_blocks, 500.0, args.attention, **engine, warm_up=False)
     try:
@@ -239,7 +239,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--step-target-ms", type=step_target_arg, default=None,
-        help="default: target-factor x 8-stream step; auto: the engine's own (3x its measured decode step)"
+        help="default: target-factor x 8-stream step; auto: the engine's own (target-factor x its measured decode step)"
     )
     parser.add_argument("--target-factor", type=float, default=3.0)
     parser.add_argument(

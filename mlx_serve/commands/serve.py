@@ -68,6 +68,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="a contended step's row budget is halved while its predicted time exceeds this; 500 suits "
                         "Apple GPUs, fast datacenter GPUs want far less; auto: 3x the measured decode step, at least "
                         "20 ms (default: %(default)s)")
+    s.add_argument("--step-target-factor", type=float, default=3.0, metavar="F",
+                   help="with --step-target-ms auto: how many measured decode steps a contended step may take "
+                        "(default: %(default)s)")
     s.add_argument("--row-ceiling", type=int, default=2048, help="most rows (tokens) per step (default: %(default)s)")
     s.add_argument("--row-floor", type=int, default=64,
                    help="fewest prefill rows a contended step is cut to (default: %(default)s)")
@@ -145,7 +148,8 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
     return EngineConfig(
         model=args.model, memory_budget_gb=args.memory_budget_gb, kv_blocks=args.kv_blocks,
         block_size=args.block_size, max_running=args.max_running, queue_limit=args.queue_limit,
-        max_model_len=args.max_model_len, step_target_ms=args.step_target_ms, row_ceiling=args.row_ceiling,
+        max_model_len=args.max_model_len, step_target_ms=args.step_target_ms, step_target_factor=args.step_target_factor,
+        row_ceiling=args.row_ceiling,
         row_floor=args.row_floor, row_quantum=args.row_quantum, cost_model=args.prefill_cost_model, max_overtakes=args.max_overtakes,
         enable_prefix_cache=not args.no_prefix_cache, decode_debt=not args.no_decode_debt,
         ane_lane=args.ane_lane, ane_package=args.ane_package, ane_timeout_s=args.ane_timeout_s,

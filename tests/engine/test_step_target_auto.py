@@ -24,6 +24,19 @@ def test_auto_learns_the_decode_step_and_keeps_the_floor(tiny_qwen3):
         engine.shutdown()
 
 
+def test_the_auto_factor_is_configurable(tiny_qwen3):
+    engine = Engine.load(EngineConfig(model=str(tiny_qwen3), step_target_ms="auto", step_target_factor=4.5,
+                                      warm_up=False))  # fmt: skip
+    try:
+        engine.generate([GenerationRequest(prompt_ids=tuple(prompt_of(12, seed=2)), max_tokens=8)])
+        target = engine.scheduler.step_target
+        assert target.factor == 4.5 and target.ms == max(20.0, 4.5 * target.decode_step_ms)
+    finally:
+        engine.shutdown()
+    with pytest.raises(InvalidRequest, match="step_target_factor must be a number > 0"):
+        Engine.load(EngineConfig(model=str(tiny_qwen3), step_target_ms="auto", step_target_factor=0, warm_up=False))
+
+
 @pytest.mark.parametrize("value", ["fast", 0, -1.0, True])
 def test_a_bad_step_target_is_a_clear_error(tiny_qwen3, value):
     with pytest.raises(InvalidRequest, match="step_target_ms must be a number of milliseconds > 0 or 'auto'"):
