@@ -16,7 +16,7 @@ class EngineConfig:
     queue_limit: int = 1024
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     step_target_ms: float | str = 500.0  # or "auto": step_target_factor measured decode-only steps (engine_setup)
-    step_target_factor: float = 3.0  # with auto (engine_setup.AUTO_STEP_FACTOR): how many decode steps a contended step may take
+    step_target_factor: float = 4.0  # with auto: decode steps a contended step may take (AUTO_STEP_FACTOR)
     row_ceiling: int = 2048  # most rows one step carries (SCHEDULER.md)
     row_floor: int = 64  # fewest prefill rows a contended step is cut to
     row_quantum: int | str = "auto"  # contended steps fill their last row tile of this many rows; auto: engine_setup

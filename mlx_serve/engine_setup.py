@@ -11,7 +11,7 @@ from mlx_serve.types import GenerationRequest
 from scheduler import SchedulerConfig
 
 QMM_ROW_TILE = 64  # rows of an output tile of MLX's CUDA quantized GEMM (qmm_sm80) for 33 rows and more
-AUTO_STEP_FACTOR = 3.0  # `step_target_ms="auto"`: a contended step may take 3 decode steps (scheduler/step_target.py)
+AUTO_STEP_FACTOR = 4.0  # `step_target_ms="auto"`: a contended step may take 4 decode steps (scheduler/step_target.py)
 
 
 def step_target(value: float | str, factor: float = AUTO_STEP_FACTOR) -> tuple[float, float]:

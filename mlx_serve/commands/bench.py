@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--kv-blocks", type=int, default=None, metavar="N", help="exact KV pool size in blocks")
     engine.add_argument("--max-running", type=int, default=64, help="most requests holding KV at once (default 64)")
     engine.add_argument("--step-target-ms", type=step_target_arg, default=500.0, metavar="MS|auto",
-                        help="contended steps are cut to fit this time; auto: 3x the decode step (default 500)")
+                        help="contended steps are cut to fit this time; auto: 4x the decode step (default 500)")
     engine.add_argument("--prefill-cost-model", choices=("ema", "bucketed", "affine"), default="ema",
                         help="step-time predictor for row budgets (default ema)")
     engine.add_argument("--row-ceiling", type=int, default=2048, help="most rows per step (default 2048)")

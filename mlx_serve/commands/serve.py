@@ -66,9 +66,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     s = parser.add_argument_group("scheduler")
     s.add_argument("--step-target-ms", type=step_target_arg, default=500.0, metavar="MS|auto",
                    help="a contended step's row budget is halved while its predicted time exceeds this; 500 suits "
-                        "Apple GPUs, fast datacenter GPUs want far less; auto: 3x the measured decode step, at least "
+                        "Apple GPUs, fast datacenter GPUs want far less; auto: --step-target-factor x the measured decode step, at least "
                         "20 ms (default: %(default)s)")
-    s.add_argument("--step-target-factor", type=float, default=3.0, metavar="F",
+    s.add_argument("--step-target-factor", type=float, default=4.0, metavar="F",
                    help="with --step-target-ms auto: how many measured decode steps a contended step may take "
                         "(default: %(default)s)")
     s.add_argument("--row-ceiling", type=int, default=2048, help="most rows (tokens) per step (default: %(default)s)")
