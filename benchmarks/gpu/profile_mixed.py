@@ -24,7 +24,7 @@ import mlx.core as mx
 
 from benchmarks.gpu.models import build_dummy_model
 from benchmarks.gpu.profile_step import cuda_profiled
-from mlx_serve.engine_setup import prefill_gather, split_quantized_k
+from mlx_serve.engine_setup import chunk_attention, prefill_gather, split_quantized_k
 from mlx_serve.kernels.paged_attention import cuda_available, select_decode_attention
 from mlx_serve.kv_pool import KVLayout, KVPool
 from mlx_serve.runner import KV_BUCKET, ModelRunner, history_bucket, query_bucket
@@ -49,7 +49,7 @@ VARIANTS = {  # name: (fuse_mixed, compile_mixed)
 
 def step_phases(
     model, layout: KVLayout, lanes: int, rows: int, history: int, variant: str, repeats: int, profiled: bool = False,
-    split: str = "auto",
+    split: str = "auto", attention: str = "auto",
 ) -> dict:
     """One mixed step's host submission (preparation, build, encode) and device wait when run synchronously, the
     first step's (a compiled variant traces it), and the step's cost queued back to back (one in flight)."""
@@ -60,6 +60,7 @@ def step_phases(
     runner = ModelRunner(
         model, pool, select_decode_attention("auto"), compile_decode=True, fuse_decode=True, fuse_mixed=fuse_mixed,
         compile_mixed=compile_mixed, prefill_gather=prefill_gather(pool), split_k=split_quantized_k(split, fuse_mixed),
+        chunk_attention=chunk_attention(attention),
     )  # fmt: skip
     for rid in [f"d{i}" for i in range(lanes)] + ["p"]:
         runner.add_request(rid, SamplingParams(temperature=0.0))
@@ -185,6 +186,7 @@ def main() -> None:
     parser.add_argument("--variants", default="modules,fused,compiled", help=f"steps through: {', '.join(VARIANTS)}")
     parser.add_argument("--cuda-profile", action="store_true", help="one step in a CUDA profiler range (ncu)")
     parser.add_argument("--split-quantized-k", default="auto", choices=("auto", "on", "off", "all"))
+    parser.add_argument("--chunk-attention", default="auto", choices=("auto", "sdpa", "matmul"))
     args = parser.parse_args()
     dummy = build_dummy_model(args.shape)
     margs = dummy.model.args
@@ -196,7 +198,7 @@ def main() -> None:
             for variant in args.variants.split(","):
                 row = step_phases(
                     dummy.model, layout, args.lanes, rows, args.history, variant, args.repeats, args.cuda_profile,
-                    args.split_quantized_k,
+                    args.split_quantized_k, args.chunk_attention,
                 )
                 print(json.dumps({**base, "rows": rows, "part": "step", "variant": variant, **row}), flush=True)
                 mx.clear_cache()
