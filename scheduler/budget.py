@@ -76,7 +76,8 @@ def choose_row_budget(
 
 def fill_row_tile(budget: int, decode_lanes: int, quantum: int, ceiling: int) -> int:
     """`budget` grown so the step's rows (decode lanes + prefill) end on a multiple of `quantum`, never past the
-    ceiling and never below `budget`: e.g. 8 lanes + 64 rows is two 64-row tiles, 8 + 120 costs the same."""
+    ceiling and never below `budget`: e.g. 8 lanes + 64 rows run two 64-row tiles, so the budget becomes 120. It
+    overrides the prediction by design: at most a tile's rows more than the halving chose."""
     if quantum <= 1 or budget <= 0:
         return budget
     rows = -(-(budget + decode_lanes) // quantum) * quantum

@@ -18,8 +18,9 @@ class SchedulerConfig:
     max_model_len: int = 32768  # a request finishes LENGTH when its tokens reach this
     row_ceiling: int = 2048
     row_floor: int = 64
-    # a contended step's rows (decode lanes + prefill) grow to fill their last tile of this many rows: where a GEMM
-    # runs in row tiles (MLX's CUDA quantized GEMM: 64), rows in a partly filled tile cost nothing more. 1: off
+    # a contended step's rows (decode lanes + prefill) grow to fill their last tile of this many rows, past the
+    # prediction: where GEMMs run in row tiles (MLX's CUDA quantized GEMM: 64) the rows that fill a paid-for tile are
+    # the cheapest a step can add (8B 4-bit: 8 lanes + 120 rows 32 ms, 8 + 64 rows 25 ms, 8 + 56 rows 23 ms). 1: off
     row_quantum: int = 1
     # 500 ms is the seed's Apple-GPU value; a fast GPU (H200) wants tens of ms. With a factor > 0 the target is
     # that many measured decode-only steps (at least step_target_floor_ms), this value only until one is measured

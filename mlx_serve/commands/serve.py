@@ -76,7 +76,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="fewest prefill rows a contended step is cut to (default: %(default)s)")
     s.add_argument("--row-quantum", type=row_quantum_arg, default="auto", metavar="N|auto",
                    help="a contended step's rows (decode lanes + prefill) grow to fill their last tile of N rows, "
-                        "which a GEMM that works in row tiles runs at no extra cost; auto: 64 (MLX's CUDA quantized "
+                        "the cheapest rows a step can add where GEMMs run in row tiles; auto: 64 (MLX's CUDA quantized "
                         "GEMM) for quantized models with CUDA, else 1 = off (default: %(default)s)")
     s.add_argument("--prefill-cost-model", choices=["ema", "bucketed", "affine"], default="ema",
                    help="step-time predictor for row budgets: one EMA ms-per-row, the 96-cell bucketed table, or "
