@@ -40,14 +40,16 @@ def test_full_run_writes_every_figure_and_the_table(tmp_path):
 def test_contended_only_run_and_its_refusal(tmp_path):
     refused = run_bench(tmp_path, "--shapes", "tiny", "--contended-only")
     assert refused.returncode == 2 and "--contended-only needs --step-target-ms" in refused.stderr
-    # with the fused forward for steps with prefill, and the engine's own step target (3x its decode step)
+    # with the fused forward for steps with prefill, the engine's own step target (a factor of its decode step)
+    # and an explicit row tile
     done = run_bench(tmp_path, "--shapes", "tiny", "--contended-only", "--step-target-ms", "auto", "--compile-decode",
-                     "on", "--fuse-decode", "on", "--fuse-mixed", "on")  # fmt: skip
+                     "on", "--fuse-decode", "on", "--fuse-mixed", "on", "--row-quantum", "16")  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     (result,) = json.loads((tmp_path / "gpu_bench.json").read_text())["results"]
     assert result["peer"] == {} and "decode" not in result["ours"]
     assert result["step_target_ms"] >= 20.0  # learned by the end of the run, never under the floor
     assert result["ours"]["step_target_ms"] == result["step_target_ms"]
+    assert result["ours"]["row_quantum"] == 16  # as the engine resolved it
     steps = result["ours"]["contended"]["steps"]
     assert "submission" in steps["mixed_host_ms_p50"]
     assert steps["prefill_steps"] and all(len(step) == 5 and step[0] > 0 for step in steps["prefill_steps"])
