@@ -22,6 +22,17 @@ def step_target_arg(text: str) -> float | str:
     return value
 
 
+def positive_float_arg(text: str) -> float:
+    """A number > 0 (`--step-target-factor`)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, not {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, not {text}")
+    return value
+
+
 def row_quantum_arg(text: str) -> int | str:
     """`--row-quantum`: a whole number >= 1, or auto."""
     if text == "auto":
@@ -66,9 +77,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     s = parser.add_argument_group("scheduler")
     s.add_argument("--step-target-ms", type=step_target_arg, default=500.0, metavar="MS|auto",
                    help="a contended step's row budget is halved while its predicted time exceeds this; 500 suits "
-                        "Apple GPUs, fast datacenter GPUs want far less; auto: --step-target-factor x the measured decode step, at least "
-                        "20 ms (default: %(default)s)")
-    s.add_argument("--step-target-factor", type=float, default=4.0, metavar="F",
+                        "Apple GPUs, fast datacenter GPUs want far less; auto: --step-target-factor x the measured "
+                        "decode step, at least 20 ms (default: %(default)s)")
+    s.add_argument("--step-target-factor", type=positive_float_arg, default=4.0, metavar="F",
                    help="with --step-target-ms auto: how many measured decode steps a contended step may take "
                         "(default: %(default)s)")
     s.add_argument("--row-ceiling", type=int, default=2048, help="most rows (tokens) per step (default: %(default)s)")
@@ -148,9 +159,9 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
     return EngineConfig(
         model=args.model, memory_budget_gb=args.memory_budget_gb, kv_blocks=args.kv_blocks,
         block_size=args.block_size, max_running=args.max_running, queue_limit=args.queue_limit,
-        max_model_len=args.max_model_len, step_target_ms=args.step_target_ms, step_target_factor=args.step_target_factor,
-        row_ceiling=args.row_ceiling,
-        row_floor=args.row_floor, row_quantum=args.row_quantum, cost_model=args.prefill_cost_model, max_overtakes=args.max_overtakes,
+        max_model_len=args.max_model_len, step_target_ms=args.step_target_ms,
+        step_target_factor=args.step_target_factor, row_ceiling=args.row_ceiling, row_floor=args.row_floor,
+        row_quantum=args.row_quantum, cost_model=args.prefill_cost_model, max_overtakes=args.max_overtakes,
         enable_prefix_cache=not args.no_prefix_cache, decode_debt=not args.no_decode_debt,
         ane_lane=args.ane_lane, ane_package=args.ane_package, ane_timeout_s=args.ane_timeout_s,
         decode_attention=args.decode_attention, compile_decode=args.compile_decode, fuse_decode=args.fuse_decode,

@@ -43,6 +43,16 @@ def test_step_target_takes_milliseconds_or_auto(capsys):
         assert "--step-target-ms" in capsys.readouterr().err
 
 
+def test_step_target_factor_takes_a_positive_number(capsys):
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).step_target_factor == 4.0
+    assert parser.parse_args(["serve", "--step-target-factor", "2.5"]).step_target_factor == 2.5
+    for bad in ("many", "0", "-1"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--step-target-factor", bad])
+        assert "--step-target-factor" in capsys.readouterr().err
+
+
 def test_row_quantum_takes_a_whole_number_or_auto(capsys):
     parser = build_parser()
     assert parser.parse_args(["serve"]).row_quantum == "auto"
