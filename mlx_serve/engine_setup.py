@@ -10,7 +10,6 @@ from mlx_serve.errors import ContextLengthExceeded, InvalidRequest
 from mlx_serve.types import GenerationRequest
 from scheduler import SchedulerConfig
 
-QMM_ROW_TILE = 64  # rows of an output tile of MLX's CUDA quantized GEMM (qmm_sm80) for 33 rows and more
 AUTO_STEP_FACTOR = 4.0  # `step_target_ms="auto"`: a contended step may take 4 decode steps (scheduler/step_target.py)
 
 
@@ -40,6 +39,7 @@ def row_quantum(value: int | str, quantized: bool) -> int:
     (off: cuBLAS showed no cliff at 136 rows on the H200, RESULTS eighth run)."""
     if value == "auto":
         from mlx_serve.kernels.paged_attention import cuda_available
+        from mlx_serve.quantized_rows import QMM_ROW_TILE
 
         return QMM_ROW_TILE if quantized and cuda_available() else 1
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -17,8 +17,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-# MLX's CUDA quantized GEMM (`qmm_sm80`, MLX 0.32): output columns per thread block
+# MLX's CUDA quantized GEMM (`qmm_sm80`, MLX 0.32): output columns per thread block, and rows per output tile from
+# 33 rows up (the scheduler's row tile for quantized models, `engine_setup.row_quantum`)
 QMM_BLOCK_COLUMNS = 128
+QMM_ROW_TILE = 64
 SPLIT_TARGET_BLOCKS = 256  # thread blocks a split product should reach (the H200 has 132 SMs)
 SPLIT_MIN_WIDTH = 512  # narrowest K slice `k_splits_for` makes
 SPLIT_MOST = 8  # most K slices `k_splits_for` makes (8 against 4: 790 against 747 tok/s, 8B 4-bit, 8 streams)
