@@ -150,3 +150,15 @@ def test_a_halved_budget_grows_to_fill_its_last_row_tile() -> None:
         assert len(decode_lanes) == 8 and plan.budget_reason.startswith("halved")
         budgets[quantum] = (plan.row_budget, plan.prefill_rows)
     assert budgets == {1: (64, 64), 64: (120, 120)}
+
+
+def test_fill_row_tile_edges() -> None:
+    from scheduler.budget import fill_row_tile
+
+    assert fill_row_tile(64, 8, 64, 2048) == 120  # two tiles: 8 + 120
+    assert fill_row_tile(56, 8, 64, 2048) == 56  # already ends on a tile
+    assert fill_row_tile(128, 8, 64, 2048) == 184
+    assert fill_row_tile(2048, 8, 64, 2048) == 2048  # never below the budget, even at the ceiling
+    assert fill_row_tile(1024, 8, 64, 1040) == 1032  # never past the ceiling: 8 + 1032 = 1040
+    assert fill_row_tile(0, 8, 64, 2048) == 0  # a decode-debt step stays without prefill
+    assert fill_row_tile(64, 8, 1, 2048) == 64  # off
