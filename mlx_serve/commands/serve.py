@@ -9,28 +9,20 @@ from typing import Any
 HELP = "Serve a model over an OpenAI- and Anthropic-compatible HTTP API."
 
 
-def step_target_arg(text: str) -> float | str:
-    """`--step-target-ms`: milliseconds > 0, or auto."""
-    if text == "auto":
-        return text
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected milliseconds or auto, not {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, not {text}")
-    return value
-
-
-def positive_float_arg(text: str) -> float:
+def positive_float_arg(text: str, expected: str = "a number") -> float:
     """A number > 0 (`--step-target-factor`)."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, not {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected {expected}, not {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, not {text}")
     return value
+
+
+def step_target_arg(text: str) -> float | str:
+    """`--step-target-ms`: milliseconds > 0, or auto."""
+    return text if text == "auto" else positive_float_arg(text, "milliseconds or auto")
 
 
 def row_quantum_arg(text: str) -> int | str:
