@@ -33,34 +33,24 @@ def test_serve_help_explains_the_engine_flags(capsys):
         assert flag in out
 
 
-def test_step_target_takes_milliseconds_or_auto(capsys):
+@pytest.mark.parametrize(
+    ("flag", "parsed", "bad"),
+    [
+        ("--step-target-ms", {None: 500.0, "auto": "auto", "40": 40.0}, ("fast", "0", "-5")),
+        ("--step-target-factor", {None: 4.0, "2.5": 2.5}, ("many", "0", "-1")),
+        ("--row-quantum", {None: "auto", "auto": "auto", "64": 64}, ("tile", "0", "-64", "1.5")),
+    ],
+)
+def test_scheduler_flags_parse_their_values_and_refuse_bad_ones(capsys, flag, parsed, bad):
     parser = build_parser()
-    assert parser.parse_args(["serve", "--step-target-ms", "auto"]).step_target_ms == "auto"
-    assert parser.parse_args(["serve", "--step-target-ms", "40"]).step_target_ms == 40.0
-    for bad in ("fast", "0", "-5"):
+    attribute = flag.removeprefix("--").replace("-", "_")
+    for text, value in parsed.items():  # None: the default
+        args = parser.parse_args(["serve"] if text is None else ["serve", flag, text])
+        assert getattr(args, attribute) == value
+    for text in bad:
         with pytest.raises(SystemExit):
-            parser.parse_args(["serve", "--step-target-ms", bad])
-        assert "--step-target-ms" in capsys.readouterr().err
-
-
-def test_step_target_factor_takes_a_positive_number(capsys):
-    parser = build_parser()
-    assert parser.parse_args(["serve"]).step_target_factor == 4.0
-    assert parser.parse_args(["serve", "--step-target-factor", "2.5"]).step_target_factor == 2.5
-    for bad in ("many", "0", "-1"):
-        with pytest.raises(SystemExit):
-            parser.parse_args(["serve", "--step-target-factor", bad])
-        assert "--step-target-factor" in capsys.readouterr().err
-
-
-def test_row_quantum_takes_a_whole_number_or_auto(capsys):
-    parser = build_parser()
-    assert parser.parse_args(["serve"]).row_quantum == "auto"
-    assert parser.parse_args(["serve", "--row-quantum", "64"]).row_quantum == 64
-    for bad in ("tile", "0", "-64", "1.5"):
-        with pytest.raises(SystemExit):
-            parser.parse_args(["serve", "--row-quantum", bad])
-        assert "--row-quantum" in capsys.readouterr().err
+            parser.parse_args(["serve", flag, text])
+        assert flag in capsys.readouterr().err
 
 
 def _free_port() -> int:
