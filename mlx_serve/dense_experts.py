@@ -47,14 +47,20 @@ def worth_it(mlp: Any, rows: int) -> bool:
     return rows * mlp.top_k >= PAIRS_PER_EXPERT * mlp.switch_mlp.gate_proj.num_experts
 
 
-def dense_moe(mlp: Any, x: mx.array) -> mx.array:
-    """`mlp(x)` for `x` `[T, hidden]`, computing every expert for every row (`[E, T, ...]` intermediates)."""
+def route(mlp: Any, x: mx.array) -> tuple[mx.array, mx.array]:
+    """mlx-lm's Qwen3-MoE router for `x` `[T, hidden]`: each row's top-k experts `[T, k]` and their weights."""
     gates = mx.softmax(mlp.gate(x), axis=-1, precise=True)
     k = mlp.top_k
     chosen = mx.argpartition(gates, kth=-k, axis=-1)[..., -k:]
     scores = mx.take_along_axis(gates, chosen, axis=-1)
     if getattr(mlp, "norm_topk_prob", False):
         scores = scores / mx.sum(scores, axis=-1, keepdims=True)
+    return chosen, scores
+
+
+def dense_moe(mlp: Any, x: mx.array) -> mx.array:
+    """`mlp(x)` for `x` `[T, hidden]`, computing every expert for every row (`[E, T, ...]` intermediates)."""
+    chosen, scores = route(mlp, x)
     glu = mlp.switch_mlp
     up = x @ glu.up_proj.weight.swapaxes(-1, -2)  # [E, T, intermediate]
     gate = x @ glu.gate_proj.weight.swapaxes(-1, -2)

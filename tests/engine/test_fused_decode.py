@@ -371,3 +371,21 @@ def test_fused_mixed_step_equals_the_eager_step_with_bucketed_lanes(tiny_qwen3, 
     for a, b in zip(eager, fused):
         assert a[0].item() == b[0].item()
         assert abs(a[1].item() - b[1].item()) < 1e-4
+
+
+@pytest.mark.parametrize("rows,tile", [(1, 4), (5, 1), (16, 4), (33, 8)])
+def test_the_benchmarks_grouped_experts_equal_the_gathered_experts(tiny_qwen3_moe, rows, tile):
+    """`bench_moe`'s expert tiles (the form measured against dense and gathered on the H200): every pair lands in
+    one tile of its expert, so the block's output is mlx-lm's, whatever the tile size."""
+    from benchmarks.gpu.bench_moe import grouped_moe, tile_count, tile_layout
+
+    model, _ = load(str(tiny_qwen3_moe))
+    mlp = model.model.layers[1].mlp
+    x = mx.random.normal((rows, model.args.hidden_size), key=mx.random.key(rows))
+    assert mx.allclose(grouped_moe(mlp, x, tile), mlp(x), rtol=1e-5, atol=1e-6).item()
+    experts = mlp.switch_mlp.gate_proj.num_experts
+    chosen = mx.array([[0, 1]] * rows)  # the most lopsided routing: two experts take every pair
+    order, slot, tile_expert = tile_layout(chosen, experts, tile)
+    assert tile_expert.size == tile_count(2 * rows, experts, tile)
+    assert sorted(slot.tolist()) == sorted(set(slot.tolist()))  # no two pairs share a padded row
+    assert all(tile_expert[s // tile].item() == chosen.reshape(-1)[o].item() for s, o in zip(slot.tolist(), order.tolist()))
