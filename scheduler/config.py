@@ -22,6 +22,9 @@ class SchedulerConfig:
     # prediction: where GEMMs run in row tiles (MLX's CUDA quantized GEMM: 64) the rows that fill a paid-for tile are
     # the cheapest a step can add (8B 4-bit: 8 lanes + 120 rows 32 ms, 8 + 64 rows 25 ms, 8 + 56 rows 23 ms). 1: off
     row_quantum: int = 1
+    # a halved budget grows by half again (1,024 -> 1,536, 256 -> 384) where that is still predicted within the
+    # target: halving alone leaves up to half of the target unused. False: the seed's plain halving
+    budget_midpoints: bool = True
     # 500 ms is the seed's Apple-GPU value; a fast GPU (H200) wants tens of ms. With a factor > 0 the target is
     # that many measured decode-only steps (at least step_target_floor_ms), this value only until one is measured
     step_target_ms: float = 500.0

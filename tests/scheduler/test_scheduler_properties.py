@@ -129,14 +129,15 @@ def test_random_interleavings_keep_every_invariant(config: SchedulerConfig, scri
 
 
 ample = st.builds(
-    lambda ceiling, floor_shift, target, quantum: SchedulerConfig(
+    lambda ceiling, floor_shift, target, quantum, midpoints: SchedulerConfig(
         num_blocks=1024, row_ceiling=ceiling, row_floor=max(1, ceiling >> floor_shift), step_target_ms=target,
-        row_quantum=quantum,
+        row_quantum=quantum, budget_midpoints=midpoints,
     ),
     ceiling=st.sampled_from([256, 2048]),
     floor_shift=st.integers(1, 5),
     target=st.sampled_from([5.0, 50.0, 500.0]),
     quantum=st.sampled_from([1, 64]),
+    midpoints=st.booleans(),
 )
 
 
@@ -165,6 +166,8 @@ def test_contended_steps_carry_at_least_the_floor(
             lanes = plan.num_rows - plan.prefill_rows
             if config.row_quantum > 1 and plan.row_budget + lanes < config.row_ceiling:
                 assert (plan.row_budget + lanes) % config.row_quantum == 0  # the last row tile is full
+            if plan.budget_reason.endswith("+half"):  # a midpoint is taken only where it is predicted to fit
+                assert config.budget_midpoints and plan.predicted_ms <= config.step_target_ms
         if not plan.contended:
             assert plan.row_budget == config.row_ceiling
 

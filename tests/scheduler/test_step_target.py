@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from scheduler_helpers import fake_outcome, make_request, run_step
@@ -94,3 +95,24 @@ def test_decode_debt_uses_the_adaptive_target() -> None:
     assert mixed.prefill_rows > 0
     scheduler.update(mixed, fake_outcome(mixed, elapsed_ms=90.0), 0.14)
     assert scheduler.schedule(0.14).budget_reason == "decode-debt"
+
+
+def plan_beside_a_stream(config: SchedulerConfig, ms_per_row: float) -> StepPlan:
+    scheduler = Scheduler(config)
+    scheduler.add(make_request("stream", 10, max_tokens=100))
+    run_step(scheduler, 0.0, elapsed_ms=10.0)
+    scheduler.cost_model = EmaCostModel()
+    scheduler.cost_model.ms_per_row = ms_per_row
+    scheduler.add(make_request("prompt", 5000, base=7000))
+    return scheduler.schedule(0.05)
+
+
+@pytest.mark.parametrize("midpoints,budget,reason", [(True, 384, "halved:3+half"), (False, 256, "halved:3")])
+def test_a_halved_budget_takes_its_midpoint_when_that_is_predicted_within_the_target(midpoints, budget, reason):
+    """0.1 ms a row against 40 ms: halving stops at 256 rows (25.6 ms); 384 rows (38.4 ms) still fit, 512 do not."""
+    config = SchedulerConfig(num_blocks=4096, step_target_ms=40.0, budget_midpoints=midpoints)
+    plan = plan_beside_a_stream(config, 0.1)
+    assert (plan.row_budget, plan.prefill_rows, plan.budget_reason) == (budget, budget, reason)
+    assert plan.predicted_ms <= 40.0
+    plan = plan_beside_a_stream(config, 0.12)  # 384 rows: 46 ms, over the target: the plain halving stands
+    assert (plan.row_budget, plan.budget_reason) == (256, "halved:3")
