@@ -8,9 +8,22 @@ QUERY_BUCKET_MIN = 64  # fewest query rows a bucketed prefill lane's attention r
 
 
 def query_bucket(rows: int) -> int:
-    """Query rows a bucketed prefill lane's attention is padded to: a power of two, at least 64. Chunk budgets
-    are powers of two already; this catches a prompt's last, partial chunk."""
-    return max(QUERY_BUCKET_MIN, 1 << (rows - 1).bit_length())
+    """Query rows a bucketed prefill lane's attention is padded to: a power of two or 1.5x one, at least 64
+    (under 1.5x padding). Chunk budgets are such numbers already (halved, or 1.5x a halved one); this catches
+    a prompt's last, partial chunk and a budget grown to fill a row tile."""
+    if rows <= QUERY_BUCKET_MIN:
+        return QUERY_BUCKET_MIN
+    power = 1 << (rows - 1).bit_length()
+    return power * 3 // 4 if rows <= power * 3 // 4 else power
+
+
+def query_buckets(max_rows: int) -> list[int]:
+    """Every `query_bucket` up to the one `max_rows` needs, smallest first."""
+    buckets, rows = [], QUERY_BUCKET_MIN
+    while not buckets or buckets[-1] < query_bucket(max_rows):
+        buckets.append(rows)
+        rows = query_bucket(rows + 1)
+    return buckets
 
 
 def history_bucket(end: int, unit: int) -> int:

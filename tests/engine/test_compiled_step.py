@@ -202,14 +202,21 @@ def test_compiled_decode_keeps_penalties_logprobs_and_seeds(tiny_qwen3):
     assert results["on"] == results["off"]
 
 
-def test_query_buckets_are_powers_of_two_from_64():
+def test_query_buckets_are_powers_of_two_and_their_midpoints_from_64():
+    from mlx_serve.buckets import query_buckets
     from mlx_serve.runner import query_bucket
 
-    assert [query_bucket(n) for n in (1, 7, 64, 65, 192, 512, 513, 2048)] == [64, 64, 64, 128, 256, 512, 1024, 2048]
+    got = [query_bucket(n) for n in (1, 7, 64, 65, 97, 192, 193, 384, 385, 512, 513, 2048)]
+    assert got == [64, 64, 64, 96, 128, 192, 256, 384, 512, 512, 768, 2048]
+    assert query_buckets(2048) == [64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
+    for rows in range(1, 2049):  # the smallest bucket that holds the rows: under 1.5x padding
+        bucket = query_bucket(rows)
+        assert bucket >= rows and (bucket == 64 or bucket * 2 < rows * 3)
+        assert all(b < rows for b in query_buckets(2048) if b < bucket)
 
 
 def test_warm_up_builds_every_bucketed_prefill_shape(tiny_qwen3):
-    """Rows 64 and 128 (query buckets up to 70 rows) against the histories up to 100 tokens (buckets 32, 64, 128)
+    """Rows 64 and 96 (query buckets up to 70 rows) against the histories up to 100 tokens (buckets 32, 64, 128)
     that hold them; without history buckets (MLX's CPU backend) there is nothing to warm."""
     import mlx.core as mx
     from mlx_lm import load
