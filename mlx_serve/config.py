@@ -20,6 +20,7 @@ class EngineConfig:
     row_ceiling: int = 2048  # most rows one step carries (SCHEDULER.md)
     row_floor: int = 64  # fewest prefill rows a contended step is cut to
     row_quantum: int | str = "auto"  # contended steps fill their last row tile of this many rows; auto: engine_setup
+    budget_midpoints: bool = True  # a halved budget grows by half again where still predicted within the target
     cost_model: str = "ema"
     max_overtakes: int = 4
     enable_prefix_cache: bool = True
@@ -31,6 +32,7 @@ class EngineConfig:
     fuse_decode: str = "auto"  # "auto" (on when compiled on CUDA and the family is known) | "on" | "off"
     fuse_mixed: str = "auto"  # "auto" (on with CUDA) | "on" | "off": steps with prefill take the fused forward too
     compile_mixed: str = "auto"  # "auto" (off) | "on" | "off": decode lanes + one chunk replay a compiled trace
+    expert_tiles: str = "auto"  # "auto" (the CUDA kernel with CUDA) | "on" | "off": MoE steps of many rows in expert tiles
     dense_experts: str = "auto"  # "auto" (on with CUDA) | "on" | "off": MoE steps of enough rows use every expert
     split_quantized_k: str = "auto"  # "auto" (all with CUDA) | "on" | "off" | "all": quantized projections over K slices
     chunk_attention: str = "auto"  # "auto" | "sdpa" | "matmul": how prefill chunks attend (`ragged.ChunkAttention`)

@@ -84,6 +84,7 @@ class Engine:
             split_k=engine_setup.split_quantized_k(config.split_quantized_k, mixed),
             compile_mixed=engine_setup.compile_mixed(config.compile_mixed, mixed),
             dense_moe=engine_setup.dense_experts(config.dense_experts),
+            expert_tiles=engine_setup.expert_tiles(config.expert_tiles),
             dequantize_rows=engine_setup.dequantize_rows(config.dequantize_rows),
             chunk_attention=engine_setup.chunk_attention(config.chunk_attention),
         )

@@ -61,6 +61,7 @@ def scheduler_config(c: EngineConfig, num_blocks: int, context_length: int, quan
         row_ceiling=c.row_ceiling,
         row_floor=c.row_floor,
         row_quantum=quantum,
+        budget_midpoints=c.budget_midpoints,
         cost_model=c.cost_model,
         max_overtakes=c.max_overtakes,
         decode_debt=c.decode_debt,
@@ -142,6 +143,24 @@ def dense_experts(kind: str) -> bool:
 
         return cuda_available()
     return kind == "on"
+
+
+def expert_tiles(kind: str) -> Any:
+    """How MoE steps of `dense_experts.TILES_FROM_ROWS` rows or more multiply their experts, if through expert tiles
+    (`grouped_experts`): auto = the CUDA kernel with MLX's CUDA backend (H200, 30B-A3B: see `bench_moe`), else
+    none; on = the kernel on CUDA, gather_mm over the tiles elsewhere (the reference, for tests); off = none."""
+    _check_switch(kind, "expert_tiles")
+    from mlx_serve.kernels.paged_attention import cuda_available
+
+    if kind == "off" or (kind == "auto" and not cuda_available()):
+        return None
+    if cuda_available():
+        from mlx_serve.kernels.expert_tiles import expert_tiles_matmul
+
+        return expert_tiles_matmul
+    from mlx_serve.grouped_experts import gather_tiles
+
+    return gather_tiles
 
 
 def split_quantized_k(kind: str, fused_mixed: bool) -> str:

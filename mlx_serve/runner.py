@@ -17,7 +17,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlx_serve import ane_chunks, dense_experts
-from mlx_serve.buckets import KV_BUCKET, QUERY_BUCKET_MIN, history_bucket, query_bucket
+from mlx_serve.buckets import KV_BUCKET, history_bucket, query_bucket, query_buckets
 from mlx_serve.compiled_mixed import CompiledMixed, compilable
 from mlx_serve.compiled_step import CompiledDecode
 from mlx_serve.fused_decode import FusedDecode, split_fused_projections, viewed_projections
@@ -101,6 +101,7 @@ class ModelRunner:
         prefill_gather: PrefillGather | None = None,
         fuse_decode: bool = False,
         dense_moe: bool = False,
+        expert_tiles: Any = None,
         dequantize_rows: int = 0,
         fuse_mixed: bool = False,
         compile_mixed: bool = False,
@@ -129,8 +130,8 @@ class ModelRunner:
         self._last_end_ns: int | None = None  # the device clock at the last step's end
         install_ragged_attention(model)
         self.quantized_projections = fold_quantized_rows(model, dequantize_rows)  # sets the scheduler's row tile
-        if dense_moe:  # MoE blocks compute steps of enough (and not too many) rows over every expert
-            dense_experts.install(model)
+        if dense_moe or expert_tiles is not None:  # MoE blocks pick their form by the step's rows
+            dense_experts.install(model, dense=dense_moe, tiles=expert_tiles)
         self._tied = bool(getattr(getattr(model, "args", None), "tie_word_embeddings", False))
         # single-row steps replay one compiled graph; the reference attention reads per-lane slot lists instead
         use_compiled = compile_decode and not self._decode_lane_slots
@@ -170,15 +171,13 @@ class ModelRunner:
         heads = self.model.args.num_attention_heads
         histories = sorted({history_bucket(end, self.kv_bucket) for end in range(1, max_len + 1, self.kv_bucket)})
         shapes = 0
-        rows = QUERY_BUCKET_MIN
-        while rows <= query_bucket(max_rows):
+        for rows in query_buckets(max_rows):
             for padded in (h for h in histories if h >= rows):
                 q = mx.zeros((1, heads, rows, layout.head_dim), layout.dtype)
                 kv = mx.zeros((1, layout.num_kv_heads, padded, layout.head_dim), layout.dtype)
                 mask = mx.zeros((rows, padded), layout.dtype)[None, None]  # the layout `_bucketed_lane` makes
                 mx.eval(mx.fast.scaled_dot_product_attention(q, kv, kv, scale=layout.head_dim**-0.5, mask=mask))
                 shapes += 1
-            rows *= 2
         return shapes
 
     def warm_quantized_products(self, max_rows: int) -> int:

@@ -1,11 +1,9 @@
 """Micro-benchmark of Qwen3-30B-A3B's expert block by step rows: mlx-lm's gathered experts (`gather_mm` per pair),
-every expert computed densely (`dense_experts`) and pairs grouped into expert tiles (`grouped_moe` below).
+every expert computed densely (`dense_experts`), and pairs grouped into expert tiles (`grouped_experts`) multiplied
+by `gather_mm` (`grouped<tile>`) or by the `expert_tiles` CUDA kernel (`kernel<tile>`, CUDA only).
 
-The grouped form sorts the (row, expert) pairs by expert into fixed-size row tiles and runs one GEMM per tile
-against its expert (`mx.gather_mm` over tiles): the needed FLOPs plus at most one padded tile per expert, in a
-tile count fixed by the rows, so no host sync. It lost on the H200 (twelfth run, RESULTS.md): MLX's CUDA
-`gather_mm` for M > 1 runs a Volta-style kernel at ~80 TFLOP/s, so the grouped form only ties the gathered one
-from 1,024 rows and loses to the dense one below 512. It stays here as the measured alternative.
+Twelfth run (RESULTS.md): tiles through MLX's CUDA `gather_mm` (M > 1: a Volta-style kernel at ~80 TFLOP/s) only
+tie the gathered form from 1,024 rows and lose to the dense one below 512; hence the kernel.
 
     python -m benchmarks.gpu.bench_moe [--rows 8,64,256,1024,2048] [--tiles 16,32,64] [--out moe.jsonl]
 
@@ -18,66 +16,17 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.qwen3_moe import ModelArgs, Qwen3MoeSparseMoeBlock
 
 from benchmarks.gpu.bench_kernel import time_ms
 from mlx_serve import dense_experts
+from mlx_serve.grouped_experts import grouped_moe
+from mlx_serve.kernels.expert_tiles import expert_tiles_matmul
+from mlx_serve.kernels.paged_attention import cuda_available
 
 LAYERS = 48
-
-
-def tile_count(pairs: int, experts: int, tile: int) -> int:
-    """Tiles that always hold `pairs` pairs over `experts` experts: sum over e of ceil(n_e / tile) is at most
-    ceil((pairs + experts * (tile - 1)) / tile)."""
-    return -(-(pairs + experts * (tile - 1)) // tile)
-
-
-def tile_layout(chosen: mx.array, experts: int, tile: int) -> tuple[mx.array, mx.array, mx.array]:
-    """Where each pair goes: `order` (pairs sorted by expert, stable), `slot` (the padded row of each sorted pair)
-    and `tile_expert` (each tile's expert, non-decreasing; tiles past the last used one repeat the last expert and
-    hold zero rows)."""
-    flat = chosen.reshape(-1)
-    pairs = flat.size
-    order = mx.argsort(flat)
-    by_expert = flat[order]
-    counts = (flat[:, None] == mx.arange(experts, dtype=flat.dtype)[None, :]).astype(mx.int32).sum(axis=0)
-    first_pair = mx.cumsum(counts) - counts  # sorted position of each expert's first pair
-    tiles = (counts + tile - 1) // tile
-    tile_end = mx.cumsum(tiles)
-    first_slot = (tile_end - tiles) * tile
-    rank = mx.arange(pairs, dtype=mx.int32) - first_pair[by_expert]
-    slot = first_slot[by_expert] + rank
-    total = tile_count(pairs, experts, tile)
-    tile_expert = (tile_end[None, :] <= mx.arange(total, dtype=mx.int32)[:, None]).astype(mx.int32).sum(axis=1)
-    return order, slot, mx.minimum(tile_expert, experts - 1).astype(mx.uint32)
-
-
-def grouped_moe(mlp: Any, x: mx.array, tile: int = 32) -> mx.array:
-    """`mlp(x)` for `x` `[T, hidden]` over the tiles of `tile_layout`."""
-    chosen, scores = dense_experts.route(mlp, x)
-    glu = mlp.switch_mlp
-    experts = glu.gate_proj.num_experts
-    k = mlp.top_k
-    order, slot, tile_expert = tile_layout(chosen, experts, tile)
-    total = tile_expert.size
-    padded = mx.zeros((total * tile, x.shape[-1]), dtype=x.dtype)
-    padded[slot] = x[order // k]
-    tiles = padded.reshape(total, tile, x.shape[-1])
-    every_tile = mx.arange(total, dtype=mx.uint32)
-
-    def project(inputs: mx.array, linear: Any) -> mx.array:
-        weights = linear.weight.swapaxes(-1, -2)
-        return mx.gather_mm(inputs, weights, every_tile, tile_expert, sorted_indices=True)
-
-    hidden = glu.activation(project(tiles, glu.up_proj), project(tiles, glu.gate_proj))
-    out = project(hidden, glu.down_proj).reshape(total * tile, -1)
-    per_pair = mx.zeros((chosen.size, out.shape[-1]), dtype=out.dtype)
-    per_pair[order] = out[slot]
-    per_pair = per_pair.reshape(*chosen.shape, -1)  # [T, k, hidden], pairs back in each row's top-k order
-    return (per_pair * scores[..., None]).sum(axis=-2).astype(per_pair.dtype)
 
 
 def blocks(distinct: int, dtype: mx.Dtype) -> list[Qwen3MoeSparseMoeBlock]:
@@ -112,16 +61,27 @@ def main() -> None:
     parser.add_argument("--distinct", type=int, default=8)
     parser.add_argument("--dtype", default="bfloat16", help="float32 on the CPU backend (its gather_mm)")
     parser.add_argument("--out", default="")
+    parser.add_argument("--forms", default="", help="only these forms (e.g. gathered,dense,kernel64); default all")
+    parser.add_argument("--breakdown", action="store_true", help="the kernel form's parts, for each rows and tile")
     args = parser.parse_args()
     dtype = getattr(mx, args.dtype)
     layers = blocks(args.distinct, dtype)
+    if args.breakdown:
+        for rows in (int(r) for r in args.rows.split(",")):
+            for tile in (int(t) for t in args.tiles.split(",")):
+                print(json.dumps(breakdown(layers, rows, tile)), flush=True)
+        return
     forms = {"gathered": lambda mlp, x: mlp(x), "dense": dense_experts.dense_moe}
     for tile in (int(t) for t in args.tiles.split(",")):
         forms[f"grouped{tile}"] = lambda mlp, x, tile=tile: grouped_moe(mlp, x, tile)
+        if cuda_available():
+            forms[f"kernel{tile}"] = lambda mlp, x, tile=tile: grouped_moe(mlp, x, tile, expert_tiles_matmul)
+    if args.forms:
+        forms = {name: form for name, form in forms.items() if name in args.forms.split(",")}
     lines = []
     for rows in (int(r) for r in args.rows.split(",")):
         x = mx.random.normal((rows, 2048), key=mx.random.key(rows)).astype(dtype)
-        reference = forms["gathered"](layers[0], x).astype(mx.float32)
+        reference = layers[0](x).astype(mx.float32)  # mlx-lm's block
         for name, form in forms.items():
             if name == "dense" and rows > 2048:
                 continue
@@ -133,6 +93,39 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             f.writelines(json.dumps(line) + "\n" for line in lines)
+
+
+
+def breakdown(layers: list[Qwen3MoeSparseMoeBlock], rows: int, tile: int) -> dict:
+    """Where the kernel form's time goes at `rows`: the router, the tile layout, the three tile products alone (on
+    a fixed layout) and the whole block, each over the 48 layers."""
+    from mlx_serve.grouped_experts import tile_layout
+
+    x = mx.random.normal((rows, 2048), key=mx.random.key(rows)).astype(mx.bfloat16)
+    layout = tile_layout(dense_experts.route(layers[0], x)[0], 128, tile)
+    mx.eval(layout.source, layout.pair_slot, layout.tile_expert, layout.used)
+    experts = (layout.tile_expert, layout.used, tile)
+
+    def vars_of(made):  # a layout's arrays, for mx.eval
+        return [made.source, made.pair_slot, made.tile_expert, made.used]
+
+    def chain(step):
+        return lambda: [step(layers[i % len(layers)]) for i in range(LAYERS)]
+
+    def products(m):
+        g = m.switch_mlp
+        up = expert_tiles_matmul(x, g.up_proj.weight, *experts, layout.source)
+        gate = expert_tiles_matmul(x, g.gate_proj.weight, *experts, layout.source)
+        return expert_tiles_matmul(g.activation(up, gate), g.down_proj.weight, *experts)
+
+    parts = {
+        "route": chain(lambda m: dense_experts.route(m, x)),
+        "route+layout": chain(lambda m: vars_of(tile_layout(dense_experts.route(m, x)[0], 128, tile))),
+        "products": chain(products),
+        "whole": chain(lambda m: grouped_moe(m, x, tile, expert_tiles_matmul)),
+    }
+    return {"rows": rows, "tile": tile, "used_tiles": layout.used.item(), "tiles": layout.tile_expert.size,
+            **{name: round(time_ms(fn, repeats=5), 2) for name, fn in parts.items()}}  # fmt: skip
 
 
 if __name__ == "__main__":

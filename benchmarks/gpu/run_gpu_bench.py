@@ -129,9 +129,11 @@ def measure_ours(
     kv_blocks = max(kv_blocks, math.ceil(2.5 * (p.contended_long + p.prefix_len) / 16))
     engine = {"compile_decode": args.compile_decode, "fuse_decode": args.fuse_decode, "cost_model": args.cost_model,
               "dense_experts": args.dense_experts, "dequantize_rows": args.dequantize_rows,
+              "expert_tiles": args.expert_tiles,
               "split_quantized_k": args.split_quantized_k, "chunk_attention": args.chunk_attention,
               "fuse_mixed": args.fuse_mixed, "compile_mixed": args.compile_mixed,
-              "row_quantum": args.row_quantum, "step_target_factor": args.target_factor}  # fmt: skip
+              "row_quantum": args.row_quantum, "step_target_factor": args.target_factor,
+              "budget_midpoints": args.budget_midpoints == "on"}  # fmt: skip
     # only the contended engine meets long prompts' chunk shapes: the others skip the warm-up
     side = OurSide(dummy, kv_blocks, 500.0, args.attention, **engine, warm_up=False)
     try:
@@ -180,6 +182,7 @@ def measure_ours(
         side.prefill(prompts, p.prefill_lengths[0])  # the cost model learns prefill, then contended steps
         out["warm_up"] = {"shapes": side.engine.warmed[0], "s": round(side.engine.warmed[1], 2)}
         out["row_quantum"] = side.engine.scheduler.config.row_quantum  # as resolved (auto: by model and backend)
+        out["budget_midpoints"] = side.engine.scheduler.config.budget_midpoints
         note(f"{dummy.name} ours warm-up", out["warm_up"])
         # warm-up with the same long prompt: the chunk shapes it meets are compiled (cuDNN graphs) before the run
         # that counts, as mlx-lm's were by its solo prefill of the same prompt length
@@ -268,8 +271,11 @@ def main() -> None:
         help="also decode these stream counts with the fused decode forward off (e.g. 1,8)",
     )
     parser.add_argument("--dense-experts", default="auto", choices=("auto", "on", "off"))
+    parser.add_argument("--expert-tiles", default="auto", choices=("auto", "on", "off"))
     parser.add_argument("--split-quantized-k", default="auto", choices=("auto", "on", "off", "all"))
     parser.add_argument("--chunk-attention", default="auto", choices=("auto", "sdpa", "matmul"))
+    parser.add_argument("--budget-midpoints", choices=["on", "off"], default="on",
+                        help="EngineConfig.budget_midpoints: a halved budget grows by half again where it fits")
     parser.add_argument("--row-quantum", default="auto", type=row_quantum_arg,
                         help="EngineConfig.row_quantum: contended steps fill their last row tile (1: off)")
     parser.add_argument(

@@ -81,6 +81,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="a contended step's rows (decode lanes + prefill) grow to fill their last tile of N rows, "
                         "the cheapest rows a step can add where GEMMs run in row tiles; auto: 64 (MLX's CUDA quantized "
                         "GEMM) for quantized models with CUDA, else 1 = off (default: %(default)s)")
+    s.add_argument("--budget-midpoints", choices=["on", "off"], default="on",
+                   help="a contended budget halved to fit the step target grows by half again (256 -> 384 rows) "
+                        "where that is still predicted to fit; off: plain halving (default: %(default)s)")
     s.add_argument("--prefill-cost-model", choices=["ema", "bucketed", "affine"], default="ema",
                    help="step-time predictor for row budgets: one EMA ms-per-row, the 96-cell bucketed table, or "
                         "an affine fit (fixed + rows + attention pairs + decode lanes) (default: %(default)s; env "
@@ -118,6 +121,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="steps of enough (up to 1,024) rows compute every expert of a Qwen3-MoE block in three "
                         "batched matmuls instead of gather_mm: auto = on with MLX's CUDA backend, where it made "
                         "30B-A3B decode 2-4x faster on the H200 (default: %(default)s)")
+    g.add_argument("--expert-tiles", choices=["auto", "on", "off"], default="auto",
+                   help="MoE steps of 64+ rows sort their (row, expert) pairs into tiles of one expert each and "
+                        "multiply each tile by its expert: auto = a CUDA kernel with MLX's CUDA backend, else off; "
+                        "on elsewhere: MLX's gather_mm over the tiles (default: %(default)s)")
     g.add_argument("--split-quantized-k", choices=["auto", "on", "off", "all"], default="auto",
                    help="quantized models: narrow projections (o_proj, down_proj; all: the fused q/k/v and gate/up "
                         "too) run as one batched product over slices of their input dimension, summed, so that "
@@ -153,11 +160,11 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
         block_size=args.block_size, max_running=args.max_running, queue_limit=args.queue_limit,
         max_model_len=args.max_model_len, step_target_ms=args.step_target_ms,
         step_target_factor=args.step_target_factor, row_ceiling=args.row_ceiling, row_floor=args.row_floor,
-        row_quantum=args.row_quantum, cost_model=args.prefill_cost_model, max_overtakes=args.max_overtakes,
+        row_quantum=args.row_quantum, budget_midpoints=args.budget_midpoints == "on", cost_model=args.prefill_cost_model, max_overtakes=args.max_overtakes,
         enable_prefix_cache=not args.no_prefix_cache, decode_debt=not args.no_decode_debt,
         ane_lane=args.ane_lane, ane_package=args.ane_package, ane_timeout_s=args.ane_timeout_s,
         decode_attention=args.decode_attention, compile_decode=args.compile_decode, fuse_decode=args.fuse_decode,
-        dense_experts=args.dense_experts, fuse_mixed=args.fuse_mixed, compile_mixed=args.compile_mixed, split_quantized_k=args.split_quantized_k, chunk_attention=args.chunk_attention, dequantize_rows=args.dequantize_rows, warm_up=not args.no_warm_up,
+        dense_experts=args.dense_experts, expert_tiles=args.expert_tiles, fuse_mixed=args.fuse_mixed, compile_mixed=args.compile_mixed, split_quantized_k=args.split_quantized_k, chunk_attention=args.chunk_attention, dequantize_rows=args.dequantize_rows, warm_up=not args.no_warm_up,
         pipeline=not args.no_pipeline,
         trace=sink_from_env(args.trace), observer=observer,
         progress=not args.no_progress,

@@ -374,10 +374,10 @@ def test_fused_mixed_step_equals_the_eager_step_with_bucketed_lanes(tiny_qwen3, 
 
 
 @pytest.mark.parametrize("rows,tile", [(1, 4), (5, 1), (16, 4), (33, 8)])
-def test_the_benchmarks_grouped_experts_equal_the_gathered_experts(tiny_qwen3_moe, rows, tile):
-    """`bench_moe`'s expert tiles (the form measured against dense and gathered on the H200): every pair lands in
-    one tile of its expert, so the block's output is mlx-lm's, whatever the tile size."""
-    from benchmarks.gpu.bench_moe import grouped_moe, tile_count, tile_layout
+def test_grouped_experts_equal_the_gathered_experts(tiny_qwen3_moe, rows, tile):
+    """Expert tiles through gather_mm (the reference of the `expert_tiles` kernel): every pair lands in one tile of
+    its expert, so the block's output is mlx-lm's, whatever the tile size."""
+    from mlx_serve.grouped_experts import grouped_moe, tile_count, tile_layout
 
     model, _ = load(str(tiny_qwen3_moe))
     mlp = model.model.layers[1].mlp
@@ -385,7 +385,41 @@ def test_the_benchmarks_grouped_experts_equal_the_gathered_experts(tiny_qwen3_mo
     assert mx.allclose(grouped_moe(mlp, x, tile), mlp(x), rtol=1e-5, atol=1e-6).item()
     experts = mlp.switch_mlp.gate_proj.num_experts
     chosen = mx.array([[0, 1]] * rows)  # the most lopsided routing: two experts take every pair
-    order, slot, tile_expert = tile_layout(chosen, experts, tile)
-    assert tile_expert.size == tile_count(2 * rows, experts, tile)
-    assert sorted(slot.tolist()) == sorted(set(slot.tolist()))  # no two pairs share a padded row
-    assert all(tile_expert[s // tile].item() == chosen.reshape(-1)[o].item() for s, o in zip(slot.tolist(), order.tolist()))
+    layout = tile_layout(chosen, experts, tile)
+    used = layout.used.item()
+    assert layout.tile_expert.size == tile_count(2 * rows, experts, tile) and used == 2 * -(-rows // tile)
+    slots, source = layout.pair_slot.tolist(), layout.source.tolist()
+    assert len(set(slots)) == len(slots)  # no two pairs share a tile row
+    for pair, slot in enumerate(slots):  # each pair's row is its input row, in a tile of its expert
+        assert source[slot] == pair // 2 and layout.tile_expert[slot // tile].item() == pair % 2
+    assert sum(s >= 0 for s in source) == 2 * rows and all(s < 0 for s in source[used * tile :])
+
+
+def test_eager_steps_through_expert_tiles_match_mlx_lm(tiny_qwen3_moe, monkeypatch):
+    """`expert_tiles="on"` off CUDA multiplies the tiles with gather_mm: steps of enough rows (prefill chunks,
+    mixed steps) take the tiles, fewer rows the dense form, and the tokens are mlx-lm's."""
+    from mlx_serve import dense_experts, grouped_experts
+
+    monkeypatch.setattr(dense_experts, "TILES_FROM_ROWS", 6)
+    tiled, dense = [], []
+    original_tiles, original_dense = grouped_experts.grouped_moe, dense_experts.dense_moe
+    monkeypatch.setattr(dense_experts, "grouped_moe", lambda mlp, x, *a: tiled.append(x.shape[0]) or original_tiles(mlp, x, *a))
+    monkeypatch.setattr(dense_experts, "dense_moe", lambda mlp, x: dense.append(x.shape[0]) or original_dense(mlp, x))
+    assert_parity(tiny_qwen3_moe, seed=97, compile_decode="off", dense_experts="on", expert_tiles="on")
+    assert tiled and min(tiled) >= 6 and dense and max(dense) < 6
+    with pytest.raises(InvalidRequest, match="expert_tiles must be auto, on or off"):
+        Engine.load(EngineConfig(model=str(tiny_qwen3_moe), expert_tiles="kernel"))
+
+
+def test_blocks_the_tile_kernel_cannot_take_keep_the_other_forms(tiny_qwen3_moe):
+    """The CUDA kernel takes bf16 weights in whole 128 x 32 slices: the tiny model's float32 experts (48 wide) are
+    never handed to it, while gather_mm's tiles take any block."""
+    from mlx_serve import dense_experts
+    from mlx_serve.grouped_experts import gather_tiles, tiles_fit
+    from mlx_serve.kernels.expert_tiles import expert_tiles_matmul
+
+    model, _ = load(str(tiny_qwen3_moe))
+    mlp = model.model.layers[0].mlp
+    assert not tiles_fit(expert_tiles_matmul, mlp) and tiles_fit(gather_tiles, mlp)
+    dense_experts.install(model, tiles=expert_tiles_matmul)
+    assert type(mlp).expert_tiles is None and type(mlp).dense_max_rows == dense_experts.MAX_ROWS

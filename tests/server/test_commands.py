@@ -39,6 +39,8 @@ def test_serve_help_explains_the_engine_flags(capsys):
         ("--step-target-ms", {None: 500.0, "auto": "auto", "40": 40.0}, ("fast", "0", "-5")),
         ("--step-target-factor", {None: 4.0, "2.5": 2.5}, ("many", "0", "-1")),
         ("--row-quantum", {None: "auto", "auto": "auto", "64": 64}, ("tile", "0", "-64", "1.5")),
+        ("--budget-midpoints", {None: "on", "off": "off"}, ("yes", "")),
+        ("--expert-tiles", {None: "auto", "on": "on", "off": "off"}, ("kernel",)),
     ],
 )
 def test_scheduler_flags_parse_their_values_and_refuse_bad_ones(capsys, flag, parsed, bad):
