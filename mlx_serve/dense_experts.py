@@ -73,12 +73,12 @@ def dense_moe(mlp: Any, x: mx.array) -> mx.array:
 def install(model: Any, max_rows: int = MAX_ROWS, dense: bool = True, tiles: TileMatmul | None = None) -> int:
     """Make every supported MoE block of `model` choose its form by the step's rows (its class becomes a subclass
     whose `__call__` chooses; parameters and weights are untouched): expert tiles through `tiles` from
-    `TILES_FROM_ROWS` rows where given and the block's weights fit it, else with `dense` every expert for steps of enough rows up to `max_rows`,
-    else mlx-lm's gathered experts. Returns how many blocks."""
+    `TILES_FROM_ROWS` rows where given and the block's weights fit it, else with `dense` every expert for steps of
+    enough rows up to `max_rows`, else mlx-lm's gathered experts. Returns how many blocks (0 when run again)."""
     changed = 0
     for layer in getattr(getattr(model, "model", None), "layers", []):
         mlp = getattr(layer, "mlp", None)
-        if mlp is not None and supports(mlp) and not getattr(type(mlp), "dense_max_rows", None):
+        if mlp is not None and supports(mlp) and not getattr(type(mlp), "forms_installed", False):
             fitting = tiles if tiles is not None and tiles_fit(tiles, mlp) else None
             mlp.__class__ = _dense_class(type(mlp), max_rows if dense else 0, fitting)
             changed += 1
@@ -97,7 +97,7 @@ def _dense_class(base: type, max_rows: int, tiles: TileMatmul | None) -> type:
                 return dense_moe(self, x.reshape(rows, x.shape[-1])).reshape(x.shape)
             return base.__call__(self, x)
 
-        attributes = {"__call__": __call__, "dense_max_rows": max(max_rows, 1), "expert_tiles": tiles}
+        attributes = {"__call__": __call__, "forms_installed": True, "dense_max_rows": max_rows, "expert_tiles": tiles}
         _CLASSES[key] = type(f"Dense{base.__name__}", (base,), attributes)
     return _CLASSES[key]
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlx_serve.config import EngineConfig
 from mlx_serve.errors import ContextLengthExceeded, InvalidRequest
 from mlx_serve.types import GenerationRequest
 from scheduler import SchedulerConfig
+
+if TYPE_CHECKING:  # the module stays importable without MLX
+    from mlx_serve.grouped_experts import TileMatmul
 
 AUTO_STEP_FACTOR = 4.0  # `step_target_ms="auto"`: a contended step may take 4 decode steps (scheduler/step_target.py)
 
@@ -145,7 +148,7 @@ def dense_experts(kind: str) -> bool:
     return kind == "on"
 
 
-def expert_tiles(kind: str) -> Any:
+def expert_tiles(kind: str) -> TileMatmul | None:
     """How MoE steps of `dense_experts.TILES_FROM_ROWS` rows or more multiply their experts, if through expert tiles
     (`grouped_experts`): auto = the CUDA kernel with MLX's CUDA backend (H200, 30B-A3B: see `bench_moe`), else
     none; on = the kernel on CUDA, gather_mm over the tiles elsewhere (the reference, for tests); off = none."""

@@ -21,6 +21,7 @@ from mlx_serve.buckets import KV_BUCKET, history_bucket, query_bucket, query_buc
 from mlx_serve.compiled_mixed import CompiledMixed, compilable
 from mlx_serve.compiled_step import CompiledDecode
 from mlx_serve.fused_decode import FusedDecode, split_fused_projections, viewed_projections
+from mlx_serve.grouped_experts import TileMatmul
 from mlx_serve.kernels.paged_attention import cuda_available
 from mlx_serve.kernels.step_clock import CONTINUITY_S, GpuStepClock, StepClock, step_interval_ms
 from mlx_serve.kv_pool import KVPool, slot_array
@@ -101,7 +102,7 @@ class ModelRunner:
         prefill_gather: PrefillGather | None = None,
         fuse_decode: bool = False,
         dense_moe: bool = False,
-        expert_tiles: Any = None,
+        expert_tiles: TileMatmul | None = None,
         dequantize_rows: int = 0,
         fuse_mixed: bool = False,
         compile_mixed: bool = False,
