@@ -72,15 +72,14 @@ def choose_row_budget(
     filled = fill_row_tile(budget, decode_lanes, config.row_quantum, config.row_ceiling)
     if filled != budget:
         budget, predicted = filled, predict(filled)
-    midpoint = halvings and config.budget_midpoints and predicted is not None and predicted <= target_ms
-    if midpoint:
+    widened = False
+    if halvings and config.budget_midpoints and predicted is not None and predicted <= target_ms:
         wider = fill_row_tile(budget + budget // 2, decode_lanes, config.row_quantum, config.row_ceiling)
         wider_predicted = predict(wider) if wider > budget else None
-        midpoint = wider_predicted is not None and wider_predicted <= target_ms
-        if midpoint:
-            budget, predicted = wider, wider_predicted
+        if wider_predicted is not None and wider_predicted <= target_ms:
+            budget, predicted, widened = wider, wider_predicted, True
     if halvings:
-        reason = f"halved:{halvings}" + ("+half" if midpoint else "")
+        reason = f"halved:{halvings}" + ("+half" if widened else "")
     else:
         reason = "contended-untrained" if predicted is None and demand else "contended"
     return BudgetDecision(budget, reason, halvings, predicted)
