@@ -118,11 +118,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="a step of decode lanes and one prefill chunk replays a compiled trace per bucketed shape "
                         "(needs --fuse-mixed; auto = off: GPU-bound steps gained nothing on the H200; default: %(default)s)")
     g.add_argument("--dense-experts", choices=["auto", "on", "off"], default="auto",
-                   help="steps of enough (up to 1,024) rows compute every expert of a Qwen3-MoE block in three "
-                        "batched matmuls instead of gather_mm: auto = on with MLX's CUDA backend, where it made "
-                        "30B-A3B decode 2-4x faster on the H200 (default: %(default)s)")
+                   help="steps of enough (up to 1,024) rows that --expert-tiles does not take compute every expert of "
+                        "a Qwen3-MoE block in three batched matmuls instead of gather_mm: auto = on with MLX's CUDA "
+                        "backend, where it made 30B-A3B decode 2-4x faster on the H200 (default: %(default)s)")
     g.add_argument("--expert-tiles", choices=["auto", "on", "off"], default="auto",
-                   help="MoE steps of 64+ rows sort their (row, expert) pairs into tiles of one expert each and "
+                   help="MoE steps of more than 64 rows (a full decode batch) sort their (row, expert) pairs into tiles of one expert each and "
                         "multiply each tile by its expert: auto = a CUDA kernel with MLX's CUDA backend, else off; "
                         "on elsewhere: MLX's gather_mm over the tiles (default: %(default)s)")
     g.add_argument("--split-quantized-k", choices=["auto", "on", "off", "all"], default="auto",

@@ -20,10 +20,10 @@ import mlx.core as mx
 
 BN, BK = 128, 32
 
-# Template: BM (tile rows: 16, 32 or 64); the header's EXPERT_TILES_GATHER macro (0/1) picks the A rows. Inputs: x [tiles * BM, K] bf16 (GATHER: any [T, K], tile
-# row r being x[source[r]], or zeros where source[r] < 0), w [E, N, K] bf16, tile_expert [tiles] uint32, used [1]
-# int32 (GATHER: then source [tiles * BM] int32). Output: y [tiles * BM, N] bf16. Grid: (N / 128, tiles) blocks of
-# 256 threads.
+# Template: BM (tile rows: 16, 32 or 64); the header's EXPERT_TILES_GATHER macro (0/1) picks the A rows. Inputs:
+# x [tiles * BM, K] bf16 (GATHER: any [T, K], tile row r being x[source[r]], or zeros where source[r] < 0),
+# w [E, N, K] bf16, tile_expert [tiles] uint32, used [1] int32 (GATHER: then source [tiles * BM] int32).
+# Output: y [tiles * BM, N] bf16. Grid: (N / 128, tiles) blocks of 256 threads.
 SOURCE = r"""
   constexpr int WARPS_M = BM >= 32 ? 2 : 1;
   constexpr int WARPS_N = 8 / WARPS_M;
