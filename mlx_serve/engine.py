@@ -86,6 +86,7 @@ class Engine:
             dense_moe=engine_setup.dense_experts(config.dense_experts),
             expert_tiles=engine_setup.expert_tiles(config.expert_tiles),
             dequantize_rows=engine_setup.dequantize_rows(config.dequantize_rows),
+            quantized_tiles=engine_setup.quantized_tiles(config.quantized_tiles),
             chunk_attention=engine_setup.chunk_attention(config.chunk_attention),
         )
         self.scheduler = Scheduler(

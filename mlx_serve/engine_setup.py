@@ -12,6 +12,7 @@ from scheduler import SchedulerConfig
 
 if TYPE_CHECKING:  # the module stays importable without MLX
     from mlx_serve.grouped_experts import TileMatmul
+    from mlx_serve.quantized_rows import QuantizedTiles
 
 AUTO_STEP_FACTOR = 4.0  # `step_target_ms="auto"`: a contended step may take 4 decode steps (scheduler/step_target.py)
 
@@ -164,6 +165,25 @@ def expert_tiles(kind: str) -> TileMatmul | None:
     from mlx_serve.grouped_experts import gather_tiles
 
     return gather_tiles
+
+
+def quantized_tiles(kind: str) -> QuantizedTiles | None:
+    """How quantized projections of `quantized_rows.TILES_FROM_ROWS` rows or more multiply: auto = the
+    `quantized_tiles` kernel with MLX's CUDA backend (4-bit, bf16; MLX's quantized GEMM runs such steps at a fifth
+    of the bf16 GEMM's speed on the H200), else MLX's quantized matmul; on = the kernel on CUDA, its reference
+    (dequantize, then matmul) elsewhere, for tests; off = MLX's quantized matmul."""
+    _check_switch(kind, "quantized_tiles")
+    from mlx_serve.kernels.paged_attention import cuda_available
+
+    if kind == "off" or (kind == "auto" and not cuda_available()):
+        return None
+    from mlx_serve.quantized_rows import REFERENCE_TILES, QuantizedTiles
+
+    if cuda_available():
+        from mlx_serve.kernels import quantized_tiles as kernel
+
+        return QuantizedTiles(kernel.quantized_tiles_matmul, kernel.fits)
+    return REFERENCE_TILES
 
 
 def split_quantized_k(kind: str, fused_mixed: bool) -> str:

@@ -12,6 +12,8 @@ and reads its weights at a fraction of the bandwidth; as `splits` slices of K it
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -27,14 +29,33 @@ SPLIT_MOST = 8  # most K slices `k_splits_for` makes (8 against 4: 790 against 7
 # MLX 0.32's CUDA quantized GEMM returns wrong sums (NaN, or 100% off) over a batch of 64-wide K slices; 128 and
 # wider were exact (H200, bf16 and float32, 128 and 4,096 columns): no slice is ever narrower, whatever the floor
 QMM_MIN_SLICE_WIDTH = 128
+# products of this many rows or more run through `quantized_tiles` where one is given (qmm_sm80 takes 64-row
+# tiles from 33 rows, where its cost per row jumps)
+TILES_FROM_ROWS = 33
+
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedTiles:
+    """A product for quantized linears of many rows, and which linears it takes."""
+
+    # (x [M, K], packed weight [N, K / 8] or [S, N, K / S / 8], scales, biases, group size, bits) -> x @ W.T
+    matmul: Callable[[mx.array, mx.array, mx.array, mx.array, int, int], mx.array]
+    fits: Callable[[nn.Module], bool]
 
 
 class RowsQuantizedLinear(nn.QuantizedLinear):
     dequantize_from = 0  # rows from which a product runs over the dequantized weights (`DequantizedRows`); 0: never
     k_splits = 1  # > 1: weight, scales and biases held as `[k_splits, out, in / k_splits]` slices of K (`split_k`)
+    tiles: QuantizedTiles | None = None  # how products of `TILES_FROM_ROWS` rows or more run (None: as the rest)
 
     def __call__(self, x: mx.array) -> mx.array:
         rows = x.size // x.shape[-1]
+        if self.tiles is not None and rows >= TILES_FROM_ROWS:
+            flat = x.reshape(rows, x.shape[-1])
+            y = self.tiles.matmul(flat, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
+            y = y + self["bias"] if "bias" in self else y
+            return y.reshape(*x.shape[:-1], y.shape[-1])
         if self.dequantize_from and rows >= self.dequantize_from and self.get("global_scale") is None:
             return _dense_product(self, x)
         if self.k_splits > 1:
@@ -104,17 +125,36 @@ def split_standalone_projections(model: Any, shared: set[int]) -> int:
     return sum(split_where_worth_it(module) > 1 for module in modules)
 
 
-def fold_quantized_rows(model: Any, dequantize_from: int = 0) -> int:
-    """Make the model's quantized linears fold rows, and run products of `dequantize_from` rows or more (0:
-    never) over their dequantized weights; returns how many fold rows now (an earlier engine's included)."""
+def fold_quantized_rows(model: Any, dequantize_from: int = 0, tiles: QuantizedTiles | None = None) -> int:
+    """Make the model's quantized linears fold rows, run products of `dequantize_from` rows or more (0: never)
+    over their dequantized weights, and those of `TILES_FROM_ROWS` or more through `tiles` where it takes the
+    linear's quantization; returns how many fold rows now (an earlier engine's included)."""
     folded = 0
     for _, module in model.named_modules():
         if type(module) is nn.QuantizedLinear:
             module.__class__ = RowsQuantizedLinear
         if type(module) is RowsQuantizedLinear:
             module.dequantize_from = dequantize_from
+            module.tiles = tiles if tiles is not None and tiles.fits(module) else None
             folded += 1
     return folded
+
+
+def affine_with_biases(module: nn.Module) -> bool:
+    return getattr(module, "mode", "affine") == "affine" and "biases" in module and module.get("global_scale") is None
+
+
+def reference_matmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+                     bits: int) -> mx.array:  # fmt: skip
+    """What the `quantized_tiles` kernel computes, in MLX ops on any backend: `x @ dequantize(W).T` (the weights
+    rounded to the activation dtype first, as the kernel and MLX's quantized GEMM round them)."""
+    dense = mx.dequantize(weight, scales, biases, group_size, bits)
+    if dense.ndim == 3:  # [splits, out, in / splits] back to [out, in]
+        dense = dense.swapaxes(0, 1).reshape(dense.shape[1], -1)
+    return x @ dense.astype(x.dtype).T
+
+
+REFERENCE_TILES = QuantizedTiles(reference_matmul, affine_with_biases)  # the kernel's stand-in off CUDA (tests)
 
 
 class DequantizedRows:

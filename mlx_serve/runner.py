@@ -25,7 +25,12 @@ from mlx_serve.grouped_experts import TileMatmul
 from mlx_serve.kernels.paged_attention import cuda_available
 from mlx_serve.kernels.step_clock import CONTINUITY_S, GpuStepClock, StepClock, step_interval_ms
 from mlx_serve.kv_pool import KVPool, slot_array
-from mlx_serve.quantized_rows import DequantizedRows, fold_quantized_rows, split_standalone_projections
+from mlx_serve.quantized_rows import (
+    DequantizedRows,
+    QuantizedTiles,
+    fold_quantized_rows,
+    split_standalone_projections,
+)
 from mlx_serve.ragged import (
     ChunkAttention,
     DecodeAttention,
@@ -104,6 +109,7 @@ class ModelRunner:
         dense_moe: bool = False,
         expert_tiles: TileMatmul | None = None,
         dequantize_rows: int = 0,
+        quantized_tiles: QuantizedTiles | None = None,
         fuse_mixed: bool = False,
         compile_mixed: bool = False,
         split_k: str = "off",
@@ -130,7 +136,7 @@ class ModelRunner:
         self._last_done = 0.0  # host time the last step was read back
         self._last_end_ns: int | None = None  # the device clock at the last step's end
         install_ragged_attention(model)
-        self.quantized_projections = fold_quantized_rows(model, dequantize_rows)  # sets the scheduler's row tile
+        self.quantized_projections = fold_quantized_rows(model, dequantize_rows, quantized_tiles)  # sets the scheduler's row tile
         if dense_moe or expert_tiles is not None:  # MoE blocks pick their form by the step's rows
             dense_experts.install(model, dense=dense_moe, tiles=expert_tiles)
         self._tied = bool(getattr(getattr(model, "args", None), "tie_word_embeddings", False))

@@ -63,13 +63,18 @@ def main() -> None:
     parser.add_argument("--out", default="")
     parser.add_argument("--forms", default="", help="only these forms (e.g. gathered,dense,kernel64); default all")
     parser.add_argument("--breakdown", action="store_true", help="the kernel form's parts, for each rows and tile")
+    parser.add_argument("--stages", default="", help="--breakdown: these kernel pipeline depths in turn (e.g. 1,3)")
     args = parser.parse_args()
     dtype = getattr(mx, args.dtype)
     layers = blocks(args.distinct, dtype)
     if args.breakdown:
-        for rows in (int(r) for r in args.rows.split(",")):
-            for tile in (int(t) for t in args.tiles.split(",")):
-                print(json.dumps(breakdown(layers, rows, tile)), flush=True)
+        from mlx_serve.kernels import expert_tiles
+
+        for stages in [int(s) for s in args.stages.split(",") if s] or [expert_tiles.STAGES]:
+            expert_tiles.STAGES = stages
+            for rows in (int(r) for r in args.rows.split(",")):
+                for tile in (int(t) for t in args.tiles.split(",")):
+                    print(json.dumps({"stages": stages, **breakdown(layers, rows, tile)}), flush=True)
         return
     forms = {"gathered": lambda mlp, x: mlp(x), "dense": dense_experts.dense_moe}
     for tile in (int(t) for t in args.tiles.split(",")):
@@ -97,9 +102,10 @@ def main() -> None:
 
 
 def breakdown(layers: list[Qwen3MoeSparseMoeBlock], rows: int, tile: int) -> dict:
-    """Where the kernel form's time goes at `rows`: the router, the tile layout, the three tile products alone (on
-    a fixed layout) and the whole block, each over the 48 layers."""
+    """Where the kernel form's time goes at `rows`: the router, the tile layout (MLX ops, and the layout kernel),
+    the three tile products alone (on a fixed layout) and the whole block, each over the 48 layers."""
     from mlx_serve.grouped_experts import tile_layout
+    from mlx_serve.kernels.tile_layout import cuda_tile_layout
 
     x = mx.random.normal((rows, 2048), key=mx.random.key(rows)).astype(mx.bfloat16)
     layout = tile_layout(dense_experts.route(layers[0], x)[0], 128, tile)
@@ -121,6 +127,7 @@ def breakdown(layers: list[Qwen3MoeSparseMoeBlock], rows: int, tile: int) -> dic
     parts = {
         "route": chain(lambda m: dense_experts.route(m, x)),
         "route+layout": chain(lambda m: vars_of(tile_layout(dense_experts.route(m, x)[0], 128, tile))),
+        "route+layout_kernel": chain(lambda m: vars_of(cuda_tile_layout(dense_experts.route(m, x)[0], 128, tile))),
         "products": chain(products),
         "whole": chain(lambda m: grouped_moe(m, x, tile, expert_tiles_matmul)),
     }

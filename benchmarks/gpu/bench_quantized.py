@@ -6,6 +6,7 @@ dequantized to a dense matmul (`DequantizedRows`, `--dequantize-rows`); up to 2,
 
     python -m benchmarks.gpu.bench_quantized
     python -m benchmarks.gpu.bench_quantized --projections   # every 8B projection the fused decode step runs
+    python -m benchmarks.gpu.bench_quantized --tiles   # the quantized-tiles kernel against MLX's 4-bit GEMM, by rows
 
 The second form looks for the 4-bit 8-lane decode step's missing time (16.6 ms against 7.7 for bf16 8B in the
 seventh run, though the 4096x12288 product of 8 rows costs what bf16 does when one layer is called 36 times, its
@@ -25,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from benchmarks.gpu.bench_kernel import time_ms
+from mlx_serve.kernels.quantized_tiles import quantized_tiles_matmul
 from mlx_serve.quantized_rows import DequantizedRows
 
 K, N, CALLS = 4096, 12288, 36
@@ -96,6 +98,35 @@ def _projection_rows(name: str, k: int, n: int):
         yield row
 
 
+def tiles(rows: tuple[int, ...]) -> None:
+    """Each 8B projection over 36 distinct layers, chained, by rows: bf16, MLX's 4-bit GEMM whole and split over K
+    in 8 slices (as the engine lays o_proj and down_proj), and the quantized-tiles kernel over both layouts."""
+    for name, k, n in PROJECTIONS[:4]:
+        layers = [_layers(k, n) for _ in range(CALLS)]
+        sliced = [_split_k(quant, 8) for _, quant in layers]
+        mx.eval(sliced)
+        for m in rows:
+            x = mx.random.normal((m, k)).astype(mx.bfloat16)
+            mx.eval(x)
+            kernel = [functools.partial(_tiles, quant=quant) for _, quant in layers]
+            kernel_split = [functools.partial(_tiles_split, parts=parts) for parts in sliced]
+            split = [functools.partial(_split_k_product, sliced=parts, splits=8) for parts in sliced]
+            row = {"projection": name, "rows": m, "distinct_layers": CALLS}
+            for variant, products in (("bf16", [dense for dense, _ in layers]), ("q4", [q for _, q in layers]),
+                                      ("q4_split8", split), ("tiles", kernel), ("tiles_split8", kernel_split)):  # fmt: skip
+                row[f"{variant}_ms"] = time_ms(lambda x=x, products=products: _chained(x, products)) / CALLS
+            row["tiles_tflops"] = 2 * m * n * k / row["tiles_ms"] / 1e9
+            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+
+
+def _tiles(x: mx.array, quant: nn.QuantizedLinear) -> mx.array:
+    return quantized_tiles_matmul(x, quant.weight, quant.scales, quant.biases, quant.group_size)
+
+
+def _tiles_split(x: mx.array, parts: tuple[mx.array, mx.array, mx.array]) -> mx.array:
+    return quantized_tiles_matmul(x, *parts, 64)
+
+
 def by_rows() -> None:
     dense, quant = _layers(K, N)
     dequantized = DequantizedRows(1)
@@ -122,7 +153,19 @@ def by_rows() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--projections", action="store_true", help="every 8B projection at 1-64 rows instead")
-    projections() if parser.parse_args().projections else by_rows()
+    parser.add_argument("--tiles", action="store_true", help="the quantized-tiles kernel against MLX's GEMM")
+    parser.add_argument("--rows", default="8,16,32,33,64,128,256,512,2048", help="row counts for --tiles")
+    parser.add_argument("--stages", default="", help="--tiles: these kernel pipeline depths in turn (e.g. 1,3)")
+    args = parser.parse_args()
+    if args.tiles:
+        from mlx_serve.kernels import quantized_tiles
+
+        for stages in [int(s) for s in args.stages.split(",") if s] or [quantized_tiles.STAGES]:
+            quantized_tiles.STAGES = stages
+            print(json.dumps({"stages": stages}), flush=True)
+            tiles(tuple(int(r) for r in args.rows.split(",")))
+    else:
+        projections() if args.projections else by_rows()
 
 
 if __name__ == "__main__":

@@ -129,7 +129,7 @@ def measure_ours(
     kv_blocks = max(kv_blocks, math.ceil(2.5 * (p.contended_long + p.prefix_len) / 16))
     engine = {"compile_decode": args.compile_decode, "fuse_decode": args.fuse_decode, "cost_model": args.cost_model,
               "dense_experts": args.dense_experts, "dequantize_rows": args.dequantize_rows,
-              "expert_tiles": args.expert_tiles,
+              "expert_tiles": args.expert_tiles, "quantized_tiles": args.quantized_tiles,
               "split_quantized_k": args.split_quantized_k, "chunk_attention": args.chunk_attention,
               "fuse_mixed": args.fuse_mixed, "compile_mixed": args.compile_mixed,
               "row_quantum": args.row_quantum, "step_target_factor": args.target_factor,
@@ -272,6 +272,7 @@ def main() -> None:
     )
     parser.add_argument("--dense-experts", default="auto", choices=("auto", "on", "off"))
     parser.add_argument("--expert-tiles", default="auto", choices=("auto", "on", "off"))
+    parser.add_argument("--quantized-tiles", default="auto", choices=("auto", "on", "off"))
     parser.add_argument("--split-quantized-k", default="auto", choices=("auto", "on", "off", "all"))
     parser.add_argument("--chunk-attention", default="auto", choices=("auto", "sdpa", "matmul"))
     parser.add_argument("--budget-midpoints", choices=["on", "off"], default="on",

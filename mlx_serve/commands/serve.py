@@ -125,6 +125,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="MoE steps of more than 64 rows (a full decode batch) sort their (row, expert) pairs into tiles of one expert each and "
                         "multiply each tile by its expert: auto = a CUDA kernel with MLX's CUDA backend, else off; "
                         "on elsewhere: MLX's gather_mm over the tiles (default: %(default)s)")
+    g.add_argument("--quantized-tiles", choices=["auto", "on", "off"], default="auto",
+                   help="4-bit projections of steps of 33 rows or more (prefill chunks) run through a GEMM that "
+                        "dequantizes weight tiles in shared memory: auto = a CUDA kernel with MLX's CUDA backend, "
+                        "else MLX's quantized matmul; on elsewhere: dequantize then matmul (default: %(default)s)")
     g.add_argument("--split-quantized-k", choices=["auto", "on", "off", "all"], default="auto",
                    help="quantized models: narrow projections (o_proj, down_proj; all: the fused q/k/v and gate/up "
                         "too) run as one batched product over slices of their input dimension, summed, so that "
@@ -164,7 +168,7 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
         enable_prefix_cache=not args.no_prefix_cache, decode_debt=not args.no_decode_debt,
         ane_lane=args.ane_lane, ane_package=args.ane_package, ane_timeout_s=args.ane_timeout_s,
         decode_attention=args.decode_attention, compile_decode=args.compile_decode, fuse_decode=args.fuse_decode,
-        dense_experts=args.dense_experts, expert_tiles=args.expert_tiles, fuse_mixed=args.fuse_mixed, compile_mixed=args.compile_mixed, split_quantized_k=args.split_quantized_k, chunk_attention=args.chunk_attention, dequantize_rows=args.dequantize_rows, warm_up=not args.no_warm_up,
+        dense_experts=args.dense_experts, expert_tiles=args.expert_tiles, fuse_mixed=args.fuse_mixed, compile_mixed=args.compile_mixed, split_quantized_k=args.split_quantized_k, chunk_attention=args.chunk_attention, dequantize_rows=args.dequantize_rows, quantized_tiles=args.quantized_tiles, warm_up=not args.no_warm_up,
         pipeline=not args.no_pipeline,
         trace=sink_from_env(args.trace), observer=observer,
         progress=not args.no_progress,

@@ -18,9 +18,12 @@ import functools
 
 import mlx.core as mx
 
-BN, BK = 128, 32
+from mlx_serve.kernels.mma import MMA_HEADER
 
-# Template: BM (tile rows: 16, 32 or 64); the header's EXPERT_TILES_GATHER macro (0/1) picks the A rows. Inputs:
+BN, BK = 128, 32
+STAGES = 2  # k steps of loads in flight (1 and 3 measured the same on the H200)
+
+# Template: BM (tile rows: 16, 32 or 64), STAGES; the header's EXPERT_TILES_GATHER macro (0/1) picks the A rows. Inputs:
 # x [tiles * BM, K] bf16 (GATHER: any [T, K], tile row r being x[source[r]], or zeros where source[r] < 0),
 # w [E, N, K] bf16, tile_expert [tiles] uint32, used [1] int32 (GATHER: then source [tiles * BM] int32).
 # Output: y [tiles * BM, N] bf16. Grid: (N / 128, tiles) blocks of 256 threads.
@@ -62,53 +65,41 @@ SOURCE = r"""
       #pragma unroll
       for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
 
-  // each k step: A is BM x 32 (BM * 4 uint4), B is 128 x 32 (512 uint4, two per thread)
+  // each k step: A is BM x 32 (BM * 4 uint4), B is 128 x 32 (512 uint4, two per thread); loads run STAGES
+  // k steps ahead of the products, in a ring of registers
   constexpr int A_VECS = BM * 4;
-  uint4 a_next = make_uint4(0, 0, 0, 0), b_next0, b_next1;
   const int br0 = tid >> 2, bc = (tid & 3) * 8, br1 = br0 + 64;
   const int ar = tid >> 2, ac = (tid & 3) * 8;  // A: row ar (xa points at it), 8 columns from ac
   const bool a_loads = tid < A_VECS && !a_zero;
-  if (a_loads) a_next = *reinterpret_cast<const uint4*>(xa + ac);
-  b_next0 = *reinterpret_cast<const uint4*>(wb + (size_t)br0 * K + bc);
-  b_next1 = *reinterpret_cast<const uint4*>(wb + (size_t)br1 * K + bc);
-
-  for (int k0 = 0; k0 < K; k0 += 32) {
-    __syncthreads();
-    if (tid < A_VECS) *reinterpret_cast<uint4*>(As + ar * LDS + ac) = a_next;
-    *reinterpret_cast<uint4*>(Bs + br0 * LDS + bc) = b_next0;
-    *reinterpret_cast<uint4*>(Bs + br1 * LDS + bc) = b_next1;
-    __syncthreads();
-    if (k0 + 32 < K) {  // the next slice's loads are in flight while this one is multiplied
-      if (a_loads) a_next = *reinterpret_cast<const uint4*>(xa + k0 + 32 + ac);
-      b_next0 = *reinterpret_cast<const uint4*>(wb + (size_t)br0 * K + k0 + 32 + bc);
-      b_next1 = *reinterpret_cast<const uint4*>(wb + (size_t)br1 * K + k0 + 32 + bc);
+  uint4 a_ring[STAGES], b_ring0[STAGES], b_ring1[STAGES];
+  #pragma unroll
+  for (int st = 0; st < STAGES; ++st) {
+    const int k = st * 32;
+    a_ring[st] = make_uint4(0, 0, 0, 0);
+    if (k < K) {
+      if (a_loads) a_ring[st] = *reinterpret_cast<const uint4*>(xa + k + ac);
+      b_ring0[st] = *reinterpret_cast<const uint4*>(wb + (size_t)br0 * K + k + bc);
+      b_ring1[st] = *reinterpret_cast<const uint4*>(wb + (size_t)br1 * K + k + bc);
     }
+  }
+
+  for (int k0 = 0; k0 < K; k0 += 32 * STAGES) {
     #pragma unroll
-    for (int kk = 0; kk < 32; kk += 16) {
-      unsigned a[MT][4], b[NT][2];
-      #pragma unroll
-      for (int i = 0; i < MT; ++i) {
-        const __nv_bfloat16* p = As + (wm + i * 16 + g) * LDS + kk + q * 2;
-        a[i][0] = *reinterpret_cast<const unsigned*>(p);
-        a[i][1] = *reinterpret_cast<const unsigned*>(p + 8 * LDS);
-        a[i][2] = *reinterpret_cast<const unsigned*>(p + 8);
-        a[i][3] = *reinterpret_cast<const unsigned*>(p + 8 * LDS + 8);
+    for (int st = 0; st < STAGES; ++st) {
+      const int k = k0 + st * 32;
+      if (k >= K) break;  // the same for every thread
+      __syncthreads();
+      if (tid < A_VECS) *reinterpret_cast<uint4*>(As + ar * LDS + ac) = a_ring[st];
+      *reinterpret_cast<uint4*>(Bs + br0 * LDS + bc) = b_ring0[st];
+      *reinterpret_cast<uint4*>(Bs + br1 * LDS + bc) = b_ring1[st];
+      __syncthreads();
+      const int kn = k + 32 * STAGES;
+      if (kn < K) {
+        if (a_loads) a_ring[st] = *reinterpret_cast<const uint4*>(xa + kn + ac);
+        b_ring0[st] = *reinterpret_cast<const uint4*>(wb + (size_t)br0 * K + kn + bc);
+        b_ring1[st] = *reinterpret_cast<const uint4*>(wb + (size_t)br1 * K + kn + bc);
       }
-      #pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        const __nv_bfloat16* p = Bs + (wn + j * 8 + g) * LDS + kk + q * 2;
-        b[j][0] = *reinterpret_cast<const unsigned*>(p);
-        b[j][1] = *reinterpret_cast<const unsigned*>(p + 8);
-      }
-      #pragma unroll
-      for (int i = 0; i < MT; ++i)
-        #pragma unroll
-        for (int j = 0; j < NT; ++j)
-          asm volatile(
-              "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-              "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-              : "+f"(acc[i][j][0]), "+f"(acc[i][j][1]), "+f"(acc[i][j][2]), "+f"(acc[i][j][3])
-              : "r"(a[i][0]), "r"(a[i][1]), "r"(a[i][2]), "r"(a[i][3]), "r"(b[j][0]), "r"(b[j][1]));
+      mma_slice<MT, NT, LDS, 32>(As, Bs, wm, wn, acc);
     }
   }
 
@@ -130,7 +121,8 @@ def _kernel(gather: bool) -> object:
     inputs = ["x", "w", "tile_expert", "used"] + (["source"] if gather else [])
     name = "mlx_serve_expert_tiles_gather" if gather else "mlx_serve_expert_tiles"
     # a macro, not a template argument: the gather branch names an input the other kernel does not have
-    return mx.fast.cuda_kernel(name, inputs, ["y"], SOURCE, header=f"#define EXPERT_TILES_GATHER {int(gather)}\n")
+    header = f"#define EXPERT_TILES_GATHER {int(gather)}\n{MMA_HEADER}"
+    return mx.fast.cuda_kernel(name, inputs, ["y"], SOURCE, header=header)
 
 
 def supports(weight: mx.array, tile_rows: int) -> bool:
@@ -155,7 +147,7 @@ def expert_tiles_matmul(
     gather = source is not None
     (y,) = _kernel(gather)(
         inputs=[x, weight, tile_expert, used] + ([source] if gather else []),
-        template=[("BM", tile_rows)],
+        template=[("BM", tile_rows), ("STAGES", STAGES)],
         grid=(n // BN * 256, tiles, 1),
         threadgroup=(256, 1, 1),
         output_shapes=[(tiles * tile_rows, n)],

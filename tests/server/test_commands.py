@@ -41,6 +41,7 @@ def test_serve_help_explains_the_engine_flags(capsys):
         ("--row-quantum", {None: "auto", "auto": "auto", "64": 64}, ("tile", "0", "-64", "1.5")),
         ("--budget-midpoints", {None: "on", "off": "off"}, ("yes", "")),
         ("--expert-tiles", {None: "auto", "on": "on", "off": "off"}, ("kernel",)),
+        ("--quantized-tiles", {None: "auto", "on": "on", "off": "off"}, ("kernel",)),
     ],
 )
 def test_scheduler_flags_parse_their_values_and_refuse_bad_ones(capsys, flag, parsed, bad):
