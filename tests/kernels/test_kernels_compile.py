@@ -1,0 +1,68 @@
+"""Every CUDA kernel source compiles (nvcc, sm_90) as MLX's CUDA backend would build it: found here, on a
+machine without a GPU, rather than in a device call. Skipped where nvcc is absent."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from mlx_serve.kernels import expert_tiles, quantized_tiles, tile_layout
+from tests.kernels.nvcc_check import compile_source, nvcc, recorded_kernels
+
+pytestmark = pytest.mark.skipif(nvcc() is None, reason="nvcc (the CUDA toolkit) is not installed")
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """The recorded launches; the kernel builders' caches are cleared around the test (a cached real kernel
+    would bypass the recorder, a cached recorder would outlive it)."""
+    builders = (expert_tiles._kernel, quantized_tiles._kernel, tile_layout._kernel)
+    for builder in builders:
+        builder.cache_clear()
+    with recorded_kernels(monkeypatch) as recorded:
+        yield recorded
+    for builder in builders:
+        builder.cache_clear()
+
+
+def assert_compiles(recorded) -> None:
+    assert recorded, "no kernel was launched"
+    for kernel in {kernel.source: kernel for kernel in recorded}.values():  # each distinct unit once
+        result = compile_source(kernel)
+        assert result.returncode == 0, f"{kernel.name}:\n{result.stderr[-4000:]}"
+
+
+@pytest.mark.parametrize("gather", [False, True])
+def test_expert_tiles_compiles(kernels, gather) -> None:
+    x = mx.zeros((64, 64), dtype=mx.bfloat16)
+    weight = mx.zeros((4, 128, 64), dtype=mx.bfloat16)
+    source = mx.zeros((64,), dtype=mx.int32) if gather else None
+    expert_tiles.expert_tiles_matmul(x, weight, mx.zeros((2,), mx.uint32), mx.array([2], mx.int32), 32, source)
+    assert_compiles(kernels)
+
+
+@pytest.mark.parametrize("rows,slices", [(16, 1), (300, 1), (2048, 1), (64, 8)])
+def test_quantized_tiles_compiles(kernels, rows, slices) -> None:
+    """bf16 output (one block per tile) and fp32 partials (K split across blocks), both group sizes."""
+    for group_size in quantized_tiles.GROUP_SIZES:
+        k = 4096
+        weight = mx.zeros((slices, 1024, k // slices // 8), dtype=mx.uint32)
+        scales = mx.zeros((slices, 1024, k // slices // group_size), dtype=mx.bfloat16)
+        quantized_tiles.quantized_tiles_matmul(mx.zeros((rows, k), mx.bfloat16), weight, scales, scales, group_size)
+    assert_compiles(kernels)
+
+
+def test_tile_layout_compiles(kernels) -> None:
+    for tile in (32, 64):
+        tile_layout.cuda_tile_layout(mx.zeros((512, 8), dtype=mx.uint32), 128, tile)
+    assert_compiles(kernels)
+
+
+def test_a_broken_kernel_does_not_compile(kernels) -> None:
+    """The check can fail: a body naming an undeclared variable is reported with nvcc's message."""
+    kernel = mx.fast.cuda_kernel("broken", ["x"], ["y"], "  y[0] = x[0] + undeclared_name;")
+    kernel(inputs=[mx.zeros((1,))], output_shapes=[(1,)], output_dtypes=[mx.float32], grid=(1, 1, 1),
+           threadgroup=(1, 1, 1))  # fmt: skip
+    (recorded,) = kernels
+    result = compile_source(recorded)
+    assert result.returncode != 0 and "undeclared_name" in result.stderr
