@@ -25,7 +25,14 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.switch_layers import SwiGLU, SwitchGLU, SwitchLinear
 
-from mlx_serve.grouped_experts import TileMatmul, grouped_moe, route, tile_rows, tiles_fit
+from mlx_serve.grouped_experts import (
+    LARGE_TILES_FROM_ROWS,
+    TileMatmul,
+    grouped_moe,
+    route,
+    tile_rows,
+    tiles_fit,
+)
 
 # dense once rows x top_k reaches this fraction of the experts: gather_mm's cost grows per pair (~0.6 ms a step
 # per pair on the H200 at 30B-A3B), the dense cost is one read of every expert
@@ -38,6 +45,12 @@ MAX_ROWS = 1024
 # switch at 384 rows left the step time discontinuous in rows: the affine model then over-predicted small chunks
 # 1.5x and cut them to 96-128 rows (contended 16k TTFT 4.51x solo, against 1.63x with one form throughout)
 TILES_FROM_ROWS = 65
+
+
+def warm_up_rows() -> tuple[int, ...]:
+    """A row count in each form's range and each expert-tile size: a decode batch, the tiles' first step, the
+    first step of the large tiles."""
+    return 8, TILES_FROM_ROWS, LARGE_TILES_FROM_ROWS
 
 
 def supports(mlp: Any) -> bool:

@@ -213,6 +213,8 @@ class Engine:
             shapes = self.runner.warm_prefill_attention(self.context_length, self.config.row_ceiling)
             # the quantized matmul variants MLX compiles on first use (CUDA only: elsewhere nothing is compiled)
             products = self.runner.warm_quantized_products(self.config.row_ceiling) if cuda_available() else 0
+            # and the MoE blocks' kernels (expert tiles, their layout), which compile on first use
+            products += self.runner.warm_moe_blocks(self.config.row_ceiling) if cuda_available() else 0
         except Exception:  # a warm-up failure costs first-use time later, never the engine
             log.exception("warm-up failed")
             return

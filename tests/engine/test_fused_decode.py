@@ -423,3 +423,18 @@ def test_blocks_the_tile_kernel_cannot_take_keep_the_other_forms(tiny_qwen3_moe)
     assert not tiles_fit(expert_tiles_matmul, mlp) and tiles_fit(gather_tiles, mlp)
     dense_experts.install(model, tiles=expert_tiles_matmul)
     assert type(mlp).expert_tiles is None and type(mlp).dense_max_rows == dense_experts.MAX_ROWS
+
+
+def test_the_moe_warm_up_runs_each_form_once(tiny_qwen3_moe, monkeypatch):
+    """`warm_moe_blocks` (CUDA start-up: the tile kernels compile at first use) runs one block at a row count of
+    each form and tile size within the ceiling: dense, small tiles, large tiles."""
+    from mlx_serve import dense_experts
+
+    tiled, dense = [], []
+    original_tiles, original_dense = dense_experts.grouped_moe, dense_experts.dense_moe
+    monkeypatch.setattr(dense_experts, "grouped_moe", lambda mlp, x, tile, *a: tiled.append(tile) or original_tiles(mlp, x, tile, *a))
+    monkeypatch.setattr(dense_experts, "dense_moe", lambda mlp, x: dense.append(x.shape[0]) or original_dense(mlp, x))
+    engine = Engine.load(EngineConfig(model=str(tiny_qwen3_moe), dense_experts="on", expert_tiles="on"))
+    engine.shutdown()
+    assert engine.runner.warm_moe_blocks(1024) == 3 and dense == [8] and tiled == [32, 64]
+    assert engine.runner.warm_moe_blocks(100) == 2  # within the ceiling only
