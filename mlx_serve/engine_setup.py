@@ -66,6 +66,7 @@ def scheduler_config(c: EngineConfig, num_blocks: int, context_length: int, quan
         row_floor=c.row_floor,
         row_quantum=quantum,
         budget_midpoints=c.budget_midpoints,
+        plan_headroom=c.plan_headroom,
         cost_model=c.cost_model,
         max_overtakes=c.max_overtakes,
         decode_debt=c.decode_debt,

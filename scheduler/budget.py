@@ -52,7 +52,8 @@ def choose_row_budget(
     target_ms: float,
 ) -> BudgetDecision:
     """The prefill row budget for a step whose ordered prefill demand is `demand`, against `target_ms` (the
-    scheduler's `StepTarget`: fixed, or a multiple of the measured decode step)."""
+    scheduler's `StepTarget`: fixed, or a multiple of the measured decode step) less `config.plan_headroom`."""
+    target_ms *= config.plan_headroom
 
     def predict(budget: int) -> float | None:
         chunks = fill_shortest_first(demand, budget)

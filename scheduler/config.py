@@ -25,6 +25,10 @@ class SchedulerConfig:
     # a halved budget grows by half again (1,024 -> 1,536, 256 -> 384) where that is still predicted within the
     # target: halving alone leaves up to half of the target unused. False: the seed's plain halving
     budget_midpoints: bool = True
+    # contended budgets are planned to this fraction of the step target: a step's ordinary spread (H200: 67-83 ms
+    # for one 768-row shape) must not put every stream in decode debt, which is kept for real mispredictions (30B-A3B,
+    # planned to the full target: a decode-only step after most chunks, the streams' median gap a decode step)
+    plan_headroom: float = 0.9
     # 500 ms is the seed's Apple-GPU value; a fast GPU (H200) wants tens of ms. With a factor > 0 the target is
     # that many measured decode-only steps (at least step_target_floor_ms), this value only until one is measured
     step_target_ms: float = 500.0
@@ -49,6 +53,8 @@ class SchedulerConfig:
             raise ValueError(f"step_target_ms must be > 0, got {self.step_target_ms}")
         if not (self.step_target_factor >= 0 and self.step_target_floor_ms >= 0):
             raise ValueError("step_target_factor and step_target_floor_ms must be >= 0")
+        if not 0 < self.plan_headroom <= 1:
+            raise ValueError(f"plan_headroom must be in (0, 1], got {self.plan_headroom}")
         if self.cost_model not in COST_MODELS:
             raise ValueError(f"cost_model must be one of {COST_MODELS}, got {self.cost_model!r}")
 

@@ -133,7 +133,7 @@ def measure_ours(
               "split_quantized_k": args.split_quantized_k, "chunk_attention": args.chunk_attention,
               "fuse_mixed": args.fuse_mixed, "compile_mixed": args.compile_mixed,
               "row_quantum": args.row_quantum, "step_target_factor": args.target_factor,
-              "budget_midpoints": args.budget_midpoints == "on"}  # fmt: skip
+              "budget_midpoints": args.budget_midpoints == "on", "plan_headroom": args.plan_headroom}  # fmt: skip
     # only the contended engine meets long prompts' chunk shapes: the others skip the warm-up
     side = OurSide(dummy, kv_blocks, 500.0, args.attention, **engine, warm_up=False)
     try:
@@ -183,6 +183,7 @@ def measure_ours(
         out["warm_up"] = {"shapes": side.engine.warmed[0], "s": round(side.engine.warmed[1], 2)}
         out["row_quantum"] = side.engine.scheduler.config.row_quantum  # as resolved (auto: by model and backend)
         out["budget_midpoints"] = side.engine.scheduler.config.budget_midpoints
+        out["plan_headroom"] = side.engine.scheduler.config.plan_headroom
         note(f"{dummy.name} ours warm-up", out["warm_up"])
         # warm-up with the same long prompt: the chunk shapes it meets are compiled (cuDNN graphs) before the run
         # that counts, as mlx-lm's were by its solo prefill of the same prompt length
@@ -277,6 +278,8 @@ def main() -> None:
     parser.add_argument("--chunk-attention", default="auto", choices=("auto", "sdpa", "matmul"))
     parser.add_argument("--budget-midpoints", choices=["on", "off"], default="on",
                         help="EngineConfig.budget_midpoints: a halved budget grows by half again where it fits")
+    parser.add_argument("--plan-headroom", type=float, default=0.9,
+                        help="EngineConfig.plan_headroom: contended steps planned to this fraction of the target")
     parser.add_argument("--row-quantum", default="auto", type=row_quantum_arg,
                         help="EngineConfig.row_quantum: contended steps fill their last row tile (1: off)")
     parser.add_argument(

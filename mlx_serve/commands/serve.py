@@ -25,6 +25,13 @@ def step_target_arg(text: str) -> float | str:
     return text if text == "auto" else positive_float_arg(text, "milliseconds or auto")
 
 
+def _headroom(text: str) -> float:
+    value = positive_float_arg(text, "a fraction")
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be at most 1, not {text}")
+    return value
+
+
 def row_quantum_arg(text: str) -> int | str:
     """`--row-quantum`: a whole number >= 1, or auto."""
     if text == "auto":
@@ -84,6 +91,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--budget-midpoints", choices=["on", "off"], default="on",
                    help="a contended budget halved to fit the step target grows by half again (256 -> 384 rows) "
                         "where that is still predicted to fit; off: plain halving (default: %(default)s)")
+    s.add_argument("--plan-headroom", type=_headroom, default=0.9,
+                   help="contended steps are planned to this fraction of the step target, so that a step's usual "
+                        "spread does not put every stream in decode debt (0 < x <= 1; default: %(default)s)")
     s.add_argument("--prefill-cost-model", choices=["ema", "bucketed", "affine"], default="ema",
                    help="step-time predictor for row budgets: one EMA ms-per-row, the 96-cell bucketed table, or "
                         "an affine fit (fixed + rows + attention pairs + decode lanes) (default: %(default)s; env "
@@ -164,7 +174,7 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
         block_size=args.block_size, max_running=args.max_running, queue_limit=args.queue_limit,
         max_model_len=args.max_model_len, step_target_ms=args.step_target_ms,
         step_target_factor=args.step_target_factor, row_ceiling=args.row_ceiling, row_floor=args.row_floor,
-        row_quantum=args.row_quantum, budget_midpoints=args.budget_midpoints == "on", cost_model=args.prefill_cost_model, max_overtakes=args.max_overtakes,
+        row_quantum=args.row_quantum, budget_midpoints=args.budget_midpoints == "on", plan_headroom=args.plan_headroom, cost_model=args.prefill_cost_model, max_overtakes=args.max_overtakes,
         enable_prefix_cache=not args.no_prefix_cache, decode_debt=not args.no_decode_debt,
         ane_lane=args.ane_lane, ane_package=args.ane_package, ane_timeout_s=args.ane_timeout_s,
         decode_attention=args.decode_attention, compile_decode=args.compile_decode, fuse_decode=args.fuse_decode,

@@ -110,9 +110,27 @@ def plan_beside_a_stream(config: SchedulerConfig, ms_per_row: float) -> StepPlan
 @pytest.mark.parametrize("midpoints,budget,reason", [(True, 384, "halved:3+half"), (False, 256, "halved:3")])
 def test_a_halved_budget_takes_its_midpoint_when_that_is_predicted_within_the_target(midpoints, budget, reason):
     """0.1 ms a row against 40 ms: halving stops at 256 rows (25.6 ms); 384 rows (38.4 ms) still fit, 512 do not."""
-    config = SchedulerConfig(num_blocks=4096, step_target_ms=40.0, budget_midpoints=midpoints)
+    config = SchedulerConfig(num_blocks=4096, step_target_ms=40.0, budget_midpoints=midpoints, plan_headroom=1.0)
     plan = plan_beside_a_stream(config, 0.1)
     assert (plan.row_budget, plan.prefill_rows, plan.budget_reason) == (budget, budget, reason)
     assert plan.predicted_ms <= 40.0
     plan = plan_beside_a_stream(config, 0.12)  # 384 rows: 46 ms, over the target: the plain halving stands
     assert (plan.row_budget, plan.budget_reason) == (256, "halved:3")
+
+
+@pytest.mark.parametrize("headroom,budget", [(1.0, 384), (0.9, 256), (0.5, 192)])
+def test_contended_budgets_are_planned_to_the_headroom_fraction_of_the_target(headroom, budget):
+    """0.1 ms a row against 40 ms: 384 rows (38.4 ms) fit the whole target, not 90% of it (36 ms); half of it
+    (20 ms) leaves 192 (128, then its midpoint). Uncontended steps keep the ceiling whatever the headroom."""
+    config = SchedulerConfig(num_blocks=4096, step_target_ms=40.0, plan_headroom=headroom)
+    plan = plan_beside_a_stream(config, 0.1)
+    assert plan.row_budget == budget and plan.predicted_ms <= 40.0 * headroom
+    alone = Scheduler(config)
+    alone.add(make_request("prompt", 5000))
+    assert alone.schedule(0.0).row_budget == config.row_ceiling
+
+
+@pytest.mark.parametrize("headroom", [0.0, -0.5, 1.01])
+def test_a_headroom_outside_zero_to_one_is_refused(headroom):
+    with pytest.raises(ValueError, match="plan_headroom"):
+        SchedulerConfig(num_blocks=16, plan_headroom=headroom)
