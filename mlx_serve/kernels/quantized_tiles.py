@@ -72,20 +72,21 @@ SOURCE = r"""
 
   // loads run STAGES K steps ahead of the products, in a ring of registers (the global latency is hidden
   // behind STAGES steps of MMAs, not one)
-  const uint4 zero4 = make_uint4(0, 0, 0, 0);
-  uint4 a_ring0[STAGES], a_ring1[STAGES], b_ring[STAGES];
-  __nv_bfloat16 s_ring[STAGES], z_ring[STAGES];
+  struct Stage { uint4 a0, a1, b; __nv_bfloat16 s, z; };  // one K step's loads: A rows, packed B, group
+  auto fetch = [&](int k) {  // k: within this block's part
+    const uint4 zero4 = make_uint4(0, 0, 0, 0);
+    Stage stage;
+    stage.a0 = a_ok0 ? *reinterpret_cast<const uint4*>(xa0 + k) : zero4;
+    stage.a1 = a_ok1 ? *reinterpret_cast<const uint4*>(xa1 + k) : zero4;
+    stage.b = *reinterpret_cast<const uint4*>(w_at(k_begin + k));
+    stage.s = scales[group_at(k_begin + k)];
+    stage.z = biases[group_at(k_begin + k)];
+    return stage;
+  };
+  Stage ring[STAGES];
   #pragma unroll
-  for (int st = 0; st < STAGES; ++st) {
-    const int k = st * 64;
-    if (k < Kp) {
-      a_ring0[st] = a_ok0 ? *reinterpret_cast<const uint4*>(xa0 + k) : zero4;
-      a_ring1[st] = a_ok1 ? *reinterpret_cast<const uint4*>(xa1 + k) : zero4;
-      b_ring[st] = *reinterpret_cast<const uint4*>(w_at(k_begin + k));
-      s_ring[st] = scales[group_at(k_begin + k)];
-      z_ring[st] = biases[group_at(k_begin + k)];
-    }
-  }
+  for (int st = 0; st < STAGES; ++st)
+    if (st * 64 < Kp) ring[st] = fetch(st * 64);
   const __nv_bfloat162 magic = __floats2bfloat162_rn(128.f, 128.f);
 
   for (int k0 = 0; k0 < Kp; k0 += 64 * STAGES) {
@@ -94,13 +95,13 @@ SOURCE = r"""
       const int k = k0 + st * 64;
       if (k >= Kp) break;  // the same for every thread
       __syncthreads();
-      *reinterpret_cast<uint4*>(As + ar * LDS + ac) = a_ring0[st];
-      *reinterpret_cast<uint4*>(As + (ar + 32) * LDS + ac) = a_ring1[st];
+      *reinterpret_cast<uint4*>(As + ar * LDS + ac) = ring[st].a0;
+      *reinterpret_cast<uint4*>(As + (ar + 32) * LDS + ac) = ring[st].a1;
       {
         // 32 nibbles -> 32 bf16: (128 + q) from the bits, minus 128 (exact), times the scale, plus the bias,
         // each operation rounded to bf16 as MLX's dequantization rounds it
-        const __nv_bfloat162 s2 = __bfloat162bfloat162(s_ring[st]), z2 = __bfloat162bfloat162(z_ring[st]);
-        const uint32_t words[4] = {b_ring[st].x, b_ring[st].y, b_ring[st].z, b_ring[st].w};
+        const __nv_bfloat162 s2 = __bfloat162bfloat162(ring[st].s), z2 = __bfloat162bfloat162(ring[st].z);
+        const uint32_t words[4] = {ring[st].b.x, ring[st].b.y, ring[st].b.z, ring[st].b.w};
         uint32_t out[16];
         #pragma unroll
         for (int wi = 0; wi < 4; ++wi) {
@@ -119,13 +120,7 @@ SOURCE = r"""
       }
       __syncthreads();
       const int kn = k + 64 * STAGES;
-      if (kn < Kp) {
-        a_ring0[st] = a_ok0 ? *reinterpret_cast<const uint4*>(xa0 + kn) : zero4;
-        a_ring1[st] = a_ok1 ? *reinterpret_cast<const uint4*>(xa1 + kn) : zero4;
-        b_ring[st] = *reinterpret_cast<const uint4*>(w_at(k_begin + kn));
-        s_ring[st] = scales[group_at(k_begin + kn)];
-        z_ring[st] = biases[group_at(k_begin + kn)];
-      }
+      if (kn < Kp) ring[st] = fetch(kn);
       mma_slice<MT, NT, LDS, 64>(As, Bs, wm, wn, acc);
     }
   }
