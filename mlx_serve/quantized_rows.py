@@ -51,13 +51,14 @@ class RowsQuantizedLinear(nn.QuantizedLinear):
 
     def __call__(self, x: mx.array) -> mx.array:
         rows = x.size // x.shape[-1]
+        # an explicit --dequantize-rows is the user's choice: it goes before the tiles' auto default
+        if self.dequantize_from and rows >= self.dequantize_from and self.get("global_scale") is None:
+            return _dense_product(self, x)
         if self.tiles is not None and rows >= TILES_FROM_ROWS:
             flat = x.reshape(rows, x.shape[-1])
             y = self.tiles.matmul(flat, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
             y = y + self["bias"] if "bias" in self else y
             return y.reshape(*x.shape[:-1], y.shape[-1])
-        if self.dequantize_from and rows >= self.dequantize_from and self.get("global_scale") is None:
-            return _dense_product(self, x)
         if self.k_splits > 1:
             return self._split_product(x)
         if x.ndim == 3 and x.shape[1] == 1 and x.shape[0] > 1:

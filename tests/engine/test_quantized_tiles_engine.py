@@ -98,3 +98,17 @@ def test_the_kernel_takes_only_4bit_affine_bf16_weights_of_whole_tiles():
 )
 def test_k_parts_fill_the_gpu_with_whole_steps(n, rows, k, parts):
     assert quantized_tiles.k_parts(n, rows, k, 64) == parts
+
+
+def test_dequantize_rows_goes_before_the_tiles(tiny_qwen3_4bit, counted_tiles, monkeypatch):
+    """A user's --dequantize-rows is explicit; the tiles are an auto default: a product of enough rows for both
+    runs dense."""
+    model, _ = load(str(tiny_qwen3_4bit))
+    quantized_rows.fold_quantized_rows(model, dequantize_from=16, tiles=quantized_rows.REFERENCE_TILES)
+    proj = model.model.layers[0].mlp.gate_proj
+    dense_calls = []
+    original = quantized_rows._dense_weight
+    monkeypatch.setattr(quantized_rows, "_dense_weight", lambda m: dense_calls.append(m) or original(m))
+    for rows in (20, 10):  # 20: dense (>= 16), 10: tiles (>= 8, the fixture's threshold)
+        proj(mx.random.normal((rows, proj.scales.shape[-1] * proj.group_size), key=mx.random.key(rows)))
+    assert len(dense_calls) == 1 and counted_tiles == [10]
