@@ -214,14 +214,14 @@ class Engine:
             # the quantized matmul variants MLX compiles on first use (CUDA only: elsewhere nothing is compiled)
             products = self.runner.warm_quantized_products(self.config.row_ceiling) if cuda_available() else 0
             # and the MoE blocks' kernels (expert tiles, their layout), which compile on first use
-            products += self.runner.warm_moe_blocks(self.config.row_ceiling) if cuda_available() else 0
+            blocks = self.runner.warm_moe_blocks(self.config.row_ceiling) if cuda_available() else 0
         except Exception:  # a warm-up failure costs first-use time later, never the engine
             log.exception("warm-up failed")
             return
         self.warmed = (shapes, time.perf_counter() - t0)
-        if shapes or products:
-            log.info("warmed %d prefill attention shapes and %d quantized products in %.1f s", shapes, products,
-                     self.warmed[1])  # fmt: skip
+        if shapes or products or blocks:
+            log.info("warmed %d prefill attention shapes, %d quantized products and %d MoE block forms in %.1f s",
+                     shapes, products, blocks, self.warmed[1])  # fmt: skip
 
     def _loop(self) -> None:
         while True:

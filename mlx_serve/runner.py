@@ -136,7 +136,8 @@ class ModelRunner:
         self._last_done = 0.0  # host time the last step was read back
         self._last_end_ns: int | None = None  # the device clock at the last step's end
         install_ragged_attention(model)
-        self.quantized_projections = fold_quantized_rows(model, dequantize_rows, quantized_tiles)  # sets the scheduler's row tile
+        # how many there are sets the scheduler's row tile
+        self.quantized_projections = fold_quantized_rows(model, dequantize_rows, quantized_tiles)
         if dense_moe or expert_tiles is not None:  # MoE blocks pick their form by the step's rows
             dense_experts.install(model, dense=dense_moe, tiles=expert_tiles)
         self._tied = bool(getattr(getattr(model, "args", None), "tie_word_embeddings", False))
