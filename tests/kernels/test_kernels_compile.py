@@ -3,6 +3,9 @@ machine without a GPU, rather than in a device call. Skipped where nvcc is absen
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import mlx.core as mx
 import pytest
 
@@ -27,8 +30,10 @@ def kernels(monkeypatch):
 
 def assert_compiles(recorded) -> None:
     assert recorded, "no kernel was launched"
-    for kernel in {kernel.source: kernel for kernel in recorded}.values():  # each distinct unit once
-        result = compile_source(kernel)
+    units = list({kernel.source: kernel for kernel in recorded}.values())  # each distinct unit once
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # nvcc is one process per unit
+        results = list(pool.map(compile_source, units))
+    for kernel, result in zip(units, results, strict=True):
         assert result.returncode == 0, f"{kernel.name}:\n{result.stderr[-4000:]}"
 
 
@@ -41,14 +46,16 @@ def test_expert_tiles_compiles(kernels, gather) -> None:
     assert_compiles(kernels)
 
 
-@pytest.mark.parametrize("rows,slices", [(16, 1), (300, 1), (2048, 1), (64, 8)])
-def test_quantized_tiles_compiles(kernels, rows, slices) -> None:
-    """bf16 output (one block per tile) and fp32 partials (K split across blocks), both group sizes."""
-    for group_size in quantized_tiles.GROUP_SIZES:
-        k = 4096
-        weight = mx.zeros((slices, 1024, k // slices // 8), dtype=mx.uint32)
-        scales = mx.zeros((slices, 1024, k // slices // group_size), dtype=mx.bfloat16)
-        quantized_tiles.quantized_tiles_matmul(mx.zeros((rows, k), mx.bfloat16), weight, scales, scales, group_size)
+def test_quantized_tiles_compiles(kernels) -> None:
+    """bf16 output (one block per tile) and fp32 partials (K split across blocks), whole and split weights, both
+    group sizes."""
+    k = 4096
+    for rows, slices in [(16, 1), (300, 1), (2048, 1), (64, 8)]:
+        for group_size in quantized_tiles.GROUP_SIZES:
+            weight = mx.zeros((slices, 1024, k // slices // 8), dtype=mx.uint32)
+            scales = mx.zeros((slices, 1024, k // slices // group_size), dtype=mx.bfloat16)
+            x = mx.zeros((rows, k), mx.bfloat16)
+            quantized_tiles.quantized_tiles_matmul(x, weight, scales, scales, group_size)
     assert_compiles(kernels)
 
 
