@@ -149,10 +149,7 @@ def reference_matmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx
                      bits: int) -> mx.array:  # fmt: skip
     """What the `quantized_tiles` kernel computes, in MLX ops on any backend: `x @ dequantize(W).T` (the weights
     rounded to the activation dtype first, as the kernel and MLX's quantized GEMM round them)."""
-    dense = mx.dequantize(weight, scales, biases, group_size, bits)
-    if dense.ndim == 3:  # [splits, out, in / splits] back to [out, in]
-        dense = dense.swapaxes(0, 1).reshape(dense.shape[1], -1)
-    return x @ dense.astype(x.dtype).T
+    return x @ _dequantized(weight, scales, biases, group_size, bits).astype(x.dtype).T
 
 
 REFERENCE_TILES = QuantizedTiles(reference_matmul, affine_with_biases)  # the kernel's stand-in off CUDA (tests)
@@ -198,9 +195,13 @@ def _dense_product(module: nn.Module, x: mx.array) -> mx.array:
 
 
 def _dense_weight(module: nn.Module) -> mx.array:
-    dense = mx.dequantize(
-        module["weight"], module["scales"], module.get("biases"), module.group_size, module.bits, mode=module.mode
-    )
-    if getattr(module, "k_splits", 1) > 1:  # [splits, out, in / splits] back to [out, in]
-        dense = dense.swapaxes(0, 1).reshape(dense.shape[1], -1)
-    return dense
+    return _dequantized(module["weight"], module["scales"], module.get("biases"), module.group_size, module.bits,
+                        module.mode)  # fmt: skip
+
+
+def _dequantized(weight: mx.array, scales: mx.array, biases: mx.array | None, group_size: int, bits: int,
+                 mode: str = "affine") -> mx.array:  # fmt: skip
+    """The dense `[out, in]` weight of packed arrays, whole or split over K (`split_k`'s `[splits, out, in /
+    splits]`, put back in order)."""
+    dense = mx.dequantize(weight, scales, biases, group_size, bits, mode=mode)
+    return dense.swapaxes(0, 1).reshape(dense.shape[1], -1) if dense.ndim == 3 else dense
