@@ -89,5 +89,11 @@ def main() -> None:
             json.dump({"device": str(mx.default_device()), "rows": rows}, f, indent=1)
 
 
+def variants(spec: str) -> list[dict[str, int]]:
+    """`--variants` text: variants split by `;`, each `NAME=value` pairs split by `,` (e.g. `PIPE=2;PIPE=3,THREADS=128`)."""
+    return [{k: int(v) for k, v in (pair.split("=") for pair in variant.split(","))} for variant in spec.split(";") if variant]
+
+
 if __name__ == "__main__":
     main()
+

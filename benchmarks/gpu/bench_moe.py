@@ -20,7 +20,7 @@ import json
 import mlx.core as mx
 from mlx_lm.models.qwen3_moe import ModelArgs, Qwen3MoeSparseMoeBlock
 
-from benchmarks.gpu.bench_kernel import time_ms
+from benchmarks.gpu.bench_kernel import time_ms, variants
 from mlx_serve import dense_experts
 from mlx_serve.grouped_experts import grouped_moe
 from mlx_serve.kernels.expert_tiles import expert_tiles_matmul
@@ -63,18 +63,20 @@ def main() -> None:
     parser.add_argument("--out", default="")
     parser.add_argument("--forms", default="", help="only these forms (e.g. gathered,dense,kernel64); default all")
     parser.add_argument("--breakdown", action="store_true", help="the kernel form's parts, for each rows and tile")
-    parser.add_argument("--stages", default="", help="--breakdown: these kernel pipeline depths in turn (e.g. 1,3)")
+    parser.add_argument("--variants", default="", help="--breakdown: the kernel module's constants set in turn, "
+                        "e.g. 'PIPE=2;PIPE=3,THREADS=128' (default: as the module has them)")
     args = parser.parse_args()
     dtype = getattr(mx, args.dtype)
     layers = blocks(args.distinct, dtype)
     if args.breakdown:
         from mlx_serve.kernels import expert_tiles
 
-        for stages in [int(s) for s in args.stages.split(",") if s] or [expert_tiles.STAGES]:
-            expert_tiles.STAGES = stages
+        for variant in variants(args.variants) or [{}]:
+            for name, value in variant.items():
+                setattr(expert_tiles, name, value)
             for rows in (int(r) for r in args.rows.split(",")):
                 for tile in (int(t) for t in args.tiles.split(",")):
-                    print(json.dumps({"stages": stages, **breakdown(layers, rows, tile)}), flush=True)
+                    print(json.dumps({"variant": variant, **breakdown(layers, rows, tile)}), flush=True)
         return
     forms = {"gathered": lambda mlp, x: mlp(x), "dense": dense_experts.dense_moe}
     for tile in (int(t) for t in args.tiles.split(",")):

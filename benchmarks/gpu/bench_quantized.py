@@ -25,9 +25,9 @@ import json
 import mlx.core as mx
 import mlx.nn as nn
 
-from benchmarks.gpu.bench_kernel import time_ms
+from benchmarks.gpu.bench_kernel import time_ms, variants
 from mlx_serve.kernels.quantized_tiles import quantized_tiles_matmul
-from mlx_serve.quantized_rows import DequantizedRows
+from mlx_serve.quantized_rows import DequantizedRows, reference_matmul
 
 K, N, CALLS = 4096, 12288, 36
 # (name, in, out) of Qwen3-8B's products in the fused decode forward
@@ -98,9 +98,10 @@ def _projection_rows(name: str, k: int, n: int):
         yield row
 
 
-def tiles(rows: tuple[int, ...]) -> None:
+def tiles(rows: tuple[int, ...], first: bool = True) -> None:
     """Each 8B projection over 36 distinct layers, chained, by rows: bf16, MLX's 4-bit GEMM whole and split over K
-    in 8 slices (as the engine lays o_proj and down_proj), and the quantized-tiles kernel over both layouts."""
+    in 8 slices (as the engine lays o_proj and down_proj), and the quantized-tiles kernel over both layouts (only
+    the kernel's when not `first`), with the kernel's largest error against dequantize-then-matmul."""
     for name, k, n in PROJECTIONS[:4]:
         layers = [_layers(k, n) for _ in range(CALLS)]
         sliced = [_split_k(quant, 8) for _, quant in layers]
@@ -111,9 +112,13 @@ def tiles(rows: tuple[int, ...]) -> None:
             kernel = [functools.partial(_tiles, quant=quant) for _, quant in layers]
             kernel_split = [functools.partial(_tiles_split, parts=parts) for parts in sliced]
             split = [functools.partial(_split_k_product, sliced=parts, splits=8) for parts in sliced]
-            row = {"projection": name, "rows": m, "distinct_layers": CALLS}
-            for variant, products in (("bf16", [dense for dense, _ in layers]), ("q4", [q for _, q in layers]),
-                                      ("q4_split8", split), ("tiles", kernel), ("tiles_split8", kernel_split)):  # fmt: skip
+            quant = layers[0][1]
+            want = reference_matmul(x, quant.weight, quant.scales, quant.biases, quant.group_size, 4)
+            row = {"projection": name, "rows": m, "distinct_layers": CALLS,
+                   "tiles_max_rel_err": (mx.abs(kernel[0](x) - want).max() / mx.abs(want).max()).item(),
+                   "tiles_split8_max_rel_err": (mx.abs(kernel_split[0](x) - want).max() / mx.abs(want).max()).item()}  # fmt: skip
+            peers = (("bf16", [dense for dense, _ in layers]), ("q4", [q for _, q in layers]), ("q4_split8", split))
+            for variant, products in (peers if first else ()) + (("tiles", kernel), ("tiles_split8", kernel_split)):
                 row[f"{variant}_ms"] = time_ms(lambda x=x, products=products: _chained(x, products)) / CALLS
             row["tiles_tflops"] = 2 * m * n * k / row["tiles_ms"] / 1e9
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
@@ -155,15 +160,17 @@ def main() -> None:
     parser.add_argument("--projections", action="store_true", help="every 8B projection at 1-64 rows instead")
     parser.add_argument("--tiles", action="store_true", help="the quantized-tiles kernel against MLX's GEMM")
     parser.add_argument("--rows", default="8,16,32,33,64,128,256,512,2048", help="row counts for --tiles")
-    parser.add_argument("--stages", default="", help="--tiles: these kernel pipeline depths in turn (e.g. 1,3)")
+    parser.add_argument("--variants", default="", help="--tiles: the kernel module's constants set in turn, e.g. "
+                        "'PIPE=2;PIPE=3,TARGET_BLOCKS=396' (default: as the module has them)")
     args = parser.parse_args()
     if args.tiles:
         from mlx_serve.kernels import quantized_tiles
 
-        for stages in [int(s) for s in args.stages.split(",") if s] or [quantized_tiles.STAGES]:
-            quantized_tiles.STAGES = stages
-            print(json.dumps({"stages": stages}), flush=True)
-            tiles(tuple(int(r) for r in args.rows.split(",")))
+        for number, variant in enumerate(variants(args.variants) or [{}]):
+            for name, value in variant.items():
+                setattr(quantized_tiles, name, value)
+            print(json.dumps({"variant": variant}), flush=True)
+            tiles(tuple(int(r) for r in args.rows.split(",")), first=number == 0)
     else:
         projections() if args.projections else by_rows()
 

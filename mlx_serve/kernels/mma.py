@@ -2,10 +2,12 @@
 products over a K slice staged in shared memory (`ldmatrix` fragments, `mma.sync m16n8k16`, fp32 sums; inline
 PTX: no header needed).
 
-Layout: `As` holds the block's A rows and `Bs` its weight rows (`y = A W^T`), each row `LDS` bf16 apart with the
-slice's K contiguous (a row stride of 16 bytes times an odd number of 4-bank groups keeps `ldmatrix` free of bank
-conflicts: 80 and 144 bytes do); a warp owns `MT` m16 tiles from row `wm` and `NT` (even) n8 tiles from column
-`wn`. One `ldmatrix.x4` loads an m16 x k16 A fragment, or the k16 B fragments of two n8 tiles.
+Layout: `As` holds the block's A rows and `Bs` its weight rows (`y = A W^T`), each row's K slice in 16-byte
+chunks placed by a `Padded<LDS>` or `Swizzled` layout (both keep `ldmatrix` free of bank conflicts); a warp owns
+`MT` m16 tiles from row `wm` and `NT` (even) n8 tiles from column `wn`. One `ldmatrix.x4` loads an m16 x k16 A fragment, or the k16 B fragments of two n8 tiles.
+
+Staging: `cp_async16` copies 16 bytes from global to shared memory without passing through registers (zeros
+where `valid` is false), so a block keeps several K steps of copies in flight behind one barrier a step.
 """
 
 MMA_HEADER = r"""
@@ -15,35 +17,63 @@ __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const __nv_bfloat1
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
 }
 
-template <int MT, int NT, int LDS, int BK>
+__device__ __forceinline__ void cp_async16(void* smem, const void* global, bool valid) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(address), "l"(global), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" :: "n"(PENDING) : "memory");
+}
+
+__device__ __forceinline__ void mma_bf16(float (&acc)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Where a slice's 16-byte chunk `chunk` of row `row` sits, in bf16 elements from the slice's start: rows padded
+// to LDS (a stride of 16 bytes times an odd number keeps ldmatrix's 8 rows on distinct banks), or rows of 8
+// chunks unpadded with the chunk index XORed by the row's low 3 bits (the same 8 rows again on distinct banks).
+template <int LDS>
+struct Padded {
+  static __device__ __forceinline__ int at(int row, int chunk) { return row * LDS + chunk * 8; }
+};
+struct Swizzled {
+  static __device__ __forceinline__ int at(int row, int chunk) { return row * 64 + ((chunk ^ (row & 7)) * 8); }
+};
+// a k step's layout: 32 bf16 (rows padded to 80 bytes) or 64 (rows of 128 bytes, swizzled)
+template <int KB> struct StepLayout { using type = Padded<40>; };
+template <> struct StepLayout<64> { using type = Swizzled; };
+
+template <int MT, int NT, int BK, class Layout>
 __device__ __forceinline__ void mma_slice(const __nv_bfloat16* As, const __nv_bfloat16* Bs, int wm, int wn,
                                           float (&acc)[MT][NT][4]) {
   static_assert(NT % 2 == 0, "B fragments load two n8 tiles at a time");
   const int lane = threadIdx.x & 31;
   // A: lanes 0-15 address rows 0-15 at k, lanes 16-31 the same rows at k + 8 (matrices: rows 0-7 / 8-15, k / k+8)
-  const __nv_bfloat16* a_base = As + (wm + (lane & 15)) * LDS + (lane >> 4) * 8;
+  const int a_row = wm + (lane & 15), a_chunk = lane >> 4;
   // B: lanes 0-7 rows n 0-7 at k, 8-15 the same at k + 8, 16-23 rows n 8-15 at k, 24-31 those at k + 8
-  const __nv_bfloat16* b_base = Bs + (wn + (lane & 7) + ((lane >> 4) << 3)) * LDS + ((lane >> 3) & 1) * 8;
+  const int b_row = wn + (lane & 7) + ((lane >> 4) << 3), b_chunk = (lane >> 3) & 1;
   #pragma unroll
   for (int kk = 0; kk < BK; kk += 16) {
     unsigned a[MT][4], b[NT][2];
     #pragma unroll
-    for (int i = 0; i < MT; ++i) ldmatrix_x4(a[i], a_base + i * 16 * LDS + kk);
+    for (int i = 0; i < MT; ++i) ldmatrix_x4(a[i], As + Layout::at(a_row + i * 16, a_chunk + kk / 8));
     #pragma unroll
     for (int j = 0; j < NT; j += 2) {
       unsigned r[4];
-      ldmatrix_x4(r, b_base + j * 8 * LDS + kk);
+      ldmatrix_x4(r, Bs + Layout::at(b_row + j * 8, b_chunk + kk / 8));
       b[j][0] = r[0]; b[j][1] = r[1]; b[j + 1][0] = r[2]; b[j + 1][1] = r[3];
     }
     #pragma unroll
     for (int i = 0; i < MT; ++i)
       #pragma unroll
-      for (int j = 0; j < NT; ++j)
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-            "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-            : "+f"(acc[i][j][0]), "+f"(acc[i][j][1]), "+f"(acc[i][j][2]), "+f"(acc[i][j][3])
-            : "r"(a[i][0]), "r"(a[i][1]), "r"(a[i][2]), "r"(a[i][3]), "r"(b[j][0]), "r"(b[j][1]));
+      for (int j = 0; j < NT; ++j) mma_bf16(acc[i][j], a[i], b[j]);
   }
 }
 """

@@ -1,12 +1,13 @@
-"""A 4-bit GEMM for steps of many rows: `y = x @ dequantize(W).T`, dequantizing each weight slice in shared memory.
+"""A 4-bit GEMM for steps of many rows: `y = x @ dequantize(W).T`, the weights dequantized in registers.
 
 MLX's CUDA quantized GEMM (`qmm_sm80`, MLX 0.32) runs a prefill chunk's projections at about a fifth of the bf16
 GEMM's speed (H200, 8B 4-bit: 0.13 ms a row against 0.03 for bf16), so a 4-bit step of 8 decode lanes and a
 120-row chunk costs 32 ms against 7.4 for decode alone. Here each thread block computes a `64 x 128` output tile
-with bf16 tensor-core MMAs (`mma.sync m16n8k16`, fp32 sums, inline PTX), staging `64 x 64` input slices and `128
-x 64` weight slices in shared memory; the weight slice arrives packed (4 KB instead of 16), and is dequantized on
-its way into shared memory as MLX does it (`w = bf16(bf16(q * scale) + bias)`), so the products see the weights
-mlx-lm's own matmul sees; only the accumulation order differs.
+with bf16 tensor-core MMAs (`mma.sync m16n8k16`, fp32 sums, inline PTX). `cp.async` copies each K step's `64 x 64`
+input slice and `128 x 64` packed weight slice (4 KB instead of 16) into shared memory `PIPE - 1` steps ahead,
+behind one barrier a step; each of the 4 warps owns 64 rows x 32 columns and turns its packed weights straight into
+MMA fragments, as MLX dequantizes (`w = bf16(q * scale + bias)`, one rounding), so the products see the weights
+mlx-lm's own matmul sees; only the accumulation order differs. A fragment dequantized once serves 4 MMAs.
 
 Weights whole `[N, K]` or in `S` slices of K `[S, N, K/S]` (`quantized_rows.split_k`'s layout): the kernel walks
 K across the slices, so either layout gives one bf16 product. When the output tiles would not fill the GPU, K is
@@ -22,45 +23,58 @@ import mlx.core as mx
 from mlx_serve.kernels.mma import MMA_HEADER
 
 BM, BN, BK = 64, 128, 64
-STAGES = 2  # K steps of loads in flight (1 and 3 measured the same on the H200)
+PIPE = 2  # shared-memory stages: K steps of copies in flight (2 x 15 KB; 3 measured 0-7% slower)
 GROUP_SIZES = (64, 128)  # a BK-wide K step never crosses a quantization group
 TARGET_BLOCKS = 264  # two blocks on each of the H200's 132 SMs
 MIN_SPLIT_WIDTH = 512  # narrowest K range a block's split takes
 
-# Template: STAGES, GS (group size), SPLIT (blocks along K), OUT_F32 (fp32 partials [SPLIT, M, N], else bf16 [M, N]).
-# Inputs: x [M, K] bf16, w [S, N, K / S / 8] uint32 (8 nibbles a word, lowest first), scales and biases
-# [S, N, K / S / GS] bf16. Grid: (N / 128, ceil(M / 64), SPLIT) blocks of 256 threads.
+# Template: PIPE (shared-memory stages), GS (group size), SPLIT (blocks along K), OUT_F32 (fp32 partials [SPLIT, M,
+# N], else bf16 [M, N]). Inputs: x [M, K] bf16, w [S, N, K / S / 8] uint32 (8 nibbles a word, lowest first), scales
+# and biases [S, N, K / S / GS] bf16. Grid: (N / 128, ceil(M / 64), SPLIT) blocks of 128 threads.
 SOURCE = r"""
-  constexpr int WARPS_M = 2, WARPS_N = 4;
-  constexpr int WM = 32, WN = 32;           // each warp: 32 rows x 32 columns
-  constexpr int MT = WM / 16, NT = WN / 8;  // m16 x n8 tiles per warp
-  constexpr int LDS = 64 + 8;               // smem row stride (bf16): 144 bytes, conflict-free ldmatrix
-  __shared__ __align__(16) __nv_bfloat16 As[64 * LDS];
-  __shared__ __align__(16) __nv_bfloat16 Bs[128 * LDS];
+  constexpr int MT = 4, NT = 4;             // each warp: 64 rows x 32 columns, in m16 x n8 tiles
+  constexpr int LDA = 64 + 8;               // A row stride (bf16): 144 bytes, conflict-free ldmatrix
+  constexpr int LDB = 12;                   // packed row stride (words): 48 bytes, conflict-free 8-byte reads
+  constexpr int A_STAGE = 64 * LDA, B_STAGE = 128 * LDB;
+  __shared__ __align__(16) __nv_bfloat16 As[PIPE * A_STAGE];
+  __shared__ __align__(16) uint32_t Bs[PIPE * B_STAGE];
 
   const int M = x_shape[0];
   const int K = x_shape[1];
   const int N = w_shape[1];
   const int Ks = w_shape[2] * 8;              // K of one weight slice (K when whole)
   const int Kp = K / SPLIT;                   // K of this block's part
+  const int steps = Kp / 64;
   const int k_begin = blockIdx.z * Kp;
   const int n0 = blockIdx.x * 128;
   const int m0 = blockIdx.y * 64;
-  const int tid = threadIdx.x, warp = tid >> 5;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;      // the fragment's row group and column pair
+  const int wn = warp * 32;
 
-  // A: 64 rows x 64 columns a step, two uint4 (8 bf16) a thread: rows ar and ar + 32, columns ac..ac+7
-  const int ar = tid >> 3, ac = (tid & 7) * 8;
-  const bool a_ok0 = m0 + ar < M, a_ok1 = m0 + ar + 32 < M;
-  const __nv_bfloat16* xa0 = x + (size_t)(a_ok0 ? m0 + ar : 0) * K + k_begin + ac;
-  const __nv_bfloat16* xa1 = x + (size_t)(a_ok1 ? m0 + ar + 32 : 0) * K + k_begin + ac;
-  // B: 128 weight rows x 64 columns a step, packed: one uint4 (32 nibbles) a thread, row br, columns bh..bh+31;
-  // a step of 64 never crosses a slice (slices are whole steps wide)
-  const int br = tid >> 1, bh = (tid & 1) * 32;
-  auto w_row = [&](int k) { return (size_t)(k / Ks) * N + n0 + br; };  // k: within the whole K
-  auto w_at = [&](int k) { return w + w_row(k) * (Ks / 8) + (k % Ks + bh) / 8; };
-  auto group_at = [&](int k) { return w_row(k) * (Ks / GS) + (k % Ks) / GS; };
-
-  const int wm = (warp / WARPS_N) * WM, wn = (warp % WARPS_N) * WN;
+  // one K step's copies: A 64 x 64 bf16 (512 16-byte pieces, 4 a thread; rows past M read as zeros) and the
+  // packed weights, 128 rows x 32 bytes (2 a thread); a step never crosses a slice (slices are whole steps)
+  auto copy_step = [&](int step) {
+    const int stage = step % PIPE, k = k_begin + step * 64;
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int piece = tid + 128 * i, r = piece >> 3, c = (piece & 7) * 8;
+      const bool ok = m0 + r < M;
+      cp_async16(As + stage * A_STAGE + r * LDA + c, x + (size_t)(ok ? m0 + r : 0) * K + k + c, ok);
+    }
+    const size_t w_row = (size_t)(k / Ks) * N + n0;
+    #pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int piece = tid + 128 * i, r = piece >> 1, half = piece & 1;
+      cp_async16(Bs + stage * B_STAGE + r * LDB + half * 4, w + (w_row + r) * (Ks / 8) + (k % Ks) / 8 + half * 4,
+                 true);
+    }
+  };
+  // the group (scale, bias) of this thread's column of n8 tile j at a K step (a step never crosses a group)
+  auto group_at = [&](int step, int j) {
+    const int k = k_begin + step * 64;
+    return ((size_t)(k / Ks) * N + n0 + wn + 8 * j + g) * (Ks / GS) + (k % Ks) / GS;
+  };
 
   float acc[MT][NT][4];
   #pragma unroll
@@ -70,58 +84,57 @@ SOURCE = r"""
       #pragma unroll
       for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
 
-  // loads run STAGES K steps ahead of the products, in a ring of registers (the global latency is hidden
-  // behind STAGES steps of MMAs, not one)
-  struct Stage { uint4 a0, a1, b; __nv_bfloat16 s, z; };  // one K step's loads: A rows, packed B, group
-  auto fetch = [&](int k) {  // k: within this block's part
-    const uint4 zero4 = make_uint4(0, 0, 0, 0);
-    Stage stage;
-    stage.a0 = a_ok0 ? *reinterpret_cast<const uint4*>(xa0 + k) : zero4;
-    stage.a1 = a_ok1 ? *reinterpret_cast<const uint4*>(xa1 + k) : zero4;
-    stage.b = *reinterpret_cast<const uint4*>(w_at(k_begin + k));
-    stage.s = scales[group_at(k_begin + k)];
-    stage.z = biases[group_at(k_begin + k)];
-    return stage;
-  };
-  Stage ring[STAGES];
   #pragma unroll
-  for (int st = 0; st < STAGES; ++st)
-    if (st * 64 < Kp) ring[st] = fetch(st * 64);
+  for (int st = 0; st < PIPE - 1; ++st) {
+    if (st < steps) copy_step(st);
+    cp_async_commit();
+  }
+  __nv_bfloat162 group_next[NT];  // (scale, bias) of each n8 tile's column at the next step
+  #pragma unroll
+  for (int j = 0; j < NT; ++j) group_next[j] = __halves2bfloat162(scales[group_at(0, j)], biases[group_at(0, j)]);
+  // a packed word's byte t holds this thread's two K values (nibbles 2t, 2t+1): byte t of `word` to the low
+  // half, byte t of `word >> 4` to the high half, masked to the nibbles over bf16 128's bits: 128 + q, exact
+  const uint32_t select = t | (t << 4) | ((4 + t) << 8) | ((4 + t) << 12);
   const __nv_bfloat162 magic = __floats2bfloat162_rn(128.f, 128.f);
 
-  for (int k0 = 0; k0 < Kp; k0 += 64 * STAGES) {
+  const __nv_bfloat16* a_lane = As + (lane & 15) * LDA + (lane >> 4) * 8;
+  const uint32_t* b_lane = Bs + (wn + g) * LDB;
+  for (int step = 0; step < steps; ++step) {
+    cp_async_wait<PIPE - 2>();
+    __syncthreads();  // this step's copies have landed; every warp is done with the stage refilled next
+    if (step + PIPE - 1 < steps) copy_step(step + PIPE - 1);
+    cp_async_commit();
+    __nv_bfloat162 s2[NT], z2[NT];
     #pragma unroll
-    for (int st = 0; st < STAGES; ++st) {
-      const int k = k0 + st * 64;
-      if (k >= Kp) break;  // the same for every thread
-      __syncthreads();
-      *reinterpret_cast<uint4*>(As + ar * LDS + ac) = ring[st].a0;
-      *reinterpret_cast<uint4*>(As + (ar + 32) * LDS + ac) = ring[st].a1;
-      {
-        // 32 nibbles -> 32 bf16: (128 + q) from the bits, minus 128 (exact), times the scale, plus the bias,
-        // each operation rounded to bf16 as MLX's dequantization rounds it
-        const __nv_bfloat162 s2 = __bfloat162bfloat162(ring[st].s), z2 = __bfloat162bfloat162(ring[st].z);
-        const uint32_t words[4] = {ring[st].b.x, ring[st].b.y, ring[st].b.z, ring[st].b.w};
-        uint32_t out[16];
+    for (int j = 0; j < NT; ++j) s2[j] = __low2bfloat162(group_next[j]), z2[j] = __high2bfloat162(group_next[j]);
+    if (step + 1 < steps) {
+      #pragma unroll
+      for (int j = 0; j < NT; ++j)
+        group_next[j] = __halves2bfloat162(scales[group_at(step + 1, j)], biases[group_at(step + 1, j)]);
+    }
+    const __nv_bfloat16* a_stage = a_lane + (step % PIPE) * A_STAGE;
+    const uint32_t* b_stage = b_lane + (step % PIPE) * B_STAGE;
+    #pragma unroll
+    for (int kk = 0; kk < 64; kk += 16) {
+      unsigned a[MT][4];
+      #pragma unroll
+      for (int i = 0; i < MT; ++i) ldmatrix_x4(a[i], a_stage + i * 16 * LDA + kk);
+      #pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const uint2 packed = *reinterpret_cast<const uint2*>(b_stage + j * 8 * LDB + kk / 8);
+        unsigned b[2];
         #pragma unroll
-        for (int wi = 0; wi < 4; ++wi) {
-          #pragma unroll
-          for (int pair = 0; pair < 4; ++pair) {
-            const uint32_t word = words[wi] >> (8 * pair);
-            const uint32_t bits = (word & 0xFu) | ((word & 0xF0u) << 12) | 0x43004300u;
-            __nv_bfloat162 v = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&bits), magic);
-            v = __hadd2(__hmul2(v, s2), z2);
-            out[wi * 4 + pair] = *reinterpret_cast<const uint32_t*>(&v);
-          }
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t word = h ? packed.y : packed.x;
+          const uint32_t bits = (__byte_perm(word, word >> 4, select) & 0x000F000Fu) | 0x43004300u;
+          // q * scale + bias rounded once, as MLX's dequantization computes it
+          const __nv_bfloat162 q = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&bits), magic);
+          const __nv_bfloat162 v = __hfma2(q, s2[j], z2[j]);
+          b[h] = *reinterpret_cast<const uint32_t*>(&v);
         }
-        uint4* dst = reinterpret_cast<uint4*>(Bs + br * LDS + bh);
         #pragma unroll
-        for (int v = 0; v < 4; ++v) dst[v] = make_uint4(out[4 * v], out[4 * v + 1], out[4 * v + 2], out[4 * v + 3]);
+        for (int i = 0; i < MT; ++i) mma_bf16(acc[i][j], a[i], b);
       }
-      __syncthreads();
-      const int kn = k + 64 * STAGES;
-      if (kn < Kp) ring[st] = fetch(kn);
-      mma_slice<MT, NT, LDS, 64>(As, Bs, wm, wn, acc);
     }
   }
 
@@ -129,11 +142,10 @@ SOURCE = r"""
   for (int i = 0; i < MT; ++i)
     #pragma unroll
     for (int j = 0; j < NT; ++j) {
-      const int lane = tid & 31;
-      const int c = n0 + wn + j * 8 + (lane & 3) * 2;
+      const int c = n0 + wn + j * 8 + t * 2;
       #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int r = m0 + wm + i * 16 + (lane >> 2) + 8 * half;
+        const int r = m0 + i * 16 + g + 8 * half;
         if (r >= M) continue;
         const float v0 = acc[i][j][2 * half], v1 = acc[i][j][2 * half + 1];
         if constexpr (OUT_F32) {
@@ -197,9 +209,9 @@ def quantized_tiles_matmul(x: mx.array, weight: mx.array, scales: mx.array, bias
     partial = parts > 1
     (y,) = _kernel()(
         inputs=[x, weight, scales, biases],
-        template=[("STAGES", STAGES), ("GS", group_size), ("SPLIT", parts), ("OUT_F32", partial)],
-        grid=(n // BN * 256, -(-rows // BM), parts),
-        threadgroup=(256, 1, 1),
+        template=[("PIPE", PIPE), ("GS", group_size), ("SPLIT", parts), ("OUT_F32", partial)],
+        grid=(n // BN * 128, -(-rows // BM), parts),
+        threadgroup=(128, 1, 1),
         output_shapes=[(parts, rows, n) if partial else (rows, n)],
         output_dtypes=[mx.float32 if partial else mx.bfloat16],
     )

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from mlx_serve.grouped_experts import gather_tiles, grouped_moe, tile_count
+from mlx_serve.kernels import expert_tiles
 from mlx_serve.kernels.expert_tiles import expert_tiles_matmul, supports
 
 on_cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="the expert-tiles kernel needs MLX's CUDA backend")
@@ -18,7 +19,7 @@ def test_supports_only_the_shapes_the_kernel_tiles() -> None:
     assert not supports(weight, 8)  # tile rows
     assert not supports(weight.astype(mx.float32), 32)
     assert not supports(mx.zeros((4, 200, 64), dtype=mx.bfloat16), 32)  # N not a multiple of 128
-    assert not supports(mx.zeros((4, 256, 48), dtype=mx.bfloat16), 32)  # K not a multiple of 32
+    assert not supports(mx.zeros((4, 256, 96), dtype=mx.bfloat16), 32)  # K not a multiple of 64 (either k step)
 
 
 @pytest.mark.device
@@ -26,8 +27,13 @@ def test_supports_only_the_shapes_the_kernel_tiles() -> None:
 @pytest.mark.parametrize("tile", [16, 32, 64])
 @pytest.mark.parametrize("gather", [False, True])
 @pytest.mark.parametrize("experts,n,k,used", [(8, 128, 64, 5), (16, 256, 2048, 16), (128, 768, 2048, 100), (4, 2048, 768, 7)])
-def test_the_used_tiles_equal_the_gather_mm_reference(tile, gather, experts, n, k, used) -> None:
-    """Tile rows read in place, or gathered from input rows (padding rows, source -1, read as zeros)."""
+@pytest.mark.parametrize("k_step,stages", [(32, 3), (64, 2)])
+def test_the_used_tiles_equal_the_gather_mm_reference(tile, gather, experts, n, k, used, k_step, stages,
+                                                      monkeypatch) -> None:  # fmt: skip
+    """Tile rows read in place, or gathered from input rows (padding rows, source -1, read as zeros), with either
+    k step (padded or swizzled shared memory)."""
+    monkeypatch.setattr(expert_tiles, "KB", k_step)
+    monkeypatch.setattr(expert_tiles, "PIPE", stages)
     rng = np.random.default_rng(experts + n + k + tile)
     total = used + 3  # trailing tiles the kernel skips
     inputs = total * tile // 2 if gather else total * tile

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from mlx_serve import quantized_rows
+from mlx_serve.kernels import quantized_tiles
 from mlx_serve.kernels.quantized_tiles import quantized_tiles_matmul
 
 on_cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="the quantized-tiles kernel needs MLX's CUDA backend")
@@ -59,3 +60,18 @@ def test_weights_split_over_k_read_as_laid(rows, splits) -> None:
     quantized_rows.split_k(linear, splits)
     got = quantized_tiles_matmul(x, linear.weight, linear.scales, linear.biases, 64)
     _close(got, want)
+
+
+@pytest.mark.device
+@on_cuda
+@pytest.mark.parametrize("group_size", [64, 128])
+def test_unsplit_products_equal_dequantize_then_matmul_bit_for_bit(group_size) -> None:
+    """Where no block splits K (2,048 rows fill the GPU), the kernel sums each output's K in order, 16 at a time in
+    fp32, as MLX's bf16 GEMM does on the H200: its answer is the reference's exactly, so a weight dequantized other
+    than as MLX does it (say `bf16(q * s)` rounded before `+ bias`: 1 bf16 ulp off here and there) fails here."""
+    weight, scales, biases = _quantized(6144, 4096, group_size, seed=group_size)
+    x = mx.random.normal((2048, 4096), key=mx.random.key(3)).astype(mx.bfloat16)
+    assert quantized_tiles.k_parts(6144, 2048, 4096, group_size) == 1
+    got = quantized_tiles_matmul(x, weight, scales, biases, group_size)
+    want = quantized_rows.reference_matmul(x, weight, scales, biases, group_size, 4)
+    assert mx.array_equal(got, want).item()
