@@ -21,7 +21,7 @@ class EngineConfig:
     row_floor: int = 64  # fewest prefill rows a contended step is cut to
     row_quantum: int | str = "auto"  # contended steps fill their last row tile of this many rows; auto: engine_setup
     budget_midpoints: bool = True  # a halved budget grows by half again where still predicted within the target
-    plan_headroom: float = 0.9  # contended steps are planned to this fraction of the step target
+    plan_headroom: float = 1.0  # contended steps are planned to this fraction of the step target
     cost_model: str = "ema"
     max_overtakes: int = 4
     enable_prefix_cache: bool = True

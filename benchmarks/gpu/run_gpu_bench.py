@@ -278,7 +278,7 @@ def main() -> None:
     parser.add_argument("--chunk-attention", default="auto", choices=("auto", "sdpa", "matmul"))
     parser.add_argument("--budget-midpoints", choices=["on", "off"], default="on",
                         help="EngineConfig.budget_midpoints: a halved budget grows by half again where it fits")
-    parser.add_argument("--plan-headroom", type=float, default=0.9,
+    parser.add_argument("--plan-headroom", type=float, default=1.0,
                         help="EngineConfig.plan_headroom: contended steps planned to this fraction of the target")
     parser.add_argument("--row-quantum", default="auto", type=row_quantum_arg,
                         help="EngineConfig.row_quantum: contended steps fill their last row tile (1: off)")

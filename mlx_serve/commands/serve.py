@@ -91,9 +91,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--budget-midpoints", choices=["on", "off"], default="on",
                    help="a contended budget halved to fit the step target grows by half again (256 -> 384 rows) "
                         "where that is still predicted to fit; off: plain halving (default: %(default)s)")
-    s.add_argument("--plan-headroom", type=_headroom, default=0.9,
-                   help="contended steps are planned to this fraction of the step target, so that a step's usual "
-                        "spread does not put every stream in decode debt (0 < x <= 1; default: %(default)s)")
+    s.add_argument("--plan-headroom", type=_headroom, default=1.0,
+                   help="contended steps are planned to this fraction of the step target, below 1 so that a step's "
+                        "usual spread stays under the target (0 < x <= 1; default: %(default)s)")
     s.add_argument("--prefill-cost-model", choices=["ema", "bucketed", "affine"], default="ema",
                    help="step-time predictor for row budgets: one EMA ms-per-row, the 96-cell bucketed table, or "
                         "an affine fit (fixed + rows + attention pairs + decode lanes) (default: %(default)s; env "

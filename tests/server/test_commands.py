@@ -42,7 +42,7 @@ def test_serve_help_explains_the_engine_flags(capsys):
         ("--budget-midpoints", {None: "on", "off": "off"}, ("yes", "")),
         ("--expert-tiles", {None: "auto", "on": "on", "off": "off"}, ("kernel",)),
         ("--quantized-tiles", {None: "auto", "on": "on", "off": "off"}, ("kernel",)),
-        ("--plan-headroom", {None: 0.9, "1": 1.0, "0.75": 0.75}, ("most", "0", "1.5", "-0.5")),
+        ("--plan-headroom", {None: 1.0, "0.9": 0.9, "0.75": 0.75}, ("most", "0", "1.5", "-0.5")),
     ],
 )
 def test_scheduler_flags_parse_their_values_and_refuse_bad_ones(capsys, flag, parsed, bad):
