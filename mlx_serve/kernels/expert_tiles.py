@@ -42,8 +42,8 @@ SOURCE = r"""
   constexpr int MT = WM / 16, NT = WN / 8;    // m16 x n8 tiles per warp
   // a k step of KB: 32 (rows padded to 80 bytes) or 64 (rows of 128 bytes, swizzled: 2 stages fill 48 KB)
   using Layout = typename StepLayout<KB>::type;
-  constexpr int CHUNKS = KB / 8, ROW = KB == 64 ? 64 : 40;  // 16-byte chunks a row; a row's bf16 in smem
-  constexpr int A_STAGE = BM * ROW, B_STAGE = 128 * ROW;
+  constexpr int CHUNKS = KB / 8;  // 16-byte chunks a row
+  constexpr int A_STAGE = BM * Layout::ROW, B_STAGE = 128 * Layout::ROW;
   constexpr int A_PIECES = BM * CHUNKS, A_PER = (A_PIECES + THREADS - 1) / THREADS, B_PER = 128 * CHUNKS / THREADS;
   static_assert(PIPE * (A_STAGE + B_STAGE) * 2 <= 48 * 1024, "static shared memory: at most 48 KB");
   __shared__ __align__(16) __nv_bfloat16 As[PIPE * A_STAGE];

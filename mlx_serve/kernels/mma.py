@@ -41,9 +41,11 @@ __device__ __forceinline__ void mma_bf16(float (&acc)[4], const unsigned (&a)[4]
 // chunks unpadded with the chunk index XORed by the row's low 3 bits (the same 8 rows again on distinct banks).
 template <int LDS>
 struct Padded {
+  static constexpr int ROW = LDS;  // bf16 a row takes in shared memory
   static __device__ __forceinline__ int at(int row, int chunk) { return row * LDS + chunk * 8; }
 };
 struct Swizzled {
+  static constexpr int ROW = 64;
   static __device__ __forceinline__ int at(int row, int chunk) { return row * 64 + ((chunk ^ (row & 7)) * 8); }
 };
 // a k step's layout: 32 bf16 (rows padded to 80 bytes) or 64 (rows of 128 bytes, swizzled)
