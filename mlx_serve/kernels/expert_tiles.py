@@ -91,23 +91,10 @@ SOURCE = r"""
   };
 
   float acc[MT][NT][4];
-  #pragma unroll
-  for (int i = 0; i < MT; ++i)
-    #pragma unroll
-    for (int j = 0; j < NT; ++j)
-      #pragma unroll
-      for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
-
-  #pragma unroll
-  for (int st = 0; st < PIPE - 1; ++st) {
-    if (st < steps) copy_step(st);
-    cp_async_commit();
-  }
+  zero(acc);
+  pipe_start<PIPE>(steps, copy_step);
   for (int step = 0; step < steps; ++step) {
-    cp_async_wait<PIPE - 2>();
-    __syncthreads();  // this step's copies have landed; every warp is done with the stage refilled next
-    if (step + PIPE - 1 < steps) copy_step(step + PIPE - 1);
-    cp_async_commit();
+    pipe_next<PIPE>(step, steps, copy_step);
     mma_slice<MT, NT, KB, Layout>(As + (step % PIPE) * A_STAGE, Bs + (step % PIPE) * B_STAGE, wm, wn, acc);
   }
 

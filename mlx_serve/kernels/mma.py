@@ -28,6 +28,37 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" :: "n"(PENDING) : "memory");
 }
 
+// The copy pipeline over `steps` K steps in PIPE shared-memory stages, `copy_step(step)` issuing one step's
+// cp.async copies into stage `step % PIPE`: `pipe_start` puts the first PIPE - 1 steps in flight; `pipe_next`,
+// at the top of each step, waits for this step's copies (PIPE - 2 younger groups may stay in flight) and, past
+// the barrier that also says every warp is done with the previous step's stage, refills that stage. A group is
+// committed every time, empty or not, so the wait count stays right to the last step.
+template <int PIPE, class Copy>
+__device__ __forceinline__ void pipe_start(int steps, Copy& copy_step) {
+  #pragma unroll
+  for (int st = 0; st < PIPE - 1; ++st) {
+    if (st < steps) copy_step(st);
+    cp_async_commit();
+  }
+}
+template <int PIPE, class Copy>
+__device__ __forceinline__ void pipe_next(int step, int steps, Copy& copy_step) {
+  cp_async_wait<PIPE - 2>();
+  __syncthreads();
+  if (step + PIPE - 1 < steps) copy_step(step + PIPE - 1);
+  cp_async_commit();
+}
+
+template <int MT, int NT>
+__device__ __forceinline__ void zero(float (&acc)[MT][NT][4]) {
+  #pragma unroll
+  for (int i = 0; i < MT; ++i)
+    #pragma unroll
+    for (int j = 0; j < NT; ++j)
+      #pragma unroll
+      for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
+}
+
 __device__ __forceinline__ void mma_bf16(float (&acc)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "

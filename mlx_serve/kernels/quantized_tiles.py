@@ -77,18 +77,8 @@ SOURCE = r"""
   };
 
   float acc[MT][NT][4];
-  #pragma unroll
-  for (int i = 0; i < MT; ++i)
-    #pragma unroll
-    for (int j = 0; j < NT; ++j)
-      #pragma unroll
-      for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
-
-  #pragma unroll
-  for (int st = 0; st < PIPE - 1; ++st) {
-    if (st < steps) copy_step(st);
-    cp_async_commit();
-  }
+  zero(acc);
+  pipe_start<PIPE>(steps, copy_step);
   __nv_bfloat162 group_next[NT];  // (scale, bias) of each n8 tile's column at the next step
   #pragma unroll
   for (int j = 0; j < NT; ++j) group_next[j] = __halves2bfloat162(scales[group_at(0, j)], biases[group_at(0, j)]);
@@ -100,10 +90,7 @@ SOURCE = r"""
   const __nv_bfloat16* a_lane = As + (lane & 15) * LDA + (lane >> 4) * 8;
   const uint32_t* b_lane = Bs + (wn + g) * LDB;
   for (int step = 0; step < steps; ++step) {
-    cp_async_wait<PIPE - 2>();
-    __syncthreads();  // this step's copies have landed; every warp is done with the stage refilled next
-    if (step + PIPE - 1 < steps) copy_step(step + PIPE - 1);
-    cp_async_commit();
+    pipe_next<PIPE>(step, steps, copy_step);
     __nv_bfloat162 s2[NT], z2[NT];
     #pragma unroll
     for (int j = 0; j < NT; ++j) s2[j] = __low2bfloat162(group_next[j]), z2[j] = __high2bfloat162(group_next[j]);
