@@ -183,7 +183,7 @@ def quantized_tiles(kind: str) -> QuantizedTiles | None:
     if cuda_available():
         from mlx_serve.kernels import quantized_tiles as kernel
 
-        return QuantizedTiles(kernel.quantized_tiles_matmul, kernel.fits)
+        return QuantizedTiles(kernel.many_rows_matmul, kernel.fits)
     return REFERENCE_TILES
 
 

@@ -202,6 +202,11 @@ def _dense_weight(module: nn.Module) -> mx.array:
 def _dequantized(weight: mx.array, scales: mx.array, biases: mx.array | None, group_size: int, bits: int,
                  mode: str = "affine") -> mx.array:  # fmt: skip
     """The dense `[out, in]` weight of packed arrays, whole or split over K (`split_k`'s `[splits, out, in /
-    splits]`, put back in order)."""
+    splits]`, put back in order); on CUDA by the `dequantize` kernel where it takes them (equal, ~4x faster)."""
+    from mlx_serve.kernels import dequantize
+    from mlx_serve.kernels.paged_attention import cuda_available
+
+    if cuda_available() and dequantize.supports(weight, scales, biases, group_size, bits, mode):
+        return dequantize.dequantize_4bit(weight, scales, biases, group_size)
     dense = mx.dequantize(weight, scales, biases, group_size, bits, mode=mode)
     return dense.swapaxes(0, 1).reshape(dense.shape[1], -1) if dense.ndim == 3 else dense

@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from benchmarks.gpu.bench_kernel import time_ms, variants
+from mlx_serve.kernels.dequantize import dense_matmul, dequantize_4bit
 from mlx_serve.kernels.quantized_tiles import quantized_tiles_matmul
 from mlx_serve.quantized_rows import DequantizedRows, reference_matmul
 
@@ -101,7 +102,8 @@ def _projection_rows(name: str, k: int, n: int):
 def tiles(rows: tuple[int, ...], first: bool = True) -> None:
     """Each 8B projection over 36 distinct layers, chained, by rows: bf16, MLX's 4-bit GEMM whole and split over K
     in 8 slices (as the engine lays o_proj and down_proj), and the quantized-tiles kernel over both layouts (only
-    the kernel's when not `first`), with the kernel's largest error against dequantize-then-matmul."""
+    the kernel's when not `first`), the dense product over the dequantize kernel's weights and that kernel alone
+    (split layout), with the largest errors against dequantize-then-matmul."""
     for name, k, n in PROJECTIONS[:4]:
         layers = [_layers(k, n) for _ in range(CALLS)]
         sliced = [_split_k(quant, 8) for _, quant in layers]
@@ -111,14 +113,20 @@ def tiles(rows: tuple[int, ...], first: bool = True) -> None:
             mx.eval(x)
             kernel = [functools.partial(_tiles, quant=quant) for _, quant in layers]
             kernel_split = [functools.partial(_tiles_split, parts=parts) for parts in sliced]
+            dense_split = [functools.partial(_dense_split, parts=parts) for parts in sliced]
+            dequantized = [functools.partial(_dequantize_split, parts=parts) for parts in sliced]
             split = [functools.partial(_split_k_product, sliced=parts, splits=8) for parts in sliced]
             quant = layers[0][1]
             want = reference_matmul(x, quant.weight, quant.scales, quant.biases, quant.group_size, 4)
             row = {"projection": name, "rows": m, "distinct_layers": CALLS,
                    "tiles_max_rel_err": (mx.abs(kernel[0](x) - want).max() / mx.abs(want).max()).item(),
-                   "tiles_split8_max_rel_err": (mx.abs(kernel_split[0](x) - want).max() / mx.abs(want).max()).item()}  # fmt: skip
+                   "tiles_split8_max_rel_err": (mx.abs(kernel_split[0](x) - want).max() / mx.abs(want).max()).item(),
+                   "dense_split8_max_rel_err": (mx.abs(dense_split[0](x) - want).max() / mx.abs(want).max()).item()}  # fmt: skip
             peers = (("bf16", [dense for dense, _ in layers]), ("q4", [q for _, q in layers]), ("q4_split8", split))
-            for variant, products in (peers if first else ()) + (("tiles", kernel), ("tiles_split8", kernel_split)):
+            for variant, products in (peers if first else ()) + (
+                ("tiles", kernel), ("tiles_split8", kernel_split), ("dense_split8", dense_split),
+                ("dequantize_split8", dequantized),
+            ):  # fmt: skip
                 row[f"{variant}_ms"] = time_ms(lambda x=x, products=products: _chained(x, products)) / CALLS
             row["tiles_tflops"] = 2 * m * n * k / row["tiles_ms"] / 1e9
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
@@ -130,6 +138,14 @@ def _tiles(x: mx.array, quant: nn.QuantizedLinear) -> mx.array:
 
 def _tiles_split(x: mx.array, parts: tuple[mx.array, mx.array, mx.array]) -> mx.array:
     return quantized_tiles_matmul(x, *parts, 64)
+
+
+def _dense_split(x: mx.array, parts: tuple[mx.array, mx.array, mx.array]) -> mx.array:
+    return dense_matmul(x, *parts, 64)
+
+
+def _dequantize_split(x: mx.array, parts: tuple[mx.array, mx.array, mx.array]) -> mx.array:
+    return dequantize_4bit(*parts, 64)  # the dequantization alone (its input only orders the chain)
 
 
 def by_rows() -> None:
@@ -162,6 +178,7 @@ def main() -> None:
     parser.add_argument("--rows", default="8,16,32,33,64,128,256,512,2048", help="row counts for --tiles")
     parser.add_argument("--variants", default="", help="--tiles: the kernel module's constants set in turn, e.g. "
                         "'PIPE=2;PIPE=3,TARGET_BLOCKS=396' (default: as the module has them)")
+    parser.add_argument("--no-peers", action="store_true", help="--tiles: leave out bf16 and MLX's 4-bit GEMM")
     args = parser.parse_args()
     if args.tiles:
         from mlx_serve.kernels import quantized_tiles
@@ -170,7 +187,7 @@ def main() -> None:
             for name, value in variant.items():
                 setattr(quantized_tiles, name, value)
             print(json.dumps({"variant": variant}), flush=True)
-            tiles(tuple(int(r) for r in args.rows.split(",")), first=number == 0)
+            tiles(tuple(int(r) for r in args.rows.split(",")), first=number == 0 and not args.no_peers)
     else:
         projections() if args.projections else by_rows()
 

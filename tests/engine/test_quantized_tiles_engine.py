@@ -12,7 +12,7 @@ from mlx_serve import quantized_rows
 from mlx_serve.config import EngineConfig
 from mlx_serve.engine import Engine
 from mlx_serve.errors import InvalidRequest
-from mlx_serve.kernels import quantized_tiles
+from mlx_serve.kernels import dequantize, quantized_tiles
 from tests.engine.test_fused_decode import assert_fused_parity, assert_parity
 
 
@@ -83,6 +83,27 @@ def test_the_kernel_takes_only_4bit_affine_bf16_weights_of_whole_tiles():
     assert not quantized_tiles.supports(w, s, s, 64, 4, mode="mxfp4")
     with pytest.raises(ValueError, match="bf16 rows"):
         quantized_tiles.quantized_tiles_matmul(mx.zeros((64, k)), w, s, s, 64)
+
+
+def test_many_rows_dequantize_once_fewer_run_the_tiles_kernel(monkeypatch):
+    calls = []
+    monkeypatch.setattr(quantized_tiles, "dense_matmul", lambda x, *rest: calls.append(("dense", x.shape[0])))
+    monkeypatch.setattr(quantized_tiles, "quantized_tiles_matmul", lambda x, *rest: calls.append(("tiles", x.shape[0])))
+    w, s = mx.zeros((128, 64), mx.uint32), mx.zeros((128, 8), mx.bfloat16)
+    for rows in (quantized_tiles.DENSE_FROM_ROWS - 1, quantized_tiles.DENSE_FROM_ROWS):
+        quantized_tiles.many_rows_matmul(mx.zeros((rows, 512), mx.bfloat16), w, s, s, 64)
+    assert calls == [("tiles", quantized_tiles.DENSE_FROM_ROWS - 1), ("dense", quantized_tiles.DENSE_FROM_ROWS)]
+
+
+def test_the_dequantize_kernel_takes_4bit_affine_bf16_weights():
+    w, s = mx.zeros((256, 64), mx.uint32), mx.zeros((256, 8), mx.bfloat16)
+    assert dequantize.supports(w, s, s, 64, 4) and dequantize.supports(w[None], s[None], s[None], 64, 4)
+    assert dequantize.supports(w, mx.zeros((256, 16), mx.bfloat16), mx.zeros((256, 16), mx.bfloat16), 32, 4)
+    assert not dequantize.supports(w, s, None, 64, 4)
+    assert not dequantize.supports(w, s, s, 64, 8)
+    assert not dequantize.supports(w, s.astype(mx.float16), s.astype(mx.float16), 64, 4)
+    with pytest.raises(ValueError, match="4-bit"):
+        dequantize.dense_matmul(mx.zeros((4, 512), mx.bfloat16), w, s, s, 64, bits=8)
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx.core as mx
 import pytest
 
-from mlx_serve.kernels import expert_tiles, quantized_tiles, tile_layout
+from mlx_serve.kernels import dequantize, expert_tiles, quantized_tiles, tile_layout
 from tests.kernels.nvcc_check import compile_source, nvcc, recorded_kernels
 
 pytestmark = pytest.mark.skipif(nvcc() is None, reason="nvcc (the CUDA toolkit) is not installed")
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(nvcc() is None, reason="nvcc (the CUDA toolkit) 
 def kernels(monkeypatch):
     """The recorded launches; the kernel builders' caches are cleared around the test (a cached real kernel
     would bypass the recorder, a cached recorder would outlive it)."""
-    builders = (expert_tiles._kernel, quantized_tiles._kernel, tile_layout._kernel)
+    builders = (dequantize._kernel, expert_tiles._kernel, quantized_tiles._kernel, tile_layout._kernel)
     for builder in builders:
         builder.cache_clear()
     with recorded_kernels(monkeypatch) as recorded:
@@ -73,3 +73,13 @@ def test_a_broken_kernel_does_not_compile(kernels) -> None:
     (recorded,) = kernels
     result = compile_source(recorded)
     assert result.returncode != 0 and "undeclared_name" in result.stderr
+
+
+def test_dequantize_compiles(kernels) -> None:
+    """Whole and split weights, every group size."""
+    for slices in (1, 8):
+        for group_size in dequantize.GROUP_SIZES:
+            weight = mx.zeros((slices, 256, 4096 // slices // 8), dtype=mx.uint32)
+            scales = mx.zeros((slices, 256, 4096 // slices // group_size), dtype=mx.bfloat16)
+            assert dequantize.dequantize_4bit(weight, scales, scales, group_size).shape == (256, 4096)
+    assert_compiles(kernels)
