@@ -4,6 +4,11 @@ attention pairs = sum over the prefill lanes of rows x (history + rows / 2). One
 squares with forgetting (0.995: roughly the last 200 steps matter), so it tracks drift without storing samples.
 Until a path's fit has 8 samples, or if its prediction is not a positive finite number, it answers exactly as
 the `ema` baseline it trains alongside. Same training filter as the other models; fixed memory.
+
+A least-squares fit has no defence against one wild sample: a step that stalled seconds on a first-use compile
+skewed every coefficient (H200, 8B 4-bit: 120-row steps of 15 ms predicted at 130 ms for a hundred steps). So a
+fitted path trains on the measured time bounded to within `OUTLIER_FACTOR` of its own prediction: a stall moves
+the fit a bounded way, a lasting change of cost is still learned, in a few steps.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ FORGETTING = 0.995
 MIN_SAMPLES = 8
 INITIAL_COVARIANCE = 1e6
 PAIR_SCALE = 1e-3  # pairs are counted in thousands so the four features have comparable magnitudes
+OUTLIER_FACTOR = 3.0  # a fitted path trains on at most 3x (at least a third of) its prediction
 
 
 def features(shape: StepShape) -> tuple[float, float, float, float]:
@@ -67,4 +73,13 @@ class AffineCostModel:
         if not is_trainable(shape, elapsed_ms):
             return
         self.baseline.observe(shape, elapsed_ms)
-        self.fits[shape.path].observe(features(shape), elapsed_ms)
+        fit, x = self.fits[shape.path], features(shape)
+        fit.observe(x, _bounded(fit, x, elapsed_ms))
+
+
+def _bounded(fit: RecursiveLeastSquares, x: tuple[float, ...], elapsed_ms: float) -> float:
+    """`elapsed_ms` within `OUTLIER_FACTOR` of the fit's prediction, once the fit answers (as is before)."""
+    predicted = fit.predict(x)
+    if fit.samples < MIN_SAMPLES or not math.isfinite(predicted) or predicted <= 0:
+        return elapsed_ms
+    return min(max(elapsed_ms, predicted / OUTLIER_FACTOR), predicted * OUTLIER_FACTOR)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler import SchedulerConfig
-from scheduler.affine_cost import AffineCostModel
+from scheduler.affine_cost import AffineCostModel, features
 from scheduler.cost_models import (
     NUM_CELLS,
     BucketedCostModel,
@@ -114,6 +114,39 @@ def test_affine_recovers_a_linear_cost_and_falls_back_before() -> None:
         model.observe(shape, 5 + 0.05 * shape.prefill_rows + 2e-5 * shape.attention_pairs + 0.3 * shape.decode_lanes)
     expected = 5 + 0.05 * 500 + 2e-5 * probe.attention_pairs + 0.3 * 4
     assert model.predict(probe) == pytest.approx(expected, rel=1e-3)
+
+
+def test_affine_bounds_a_stall_and_still_learns_a_lasting_change() -> None:
+    """One step that stalled (a first-use compile) moves the fit a bounded way; a cost that doubles for good is
+    learned about as the unbounded fit learns it (a sample is bounded only while the fit is off by 3x)."""
+
+    def cost(shape: StepShape, scale: float = 1.0) -> float:
+        return scale * (5 + 0.05 * shape.prefill_rows + 2e-5 * shape.attention_pairs + 0.3 * shape.decode_lanes)
+
+    def trained(fit: AffineCostModel, steps: range, scale: float = 1.0, bounded: bool = True) -> None:
+        for index in steps:
+            shape = StepShape((PrefillChunk(64 + 37 * (index % 40), 100 * (index % 50)),), index % 8)
+            if bounded:
+                fit.observe(shape, cost(shape, scale))
+            else:
+                fit.fits[Path.GPU].observe(features(shape), cost(shape, scale))
+
+    probe = StepShape((PrefillChunk(500, 3000),), 4)
+    stall = StepShape((PrefillChunk(2048, 0), PrefillChunk(512, 0)), 0)
+    model, unbounded = AffineCostModel(), AffineCostModel()
+    trained(model, range(60))
+    trained(unbounded, range(60), bounded=False)
+    model.observe(stall, 10_000.0)
+    unbounded.fits[Path.GPU].observe(features(stall), 10_000.0)
+    assert model.predict(stall) <= 3 * cost(stall) < unbounded.predict(stall) / 10
+    assert model.predict(probe) == pytest.approx(cost(probe), rel=0.25)
+
+    honest, plain = AffineCostModel(), AffineCostModel()
+    for fit, bounded in ((honest, True), (plain, False)):
+        trained(fit, range(60), bounded=bounded)
+        trained(fit, range(60, 120), scale=2.0, bounded=bounded)
+    want = cost(probe, 2.0)
+    assert abs(honest.predict(probe) - want) <= abs(plain.predict(probe) - want) + 0.1 * want
 
 
 def test_env_overrides_the_configured_model(monkeypatch: pytest.MonkeyPatch) -> None:
