@@ -318,6 +318,14 @@ def main() -> None:
     parser.add_argument(
         "--decode-prompt", type=int, default=0, help="history of the decode streams (default 1,024)"
     )
+    parser.add_argument(
+        "--single-pass-tokens", type=int, default=None,
+        help="paged_attention.SINGLE_PASS_TOKENS: decode histories read by one thread block a kv head (A/B)",
+    )
+    parser.add_argument(
+        "--single-pass-warps", type=int, default=None,
+        help="paged_attention.SINGLE_PASS_WARPS: warps of a one-pass decode attention block (A/B; at most 16)",
+    )
     parser.add_argument("--out", type=Path, default=Path("gpu_bench_out"))
     parser.add_argument(
         "--label", default="", help="free text for the header (e.g. the commit and patches measured)"
@@ -326,6 +334,14 @@ def main() -> None:
     if args.contended_only and args.step_target_ms is None:
         parser.error("--contended-only needs --step-target-ms (the full run's target for the shape)")
     mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
+    if args.single_pass_tokens is not None:
+        from mlx_serve.kernels import paged_attention
+
+        paged_attention.SINGLE_PASS_TOKENS = args.single_pass_tokens
+    if args.single_pass_warps is not None:
+        from mlx_serve.kernels import paged_attention
+
+        paged_attention.SINGLE_PASS_WARPS = args.single_pass_warps
     meta = {
         "command": "python -m benchmarks.gpu.run_gpu_bench "
         + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v not in (None, False)),

@@ -17,23 +17,26 @@ import functools
 
 import mlx.core as mx
 
-THREADS = 256
+WORD_THREADS = 64  # threads of a block along a row's packed words
+ROW_THREADS = 4  # rows of a block
 GROUP_SIZES = (32, 64, 128)
 
 # Template: GS (group size). Inputs: w [S, N, Ks/8] uint32, scales and biases [S, N, Ks/GS] bf16. Output: y [N,
-# S * Ks] bf16. Grid: one thread per packed word.
+# S * Ks] bf16. Grid: (words of a row, rounded up to WORD_THREADS) x N x S threads, blocks of WORD_THREADS x
+# ROW_THREADS: a thread's word, row and slice come from its block and thread index, with no division (64-bit
+# divisions by the shapes made the first form of this kernel run at a third of the bandwidth)
 SOURCE = r"""
   const int S = w_shape[0], N = w_shape[1], words = w_shape[2];  // words of one slice row: Ks / 8
-  const size_t index = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (index >= (size_t)S * N * words) return;
-  const int word = index % words;
-  const size_t row = index / words;                               // s * N + n
-  const int n = row % N, s = row / N;
+  const int word = blockIdx.x * blockDim.x + threadIdx.x;
+  const int n = blockIdx.y * blockDim.y + threadIdx.y;
+  const int s = blockIdx.z;
+  if (word >= words || n >= N) return;
+  const size_t row = (size_t)s * N + n;
   const size_t group = row * (words * 8 / GS) + word * 8 / GS;
   const __nv_bfloat162 scale = __bfloat162bfloat162(scales[group]);
   const __nv_bfloat162 bias = __bfloat162bfloat162(biases[group]);
   const __nv_bfloat162 magic = __floats2bfloat162_rn(128.f, 128.f);
-  const uint32_t packed = w[index];
+  const uint32_t packed = w[row * words + word];
   uint4 out;
   uint32_t* pairs = reinterpret_cast<uint32_t*>(&out);
   #pragma unroll
@@ -45,7 +48,7 @@ SOURCE = r"""
     pairs[h] = *reinterpret_cast<const uint32_t*>(&v);
   }
   const size_t K = (size_t)S * words * 8;
-  *reinterpret_cast<uint4*>(y + n * K + (size_t)s * words * 8 + (size_t)word * 8) = out;
+  *reinterpret_cast<uint4*>(y + n * K + ((size_t)s * words + word) * 8) = out;
 """
 
 
@@ -61,7 +64,8 @@ def supports(weight: mx.array, scales: mx.array, biases: mx.array | None, group_
         return False
     if weight.dtype != mx.uint32 or scales.dtype != mx.bfloat16 or biases.dtype != mx.bfloat16:
         return False
-    return weight.ndim in (2, 3) and (weight.shape[-1] * 8) % group_size == 0
+    rows_fit = weight.shape[-2] <= 65535 * ROW_THREADS  # the grid's y dimension
+    return weight.ndim in (2, 3) and (weight.shape[-1] * 8) % group_size == 0 and rows_fit
 
 
 def dequantize_4bit(weight: mx.array, scales: mx.array, biases: mx.array, group_size: int) -> mx.array:
@@ -70,12 +74,11 @@ def dequantize_4bit(weight: mx.array, scales: mx.array, biases: mx.array, group_
     if weight.ndim == 2:
         weight, scales, biases = weight[None], scales[None], biases[None]
     slices, n, words = weight.shape
-    total = slices * n * words
     (y,) = _kernel()(
         inputs=[weight, scales, biases],
         template=[("GS", group_size)],
-        grid=(-(-total // THREADS) * THREADS, 1, 1),
-        threadgroup=(THREADS, 1, 1),
+        grid=(-(-words // WORD_THREADS) * WORD_THREADS, -(-n // ROW_THREADS) * ROW_THREADS, slices),
+        threadgroup=(WORD_THREADS, ROW_THREADS, 1),
         output_shapes=[(n, slices * words * 8)],
         output_dtypes=[mx.bfloat16],
     )

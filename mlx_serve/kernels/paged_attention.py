@@ -24,7 +24,11 @@ TARGET_BLOCKS = 264  # two thread blocks per multiprocessor of an H100/H200 (132
 # histories up to this many tokens take one pass (one launch, more warps a block): a decode step is bound by the
 # host's cost per launch, and one block reads 1k tokens of a head in microseconds
 SINGLE_PASS_TOKENS = 1024
-SINGLE_PASS_WARPS = 8
+# at most 16 warps, as many as the warps' partial sums fit in shared memory (`one_pass_warps`): 8B decode (group
+# of 4) 5.49 -> 5.32 ms a step at one stream, 6.85 -> 6.70 at 8 against 8 warps (H200, five calls each;
+# splitting such histories instead measured slower, 5.8)
+SINGLE_PASS_WARPS = 16
+MERGE_SHARED_BYTES = 40 * 1024  # of the 48 KB of static shared memory a block may have
 BLOCKWISE = False  # load order of the kernel's warps (see paged_attention_cuda); picked by measurement
 KINDS = ("auto", "kernel", "batched", "reference")
 
@@ -107,6 +111,15 @@ def partition_size(lanes: int, kv_heads: int, max_len: int) -> int:
     return size
 
 
+def one_pass_warps(group: int, head_dim: int) -> int:
+    """Warps of a one-pass block: `SINGLE_PASS_WARPS`, halved until their fp32 partial sums (`[warps, group,
+    head_dim + 2]`) fit `MERGE_SHARED_BYTES` (30B-A3B's group of 8 at 128-wide heads: 8 warps), at least `WARPS`."""
+    warps = SINGLE_PASS_WARPS
+    while warps > WARPS and warps * group * (head_dim + 2) * 4 > MERGE_SHARED_BYTES:
+        warps //= 2
+    return warps
+
+
 def blockwise_fits(head_dim: int, itemsize: int, block_size: int, size: int) -> bool:
     """Whether a warp's chunk of unrolled tokens tiles both the KV blocks and the partitions."""
     tokens_per_iter = 32 // (head_dim // (16 // itemsize))
@@ -134,7 +147,7 @@ def paged_decode_attention(
     blockwise = BLOCKWISE if blockwise is None else blockwise
     blockwise = blockwise and blockwise_fits(head_dim, pool_keys.dtype.size, rows.block_size, size)
     kernels = _kernels()
-    warps = SINGLE_PASS_WARPS if parts == 1 else WARPS
+    warps = one_pass_warps(heads // kv_heads, head_dim) if parts == 1 else WARPS
     inputs = [
         queries,
         pool_keys,

@@ -9,7 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx.core as mx
 import pytest
 
-from mlx_serve.kernels import dequantize, expert_tiles, quantized_tiles, tile_layout
+from mlx_serve.kernels import dequantize, expert_tiles, paged_attention, quantized_tiles, tile_layout
+from mlx_serve.kernels.synthetic import random_decode_problem
 from tests.kernels.nvcc_check import compile_source, nvcc, recorded_kernels
 
 pytestmark = pytest.mark.skipif(nvcc() is None, reason="nvcc (the CUDA toolkit) is not installed")
@@ -19,7 +20,9 @@ pytestmark = pytest.mark.skipif(nvcc() is None, reason="nvcc (the CUDA toolkit) 
 def kernels(monkeypatch):
     """The recorded launches; the kernel builders' caches are cleared around the test (a cached real kernel
     would bypass the recorder, a cached recorder would outlive it)."""
-    builders = (dequantize._kernel, expert_tiles._kernel, quantized_tiles._kernel, tile_layout._kernel)
+    builders = (
+        dequantize._kernel, expert_tiles._kernel, paged_attention._kernels, quantized_tiles._kernel, tile_layout._kernel
+    )
     for builder in builders:
         builder.cache_clear()
     with recorded_kernels(monkeypatch) as recorded:
@@ -82,4 +85,16 @@ def test_dequantize_compiles(kernels) -> None:
             weight = mx.zeros((slices, 256, 4096 // slices // 8), dtype=mx.uint32)
             scales = mx.zeros((slices, 256, 4096 // slices // group_size), dtype=mx.bfloat16)
             assert dequantize.dequantize_4bit(weight, scales, scales, group_size).shape == (256, 4096)
+    assert_compiles(kernels)
+
+
+@pytest.mark.parametrize("lengths,kv_heads,group", [([544], 8, 4), ([544], 4, 8), ([3000, 40], 8, 4)])
+def test_paged_decode_attention_compiles(kernels, monkeypatch, lengths, kv_heads, group) -> None:
+    """One pass (16 warps at 8B's group of 4, 8 at 30B-A3B's group of 8: static shared memory stays under 48 KB)
+    and the split kernels with their merge."""
+    problem = random_decode_problem(lengths, kv_heads, group, 128, 16, dtype=mx.bfloat16, seed=0)
+    monkeypatch.setattr(paged_attention, "kernel_supports", lambda *_: True)
+    paged_attention.paged_decode_attention(
+        problem.queries, problem.pool_keys, problem.pool_values, problem.rows, problem.scale
+    )
     assert_compiles(kernels)

@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlx_serve.kernels import paged_attention
 from mlx_serve.kernels.paged_attention import (
     batched_decode_attention,
     blockwise_fits,
@@ -170,3 +171,27 @@ def test_kernel_matches_batched_bf16() -> None:
     problem = random_decode_problem([1024] * 32, 8, 4, 128, 16, dtype=mx.bfloat16, seed=5)
     ref = np.array(run(batched_decode_attention, problem).astype(mx.float32), dtype=np.float64)
     assert relative_error(run(paged_decode_attention, problem), ref) < BOUNDS[mx.bfloat16]
+
+
+def test_one_pass_warps_fit_their_partial_sums_in_shared_memory() -> None:
+    assert paged_attention.one_pass_warps(4, 128) == 16  # Qwen3-8B / 0.6B
+    assert paged_attention.one_pass_warps(8, 128) == 8  # Qwen3-30B-A3B: 16 warps would need 66 KB
+    assert paged_attention.one_pass_warps(16, 256) == paged_attention.WARPS  # never fewer than the split kernel's
+    for group, head_dim in [(1, 64), (2, 128), (4, 128), (8, 128), (8, 64)]:
+        warps = paged_attention.one_pass_warps(group, head_dim)
+        assert warps * group * (head_dim + 2) * 4 <= paged_attention.MERGE_SHARED_BYTES
+
+
+@on_cuda
+@pytest.mark.parametrize("warps", [8, 16])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("kv_heads,group", [(8, 4), (4, 8)])
+def test_one_pass_blocks_of_any_warps_match_reference(warps, dtype, kv_heads, group, monkeypatch) -> None:
+    """Histories of up to `SINGLE_PASS_TOKENS` take one pass whose block has up to `SINGLE_PASS_WARPS` warps
+    (as many as `one_pass_warps` fits: 8B's group of 4, 30B-A3B's group of 8)."""
+    monkeypatch.setattr(paged_attention, "SINGLE_PASS_WARPS", warps)
+    problem = random_decode_problem([544], kv_heads, group, 128, 16, dtype=dtype, seed=warps)
+    out = run(paged_decode_attention, problem)
+    assert relative_error(out, reference_fp32(problem)) < BOUNDS[dtype]
+    several = random_decode_problem([1000, 3, 517, 64], kv_heads, group, 128, 16, dtype=dtype, seed=warps + 1)
+    assert relative_error(run(paged_decode_attention, several), reference_fp32(several)) < BOUNDS[dtype]
