@@ -24,10 +24,10 @@ TARGET_BLOCKS = 264  # two thread blocks per multiprocessor of an H100/H200 (132
 # histories up to this many tokens take one pass (one launch, more warps a block): a decode step is bound by the
 # host's cost per launch, and one block reads 1k tokens of a head in microseconds
 SINGLE_PASS_TOKENS = 1024
-# at most 16 warps, as many as the warps' partial sums fit in shared memory (`one_pass_warps`): 8B decode (group
-# of 4) 5.49 -> 5.32 ms a step at one stream, 6.85 -> 6.70 at 8 against 8 warps (H200, five calls each;
-# splitting such histories instead measured slower, 5.8)
-SINGLE_PASS_WARPS = 16
+# warps of a one-pass block, at most (`one_pass_warps`). 16 measured ~3% faster on 8B decode (5.32 against 5.49 ms a
+# step at one stream, H200), but that kernel then needs exactly 128 registers a thread, the most 512 threads can
+# have, and its blockwise form (168) failed to launch: a compiler's choice away from a crash, so 8 stays
+SINGLE_PASS_WARPS = 8
 MERGE_SHARED_BYTES = 40 * 1024  # of the 48 KB of static shared memory a block may have
 BLOCKWISE = False  # load order of the kernel's warps (see paged_attention_cuda); picked by measurement
 KINDS = ("auto", "kernel", "batched", "reference")

@@ -90,8 +90,8 @@ def test_dequantize_compiles(kernels) -> None:
 
 @pytest.mark.parametrize("lengths,kv_heads,group", [([544], 8, 4), ([544], 4, 8), ([3000, 40], 8, 4)])
 def test_paged_decode_attention_compiles(kernels, monkeypatch, lengths, kv_heads, group) -> None:
-    """One pass (16 warps at 8B's group of 4, 8 at 30B-A3B's group of 8: static shared memory stays under 48 KB)
-    and the split kernels with their merge."""
+    """One pass (8B's group of 4 and 30B-A3B's of 8: static shared memory stays under 48 KB) and the split
+    kernels with their merge."""
     problem = random_decode_problem(lengths, kv_heads, group, 128, 16, dtype=mx.bfloat16, seed=0)
     monkeypatch.setattr(paged_attention, "kernel_supports", lambda *_: True)
     paged_attention.paged_decode_attention(
