@@ -152,8 +152,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dequantize-rows", type=int, default=0, metavar="N",
                    help="quantized models: steps of at least N rows (prefill chunks, decode batches, logits) run each "
                         "projection as a dense matmul over its dequantized weights, since MLX's quantized matmul "
-                        "re-reads the packed weights per row on CUDA; bf16 rounding then differs from mlx-lm's "
-                        "(0 = never; default: %(default)s)")
+                        "re-reads the packed weights per row on CUDA; the weights round to bf16 once, as MLX's "
+                        "dequantization rounds them (0 = never; default: %(default)s)")
     g.add_argument("--no-warm-up", action="store_true",
                    help="skip building the prefill attention shapes at start (CUDA: the first chunk of each shape "
                         "then stalls the streams for tens of ms)")
