@@ -5,10 +5,11 @@ squares with forgetting (0.995: roughly the last 200 steps matter), so it tracks
 Until a path's fit has 8 samples, or if its prediction is not a positive finite number, it answers exactly as
 the `ema` baseline it trains alongside. Same training filter as the other models; fixed memory.
 
-A least-squares fit has no defence against one wild sample: a step that stalled seconds on a first-use compile
-skewed every coefficient (H200, 8B 4-bit: 120-row steps of 15 ms predicted at 130 ms for a hundred steps). So a
-fitted path trains on the measured time bounded to within `OUTLIER_FACTOR` of its own prediction: a stall moves
-the fit a bounded way, a lasting change of cost is still learned, in a few steps.
+A least-squares fit has no defence against one wild sample, such as a step that stalled on a first-use compile
+(H200, 8B 4-bit: a skewed fit predicted 120-row steps of 15 ms at 40-130 ms for a hundred steps, while a fresh fit
+of the same steps predicted them within a few ms). So a fitted path trains on the measured time bounded to within
+`OUTLIER_FACTOR` of its own prediction: one such sample moves the fit a bounded way, and a lasting change of cost
+is still learned.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class AffineCostModel:
 
 
 def _bounded(fit: RecursiveLeastSquares, x: tuple[float, ...], elapsed_ms: float) -> float:
-    """`elapsed_ms` within `OUTLIER_FACTOR` of the fit's prediction, once the fit answers (as is before)."""
+    """`elapsed_ms` within `OUTLIER_FACTOR` of the fit's prediction once the fit answers; as measured before."""
     predicted = fit.predict(x)
     if fit.samples < MIN_SAMPLES or not math.isfinite(predicted) or predicted <= 0:
         return elapsed_ms

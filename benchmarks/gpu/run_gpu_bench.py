@@ -33,6 +33,7 @@ from benchmarks.gpu.ours import OurSide
 from benchmarks.gpu.report import markdown
 from benchmarks.gpu.workloads import FULL, QUICK, TINY, BenchParams, Prompts
 from mlx_serve.commands.serve import row_quantum_arg, step_target_arg
+from mlx_serve.kernels import paged_attention
 
 
 class Progress:
@@ -324,7 +325,8 @@ def main() -> None:
     )
     parser.add_argument(
         "--single-pass-warps", type=int, default=None,
-        help="paged_attention.SINGLE_PASS_WARPS: warps of a one-pass decode attention block (A/B; at most 16)",
+        help="paged_attention.SINGLE_PASS_WARPS: warps of a one-pass decode attention block (A/B; 16 sits at the "
+        "register limit of a block)",
     )
     parser.add_argument("--out", type=Path, default=Path("gpu_bench_out"))
     parser.add_argument(
@@ -335,12 +337,8 @@ def main() -> None:
         parser.error("--contended-only needs --step-target-ms (the full run's target for the shape)")
     mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
     if args.single_pass_tokens is not None:
-        from mlx_serve.kernels import paged_attention
-
         paged_attention.SINGLE_PASS_TOKENS = args.single_pass_tokens
     if args.single_pass_warps is not None:
-        from mlx_serve.kernels import paged_attention
-
         paged_attention.SINGLE_PASS_WARPS = args.single_pass_warps
     meta = {
         "command": "python -m benchmarks.gpu.run_gpu_bench "

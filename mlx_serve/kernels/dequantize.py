@@ -1,10 +1,11 @@
 """Affine 4-bit weights to bf16 at memory speed, and the dense product of many rows over them.
 
 Why: a 4-bit product of a prefill chunk's rows costs more through a quantized GEMM than dequantizing the weights
-once and running the bf16 GEMM (cuBLAS) over them: the H200 reads and writes the dense weights of an 8B layer in
-~0.15 ms, while the quantized GEMM, which dequantizes each weight tile once per 64 rows, runs at 120-220 TFLOP/s
-(`quantized_tiles`). MLX's own `mx.dequantize` is the same arithmetic at about a quarter of the bandwidth, and for
-weights split over K (`quantized_rows.split_k`) needs one more copy to put the slices back in order.
+once and running the bf16 GEMM (cuBLAS) over them, from 129 rows (`quantized_tiles.DENSE_FROM_ROWS`): this kernel
+writes the dense weights of an 8B layer in ~0.25 ms on the H200 (~2.5 TB/s), while the quantized GEMM, which
+dequantizes each weight fragment once per 64-row tile, runs at 120-220 TFLOP/s. MLX's own `mx.dequantize` is the
+same arithmetic at about half this speed, and for weights split over K (`quantized_rows.split_k`) needs one more
+copy to put the slices back in order.
 
 One thread turns one packed word (8 weights, lowest nibble first) into 16 bytes of bf16, as MLX dequantizes:
 `w = bf16(q * scale + bias)`, one rounding (`fma.rn.bf16x2`), so the result equals `mx.dequantize`'s bit for bit.
@@ -23,8 +24,8 @@ GROUP_SIZES = (32, 64, 128)
 
 # Template: GS (group size). Inputs: w [S, N, Ks/8] uint32, scales and biases [S, N, Ks/GS] bf16. Output: y [N,
 # S * Ks] bf16. Grid: (words of a row, rounded up to WORD_THREADS) x N x S threads, blocks of WORD_THREADS x
-# ROW_THREADS: a thread's word, row and slice come from its block and thread index, with no division (64-bit
-# divisions by the shapes made the first form of this kernel run at a third of the bandwidth)
+# ROW_THREADS: a thread's word, row and slice come from its block and thread index (a first form that divided one
+# flat index by the shapes measured the same)
 SOURCE = r"""
   const int S = w_shape[0], N = w_shape[1], words = w_shape[2];  // words of one slice row: Ks / 8
   const int word = blockIdx.x * blockDim.x + threadIdx.x;
