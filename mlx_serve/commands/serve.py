@@ -137,8 +137,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "on elsewhere: MLX's gather_mm over the tiles (default: %(default)s)")
     g.add_argument("--quantized-tiles", choices=["auto", "on", "off"], default="auto",
                    help="4-bit projections of steps of 33 rows or more (prefill chunks) run through a GEMM that "
-                        "dequantizes weight tiles in shared memory: auto = a CUDA kernel with MLX's CUDA backend, "
-                        "else MLX's quantized matmul; on elsewhere: dequantize then matmul (default: %(default)s)")
+                        "dequantizes packed weights in registers, and from 129 rows through a dequantize kernel and "
+                        "the bf16 GEMM: auto = these CUDA kernels with MLX's CUDA backend, else MLX's quantized "
+                        "matmul; on elsewhere: dequantize then matmul (default: %(default)s)")
     g.add_argument("--split-quantized-k", choices=["auto", "on", "off", "all"], default="auto",
                    help="quantized models: narrow projections (o_proj, down_proj; all: the fused q/k/v and gate/up "
                         "too) run as one batched product over slices of their input dimension, summed, so that "
