@@ -18,12 +18,17 @@ from mlx_serve.kernels.paged_attention_cuda import HEADER, PARTIAL_SOURCE, REDUC
 from mlx_serve.ragged import DecodeAttention, DecodeRows, reference_decode_attention
 
 WARPS = 4
-MAX_PARTITION = 256  # history tokens one thread block reads before the split-K merge takes over
-MIN_PARTITION = 64
-TARGET_BLOCKS = 264  # two thread blocks per multiprocessor of an H100/H200 (132 SMs)
+# history tokens a thread block of a split history reads. Smaller partitions (more blocks) measured slower at
+# every lane count, each block being bound by its chain of loads (H200, 36 chained layers, `bench_decode_attention`:
+# 1 lane x 1,100 tokens 34 us a layer at 256 against 47 at 64; 8 lanes x 4,096 92 against 137)
+PARTITION = 256
 # histories up to this many tokens take one pass (one launch, more warps a block): a decode step is bound by the
 # host's cost per launch, and one block reads 1k tokens of a head in microseconds
 SINGLE_PASS_TOKENS = 1024
+# with this many (lane, kv head) blocks the GPU is full without a split: one pass up to `ONE_PASS_MOST_TOKENS`
+# (32 lanes x 1,100 tokens 76 us a layer against 97 split; x 4,096 220 against 240)
+ONE_PASS_BLOCKS = 256
+ONE_PASS_MOST_TOKENS = 4096
 # warps of a one-pass block, at most (`one_pass_warps`). 16 measured ~3% faster on 8B decode (5.32 against 5.49 ms a
 # step at one stream, H200), but that kernel then needs exactly 128 registers a thread, the most 512 threads can
 # have, and its blockwise form (168) failed to launch: a compiler's choice away from a crash, so 8 stays
@@ -102,13 +107,13 @@ def kernel_supports(queries: mx.array, pool_keys: mx.array) -> bool:
 
 
 def partition_size(lanes: int, kv_heads: int, max_len: int) -> int:
-    """History tokens per thread block: short histories whole, long ones split until the grid fills the GPU."""
+    """History tokens per thread block: short histories whole, and longer ones while the lanes alone fill the GPU;
+    else `PARTITION`-token pieces merged by a second launch."""
     if max_len <= SINGLE_PASS_TOKENS:
         return max_len
-    size = MAX_PARTITION
-    while size > MIN_PARTITION and lanes * kv_heads * math.ceil(max_len / size) < TARGET_BLOCKS:
-        size //= 2
-    return size
+    if lanes * kv_heads >= ONE_PASS_BLOCKS and max_len <= ONE_PASS_MOST_TOKENS:
+        return max_len
+    return PARTITION
 
 
 def one_pass_warps(group: int, head_dim: int) -> int:
@@ -135,14 +140,16 @@ def paged_decode_attention(
     scale: float,
     *,
     blockwise: bool | None = None,
+    partition: int | None = None,
 ) -> mx.array:
-    """The CUDA kernel: reads K/V straight from the pool through the block tables, fp32 online softmax."""
+    """The CUDA kernel: reads K/V straight from the pool through the block tables, fp32 online softmax.
+    `partition` (history tokens a block) overrides `partition_size`, for benchmarks and tests."""
     if not kernel_supports(queries, pool_keys):
         return batched_decode_attention(queries, pool_keys, pool_values, rows, scale)
     n, heads, _, head_dim = queries.shape
     kv_heads = pool_keys.shape[1]
     max_len = rows.block_tables.shape[1] * rows.block_size
-    size = partition_size(n, kv_heads, max_len)
+    size = min(partition, max_len) if partition else partition_size(n, kv_heads, max_len)
     parts = math.ceil(max_len / size)
     blockwise = BLOCKWISE if blockwise is None else blockwise
     blockwise = blockwise and blockwise_fits(head_dim, pool_keys.dtype.size, rows.block_size, size)

@@ -93,11 +93,14 @@ def test_blockwise_fits() -> None:
     assert blockwise_fits(128, 4, 16, 64)  # fp32: 1 token an iteration, chunks of 8
 
 
-def test_partition_size_splits_long_histories_until_the_grid_fills() -> None:
-    assert partition_size(lanes=64, kv_heads=8, max_len=4096) == 256
-    assert partition_size(lanes=1, kv_heads=8, max_len=4096) == 64
+def test_partition_size_splits_long_histories_unless_the_lanes_fill_the_gpu() -> None:
     assert partition_size(lanes=1, kv_heads=8, max_len=1024) == 1024  # one pass
     assert partition_size(lanes=32, kv_heads=8, max_len=16) == 16
+    assert partition_size(lanes=1, kv_heads=8, max_len=4096) == paged_attention.PARTITION
+    assert partition_size(lanes=8, kv_heads=8, max_len=2048) == paged_attention.PARTITION
+    assert partition_size(lanes=32, kv_heads=8, max_len=4096) == 4096  # 256 blocks: one pass
+    assert partition_size(lanes=64, kv_heads=4, max_len=2048) == 2048
+    assert partition_size(lanes=64, kv_heads=8, max_len=8192) == paged_attention.PARTITION  # too long for one
 
 
 def test_kernel_supports_common_head_dims() -> None:
@@ -195,3 +198,18 @@ def test_one_pass_blocks_of_any_warps_match_reference(warps, dtype, kv_heads, gr
     assert relative_error(out, reference_fp32(problem)) < BOUNDS[dtype]
     several = random_decode_problem([1000, 3, 517, 64], kv_heads, group, 128, 16, dtype=dtype, seed=warps + 1)
     assert relative_error(run(paged_decode_attention, several), reference_fp32(several)) < BOUNDS[dtype]
+
+
+@on_cuda
+@pytest.mark.parametrize("partition", [64, 256, 4096])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("case", [([1150], 8, 4), ([1, 600, 33, 2049], 8, 4), ([3000, 1, 700], 4, 8)])
+def test_any_partition_matches_reference(case, dtype, partition) -> None:
+    """Split histories of any partition size (tables wider than the shortest lanes: partitions with no token of
+    theirs), and one pass over long histories (4096), as `partition_size` now picks for many lanes."""
+    lengths, kv_heads, group = case
+    problem = random_decode_problem(lengths, kv_heads, group, 128, 16, dtype=dtype, seed=partition + len(lengths))
+    kernel = functools.partial(paged_decode_attention, partition=partition)
+    out = run(kernel, problem)
+    assert relative_error(out, reference_fp32(problem)) < BOUNDS[dtype]
+    assert mx.array_equal(out, run(kernel, problem)).item(), "results differ between runs: a race"
