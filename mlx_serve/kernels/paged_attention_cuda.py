@@ -101,11 +101,12 @@ PARTIAL_SOURCE = r"""
         vraw[u] = make_uint4(0, 0, 0, 0);
       }
     }
+    // the UNROLL tokens' scores first, then one rescale of each head's running sums for all of them: an online
+    // softmax per token spent most of the kernel's instructions on rescaling (it is issue-bound at few lanes)
+    float s[UNROLL][G];
     #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const TK* kv = reinterpret_cast<const TK*>(&kraw[u]);
-      const TK* vv = reinterpret_cast<const TK*>(&vraw[u]);
-      float s[G];
       #pragma unroll
       for (int g = 0; g < G; ++g) {
         float dot = 0.f;
@@ -113,23 +114,32 @@ PARTIAL_SOURCE = r"""
         for (int i = 0; i < VEC; ++i) dot += q[g][i] * pa_to_float(kv[i]);
         #pragma unroll
         for (int o = LPT / 2; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-        s[g] = dot;
+        s[u][g] = valid[u] ? dot : PA_NEG_INF;
       }
-      if (valid[u]) {
-        float vf[VEC];
-        #pragma unroll
-        for (int i = 0; i < VEC; ++i) vf[i] = pa_to_float(vv[i]);
-        #pragma unroll
-        for (int g = 0; g < G; ++g) {
-          const float m_new = fmaxf(m[g], s[g]);
-          const float c = __expf(m[g] - m_new);  // m = -inf gives 0
-          const float p = __expf(s[g] - m_new);
-          l[g] = l[g] * c + p;
-          #pragma unroll
-          for (int i = 0; i < VEC; ++i) acc[g][i] = acc[g][i] * c + p * vf[i];
-          m[g] = m_new;
-        }
+    }
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float m_new = m[g];
+      #pragma unroll
+      for (int u = 0; u < UNROLL; ++u) m_new = fmaxf(m_new, s[u][g]);
+      if (m_new == PA_NEG_INF) continue;  // no token of this thread's so far: nothing to add
+      const float c = __expf(m[g] - m_new);  // m = -inf gives 0
+      float p[UNROLL];
+      float p_sum = 0.f;
+      #pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        p[u] = __expf(s[u][g] - m_new);  // a token past the end (-inf) gives 0
+        p_sum += p[u];
       }
+      l[g] = l[g] * c + p_sum;
+      #pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        float a = acc[g][i] * c;
+        #pragma unroll
+        for (int u = 0; u < UNROLL; ++u) a = fmaf(p[u], pa_to_float(reinterpret_cast<const TK*>(&vraw[u])[i]), a);
+        acc[g][i] = a;
+      }
+      m[g] = m_new;
     }
   }
 
