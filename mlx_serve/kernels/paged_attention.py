@@ -22,8 +22,8 @@ WARPS = 4
 # every lane count, each block being bound by its chain of loads (H200, 36 chained layers, `bench_decode_attention`:
 # 1 lane x 1,100 tokens 34 us a layer at 256 against 47 at 64; 8 lanes x 4,096 92 against 137)
 PARTITION = 256
-# histories up to this many tokens take one pass (one launch, more warps a block): a decode step is bound by the
-# host's cost per launch, and one block reads 1k tokens of a head in microseconds
+# histories up to this many tokens take one pass (one launch, more warps a block): splitting them measured slower
+# at one lane (8B step 5.8-5.9 against 5.3-5.6 ms, fifteenth H200 run)
 SINGLE_PASS_TOKENS = 1024
 # with this many (lane, kv head) blocks the GPU is full without a split: one pass up to `ONE_PASS_MOST_TOKENS`
 # (32 lanes x 1,100 tokens 76 us a layer against 97 split; x 4,096 220 against 240)
