@@ -3,9 +3,9 @@
 One thread block per (lane, kv head, partition of the history). Each warp walks tokens of its partition:
 `D / VEC` threads share one token (16-byte loads of K and V), so a warp holds `32 * VEC / D` tokens per
 iteration and `UNROLL` iterations' loads are issued before any arithmetic. Every warp keeps an online softmax
-(max, sum, unnormalised output) per query head of the GQA group in fp32, rescaled once per `UNROLL` tokens; the warps of a block merge through
-shared memory. With one partition the block writes the normalised output; with several it writes partial
-(output, max, sum) rows and `REDUCE_SOURCE` merges them.
+(max, sum, unnormalised output) per query head of the GQA group in fp32, rescaled once per `UNROLL` tokens; the
+warps of a block merge through shared memory. With one partition the block writes the normalised output; with
+several it writes partial (output, max, sum) rows and `REDUCE_SOURCE` merges them.
 """
 
 from __future__ import annotations
