@@ -9,7 +9,8 @@ queued behind it, and `%globaltimer` stamps after the spin and after the last la
 Forms: `one_pass` (one block a lane and kv head), `split_P` (partitions of P tokens, then the merge kernel),
 `auto` (what the engine picks: `paged_attention.partition_size`), and `cudnn`: mlx-lm's decode, MLX's SDPA over a
 contiguous `[lanes, kv_heads, L, D]` cache. Each shape runs one unrecorded chain first (the first chain of a
-shape measured 10-50% slow).
+shape measured 10-50% slow), then `--rounds` rounds over all forms in alternating order; a figure is a form's median
+over rounds and `spread` its max / min (the same form measured up to 20% apart between calls).
 
     python -m benchmarks.gpu.bench_decode_attention --lanes 1,8,32 --history 512,1024,4096 > attention.jsonl
 """
@@ -116,22 +117,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lanes", default="1,8,32")
     parser.add_argument("--history", default="512,1024,4096")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="chains a form's figure in one round is the median of")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds over every form (alternating order)")
     args = parser.parse_args()
     for lanes in (int(v) for v in args.lanes.split(",")):
         for history in (int(v) for v in args.history.split(",")):
-            print(json.dumps(measure(lanes, history, args.repeats)), flush=True)
+            print(json.dumps(measure(lanes, history, args.repeats, args.rounds)), flush=True)
 
 
-def measure(lanes: int, history: int, repeats: int) -> dict:
+def measure(lanes: int, history: int, repeats: int, rounds: int) -> dict:
+    """Each form's median over `rounds` rounds (every round times every form, in reversed order on odd rounds, so
+    a drift of the device's speed falls on all of them), with the spread of its rounds (max / min)."""
     first, calls = paged_layers(lanes, history)
-    row: dict = {"lanes": lanes, "history": history}
-    chain_us(first, lambda i, q: calls[i]({}, q), 2)  # the first chain of a shape runs slow: not a form's
-    for name, form in forms(history).items():
-        row[name] = chain_us(first, lambda i, q, form=form: calls[i](form, q), repeats)
-    best = min(row[name] for name in forms(history))
     contiguous = contiguous_layers(lanes, history)
-    row["cudnn"] = chain_us(first, lambda i, q: contiguous[i](q), repeats)
+    layers = {name: (lambda i, q, form=form: calls[i](form, q)) for name, form in forms(history).items()}
+    layers["cudnn"] = lambda i, q: contiguous[i](q)
+    chain_us(first, layers["auto"], 2)  # the first chain of a shape runs slow: not a form's
+    samples: dict[str, list[float]] = {name: [] for name in layers}
+    for round_ in range(rounds):
+        for name in layers if round_ % 2 == 0 else reversed(layers):
+            samples[name].append(chain_us(first, layers[name], repeats))
+    row: dict = {"lanes": lanes, "history": history}
+    row.update({name: round(statistics.median(values), 2) for name, values in samples.items()})
+    row["spread"] = {name: round(max(values) / min(values), 2) for name, values in samples.items()}
+    best = min(row[name] for name in forms(history))
     kv_bytes = lanes * history * KV_HEADS * HEAD_DIM * 2 * 2
     row["best_ours_TBps"] = round(kv_bytes / (best * 1e-6) / 1e12, 2)
     return row
