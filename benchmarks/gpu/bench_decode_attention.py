@@ -145,5 +145,6 @@ def measure(lanes: int, history: int, repeats: int, rounds: int) -> dict:
     row["best_ours_TBps"] = round(kv_bytes / (best * 1e-6) / 1e12, 2)
     return row
 
+
 if __name__ == "__main__":
     main()
