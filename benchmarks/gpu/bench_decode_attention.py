@@ -6,7 +6,8 @@ that chain over 36 layers (12 pools of random KV, each read 3 times: too much fo
 per launch is kept out: a kernel spins on the device's clock first, long enough for the whole chain to be
 queued behind it, and `%globaltimer` stamps after the spin and after the last layer give the chain's time.
 
-Forms: `one_pass` (one block a lane and kv head), `split_P` (partitions of P tokens, then the merge kernel),
+Forms: `one_pass` (one block a lane and kv head), `split_P` (partitions of P tokens, then the merge kernel), the
+same with `mma_` for the tensor-core kernel (`mma2_`: two 16-token tiles a warp at a time),
 `auto` (what the engine picks: `paged_attention.partition_size`), and `cudnn`: mlx-lm's decode, MLX's SDPA over a
 contiguous `[lanes, kv_heads, L, D]` cache. Each shape runs one unrecorded chain first (the first chain of a
 shape measured 10-50% slow), then `--rounds` rounds over all forms in alternating order; a figure is a form's median
@@ -106,10 +107,16 @@ def chain_us(first: mx.array, layer: Callable[[int, mx.array], mx.array], repeat
 
 def forms(history: int) -> dict[str, dict]:
     width = width_bucket(-(-history // BLOCK)) * BLOCK
-    out: dict[str, dict] = {"auto": {}, "one_pass": {"partition": width}}
+    out: dict[str, dict] = {"auto": {}, "one_pass": {"partition": width, "mma": False}}
     for size in (256, 64):
         if size < width:
-            out[f"split_{size}"] = {"partition": size}
+            out[f"split_{size}"] = {"partition": size, "mma": False}
+    # the tensor-core kernel: one and two 16-token tiles a warp at a time
+    out["mma_one_pass"] = {"partition": width, "mma": True}
+    out["mma2_one_pass"] = {"partition": width, "mma": True, "tiles": 2}
+    for size in (1024, 512, 256):
+        if size < width:
+            out[f"mma_split_{size}"] = {"partition": size, "mma": True}
     return out
 
 

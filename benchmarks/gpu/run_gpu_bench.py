@@ -333,6 +333,10 @@ def main() -> None:
         help="paged_attention.ONE_PASS_BLOCKS: (lane, kv head) blocks from which histories up to 4,096 tokens take "
         "one pass (A/B; a huge value splits every history over SINGLE_PASS_TOKENS)",
     )
+    parser.add_argument(
+        "--attention-mma", choices=("on", "off"), default=None,
+        help="paged_attention.MMA: the tensor-core decode-attention kernel where it fits (A/B)",
+    )
     parser.add_argument("--out", type=Path, default=Path("gpu_bench_out"))
     parser.add_argument(
         "--label", default="", help="free text for the header (e.g. the commit and patches measured)"
@@ -347,6 +351,8 @@ def main() -> None:
         paged_attention.SINGLE_PASS_WARPS = args.single_pass_warps
     if args.one_pass_blocks is not None:
         paged_attention.ONE_PASS_BLOCKS = args.one_pass_blocks
+    if args.attention_mma is not None:
+        paged_attention.MMA = args.attention_mma == "on"
     meta = {
         "command": "python -m benchmarks.gpu.run_gpu_bench "
         + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v not in (None, False)),

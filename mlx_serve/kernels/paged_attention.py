@@ -1,4 +1,5 @@
-"""Decode attention over the paged KV pool: a CUDA kernel, a batched pure-MLX path, and the choice between them.
+"""Decode attention over the paged KV pool: CUDA kernels (tensor-core for bf16, scalar otherwise), a batched pure-MLX
+path, and the choice between them.
 
 Every function here has the `mlx_serve.ragged.DecodeAttention` signature: queries `[n, heads, 1, head_dim]`,
 pool keys/values `[num_blocks * block_size, kv_heads, head_dim]`, the step's `DecodeRows`, the softmax scale;
@@ -14,7 +15,14 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mlx_serve.kernels.paged_attention_cuda import HEADER, PARTIAL_SOURCE, REDUCE_SOURCE
+from mlx_serve.kernels.mma import MMA_HEADER
+from mlx_serve.kernels.paged_attention_cuda import (
+    HEADER,
+    MERGE_SOURCE,
+    MMA_SOURCE,
+    PARTIAL_SOURCE,
+    REDUCE_SOURCE,
+)
 from mlx_serve.ragged import DecodeAttention, DecodeRows, reference_decode_attention
 
 WARPS = 4
@@ -35,6 +43,20 @@ ONE_PASS_MOST_TOKENS = 4096
 SINGLE_PASS_WARPS = 8
 MERGE_SHARED_BYTES = 40 * 1024  # of the 48 KB of static shared memory a block may have
 BLOCKWISE = False  # load order of the kernel's warps (see paged_attention_cuda); picked by measurement
+# the tensor-core kernel (`MMA_SOURCE`) where it fits (`mma_fits`), and its 16-token tiles a warp loads at once:
+# faster than the scalar kernel at every shape measured (1 lane x 560 tokens 13.0 against 19.7 us a layer, cuDNN
+# 12.5; 32 x 4,096 166 against 212), two tiles 5-10% better than one past 1k tokens (seventeenth H200 run)
+MMA = True
+MMA_TILES = 2
+# its partitions: one pass up to `MMA_SINGLE_PASS_TOKENS` (1 x 1,100: 20 us one pass, 24 split; 1 x 2,048: 30
+# against 26), or up to `MMA_ONE_PASS_MOST_TOKENS` from `MMA_ONE_PASS_BLOCKS` (lane, kv head) blocks (8 x 8,192: 114
+# against 123 split); else `MMA_PARTITION`-token pieces (1 x 4,096: 32 against 53-61 one pass and 49 at 256)
+MMA_SINGLE_PASS_TOKENS = 1536
+MMA_ONE_PASS_BLOCKS = 64
+MMA_ONE_PASS_MOST_TOKENS = 8192
+MMA_PARTITION = 512
+# a warp of it holds ~180 registers: 8 warps a block at most (16 would ask for 92K of the 64K a block may have)
+MMA_MOST_WARPS = 8
 KINDS = ("auto", "kernel", "batched", "reference")
 
 
@@ -57,25 +79,27 @@ class _Kernels:
     single: object  # writes the normalised output when one partition covers the history
     partial: object  # writes per-partition (output, max, sum)
     reduce: object  # merges the partitions
+    mma_single: object  # the tensor-core forms of the first two
+    mma_partial: object
 
 
 @functools.cache
 def _kernels() -> _Kernels:
     inputs = ["queries", "k_pool", "v_pool", "tables", "lengths", "part_size", "scale"]
+    final, split = ["out"], ["o_part", "ml_part"]
+
+    def kernel(name: str, outputs: list[str], body: str, header: str) -> object:
+        return mx.fast.cuda_kernel(name, inputs, outputs, body + MERGE_SOURCE, header=header)
+
+    whole, partial = HEADER + "#define PA_SPLIT 0\n", HEADER + "#define PA_SPLIT 1\n"
     return _Kernels(
-        single=mx.fast.cuda_kernel(
-            "mlx_serve_paged_decode", inputs, ["out"], PARTIAL_SOURCE, header=HEADER + "#define PA_SPLIT 0\n"
-        ),
-        partial=mx.fast.cuda_kernel(
-            "mlx_serve_paged_decode_partial",
-            inputs,
-            ["o_part", "ml_part"],
-            PARTIAL_SOURCE,
-            header=HEADER + "#define PA_SPLIT 1\n",
-        ),
+        single=kernel("mlx_serve_paged_decode", final, PARTIAL_SOURCE, whole),
+        partial=kernel("mlx_serve_paged_decode_partial", split, PARTIAL_SOURCE, partial),
         reduce=mx.fast.cuda_kernel(
             "mlx_serve_paged_decode_reduce", ["o_part", "ml_part"], ["out"], REDUCE_SOURCE, header=HEADER
         ),
+        mma_single=kernel("mlx_serve_paged_decode_mma", final, MMA_SOURCE, MMA_HEADER + whole),
+        mma_partial=kernel("mlx_serve_paged_decode_mma_partial", split, MMA_SOURCE, MMA_HEADER + partial),
     )
 
 
@@ -106,14 +130,18 @@ def kernel_supports(queries: mx.array, pool_keys: mx.array) -> bool:
     )
 
 
-def partition_size(lanes: int, kv_heads: int, max_len: int) -> int:
+def partition_size(lanes: int, kv_heads: int, max_len: int, mma: bool = False) -> int:
     """History tokens per thread block: short histories whole, and longer ones while the lanes alone fill the GPU;
-    else `PARTITION`-token pieces merged by a second launch."""
-    if max_len <= SINGLE_PASS_TOKENS:
+    else pieces merged by a second launch (`PARTITION` tokens, `MMA_PARTITION` for the tensor-core kernel)."""
+    if mma:
+        single, blocks, most, piece = MMA_SINGLE_PASS_TOKENS, MMA_ONE_PASS_BLOCKS, MMA_ONE_PASS_MOST_TOKENS, MMA_PARTITION
+    else:
+        single, blocks, most, piece = SINGLE_PASS_TOKENS, ONE_PASS_BLOCKS, ONE_PASS_MOST_TOKENS, PARTITION
+    if max_len <= single:
         return max_len
-    if lanes * kv_heads >= ONE_PASS_BLOCKS and max_len <= ONE_PASS_MOST_TOKENS:
+    if lanes * kv_heads >= blocks and max_len <= most:
         return max_len
-    return PARTITION
+    return piece
 
 
 def one_pass_warps(group: int, head_dim: int) -> int:
@@ -123,6 +151,21 @@ def one_pass_warps(group: int, head_dim: int) -> int:
     while warps > WARPS and warps * group * (head_dim + 2) * 4 > MERGE_SHARED_BYTES:
         warps //= 2
     return warps
+
+
+def mma_fits(queries: mx.array, pool_keys: mx.array, block_size: int, size: int) -> bool:
+    """Whether the tensor-core kernel takes this: bf16, heads of 64 or 128 dims, at most 8 query heads a kv head
+    (one m16 tile's real rows), and 16-token tiles that neither a KV block nor a partition cuts."""
+    group = queries.shape[1] // pool_keys.shape[1]
+    return (
+        queries.dtype == mx.bfloat16
+        and pool_keys.dtype == mx.bfloat16
+        and pool_keys.shape[-1] in (64, 128)
+        and queries.shape[1] % pool_keys.shape[1] == 0
+        and group <= 8
+        and block_size % 16 == 0
+        and size % 16 == 0
+    )
 
 
 def blockwise_fits(head_dim: int, itemsize: int, block_size: int, size: int) -> bool:
@@ -141,20 +184,26 @@ def paged_decode_attention(
     *,
     blockwise: bool | None = None,
     partition: int | None = None,
+    mma: bool | None = None,
+    tiles: int | None = None,
 ) -> mx.array:
     """The CUDA kernel: reads K/V straight from the pool through the block tables, fp32 online softmax.
-    `partition` (history tokens a block) overrides `partition_size`, for benchmarks and tests."""
+    `partition` (history tokens a block), `mma` (the tensor-core kernel where it fits) and `tiles` (its tiles a
+    warp loads at once) override the module's choices, for benchmarks and tests."""
     if not kernel_supports(queries, pool_keys):
         return batched_decode_attention(queries, pool_keys, pool_values, rows, scale)
     n, heads, _, head_dim = queries.shape
     kv_heads = pool_keys.shape[1]
     max_len = rows.block_tables.shape[1] * rows.block_size
-    size = min(partition, max_len) if partition else partition_size(n, kv_heads, max_len)
+    mma = (MMA if mma is None else mma) and mma_fits(queries, pool_keys, rows.block_size, max_len)
+    size = min(partition, max_len) if partition else partition_size(n, kv_heads, max_len, mma)
+    mma = mma and size % 16 == 0
     parts = math.ceil(max_len / size)
     blockwise = BLOCKWISE if blockwise is None else blockwise
     blockwise = blockwise and blockwise_fits(head_dim, pool_keys.dtype.size, rows.block_size, size)
     kernels = _kernels()
     warps = one_pass_warps(heads // kv_heads, head_dim) if parts == 1 else WARPS
+    warps = min(warps, MMA_MOST_WARPS) if mma else warps
     inputs = [
         queries,
         pool_keys,
@@ -173,8 +222,11 @@ def paged_decode_attention(
         ("WARPS", warps),
         ("BLOCKWISE", blockwise),
     ]
+    if mma:
+        template = template[:-1] + [("TILES", tiles or MMA_TILES)]
+    single, partial = (kernels.mma_single, kernels.mma_partial) if mma else (kernels.single, kernels.partial)
     if parts == 1:
-        return kernels.single(
+        return single(
             inputs=inputs,
             template=template,
             grid=(warps * 32, kv_heads, n),
@@ -182,7 +234,7 @@ def paged_decode_attention(
             output_shapes=[queries.shape],
             output_dtypes=[queries.dtype],
         )[0]
-    o_part, ml_part = kernels.partial(
+    o_part, ml_part = partial(
         inputs=inputs,
         template=template,
         grid=(parts * warps * 32, kv_heads, n),

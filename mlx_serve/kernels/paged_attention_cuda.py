@@ -1,11 +1,13 @@
-"""CUDA source of the paged decode-attention kernel (compiled by `mx.fast.cuda_kernel` through NVRTC).
+"""CUDA sources of the paged decode-attention kernels (compiled by `mx.fast.cuda_kernel` through NVRTC).
 
+Two kernels with one block layout and one merge: `MMA_SOURCE` (bf16, tensor cores; the default where it fits)
+and `PARTIAL_SOURCE` (any dtype, one thread per 16 bytes of a head), described here.
 One thread block per (lane, kv head, partition of the history). Each warp walks tokens of its partition:
 `D / VEC` threads share one token (16-byte loads of K and V), so a warp holds `32 * VEC / D` tokens per
 iteration and `UNROLL` iterations' loads are issued before any arithmetic. Every warp keeps an online softmax
 (max, sum, unnormalised output) per query head of the GQA group in fp32, rescaled once per `UNROLL` tokens; the
-warps of a block merge through shared memory. With one partition the block writes the normalised output; with
-several it writes partial (output, max, sum) rows and `REDUCE_SOURCE` merges them.
+warps of a block merge through shared memory (`MERGE_SOURCE`). With one partition the block writes the normalised
+output; with several it writes partial (output, max, sum) rows and `REDUCE_SOURCE` merges them.
 """
 
 from __future__ import annotations
@@ -174,6 +176,151 @@ PARTIAL_SOURCE = r"""
       for (int i = 0; i < VEC; ++i) sm_acc[warp][g][sub * VEC + i] = acc[g][i];
     }
   }
+"""
+
+# Template: as PARTIAL_SOURCE with TQ = TK = bf16, D of 64 or 128, G <= 8, BS a multiple of 16, and TILES (16-token
+# tiles a warp loads before any arithmetic); the header adds `mma.MMA_HEADER`. The same inputs, grid and outputs.
+# Tensor cores instead of a thread per 8 elements: a warp takes 16 tokens at a time, S = Q K^T as m16n8k16 products
+# (rows: the group's query heads, zero-padded to 16; columns: tokens) and O += P V (columns: head dims). K and V
+# go from global memory straight into fragment registers: a dot product does not care in which order it walks the
+# head dims, so each thread loads whole 16-byte runs of a token and Q's fragments take the same order of dims; V's
+# fragments pair two tokens a register (`__byte_perm`), the output's columns come out permuted and are put back
+# when the warps merge. The scalar kernel spends ~140 instructions a token a thread; this, about 12.
+MMA_SOURCE = r"""
+  static_assert(D == 64 || D == 128, "tensor-core decode attention takes heads of 64 or 128 dims");
+  static_assert(G <= 8 && BS % 16 == 0, "at most 8 query heads a kv head, blocks of whole 16-token tiles");
+  constexpr int KCH = D / 32;  // 16-byte runs of a token's K a thread loads (two k16 steps each)
+  constexpr int VG = D / 64;   // 16-byte runs of a token's V a thread loads
+  constexpr int NT = D / 8;    // n8 tiles of the output
+  constexpr int ADVANCE = WARPS * 16 * TILES;
+
+  const int part = blockIdx.x;
+  const int kvh = blockIdx.y;
+  const int lane_idx = blockIdx.z;
+  const int num_parts = gridDim.x;
+  const int KVH = k_pool_shape[1];
+  const int MB = tables_shape[1];
+  const int H = KVH * G;
+  const int warp = threadIdx.x / 32;
+  const int r = (threadIdx.x % 32) / 4;  // fragment row: query head of the group; also a K token, a V dim run
+  const int c = threadIdx.x % 4;         // fragment column pair
+  const int length = lengths[lane_idx];
+  const int start = part * part_size[0];
+  const int end = min(start + part_size[0], length);
+  const float sc = scale[0];
+  const int* table = tables + (size_t)lane_idx * MB;
+  const uint4 zero4 = make_uint4(0, 0, 0, 0);
+
+  // Q's A fragments: row r (rows past the group and the upper 8 are zero), dims 32 j + 8 c .. + 7 as K's below
+  uint4 qv[KCH];
+  #pragma unroll
+  for (int j = 0; j < KCH; ++j) {
+    qv[j] = r < G ? *reinterpret_cast<const uint4*>(queries + ((size_t)lane_idx * H + kvh * G + r) * D + 32 * j + 8 * c)
+                  : zero4;
+  }
+  float o[NT][4];
+  #pragma unroll
+  for (int nt = 0; nt < NT; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
+  float m = PA_NEG_INF, l = 0.f;  // row r's running max (the same in its 4 threads) and this thread's share of the sum
+
+  for (int t0 = start + warp * 16 * TILES; t0 < end; t0 += ADVANCE) {  // warp-uniform
+    uint4 kr[TILES][2][KCH], vr[TILES][4][VG];
+    #pragma unroll
+    for (int u = 0; u < TILES; ++u) {
+      const int tb = t0 + 16 * u;
+      const size_t base = tb < end ? (size_t)table[tb / BS] * BS + tb % BS : 0;  // a tile lies in one KV block
+      #pragma unroll
+      for (int h = 0; h < 2; ++h) {  // K: tokens r and 8 + r, the columns of S's two n8 tiles
+        const bool ok = tb + 8 * h + r < end;
+        const TK* kp = k_pool + ((base + 8 * h + r) * KVH + kvh) * D + 8 * c;
+        #pragma unroll
+        for (int j = 0; j < KCH; ++j) kr[u][h][j] = ok ? *reinterpret_cast<const uint4*>(kp + 32 * j) : zero4;
+      }
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) {  // V: tokens 2c, 2c + 1, 2c + 8, 2c + 9, the k rows of P V's B fragments
+        const int tok = 2 * c + (i & 1) + 8 * (i >> 1);
+        const bool ok = tb + tok < end;
+        const TK* vp = v_pool + ((base + tok) * KVH + kvh) * D + 8 * r;
+        #pragma unroll
+        for (int g = 0; g < VG; ++g) vr[u][i][g] = ok ? *reinterpret_cast<const uint4*>(vp + 64 * g) : zero4;
+      }
+    }
+    #pragma unroll
+    for (int u = 0; u < TILES; ++u) {
+      const int tb = t0 + 16 * u;
+      float s[2][4];
+      #pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        s[h][0] = s[h][1] = s[h][2] = s[h][3] = 0.f;
+        #pragma unroll
+        for (int j = 0; j < KCH; ++j) {
+          const unsigned* qw = reinterpret_cast<const unsigned*>(&qv[j]);
+          const unsigned* kw = reinterpret_cast<const unsigned*>(&kr[u][h][j]);
+          #pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const unsigned a[4] = {qw[2 * half], 0u, qw[2 * half + 1], 0u};
+            const unsigned b[2] = {kw[2 * half], kw[2 * half + 1]};
+            mma_bf16(s[h], a, b);
+          }
+        }
+      }
+      // row r's scores for tokens 2c, 2c + 1 (first n8 tile) and 8 + 2c, 9 + 2c (second)
+      float x[4];
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int tok = 2 * c + (e & 1) + 8 * (e >> 1);
+        x[e] = tb + tok < end ? s[e >> 1][e & 1] * sc : PA_NEG_INF;
+      }
+      float tile_max = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+      const float m_new = fmaxf(m, tile_max);
+      if (m_new == PA_NEG_INF) continue;  // a tile past the end, and no token before it: nothing to add
+      const float corr = __expf(m - m_new);  // m = -inf gives 0
+      float p[4];
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) p[e] = __expf(x[e] - m_new);
+      l = l * corr + (p[0] + p[1]) + (p[2] + p[3]);
+      m = m_new;
+      #pragma unroll
+      for (int nt = 0; nt < NT; ++nt) { o[nt][0] *= corr; o[nt][1] *= corr; }  // rows 8-15 stay zero
+      __nv_bfloat162 p01 = __floats2bfloat162_rn(p[0], p[1]);
+      __nv_bfloat162 p23 = __floats2bfloat162_rn(p[2], p[3]);
+      const unsigned a[4] = {*reinterpret_cast<unsigned*>(&p01), 0u, *reinterpret_cast<unsigned*>(&p23), 0u};
+      #pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        // n8 tile nt: column q is dim 64 (nt / 8) + 8 q + nt % 8, i.e. element nt % 8 of thread q's V runs
+        const int g = nt / 8, word = (nt % 8) / 2;
+        const unsigned pick = (nt & 1) ? 0x7632u : 0x5410u;  // high or low halves of two words: two tokens
+        const unsigned* v0 = reinterpret_cast<const unsigned*>(&vr[u][0][g]);
+        const unsigned* v1 = reinterpret_cast<const unsigned*>(&vr[u][1][g]);
+        const unsigned* v2 = reinterpret_cast<const unsigned*>(&vr[u][2][g]);
+        const unsigned* v3 = reinterpret_cast<const unsigned*>(&vr[u][3][g]);
+        const unsigned b[2] = {__byte_perm(v0[word], v1[word], pick), __byte_perm(v2[word], v3[word], pick)};
+        mma_bf16(o[nt], a, b);
+      }
+    }
+  }
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+
+  // merge the warps through shared memory: thread (r, c) holds head r's dims 64 g + 16 c + {e, 8 + e}
+  __shared__ float sm_m[WARPS][G];
+  __shared__ float sm_l[WARPS][G];
+  __shared__ float sm_acc[WARPS][G][D];
+  if (r < G) {
+    if (c == 0) { sm_m[warp][r] = m; sm_l[warp][r] = l; }
+    #pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int d = 64 * (nt / 8) + 16 * c + nt % 8;
+      sm_acc[warp][r][d] = o[nt][0];
+      sm_acc[warp][r][d + 8] = o[nt][1];
+    }
+  }
+"""
+
+# the warps' (max, sum, output) in shared memory -> the block's output (normalised, or a partition's partial)
+MERGE_SOURCE = r"""
   __syncthreads();
   for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
     const int g = idx / D;

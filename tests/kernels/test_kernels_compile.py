@@ -88,13 +88,20 @@ def test_dequantize_compiles(kernels) -> None:
     assert_compiles(kernels)
 
 
+@pytest.mark.parametrize("mma", [False, True])
 @pytest.mark.parametrize("lengths,kv_heads,group", [([544], 8, 4), ([544], 4, 8), ([3000, 40], 8, 4)])
-def test_paged_decode_attention_compiles(kernels, monkeypatch, lengths, kv_heads, group) -> None:
+def test_paged_decode_attention_compiles(kernels, monkeypatch, lengths, kv_heads, group, mma) -> None:
     """One pass (8B's group of 4 and 30B-A3B's of 8: static shared memory stays under 48 KB) and the split
-    kernels with their merge."""
+    kernels with their merge, scalar and tensor-core (both tile counts; heads of 64 too)."""
     problem = random_decode_problem(lengths, kv_heads, group, 128, 16, dtype=mx.bfloat16, seed=0)
     monkeypatch.setattr(paged_attention, "kernel_supports", lambda *_: True)
-    paged_attention.paged_decode_attention(
-        problem.queries, problem.pool_keys, problem.pool_values, problem.rows, problem.scale
-    )
+    for tiles in (1, 2) if mma else (None,):
+        paged_attention.paged_decode_attention(
+            problem.queries, problem.pool_keys, problem.pool_values, problem.rows, problem.scale, mma=mma, tiles=tiles
+        )
+    if mma:
+        small = random_decode_problem(lengths, kv_heads, group, 64, 32, dtype=mx.bfloat16, seed=0)
+        paged_attention.paged_decode_attention(
+            small.queries, small.pool_keys, small.pool_values, small.rows, small.scale, mma=True
+        )
     assert_compiles(kernels)

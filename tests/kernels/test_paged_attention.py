@@ -13,6 +13,7 @@ from mlx_serve.kernels.paged_attention import (
     batched_decode_attention,
     blockwise_fits,
     kernel_supports,
+    mma_fits,
     paged_decode_attention,
     partition_size,
     select_decode_attention,
@@ -103,6 +104,26 @@ def test_partition_size_splits_long_histories_unless_the_lanes_fill_the_gpu() ->
     assert partition_size(lanes=64, kv_heads=8, max_len=8192) == paged_attention.PARTITION  # too long for one
 
 
+def test_partition_size_of_the_tensor_core_kernel() -> None:
+    assert partition_size(lanes=1, kv_heads=8, max_len=1104, mma=True) == 1104  # one pass
+    assert partition_size(lanes=1, kv_heads=8, max_len=2048, mma=True) == paged_attention.MMA_PARTITION
+    assert partition_size(lanes=4, kv_heads=8, max_len=4096, mma=True) == paged_attention.MMA_PARTITION
+    assert partition_size(lanes=8, kv_heads=8, max_len=8192, mma=True) == 8192  # 64 blocks: one pass
+    assert partition_size(lanes=64, kv_heads=8, max_len=16384, mma=True) == paged_attention.MMA_PARTITION
+
+
+def test_mma_fits_bf16_groups_of_up_to_8_and_whole_tiles() -> None:
+    q = mx.zeros((1, 32, 1, 128), mx.bfloat16)
+    keys = mx.zeros((16, 8, 128), mx.bfloat16)
+    assert mma_fits(q, keys, 16, 512)
+    assert mma_fits(q[..., :64], keys[..., :64], 32, 256)
+    assert not mma_fits(q, keys, 24, 528)  # a 16-token tile would straddle two KV blocks
+    assert not mma_fits(q, keys, 16, 520)  # or two partitions
+    assert not mma_fits(q.astype(mx.float16), keys.astype(mx.float16), 16, 512)
+    assert not mma_fits(mx.zeros((1, 32, 1, 128), mx.bfloat16), mx.zeros((16, 2, 128), mx.bfloat16), 16, 512)
+    assert not mma_fits(q[..., :32], keys[..., :32], 16, 512)
+
+
 def test_kernel_supports_common_head_dims() -> None:
     q = mx.zeros((1, 8, 1, 128), mx.bfloat16)
     assert kernel_supports(q, mx.zeros((16, 2, 128), mx.bfloat16))
@@ -159,10 +180,28 @@ def test_kernel_matches_reference(case, dtype, blockwise) -> None:
 
 
 @on_cuda
-@pytest.mark.parametrize("blockwise", [False, True])
+@pytest.mark.parametrize("partition", [None, 64])
+@pytest.mark.parametrize("tiles", [1, 2])
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_mma_kernel_matches_reference(case, tiles, partition) -> None:
+    """The tensor-core kernel (bf16; where `mma_fits` refuses, the scalar kernel answers), one pass and split."""
+    lengths, kv_heads, group, head_dim, block_size = case
+    seed = int(np.random.default_rng().integers(1 << 30))
+    problem = random_decode_problem(lengths, kv_heads, group, head_dim, block_size, dtype=mx.bfloat16, seed=seed)
+    kernel = functools.partial(paged_decode_attention, mma=True, tiles=tiles, partition=partition)
+    out = run(kernel, problem)
+    assert out.shape == problem.queries.shape and out.dtype == mx.bfloat16
+    error = relative_error(out, reference_fp32(problem))
+    assert error < BOUNDS[mx.bfloat16], f"seed {seed}: relative error {error:.2e}"
+    assert mx.array_equal(out, run(kernel, problem)).item(), "results differ between runs: a race"
+
+
+@on_cuda
+@pytest.mark.parametrize("blockwise", [False, True, "mma"])
 def test_kernel_sharp_softmax_and_repeatable(blockwise) -> None:
     problem = random_decode_problem([900, 40, 2], 8, 4, 128, 16, dtype=mx.bfloat16, seed=11, sharpness=30.0)
-    kernel = functools.partial(paged_decode_attention, blockwise=blockwise)
+    mma = blockwise == "mma"
+    kernel = functools.partial(paged_decode_attention, blockwise=blockwise is True, mma=mma)
     first = run(kernel, problem)
     assert relative_error(first, reference_fp32(problem)) < BOUNDS[mx.bfloat16]
     again = run(kernel, problem)
@@ -191,7 +230,8 @@ def test_one_pass_warps_fit_their_partial_sums_in_shared_memory() -> None:
 @pytest.mark.parametrize("kv_heads,group", [(8, 4), (4, 8)])
 def test_one_pass_blocks_of_any_warps_match_reference(warps, dtype, kv_heads, group, monkeypatch) -> None:
     """Histories of up to `SINGLE_PASS_TOKENS` take one pass whose block has up to `SINGLE_PASS_WARPS` warps
-    (as many as `one_pass_warps` fits: 8B's group of 4, 30B-A3B's group of 8); 16 passed on the H200 too."""
+    (as many as `one_pass_warps` fits: 8B's group of 4, 30B-A3B's group of 8); 16 passed on the H200 too (the
+    tensor-core kernel, bf16 here, keeps to `MMA_MOST_WARPS`: 16 of its warps do not fit a block's registers)."""
     monkeypatch.setattr(paged_attention, "SINGLE_PASS_WARPS", warps)
     problem = random_decode_problem([544], kv_heads, group, 128, 16, dtype=dtype, seed=warps)
     out = run(paged_decode_attention, problem)
