@@ -1,4 +1,4 @@
-"""Fast paths for the GPU: paged decode attention as a CUDA kernel, checked against the pure-MLX reference."""
+"""Fast paths for the GPU (CUDA kernels through `mx.fast.cuda_kernel`), each checked against its pure-MLX reference."""
 
 from mlx_serve.kernels.paged_attention import (
     batched_decode_attention,
