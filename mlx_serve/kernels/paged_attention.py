@@ -17,6 +17,7 @@ import mlx.core as mx
 
 from mlx_serve.kernels.mma import MMA_HEADER
 from mlx_serve.kernels.paged_attention_cuda import (
+    BLOCK_SOURCE,
     HEADER,
     MERGE_SOURCE,
     MMA_SOURCE,
@@ -89,7 +90,7 @@ def _kernels() -> _Kernels:
     final, split = ["out"], ["o_part", "ml_part"]
 
     def kernel(name: str, outputs: list[str], body: str, header: str) -> object:
-        return mx.fast.cuda_kernel(name, inputs, outputs, body + MERGE_SOURCE, header=header)
+        return mx.fast.cuda_kernel(name, inputs, outputs, BLOCK_SOURCE + body + MERGE_SOURCE, header=header)
 
     whole, partial = HEADER + "#define PA_SPLIT 0\n", HEADER + "#define PA_SPLIT 1\n"
     return _Kernels(

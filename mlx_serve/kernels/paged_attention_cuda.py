@@ -35,6 +35,23 @@ __device__ __forceinline__ void pa_merge_scales(float m1, float m2, float& m_new
 }
 """
 
+# where a block is: its (partition, kv head, lane) and the partition's token range [start, end) of the lane's history
+BLOCK_SOURCE = r"""
+  const int part = blockIdx.x;
+  const int kvh = blockIdx.y;
+  const int lane_idx = blockIdx.z;
+  const int num_parts = gridDim.x;
+  const int KVH = k_pool_shape[1];
+  const int MB = tables_shape[1];
+  const int H = KVH * G;
+  const int warp = threadIdx.x / 32;
+  const int length = lengths[lane_idx];
+  const int start = part * part_size[0];
+  const int end = min(start + part_size[0], length);
+  const float sc = scale[0];
+  const int* table = tables + (size_t)lane_idx * MB;
+"""
+
 # Template: TQ (query/output dtype), TK (pool dtype), D, G (query heads per kv head), BS (block size), WARPS,
 # BLOCKWISE (load order, see the source);
 # the macro PA_SPLIT (set in the header) picks partial or final outputs. Inputs: queries [n, H, 1, D],
@@ -52,23 +69,9 @@ PARTIAL_SOURCE = r"""
   constexpr int STEP = BLOCKWISE ? TPW : WARPS * TPW;
   constexpr int ADVANCE = WARPS * UNROLL * TPW;
 
-  const int part = blockIdx.x;
-  const int kvh = blockIdx.y;
-  const int lane_idx = blockIdx.z;
-  const int num_parts = gridDim.x;
-  const int KVH = k_pool_shape[1];
-  const int MB = tables_shape[1];
-  const int H = KVH * G;
-  const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int sub = lane % LPT;
   const int token_in_iter = lane / LPT;
-  const int length = lengths[lane_idx];
-  const int psize = part_size[0];
-  const int start = part * psize;
-  const int end = min(start + psize, length);
-  const float sc = scale[0];
-  const int* table = tables + (size_t)lane_idx * MB;
 
   float q[G][VEC];
   #pragma unroll
@@ -194,21 +197,8 @@ MMA_SOURCE = r"""
   constexpr int NT = D / 8;    // n8 tiles of the output
   constexpr int ADVANCE = WARPS * 16 * TILES;
 
-  const int part = blockIdx.x;
-  const int kvh = blockIdx.y;
-  const int lane_idx = blockIdx.z;
-  const int num_parts = gridDim.x;
-  const int KVH = k_pool_shape[1];
-  const int MB = tables_shape[1];
-  const int H = KVH * G;
-  const int warp = threadIdx.x / 32;
   const int r = (threadIdx.x % 32) / 4;  // fragment row: query head of the group; also a K token, a V dim run
   const int c = threadIdx.x % 4;         // fragment column pair
-  const int length = lengths[lane_idx];
-  const int start = part * part_size[0];
-  const int end = min(start + part_size[0], length);
-  const float sc = scale[0];
-  const int* table = tables + (size_t)lane_idx * MB;
   const uint4 zero4 = make_uint4(0, 0, 0, 0);
 
   // Q's A fragments: row r (rows past the group and the upper 8 are zero), dims 32 j + 8 c .. + 7 as K's below
