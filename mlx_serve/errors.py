@@ -33,6 +33,12 @@ class ModelNotFound(MlxServeError):
     error_type = "not_found_error"
 
 
+class RouteNotFound(InvalidRequest):
+    """No endpoint at this method and path (OpenAI answers "Invalid URL" as an invalid request, with a 404)."""
+
+    status_code = 404
+
+
 class UnsupportedModel(MlxServeError):
     status_code = 400
     error_type = "invalid_request_error"

@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from mlx_serve.errors import InvalidRequest, MlxServeError, ModelNotFound
+from mlx_serve.errors import InvalidRequest, MlxServeError, RouteNotFound
 from mlx_serve.server import anthropic_routes, openai_routes
 from mlx_serve.server.metrics import ServerMetrics
 from mlx_serve.server.protocol import ModelInfo, anthropic_error_body, openai_error_body
@@ -93,7 +93,7 @@ async def api_error(request: Request, exc: Exception) -> Response:
 
 async def http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    error = ModelNotFound(f"No route {request.method} {request.url.path}") if exc.status_code == 404 else \
+    error = RouteNotFound(f"Invalid URL ({request.method} {request.url.path})") if exc.status_code == 404 else \
         InvalidRequest(str(exc.detail))
     error.status_code = exc.status_code
     return error_response(request, error)

@@ -85,7 +85,10 @@ def test_bad_anthropic_input_gets_an_anthropic_error(http, body, status, kind):
 
 def test_unknown_route_gets_a_json_error(http):
     response = http.get("/v1/nothing-here")
-    assert response.status_code == 404 and response.json()["error"]["message"]
+    assert response.status_code == 404
+    error = response.json()["error"]
+    assert error["message"] == "Invalid URL (GET /v1/nothing-here)"
+    assert error["type"] == "invalid_request_error" and error["code"] is None  # not a model that was not found
 
 
 def test_a_refused_request_is_logged_once(http, caplog):
