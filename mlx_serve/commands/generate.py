@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from mlx_serve.commands.serve import positive_float_arg
+
 HELP = "generate text for one prompt (offline, through the engine)"
 
 
@@ -21,7 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (default 0: off)")
     parser.add_argument("--seed", type=int, default=None, help="seed for sampling")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--memory-budget-gb", type=float, default=None, help="weights + KV pool budget in GiB")
+    parser.add_argument("--memory-budget-gb", type=positive_float_arg, default=None,
+                        help="weights + KV pool budget in GiB")
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     parser.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
                         help="answer with JSON that follows this JSON Schema, enforced token by token")

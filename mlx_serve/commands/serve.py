@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 from typing import Any
 
@@ -17,6 +18,33 @@ def positive_float_arg(text: str, expected: str = "a number") -> float:
         raise argparse.ArgumentTypeError(f"expected {expected}, not {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, not {text}")
+    return value
+
+
+def whole_number_arg(low: int, high: int | None = None) -> Any:
+    """An argparse type: a whole number in [low, high] (`--port`, `--kv-blocks`, ...)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bounds = f">= {low}" if high is None else f"from {low} to {high}"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, not {text}")
+        return value
+
+    return parse
+
+
+def nonnegative_float_arg(text: str) -> float:
+    """A number >= 0 (`--drain-timeout`)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, not {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, not {text}")
     return value
 
 
@@ -45,11 +73,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     http = parser.add_argument_group("HTTP")
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    http.add_argument("--port", type=int, default=8080, help="port to listen on (default: %(default)s)")
+    http.add_argument("--port", type=whole_number_arg(0, 65535), default=8080, help="port to listen on (default: %(default)s)")
     http.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
                       help="extra name clients may use in the `model` field (repeatable); the model id, "
                            "its folder name and \"default\" are always accepted")
-    http.add_argument("--drain-timeout", type=float, default=10.0, metavar="SECONDS",
+    http.add_argument("--drain-timeout", type=nonnegative_float_arg, default=10.0, metavar="SECONDS",
                       help="on Ctrl-C/SIGTERM, stop accepting and let open requests finish for this long, then "
                            "cancel the rest (default: %(default)s)")
     http.add_argument("--access-log", action="store_true", help="log every HTTP request")
@@ -62,16 +90,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model and engine")
     g.add_argument("--model", default=None, metavar="DIR_OR_ID",
                    help="model directory or Hugging Face id (default: the built-in tiny dummy model)")
-    g.add_argument("--memory-budget-gb", type=float, default=None, metavar="GB",
+    g.add_argument("--memory-budget-gb", type=positive_float_arg, default=None, metavar="GB",
                    help="memory for weights plus the KV pool; sizes the pool (default: a share of the machine)")
-    g.add_argument("--kv-blocks", type=int, default=None, metavar="N",
+    g.add_argument("--kv-blocks", type=whole_number_arg(1), default=None, metavar="N",
                    help="exact KV pool size in blocks (overrides --memory-budget-gb)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
-    g.add_argument("--max-running", type=int, default=64,
+    g.add_argument("--block-size", type=whole_number_arg(1), default=16, help="tokens per KV block (default: %(default)s)")
+    g.add_argument("--max-running", type=whole_number_arg(1), default=64,
                    help="most requests holding KV at once (default: %(default)s)")
-    g.add_argument("--queue-limit", type=int, default=1024,
+    g.add_argument("--queue-limit", type=whole_number_arg(0), default=1024,
                    help="most waiting requests; past it new ones get HTTP 429 (default: %(default)s)")
-    g.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
+    g.add_argument("--max-model-len", type=whole_number_arg(1), default=None, metavar="TOKENS",
                    help="context length limit (default: the model's max_position_embeddings)")
     s = parser.add_argument_group("scheduler")
     s.add_argument("--step-target-ms", type=step_target_arg, default=500.0, metavar="MS|auto",
@@ -81,8 +109,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--step-target-factor", type=positive_float_arg, default=4.0, metavar="F",
                    help="with --step-target-ms auto: how many measured decode steps a contended step may take "
                         "(default: %(default)s)")
-    s.add_argument("--row-ceiling", type=int, default=2048, help="most rows (tokens) per step (default: %(default)s)")
-    s.add_argument("--row-floor", type=int, default=64,
+    s.add_argument("--row-ceiling", type=whole_number_arg(1), default=2048, help="most rows (tokens) per step (default: %(default)s)")
+    s.add_argument("--row-floor", type=whole_number_arg(1), default=64,
                    help="fewest prefill rows a contended step is cut to (default: %(default)s)")
     s.add_argument("--row-quantum", type=row_quantum_arg, default="auto", metavar="N|auto",
                    help="a contended step's rows (decode lanes + prefill) grow to fill their last tile of N rows, "
@@ -98,7 +126,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="step-time predictor for row budgets: one EMA ms-per-row, the 96-cell bucketed table, or "
                         "an affine fit (fixed + rows + attention pairs + decode lanes) (default: %(default)s; env "
                         "MLX_SERVE_PREFILL_COST_MODEL overrides)")
-    s.add_argument("--max-overtakes", type=int, default=4,
+    s.add_argument("--max-overtakes", type=whole_number_arg(0), default=4,
                    help="how often a waiting request may be overtaken by shorter ones before it goes first "
                         "(default: %(default)s)")
     s.add_argument("--no-prefix-cache", action="store_true", help="do not reuse KV blocks of shared prefixes")
@@ -109,7 +137,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "ane = Core ML on the Neural Engine (macOS only) (default: %(default)s)")
     s.add_argument("--ane-package", default=None, metavar="PKG",
                    help="the Core ML package `python -m mlx_serve ane build` wrote, for --ane-lane ane")
-    s.add_argument("--ane-timeout-s", type=float, default=30.0, metavar="S",
+    s.add_argument("--ane-timeout-s", type=positive_float_arg, default=30.0, metavar="S",
                    help="an ANE chunk slower than this is rerun on the GPU (default: %(default)s)")
     g.add_argument("--decode-attention", choices=["auto", "reference", "batched", "kernel"], default="auto",
                    help="attention of decode lanes: auto = the paged CUDA kernel on CUDA, one batched SDPA on the "
@@ -150,7 +178,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "rows as two matmuls and a softmax, which keeps every SM busy where a small chunk reads a "
                         "long history; auto = matmul with MLX's CUDA backend where the history holds 4 tokens per "
                         "query head and row (default: %(default)s)")
-    g.add_argument("--dequantize-rows", type=int, default=0, metavar="N",
+    g.add_argument("--dequantize-rows", type=whole_number_arg(0), default=0, metavar="N",
                    help="quantized models: steps of at least N rows (prefill chunks, decode batches, logits) run each "
                         "projection as a dense matmul over its dequantized weights, since MLX's quantized matmul "
                         "re-reads the packed weights per row on CUDA; the weights round to bf16 once, as MLX's "
@@ -189,10 +217,25 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
 def load_engine(args: argparse.Namespace, observer: object | None = None) -> Any:
     """Engine.load with a progress bar over the layers (unless --no-progress), then what it allocated."""
     from mlx_serve.engine import Engine
+    from mlx_serve.errors import InvalidRequest
 
+    if args.row_floor > args.row_ceiling:
+        raise InvalidRequest(f"--row-floor ({args.row_floor}) must be at most --row-ceiling ({args.row_ceiling})")
     engine = Engine.load(engine_config(args, observer))
     print(engine.allocation_summary(), file=sys.stderr)
     return engine
+
+
+def check_listen(host: str, port: int) -> None:
+    """Raise a clear error (the CLI prints it, exit 1) where the address cannot be listened on."""
+    from mlx_serve.errors import MlxServeError
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.create_server((host, port), family=family):
+            pass
+    except OSError as exc:
+        raise MlxServeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -202,6 +245,7 @@ def run(args: argparse.Namespace) -> int:
     from mlx_serve.server.http import hypercorn_config, serve_until_signalled
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    check_listen(args.host, args.port)  # before the model loads: a taken port is known in a millisecond
     metrics = ServerMetrics()
     engine = load_engine(args, observer=metrics)
     app = create_app(engine, metrics, aliases=args.served_model_name)

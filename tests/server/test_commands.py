@@ -43,6 +43,16 @@ def test_serve_help_explains_the_engine_flags(capsys):
         ("--expert-tiles", {None: "auto", "on": "on", "off": "off"}, ("kernel",)),
         ("--quantized-tiles", {None: "auto", "on": "on", "off": "off"}, ("kernel",)),
         ("--plan-headroom", {None: 1.0, "0.9": 0.9, "0.75": 0.75}, ("most", "0", "1.5", "-0.5")),
+        ("--port", {None: 8080, "0": 0, "65535": 65535}, ("http", "-5", "70000", "80.5")),
+        ("--block-size", {None: 16, "32": 32}, ("0", "-16", "big")),
+        ("--kv-blocks", {None: None, "100": 100}, ("0", "-1")),
+        ("--max-running", {None: 64, "1": 1}, ("0",)),
+        ("--queue-limit", {None: 1024, "0": 0}, ("-1",)),
+        ("--max-overtakes", {None: 4, "0": 0}, ("-1",)),
+        ("--row-ceiling", {None: 2048}, ("0",)),
+        ("--max-model-len", {None: None, "4096": 4096}, ("0",)),
+        ("--memory-budget-gb", {None: None, "1.5": 1.5}, ("0", "-1")),
+        ("--drain-timeout", {None: 10.0, "0": 0.0}, ("-1", "soon")),
     ],
 )
 def test_scheduler_flags_parse_their_values_and_refuse_bad_ones(capsys, flag, parsed, bad):
@@ -55,6 +65,25 @@ def test_scheduler_flags_parse_their_values_and_refuse_bad_ones(capsys, flag, pa
         with pytest.raises(SystemExit):
             parser.parse_args(["serve", flag, text])
         assert flag in capsys.readouterr().err
+
+
+def test_serve_refuses_a_taken_port_before_loading_the_model(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "mlx_serve", "serve", "--port", str(port), "--no-progress"],
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert f"error: cannot listen on 127.0.0.1:{port}" in done.stderr and "Traceback" not in done.stderr
+    assert "loading" not in done.stderr  # refused before the model loaded
+
+
+def test_serve_refuses_a_row_floor_above_the_ceiling():
+    done = subprocess.run([sys.executable, "-m", "mlx_serve", "serve", "--row-floor", "512", "--row-ceiling", "64",
+                           "--port", str(_free_port()), "--no-progress"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "error: --row-floor (512) must be at most --row-ceiling (64)" in done.stderr
 
 
 def _free_port() -> int:
