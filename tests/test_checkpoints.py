@@ -303,6 +303,11 @@ def test_make_model_cli_writes_a_loadable_checkpoint_and_refuses_bad_combos(tmp_
     )
     assert json.loads(shown.stdout)["hidden_size"] == 1024
     assert not (tmp_path / "c").exists()
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for out, message in ((a_file, "is not a directory"), (a_file / "below", "cannot create")):
+        refused = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True)
+        assert refused.returncode == 1 and message in refused.stderr and "Traceback" not in refused.stderr
 
 
 def test_cli_choices_match_the_library() -> None:

@@ -33,8 +33,14 @@ def make_checkpoint(
     """
     out_dir = Path(out_dir)
     check_combo(arch, preset, dtype)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise InvalidRequest(f"{out_dir} exists and is not a directory")
     if out_dir.exists() and any(out_dir.iterdir()):
         raise InvalidRequest(f"{out_dir} already exists and is not empty")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a read-only place, a parent that is a file: say so before any weight is made
+        raise InvalidRequest(f"cannot create {out_dir}: {exc.strerror or exc}") from None
     if quantize_bits is None and quant_predicate is None:
         from mlx_serve.checkpoints.builder import write_float_checkpoint
 
