@@ -154,9 +154,9 @@ def one_pass_warps(group: int, head_dim: int) -> int:
     return warps
 
 
-def mma_fits(queries: mx.array, pool_keys: mx.array, block_size: int, size: int) -> bool:
+def mma_fits(queries: mx.array, pool_keys: mx.array, block_size: int) -> bool:
     """Whether the tensor-core kernel takes this: bf16, heads of 64 or 128 dims, at most 8 query heads a kv head
-    (one m16 tile's real rows), and 16-token tiles that neither a KV block nor a partition cuts."""
+    (one m16 tile's real rows), and 16-token tiles that no KV block boundary cuts."""
     group = queries.shape[1] // pool_keys.shape[1]
     return (
         queries.dtype == mx.bfloat16
@@ -165,7 +165,6 @@ def mma_fits(queries: mx.array, pool_keys: mx.array, block_size: int, size: int)
         and queries.shape[1] % pool_keys.shape[1] == 0
         and group <= 8
         and block_size % 16 == 0
-        and size % 16 == 0
     )
 
 
@@ -196,9 +195,9 @@ def paged_decode_attention(
     n, heads, _, head_dim = queries.shape
     kv_heads = pool_keys.shape[1]
     max_len = rows.block_tables.shape[1] * rows.block_size
-    mma = (MMA if mma is None else mma) and mma_fits(queries, pool_keys, rows.block_size, max_len)
+    mma = (MMA if mma is None else mma) and mma_fits(queries, pool_keys, rows.block_size)
     size = min(partition, max_len) if partition else partition_size(n, kv_heads, max_len, mma)
-    mma = mma and size % 16 == 0
+    mma = mma and size % 16 == 0  # nor may a partition (an override) cut a tile
     parts = math.ceil(max_len / size)
     blockwise = BLOCKWISE if blockwise is None else blockwise
     blockwise = blockwise and blockwise_fits(head_dim, pool_keys.dtype.size, rows.block_size, size)
@@ -221,10 +220,8 @@ def paged_decode_attention(
         ("G", heads // kv_heads),
         ("BS", rows.block_size),
         ("WARPS", warps),
-        ("BLOCKWISE", blockwise),
+        ("TILES", tiles or MMA_TILES) if mma else ("BLOCKWISE", blockwise),
     ]
-    if mma:
-        template = template[:-1] + [("TILES", tiles or MMA_TILES)]
     single, partial = (kernels.mma_single, kernels.mma_partial) if mma else (kernels.single, kernels.partial)
     if parts == 1:
         return single(

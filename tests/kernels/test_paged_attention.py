@@ -115,13 +115,12 @@ def test_partition_size_of_the_tensor_core_kernel() -> None:
 def test_mma_fits_bf16_groups_of_up_to_8_and_whole_tiles() -> None:
     q = mx.zeros((1, 32, 1, 128), mx.bfloat16)
     keys = mx.zeros((16, 8, 128), mx.bfloat16)
-    assert mma_fits(q, keys, 16, 512)
-    assert mma_fits(q[..., :64], keys[..., :64], 32, 256)
-    assert not mma_fits(q, keys, 24, 528)  # a 16-token tile would straddle two KV blocks
-    assert not mma_fits(q, keys, 16, 520)  # or two partitions
-    assert not mma_fits(q.astype(mx.float16), keys.astype(mx.float16), 16, 512)
-    assert not mma_fits(mx.zeros((1, 32, 1, 128), mx.bfloat16), mx.zeros((16, 2, 128), mx.bfloat16), 16, 512)
-    assert not mma_fits(q[..., :32], keys[..., :32], 16, 512)
+    assert mma_fits(q, keys, 16)
+    assert mma_fits(q[..., :64], keys[..., :64], 32)
+    assert not mma_fits(q, keys, 24)  # a 16-token tile would straddle two KV blocks
+    assert not mma_fits(q.astype(mx.float16), keys.astype(mx.float16), 16)
+    assert not mma_fits(mx.zeros((1, 32, 1, 128), mx.bfloat16), mx.zeros((16, 2, 128), mx.bfloat16), 16)  # a group of 16
+    assert not mma_fits(q[..., :32], keys[..., :32], 16)
 
 
 def test_kernel_supports_common_head_dims() -> None:
