@@ -10,12 +10,16 @@ from typing import Any
 HELP = "Serve a model over an OpenAI- and Anthropic-compatible HTTP API."
 
 
-def positive_float_arg(text: str, expected: str = "a number") -> float:
-    """A number > 0 (`--step-target-factor`)."""
+def _number(text: str, expected: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected {expected}, not {text!r}") from None
+
+
+def positive_float_arg(text: str, expected: str = "a number") -> float:
+    """A number > 0 (`--step-target-factor`)."""
+    value = _number(text, expected)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, not {text}")
     return value
@@ -39,10 +43,7 @@ def whole_number_arg(low: int, high: int | None = None) -> Any:
 
 def nonnegative_float_arg(text: str) -> float:
     """A number >= 0 (`--drain-timeout`)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, not {text!r}") from None
+    value = _number(text, "a number")
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, not {text}")
     return value
