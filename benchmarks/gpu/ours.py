@@ -164,7 +164,7 @@ class OurSide:
         gaps = list(rec.gaps)
         return {
             "long_ttft_s": rec.first[n],
-            **gap_summary(gaps, gaps[:before]),
+            **gap_summary(gaps, gaps[:before], gaps[before:]),
             "steps": self._contended_steps(),
         }
 

@@ -79,4 +79,5 @@ def contended(model: Any, prompts: Prompts, p: BenchParams) -> dict:
     gen.close()
     gaps = [b - a for t in times.values() for a, b in zip(t, t[1:])]
     before = [b - a for uid, t in times.items() for a, b in zip(t[: marks[uid]], t[1 : marks[uid]])]
-    return {"long_ttft_s": first - arrival, **gap_summary(gaps, before)}
+    after = [b - a for t in times.values() for a, b in zip(t, t[1:]) if b > arrival]
+    return {"long_ttft_s": first - arrival, **gap_summary(gaps, before, after)}

@@ -87,6 +87,7 @@ def rows_for_shape(r: dict) -> list[dict]:
         None,
     )
     add("contended: gap p50 / max", _ms(pc), _ms(oc), None, "(info)", None)
+    add("contended: max gap before / from the long prompt's arrival", _phases(pc), _phases(oc), None, "(info)", None)
     long = str(r["contended_long"])
     p_solo, o_solo = peer["prefill"][long]["ttft_s"], ours["prefill"][long]["ttft_s"]
     p_x, o_x = pc["long_ttft_s"] / p_solo, oc["long_ttft_s"] / o_solo
@@ -112,6 +113,11 @@ def _step_cells(st: dict | None) -> list[tuple[str, str]]:
         phases = ", ".join(f"{name} {_fmt(ms)}" for name, ms in host.items())
         cells.append(("contended: host ms of a step with prefill (p50)", phases))
     return cells
+
+
+def _phases(c: dict) -> str:
+    before, after = c.get("gap_max_before_ms"), c.get("gap_max_from_arrival_ms")
+    return f"{before:.0f} / {after:.0f} ms" if before is not None and after is not None else "-"
 
 
 def _ms(c: dict) -> str:
@@ -173,6 +179,7 @@ def markdown(results: list[dict], header: str) -> str:
                 ("shared prefix: warm TTFT / cold TTFT", prefix, "<= 0.10", 0.1),
             ):
                 lines.append(f"| {metric} | | {value:.2f} | | {target} | {MET[_ok_le(value, ceiling)]} |")
+            lines.append(f"| contended: max gap before / from the long prompt's arrival | | {_phases(c)} | | (info) | |")
             lines += [f"| {metric} | | {cell} | | (info) | |" for metric, cell in _step_cells(c.get("steps"))]
             lines.append("")
             continue

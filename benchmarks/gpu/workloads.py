@@ -69,8 +69,10 @@ def steady_rate(times: list[float], counts: list[int], width: int) -> dict:
     return {"tok_s": tokens / span, "step_ms": 1e3 * span / (len(steps) - 1), "steps": len(steps)}
 
 
-def gap_summary(gaps: list[float], before: list[float]) -> dict:
-    """Inter-token gaps of the decoding streams: the whole window, and their uncontended median before arrival."""
+def gap_summary(gaps: list[float], before: list[float], after: list[float] | None = None) -> dict:
+    """Inter-token gaps of the decoding streams: the whole window (from each stream's first token), their
+    uncontended median before arrival, and the longest gap before and from the long prompt's arrival (`after`: the
+    gaps that end after it), which says whether the window's longest gap is the arrival's or the streams' own start."""
     if not gaps:
         return {"gap_p50_ms": None, "gap_max_ms": None, "gap_ratio": None}
     p50, top = statistics.median(gaps), max(gaps)
@@ -81,5 +83,7 @@ def gap_summary(gaps: list[float], before: list[float]) -> dict:
         "gap_ratio": top / p50,
         "calm_p50_ms": 1e3 * calm if calm else None,
         "gap_ratio_vs_calm": top / calm if calm else None,
+        "gap_max_before_ms": 1e3 * max(before) if before else None,
+        "gap_max_from_arrival_ms": 1e3 * max(after) if after else None,
         "gaps": len(gaps),
     }

@@ -27,12 +27,17 @@ def test_full_run_writes_every_figure_and_the_table(tmp_path):
     assert "error" not in result
     for side in ("peer", "ours"):
         assert set(result[side]["decode"]) == {str(n) for n in result["stream_counts"]}
-        assert result[side]["contended"]["gap_ratio"] > 0
+        contended = result[side]["contended"]
+        assert contended["gap_ratio"] > 0
+        # the window's longest gap is the longer of the two phases' longest
+        phases = max(contended["gap_max_before_ms"], contended["gap_max_from_arrival_ms"])
+        assert phases == pytest.approx(contended["gap_max_ms"])
     assert result["ours"]["shared_prefix"]["warm_cached_tokens"] > 0
     assert result["ours"]["shared_prefix"]["warm_steps"], "the warm request's steps are recorded"
     assert "1" in result["ours"]["decode_unfused"]
     table = (tmp_path / "gpu_bench.md").read_text()
     for row in ("decode tok/s, 1 stream vs generate_step", "prefill tok/s", "contended: max gap / median gap",
+                "contended: max gap before / from the long prompt's arrival",
                 "shared prefix: warm TTFT / cold TTFT", "fused forward off (lever off)"):  # fmt: skip
         assert row in table, row
 
