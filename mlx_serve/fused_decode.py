@@ -3,8 +3,8 @@
 On MLX's CUDA backend a decode step of mlx-lm's ~20 ops a Qwen3 layer was bound by the host's cost per op (~8 us
 to build, encode and add a graph node); with this forward's 11 the 8B step is bound by the device (H200, RESULTS
 "Sixteenth run"): q/k/v in one matmul, the attention prologue (q/k norms, two RoPEs, two KV scatters) in one
-kernel (`kernels.decode_qkv`), the paged attention, o_proj, and gate/up in one matmul. The weights stay mlx-lm's: each projection becomes a slice (a view) of the
-concatenated matrix, so the eager path and memory are unchanged.
+kernel (`kernels.decode_qkv`), the paged attention, o_proj, and gate/up in one matmul. The weights stay mlx-lm's:
+each projection becomes a slice (a view) of the concatenated matrix, so the eager path and memory are unchanged.
 
 Used for steps whose lanes are all single rows (`compiled_step`); with `--fuse-mixed` (auto = on with CUDA), for
 steps with prefill chunks too (`FusedDecode.mixed`: eagerly, or as a compiled trace with `--compile-mixed on`).

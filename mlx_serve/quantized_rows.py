@@ -163,8 +163,9 @@ class DequantizedRows:
     4096 x 12288 projection, bf16 0.033-0.044 ms at any of them), so decode steps of many lanes pay a packed read
     per row, and a 2k-row prefill chunk runs at a third of the bf16 model's speed. Exact on the CPU in float32; in
     bf16 the weights round to bf16 once, as MLX's own quantized matmul rounds them, so products differ from
-    mlx-lm's only in the order of their sums: opt-in (`--dequantize-rows`). The runner's quantized linears decide for themselves with the same
-    threshold (`fold_quantized_rows`); this class serves what is not such a linear (a tied embedding's output).
+    mlx-lm's only in the order of their sums: opt-in (`--dequantize-rows`). The runner's quantized linears decide
+    for themselves with the same threshold (`fold_quantized_rows`); this class serves what is not such a linear (a
+    tied embedding's output).
     """
 
     def __init__(self, min_rows: int) -> None:

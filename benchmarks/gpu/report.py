@@ -179,7 +179,8 @@ def markdown(results: list[dict], header: str) -> str:
                 ("shared prefix: warm TTFT / cold TTFT", prefix, "<= 0.10", 0.1),
             ):
                 lines.append(f"| {metric} | | {value:.2f} | | {target} | {MET[_ok_le(value, ceiling)]} |")
-            lines.append(f"| contended: max gap before / from the long prompt's arrival | | {_phases(c)} | | (info) | |")
+            arrival = "contended: max gap before / from the long prompt's arrival"
+            lines.append(f"| {arrival} | | {_phases(c)} | | (info) | |")
             lines += [f"| {metric} | | {cell} | | (info) | |" for metric, cell in _step_cells(c.get("steps"))]
             lines.append("")
             continue

@@ -25,14 +25,13 @@ def positive_float_arg(text: str, expected: str = "a number") -> float:
     return value
 
 
-def whole_number_arg(low: int, high: int | None = None) -> Any:
-    """An argparse type: a whole number in [low, high] (`--port`, `--kv-blocks`, ...)."""
+def whole_number_arg(low: int, high: int | None = None, expected: str = "a whole number") -> Any:
+    """An argparse type: a whole number in [low, high] written as digits (`--port`, `--kv-blocks`, ...)."""
 
     def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
+        if not text.removeprefix("-").isdigit():  # int() would also take "+5", " 5" and "5_000"
+            raise argparse.ArgumentTypeError(f"expected {expected}, not {text!r}")
+        value = int(text)
         if value < low or (high is not None and value > high):
             bounds = f">= {low}" if high is None else f"from {low} to {high}"
             raise argparse.ArgumentTypeError(f"must be {bounds}, not {text}")
@@ -63,18 +62,15 @@ def _headroom(text: str) -> float:
 
 def row_quantum_arg(text: str) -> int | str:
     """`--row-quantum`: a whole number >= 1, or auto."""
-    if text == "auto":
-        return text
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1 or auto, not {text!r}")
-    return int(text)
+    return text if text == "auto" else whole_number_arg(1, expected="a whole number or auto")(text)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     http = parser.add_argument_group("HTTP")
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    http.add_argument("--port", type=whole_number_arg(0, 65535), default=8080, help="port to listen on (default: %(default)s)")
+    http.add_argument("--port", type=whole_number_arg(0, 65535), default=8080,
+                      help="port to listen on (default: %(default)s)")
     http.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
                       help="extra name clients may use in the `model` field (repeatable); the model id, "
                            "its folder name and \"default\" are always accepted")
@@ -95,7 +91,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="memory for weights plus the KV pool; sizes the pool (default: a share of the machine)")
     g.add_argument("--kv-blocks", type=whole_number_arg(1), default=None, metavar="N",
                    help="exact KV pool size in blocks (overrides --memory-budget-gb)")
-    g.add_argument("--block-size", type=whole_number_arg(1), default=16, help="tokens per KV block (default: %(default)s)")
+    g.add_argument("--block-size", type=whole_number_arg(1), default=16,
+                   help="tokens per KV block (default: %(default)s)")
     g.add_argument("--max-running", type=whole_number_arg(1), default=64,
                    help="most requests holding KV at once (default: %(default)s)")
     g.add_argument("--queue-limit", type=whole_number_arg(0), default=1024,
@@ -110,7 +107,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--step-target-factor", type=positive_float_arg, default=4.0, metavar="F",
                    help="with --step-target-ms auto: how many measured decode steps a contended step may take "
                         "(default: %(default)s)")
-    s.add_argument("--row-ceiling", type=whole_number_arg(1), default=2048, help="most rows (tokens) per step (default: %(default)s)")
+    s.add_argument("--row-ceiling", type=whole_number_arg(1), default=2048,
+                   help="most rows (tokens) per step (default: %(default)s)")
     s.add_argument("--row-floor", type=whole_number_arg(1), default=64,
                    help="fewest prefill rows a contended step is cut to (default: %(default)s)")
     s.add_argument("--row-quantum", type=row_quantum_arg, default="auto", metavar="N|auto",

@@ -135,7 +135,8 @@ def partition_size(lanes: int, kv_heads: int, max_len: int, mma: bool = False) -
     """History tokens per thread block: short histories whole, and longer ones while the lanes alone fill the GPU;
     else pieces merged by a second launch (`PARTITION` tokens, `MMA_PARTITION` for the tensor-core kernel)."""
     if mma:
-        single, blocks, most, piece = MMA_SINGLE_PASS_TOKENS, MMA_ONE_PASS_BLOCKS, MMA_ONE_PASS_MOST_TOKENS, MMA_PARTITION
+        single, blocks, most = MMA_SINGLE_PASS_TOKENS, MMA_ONE_PASS_BLOCKS, MMA_ONE_PASS_MOST_TOKENS
+        piece = MMA_PARTITION
     else:
         single, blocks, most, piece = SINGLE_PASS_TOKENS, ONE_PASS_BLOCKS, ONE_PASS_MOST_TOKENS, PARTITION
     if max_len <= single:
