@@ -19,7 +19,6 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from mlx_serve.buckets import history_bucket, query_bucket
 from mlx_serve.compiled_step import decode_tables, lane_bucket
 from mlx_serve.fused_decode import FusedDecode
 from mlx_serve.kv_pool import KVPool, slot_array
@@ -33,6 +32,7 @@ from mlx_serve.ragged import (
     sdpa_chunk_attention,
 )
 from scheduler import Lane
+from scheduler.buckets import history_bucket, query_bucket
 
 
 def compilable(lanes: Sequence[Lane]) -> bool:

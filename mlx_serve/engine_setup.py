@@ -51,8 +51,10 @@ def row_quantum(value: int | str, quantized: bool) -> int:
     return value
 
 
-def scheduler_config(c: EngineConfig, num_blocks: int, context_length: int, quantum: int = 1) -> SchedulerConfig:
-    """`quantum`: the resolved `row_quantum` (it depends on the loaded model)."""
+def scheduler_config(
+    c: EngineConfig, num_blocks: int, context_length: int, quantum: int = 1, kv_bucket: int = 0
+) -> SchedulerConfig:
+    """`quantum`: the resolved `row_quantum` (it depends on the loaded model); `kv_bucket`: the runner's."""
     target_ms, factor = step_target(c.step_target_ms, c.step_target_factor)
     return SchedulerConfig(
         num_blocks=num_blocks,
@@ -65,6 +67,7 @@ def scheduler_config(c: EngineConfig, num_blocks: int, context_length: int, quan
         row_ceiling=c.row_ceiling,
         row_floor=c.row_floor,
         row_quantum=quantum,
+        kv_bucket=kv_bucket,
         budget_midpoints=c.budget_midpoints,
         plan_headroom=c.plan_headroom,
         cost_model=c.cost_model,

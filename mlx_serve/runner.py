@@ -17,7 +17,6 @@ import mlx.nn as nn
 import numpy as np
 
 from mlx_serve import ane_chunks, dense_experts
-from mlx_serve.buckets import KV_BUCKET, history_bucket, query_bucket, query_buckets
 from mlx_serve.compiled_mixed import CompiledMixed, compilable
 from mlx_serve.compiled_step import CompiledDecode
 from mlx_serve.fused_decode import FusedDecode, split_fused_projections, viewed_projections
@@ -46,6 +45,7 @@ from mlx_serve.ragged import (
 from mlx_serve.sampling import RequestSampler, SampledRows, sample_rows, top_logprobs
 from mlx_serve.types import SamplingParams, TokenLogprob
 from scheduler import Lane, StepOutcome, StepPlan
+from scheduler.buckets import KV_BUCKET, history_bucket, query_bucket, query_buckets
 from scheduler.plan import PENDING_TOKEN
 
 log = logging.getLogger("mlx_serve.runner")

@@ -1,7 +1,17 @@
-"""The optional `affine` prefill cost model: fixed + per-row + per-attention-pair + per-decode-lane milliseconds.
+"""The optional `affine` prefill cost model: fixed + per-row + per-attention-pair + per-decode-lane + per-extra-
+prefill-lane milliseconds.
 
-attention pairs = sum over the prefill lanes of rows x (history + rows / 2). One fit per path, by recursive least
-squares with forgetting (0.995: roughly the last 200 steps matter), so it tracks drift without storing samples.
+attention pairs = sum over the prefill lanes of rows x (history + rows / 2). Where the engine pads GPU chunks
+(`kv_bucket` > 0, CUDA) the work it runs is counted instead: each lane's rows are its query bucket and its pairs
+that bucket x its padded KV length (the masked rectangle cuDNN computes). Exact counts missed the jumps at bucket
+edges: on the H200 a 0.6B chunk of 1,536 rows took 17-18 ms at an 8k KV bucket, 23 at 12k and 28.5 at 16k while the
+exact count grew by a fifth, and the 1,552-row last chunk of a 16k prompt ran as 2,048 rows (31 ms, 25.8 predicted).
+Extra prefill lanes (a step's width past one) run outside the one-chunk compiled step, each with its own gather and
+attention a layer: a 4-prompt start-up step of 1,920 rows took 33 ms against 16.6 predicted without this term.
+
+One fit per path, by recursive least squares with forgetting (0.995: roughly the last 200 steps matter), so it
+tracks drift without storing samples. A direction the samples never excite (the width, while every step has one
+chunk) would see its covariance grow by 1/0.995 a step without bound; the trace is held at its initial value.
 Until a path's fit has 8 samples, or if its prediction is not a positive finite number, it answers exactly as
 the `ema` baseline it trains alongside. Same training filter as the other models; fixed memory.
 
@@ -16,6 +26,7 @@ from __future__ import annotations
 
 import math
 
+from scheduler.buckets import history_bucket, query_bucket
 from scheduler.cost_models import EmaCostModel, StepShape, is_trainable
 from scheduler.plan import Path
 
@@ -26,8 +37,18 @@ PAIR_SCALE = 1e-3  # pairs are counted in thousands so the four features have co
 OUTLIER_FACTOR = 3.0  # a fitted path trains on at most 3x (at least a third of) its prediction
 
 
-def features(shape: StepShape) -> tuple[float, float, float, float]:
-    return (1.0, float(shape.prefill_rows), shape.attention_pairs * PAIR_SCALE, float(shape.decode_lanes))
+FEATURES = 5
+
+
+def features(shape: StepShape, kv_bucket: int = 0) -> tuple[float, float, float, float, float]:
+    """(1, rows, attention pairs in thousands, decode lanes, extra prefill lanes), padded as the engine pads."""
+    if kv_bucket and shape.path is Path.GPU:
+        rows = sum(query_bucket(c.rows) for c in shape.chunks)
+        pairs = sum(query_bucket(c.rows) * history_bucket(c.history + c.rows, kv_bucket) for c in shape.chunks)
+    else:
+        rows, pairs = shape.prefill_rows, shape.attention_pairs
+    extra_lanes = max(shape.width - 1, 0)
+    return (1.0, float(rows), pairs * PAIR_SCALE, float(shape.decode_lanes), float(extra_lanes))
 
 
 class RecursiveLeastSquares:
@@ -52,20 +73,25 @@ class RecursiveLeastSquares:
         self.covariance = [
             [(self.covariance[i][j] - gain[i] * px[j]) / self.forgetting for j in range(size)] for i in range(size)
         ]
+        trace = sum(self.covariance[i][i] for i in range(size))
+        if trace > INITIAL_COVARIANCE * size:  # forgetting inflates unexcited directions: hold the total
+            scale = INITIAL_COVARIANCE * size / trace
+            self.covariance = [[value * scale for value in row] for row in self.covariance]
         self.samples += 1
 
 
 class AffineCostModel:
     name = "affine"
 
-    def __init__(self) -> None:
+    def __init__(self, kv_bucket: int = 0) -> None:
+        self.kv_bucket = kv_bucket  # the engine's KV bucket unit (`SchedulerConfig.kv_bucket`); 0: exact shapes
         self.baseline = EmaCostModel()
-        self.fits = {path: RecursiveLeastSquares(4) for path in (Path.GPU, Path.ANE)}
+        self.fits = {path: RecursiveLeastSquares(FEATURES) for path in (Path.GPU, Path.ANE)}
 
     def predict(self, shape: StepShape) -> float | None:
         fit = self.fits[shape.path]
         if fit.samples >= MIN_SAMPLES:
-            predicted = fit.predict(features(shape))
+            predicted = fit.predict(features(shape, self.kv_bucket))
             if math.isfinite(predicted) and predicted > 0:
                 return predicted
         return self.baseline.predict(shape)
@@ -74,7 +100,7 @@ class AffineCostModel:
         if not is_trainable(shape, elapsed_ms):
             return
         self.baseline.observe(shape, elapsed_ms)
-        fit, x = self.fits[shape.path], features(shape)
+        fit, x = self.fits[shape.path], features(shape, self.kv_bucket)
         fit.observe(x, _bounded(fit, x, elapsed_ms))
 
 

@@ -22,6 +22,10 @@ class SchedulerConfig:
     # prediction: where GEMMs run in row tiles (MLX's CUDA quantized GEMM: 64) the rows that fill a paid-for tile are
     # the cheapest a step can add (8B 4-bit: 8 lanes + 120 rows 32 ms, 8 + 64 rows 25 ms, 8 + 56 rows 23 ms). 1: off
     row_quantum: int = 1
+    # the engine pads each prefill lane's rows to a `buckets.query_bucket` and its KV to a `buckets.history_bucket`
+    # of this many tokens (CUDA: MLX builds a graph per shape); 0: exact shapes. Nonzero: budgets grow to the
+    # query bucket their chunk is padded to (those rows are paid for) and the affine cost model counts padded work
+    kv_bucket: int = 0
     # a halved budget grows by half again (1,024 -> 1,536, 256 -> 384) where that is still predicted within the
     # target: halving alone leaves up to half of the target unused. False: the seed's plain halving
     budget_midpoints: bool = True
@@ -47,6 +51,8 @@ class SchedulerConfig:
             raise ValueError(f"need 1 <= row_floor <= row_ceiling, got {self.row_floor}, {self.row_ceiling}")
         if self.row_quantum < 1:
             raise ValueError(f"row_quantum must be >= 1, got {self.row_quantum}")
+        if self.kv_bucket < 0:
+            raise ValueError(f"kv_bucket must be >= 0, got {self.kv_bucket}")
         if self.max_running < 1 or self.queue_limit < 0 or self.max_overtakes < 0:
             raise ValueError("max_running must be >= 1; queue_limit and max_overtakes >= 0")
         if not self.step_target_ms > 0:

@@ -31,7 +31,7 @@ class Scheduler:
         self.config = config
         self.trace = trace
         self.blocks = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_cache)
-        self.cost_model = make_cost_model(config.resolved_cost_model())
+        self.cost_model = make_cost_model(config.resolved_cost_model(), config.kv_bucket)
         self.step_target = StepTarget(config.step_target_ms, config.step_target_factor, config.step_target_floor_ms)
         self.stats = SchedulerStats()
         self.max_len = min(config.max_model_len, config.pool_tokens)

@@ -15,8 +15,9 @@ Selected by `SchedulerConfig.cost_model` (env `MLX_SERVE_PREFILL_COST_MODEL` ove
   Row-weighted history = sum(rows_i * history_i) / sum(rows_i), so a short leading lane cannot hide a
   long-history lane behind it. A cell is used once it has 3 samples; before that the prediction is exactly
   the `ema` baseline's, which the table trains alongside itself on the same observations.
-- `affine` (optional): fixed + per-row + per-attention-pair + per-decode-lane milliseconds, fit online by
-  recursive least squares with forgetting, one fit per path; falls back to `ema` until it has 8 samples.
+- `affine` (optional): fixed + per-row + per-attention-pair + per-decode-lane + per-extra-prefill-lane
+  milliseconds (padded counts where the engine pads chunks), fit online by recursive least squares with
+  forgetting, one fit per path; falls back to `ema` until it has 8 samples.
 
 Every model trains only on trainable observations: finite, positive time, >= 64 prefill rows, text prefill
 (auxiliary work such as KV restore/prefix copies or images never trains). The path of a shape is the path its
@@ -165,8 +166,9 @@ class BucketedCostModel:
         return self.ms_per_row.itemsize * len(self.ms_per_row) + self.samples.itemsize * len(self.samples)
 
 
-def make_cost_model(name: str) -> CostModel:
-    """The cost model called `name` ("ema", "bucketed" or "affine")."""
+def make_cost_model(name: str, kv_bucket: int = 0) -> CostModel:
+    """The cost model called `name` ("ema", "bucketed" or "affine"); `kv_bucket`: how the engine pads chunks
+    (`SchedulerConfig.kv_bucket`), which the affine model counts."""
     if name == "ema":
         return EmaCostModel()
     if name == "bucketed":
@@ -174,5 +176,5 @@ def make_cost_model(name: str) -> CostModel:
     if name == "affine":
         from scheduler.affine_cost import AffineCostModel
 
-        return AffineCostModel()
+        return AffineCostModel(kv_bucket)
     raise ValueError(f"unknown prefill cost model {name!r}: expected ema, bucketed or affine")

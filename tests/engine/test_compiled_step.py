@@ -203,8 +203,8 @@ def test_compiled_decode_keeps_penalties_logprobs_and_seeds(tiny_qwen3):
 
 
 def test_query_buckets_are_powers_of_two_and_their_midpoints_from_64():
-    from mlx_serve.buckets import query_buckets
     from mlx_serve.runner import query_bucket
+    from scheduler.buckets import query_buckets
 
     got = [query_bucket(n) for n in (1, 7, 64, 65, 97, 192, 193, 384, 385, 512, 513, 2048)]
     assert got == [64, 64, 64, 96, 128, 192, 256, 384, 512, 512, 768, 2048]

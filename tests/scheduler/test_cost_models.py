@@ -160,3 +160,49 @@ def test_env_overrides_the_configured_model(monkeypatch: pytest.MonkeyPatch) -> 
 
     assert Scheduler(config).cost_model.name == "affine"
     assert {make_cost_model(name).name for name in ("ema", "bucketed", "affine")} == {"ema", "bucketed", "affine"}
+
+
+def padded_cost(shape: StepShape) -> float:
+    """A step's time as the engine runs it with 1,024-token KV buckets: padded rows, the padded rectangle."""
+    from scheduler.buckets import history_bucket, query_bucket
+
+    rows = sum(query_bucket(c.rows) for c in shape.chunks)
+    pairs = sum(query_bucket(c.rows) * history_bucket(c.history + c.rows, 1024) for c in shape.chunks)
+    return 3 + 0.004 * rows + 6e-7 * pairs + 0.2 * shape.decode_lanes + 4.0 * (shape.width - 1)
+
+
+def test_affine_counts_the_padded_work_where_the_engine_pads() -> None:
+    """Trained on steps timed as padded shapes, the padded fit predicts a 16k prompt's 1,552-row last chunk as the
+    2,048 rows it runs as, and a chunk just past a KV bucket edge at the next bucket's cost; the exact fit cannot."""
+    padded, exact = AffineCostModel(kv_bucket=1024), AffineCostModel()
+    for index in range(300):
+        rows = (64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)[index % 11]
+        shape = StepShape((PrefillChunk(rows, (index * 977) % 15_000),), 8)
+        padded.observe(shape, padded_cost(shape))
+        exact.observe(shape, padded_cost(shape))
+    last = StepShape((PrefillChunk(1552, 14_832),), 8)
+    assert padded.predict(last) == pytest.approx(padded_cost(last), rel=0.02)
+    assert padded.predict(last) > 1.2 * padded.predict(StepShape((PrefillChunk(1536, 14_832),), 8))
+    assert abs(exact.predict(last) - padded_cost(last)) > 0.05 * padded_cost(last)
+    edge = StepShape((PrefillChunk(1024, 11_300),), 8)  # ends at 12,324: a 16k bucket, not 12k
+    assert padded.predict(edge) == pytest.approx(padded_cost(edge), rel=0.02)
+    assert features(StepShape((PrefillChunk(100, 0),), 0, Path.ANE), 1024)[1] == 100  # the ANE lane runs exact
+
+
+def test_affine_learns_extra_lanes_and_its_covariance_stays_bounded() -> None:
+    """Thousands of one-chunk steps leave the width direction unexcited: its covariance stays bounded and finite,
+    and a few multi-prompt steps then teach what extra lanes cost."""
+    model = AffineCostModel(kv_bucket=1024)
+    for index in range(5000):
+        shape = StepShape((PrefillChunk((256, 512, 768, 1024)[index % 4], (index * 331) % 12_000),), index % 9)
+        model.observe(shape, padded_cost(shape))
+    fit = model.fits[Path.GPU]
+    trace = sum(fit.covariance[i][i] for i in range(len(fit.theta)))
+    assert math.isfinite(trace) and trace <= 5 * 1e6 * (1 + 1e-9)
+    start_up = StepShape(tuple(PrefillChunk(480, 26) for _ in range(4)), 4)
+    before = abs(model.predict(start_up) - padded_cost(start_up))
+    for index in range(6):
+        burst = StepShape(tuple(PrefillChunk(256 + 64 * index, 0) for _ in range(2 + index % 3)), 4)
+        model.observe(burst, padded_cost(burst))
+    after = abs(model.predict(start_up) - padded_cost(start_up))
+    assert before > 0.2 * padded_cost(start_up) and after < 0.05 * padded_cost(start_up)

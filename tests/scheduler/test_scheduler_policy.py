@@ -162,3 +162,51 @@ def test_fill_row_tile_edges() -> None:
     assert fill_row_tile(1024, 8, 64, 1040) == 1032  # never past the ceiling: 8 + 1032 = 1040
     assert fill_row_tile(0, 8, 64, 2048) == 0  # a decode-debt step stays without prefill
     assert fill_row_tile(64, 8, 1, 2048) == 64  # off
+
+
+def test_padded_chunks_take_the_rows_they_pay_for() -> None:
+    """Where the engine pads a chunk to its query bucket, the budget is that bucket: the budget that filled 8 lanes'
+    five 64-row tiles (312) ran as 384 rows; with tiles the widest bucket inside the step's last tile."""
+    from scheduler.budget import paid_rows
+
+    padded = SchedulerConfig(num_blocks=8, kv_bucket=1024, row_quantum=64)
+    assert fill_row_tile_of(312, padded) == 384 and fill_row_tile_of(256, padded) == 256
+    assert fill_row_tile_of(64, padded) == 96  # 8 + 96 inside two tiles; 128 would start a third
+    assert fill_row_tile_of(1552, padded) == 2048 and fill_row_tile_of(0, padded) == 0
+    assert paid_rows(1000, 8, SchedulerConfig(num_blocks=8, kv_bucket=1024, row_ceiling=1000)) == 1000
+    exact = SchedulerConfig(num_blocks=8, row_quantum=64)
+    assert fill_row_tile_of(256, exact) == 312  # no padding: the row tile alone
+
+
+def fill_row_tile_of(budget: int, config: SchedulerConfig) -> int:
+    from scheduler.budget import paid_rows
+
+    return paid_rows(budget, 8, config)
+
+
+def test_a_padded_last_chunk_is_planned_at_its_padded_cost() -> None:
+    """A 1,552-row prompt beside 8 streams (like a 16k prompt's last chunk): the engine runs it as 2,048 rows, over
+    the target. Planned with the padding, the step carries 1,536 rows (a bucket that fits) and leaves 16."""
+    from scheduler.affine_cost import AffineCostModel
+    from tests.scheduler.test_cost_models import padded_cost
+
+    def plan_last_chunk(kv_bucket: int) -> int:
+        config = SchedulerConfig(num_blocks=8192, cost_model="affine", step_target_ms=14.0, kv_bucket=kv_bucket)
+        scheduler = Scheduler(config)
+        model = scheduler.cost_model
+        assert isinstance(model, AffineCostModel)
+        for index in range(300):  # trained on steps timed as the engine runs them (padded)
+            rows = (256, 384, 512, 768, 1024, 1536, 2048)[index % 7]
+            shape = StepShape((PrefillChunk(rows, (index * 977) % 15_000),), 8)
+            model.observe(shape, padded_cost(shape))
+        for index in range(8):
+            scheduler.add(make_request(f"stream{index}", 4, max_tokens=500, base=1000 * (index + 1)))
+        run_step(scheduler, 0.0, elapsed_ms=5.0)
+        scheduler.add(make_request("long", 1552, max_tokens=1, base=900_000))
+        plan = scheduler.schedule(0.01)
+        return plan.prefill_rows
+
+    over, fits = (padded_cost(StepShape((PrefillChunk(rows, 0),), 8)) for rows in (1552, 1536))
+    assert over > 14.0 >= fits
+    assert plan_last_chunk(1024) == 1536
+    assert plan_last_chunk(0) == 1552  # counted exactly, the whole rest looks like it fits

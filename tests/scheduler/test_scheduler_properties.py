@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from scheduler_harness import Harness
 
 from scheduler import FinishReason, Request, Scheduler, SchedulerConfig
+from scheduler.buckets import query_bucket
 from scheduler.cost_models import EmaCostModel
 
 STOP_TOKEN = 2
@@ -39,13 +40,15 @@ cancel = st.fixed_dictionaries({"kind": st.just("cancel"), "index": st.integers(
 actions = st.lists(st.one_of(arrival, arrival, step, step, step, cancel), min_size=10, max_size=80)
 
 configs = st.builds(
-    lambda num_blocks, block_size, ceiling, floor_shift, max_running, overtakes, model, target, cache, ane, quantum: (
+    lambda num_blocks, block_size, ceiling, floor_shift, max_running, overtakes, model, target, cache, ane, quantum,
+    kv_bucket: (
         SchedulerConfig(
             num_blocks=num_blocks,
             block_size=block_size,
             row_ceiling=ceiling,
             row_floor=max(1, ceiling >> floor_shift),
             row_quantum=quantum,
+            kv_bucket=kv_bucket,
             max_running=max_running,
             max_overtakes=overtakes,
             cost_model=model,
@@ -67,6 +70,7 @@ configs = st.builds(
     cache=st.booleans(),
     ane=st.booleans(),
     quantum=st.sampled_from([1, 1, 16, 64]),
+    kv_bucket=st.sampled_from([0, 0, 1024]),
 )
 
 
@@ -129,15 +133,17 @@ def test_random_interleavings_keep_every_invariant(config: SchedulerConfig, scri
 
 
 ample = st.builds(
-    lambda ceiling, floor_shift, target, quantum, midpoints: SchedulerConfig(
+    lambda ceiling, floor_shift, target, quantum, midpoints, kv_bucket, model: SchedulerConfig(
         num_blocks=1024, row_ceiling=ceiling, row_floor=max(1, ceiling >> floor_shift), step_target_ms=target,
-        row_quantum=quantum, budget_midpoints=midpoints,
+        row_quantum=quantum, budget_midpoints=midpoints, kv_bucket=kv_bucket, cost_model=model,
     ),
     ceiling=st.sampled_from([256, 2048]),
     floor_shift=st.integers(1, 5),
     target=st.sampled_from([5.0, 50.0, 500.0]),
     quantum=st.sampled_from([1, 64]),
     midpoints=st.booleans(),
+    kv_bucket=st.sampled_from([0, 1024]),
+    model=st.sampled_from(["ema", "affine"]),
 )
 
 
@@ -164,7 +170,9 @@ def test_contended_steps_carry_at_least_the_floor(
             assert config.row_floor <= plan.row_budget <= config.row_ceiling
             assert plan.prefill_rows >= min(config.row_floor, waiting_rows)
             lanes = plan.num_rows - plan.prefill_rows
-            if config.row_quantum > 1 and plan.row_budget + lanes < config.row_ceiling:
+            if config.kv_bucket and plan.row_budget < config.row_ceiling:
+                assert plan.row_budget == query_bucket(plan.row_budget)  # the rows a padded chunk pays for
+            elif config.row_quantum > 1 and plan.row_budget + lanes < config.row_ceiling:
                 assert (plan.row_budget + lanes) % config.row_quantum == 0  # the last row tile is full
             if plan.budget_reason.endswith("+half"):  # a midpoint is taken only where it is predicted to fit
                 assert config.budget_midpoints and plan.predicted_ms <= config.step_target_ms

@@ -1,5 +1,8 @@
 """Shape buckets of prefill lanes on CUDA: MLX builds a cuDNN attention graph (and `mx.compile` a trace) per new
-shape, so a growing history and the chunk sizes must repeat a few shapes."""
+shape, so a growing history and the chunk sizes must repeat a few shapes.
+
+The engine pads to these shapes and the scheduler plans with them (`SchedulerConfig.kv_bucket`): a chunk runs, and
+costs, as its padded shape, so budgets land on query buckets and the cost model counts the padded work."""
 
 from __future__ import annotations
 
