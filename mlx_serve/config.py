@@ -22,6 +22,7 @@ class EngineConfig:
     row_quantum: int | str = "auto"  # contended steps fill their last row tile of this many rows; auto: engine_setup
     budget_midpoints: bool = True  # a halved budget grows by half again where still predicted within the target
     plan_headroom: float = 1.0  # contended steps are planned to this fraction of the step target
+    plan_padding: bool = True  # budgets and the affine cost model see chunks padded as the runner pads them (CUDA)
     cost_model: str = "ema"
     max_overtakes: int = 4
     enable_prefix_cache: bool = True

@@ -93,7 +93,7 @@ class Engine:
             engine_setup.scheduler_config(
                 config, num_blocks, self.context_length,
                 engine_setup.row_quantum(config.row_quantum, self.runner.quantized_projections > 0),
-                self.runner.kv_bucket,
+                self.runner.kv_bucket if config.plan_padding else 0,
             ),
             trace=self.trace,
         )

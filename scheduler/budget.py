@@ -92,16 +92,12 @@ def choose_row_budget(
 
 
 def paid_rows(budget: int, decode_lanes: int, config: SchedulerConfig) -> int:
-    """`budget` grown to the rows the engine runs anyway: its last row tile (`fill_row_tile`); where the engine
-    pads chunks to query buckets, the query bucket it pads to, then the widest bucket still inside that tile."""
-    quantum, ceiling = config.row_quantum, config.row_ceiling
-    if not config.kv_bucket or budget <= 0:
-        return fill_row_tile(budget, decode_lanes, quantum, ceiling)
-    rows = min(query_bucket(budget), ceiling)
-    tile_end = fill_row_tile(rows, decode_lanes, quantum, ceiling)
-    while rows < tile_end and query_bucket(rows + 1) <= tile_end:
-        rows = query_bucket(rows + 1)
-    return rows
+    """`budget` grown to the rows the engine runs anyway: its last row tile (`fill_row_tile`), then, where the
+    engine pads chunks to query buckets, the bucket that tile-filled budget is padded to."""
+    filled = fill_row_tile(budget, decode_lanes, config.row_quantum, config.row_ceiling)
+    if not config.kv_bucket or filled <= 0:
+        return filled
+    return min(query_bucket(filled), config.row_ceiling)
 
 
 def fill_row_tile(budget: int, decode_lanes: int, quantum: int, ceiling: int) -> int:

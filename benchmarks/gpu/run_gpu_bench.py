@@ -134,7 +134,8 @@ def measure_ours(
               "split_quantized_k": args.split_quantized_k, "chunk_attention": args.chunk_attention,
               "fuse_mixed": args.fuse_mixed, "compile_mixed": args.compile_mixed,
               "row_quantum": args.row_quantum, "step_target_factor": args.target_factor,
-              "budget_midpoints": args.budget_midpoints == "on", "plan_headroom": args.plan_headroom}  # fmt: skip
+              "budget_midpoints": args.budget_midpoints == "on", "plan_headroom": args.plan_headroom,
+              "plan_padding": args.plan_padding == "on"}  # fmt: skip
     # only the contended engine meets long prompts' chunk shapes: the others skip the warm-up
     side = OurSide(dummy, kv_blocks, 500.0, args.attention, **engine, warm_up=False)
     try:
@@ -185,6 +186,7 @@ def measure_ours(
         out["row_quantum"] = side.engine.scheduler.config.row_quantum  # as resolved (auto: by model and backend)
         out["budget_midpoints"] = side.engine.scheduler.config.budget_midpoints
         out["plan_headroom"] = side.engine.scheduler.config.plan_headroom
+        out["plan_kv_bucket"] = side.engine.scheduler.config.kv_bucket  # 0: planned with exact counts
         note(f"{dummy.name} ours warm-up", out["warm_up"])
         # warm-up with the same long prompt: the chunk shapes it meets are compiled (cuDNN graphs) before the run
         # that counts, as mlx-lm's were by its solo prefill of the same prompt length
@@ -282,6 +284,8 @@ def main() -> None:
                         help="EngineConfig.budget_midpoints: a halved budget grows by half again where it fits")
     parser.add_argument("--plan-headroom", type=float, default=1.0,
                         help="EngineConfig.plan_headroom: contended steps planned to this fraction of the target")
+    parser.add_argument("--plan-padding", choices=["on", "off"], default="on",
+                        help="EngineConfig.plan_padding: plan chunks as the engine pads them (off: exact counts)")
     parser.add_argument("--row-quantum", default="auto", type=row_quantum_arg,
                         help="EngineConfig.row_quantum: contended steps fill their last row tile (1: off)")
     parser.add_argument(

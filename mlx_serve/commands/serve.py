@@ -121,6 +121,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--plan-headroom", type=_headroom, default=1.0,
                    help="contended steps are planned to this fraction of the step target, below 1 so that a step's "
                         "usual spread stays under the target (0 < x <= 1; default: %(default)s)")
+    s.add_argument("--plan-padding", choices=["on", "off"], default="on",
+                   help="contended budgets land on the query buckets the engine pads chunks to (CUDA) and the "
+                        "affine cost model counts the padded work; off: exact counts (default: %(default)s)")
     s.add_argument("--prefill-cost-model", choices=["ema", "bucketed", "affine"], default="ema",
                    help="step-time predictor for row budgets: one EMA ms-per-row, the 96-cell bucketed table, or "
                         "an affine fit (fixed + rows + attention pairs + decode lanes) (default: %(default)s; env "
@@ -202,7 +205,7 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
         block_size=args.block_size, max_running=args.max_running, queue_limit=args.queue_limit,
         max_model_len=args.max_model_len, step_target_ms=args.step_target_ms,
         step_target_factor=args.step_target_factor, row_ceiling=args.row_ceiling, row_floor=args.row_floor,
-        row_quantum=args.row_quantum, budget_midpoints=args.budget_midpoints == "on", plan_headroom=args.plan_headroom, cost_model=args.prefill_cost_model, max_overtakes=args.max_overtakes,
+        row_quantum=args.row_quantum, budget_midpoints=args.budget_midpoints == "on", plan_headroom=args.plan_headroom, plan_padding=args.plan_padding == "on", cost_model=args.prefill_cost_model, max_overtakes=args.max_overtakes,
         enable_prefix_cache=not args.no_prefix_cache, decode_debt=not args.no_decode_debt,
         ane_lane=args.ane_lane, ane_package=args.ane_package, ane_timeout_s=args.ane_timeout_s,
         decode_attention=args.decode_attention, compile_decode=args.compile_decode, fuse_decode=args.fuse_decode,

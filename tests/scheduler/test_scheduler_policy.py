@@ -165,17 +165,16 @@ def test_fill_row_tile_edges() -> None:
 
 
 def test_padded_chunks_take_the_rows_they_pay_for() -> None:
-    """Where the engine pads a chunk to its query bucket, the budget is that bucket: the budget that filled 8 lanes'
-    five 64-row tiles (312) ran as 384 rows; with tiles the widest bucket inside the step's last tile."""
+    """Where the engine pads a chunk to its query bucket, the budget grows to that bucket: the budget that filled 8
+    lanes' five 64-row tiles (312) ran as 384 rows, a 16k prompt's last 1,552 rows as 2,048."""
     from scheduler.budget import paid_rows
 
     padded = SchedulerConfig(num_blocks=8, kv_bucket=1024, row_quantum=64)
-    assert fill_row_tile_of(312, padded) == 384 and fill_row_tile_of(256, padded) == 256
-    assert fill_row_tile_of(64, padded) == 96  # 8 + 96 inside two tiles; 128 would start a third
+    assert fill_row_tile_of(256, padded) == 384 and fill_row_tile_of(384, padded) == 512  # 312, 440 tile-filled
     assert fill_row_tile_of(1552, padded) == 2048 and fill_row_tile_of(0, padded) == 0
+    assert fill_row_tile_of(256, SchedulerConfig(num_blocks=8, kv_bucket=1024)) == 256  # a bucket already
     assert paid_rows(1000, 8, SchedulerConfig(num_blocks=8, kv_bucket=1024, row_ceiling=1000)) == 1000
-    exact = SchedulerConfig(num_blocks=8, row_quantum=64)
-    assert fill_row_tile_of(256, exact) == 312  # no padding: the row tile alone
+    assert fill_row_tile_of(256, SchedulerConfig(num_blocks=8, row_quantum=64)) == 312  # no padding: the tile alone
 
 
 def fill_row_tile_of(budget: int, config: SchedulerConfig) -> int:

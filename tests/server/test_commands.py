@@ -40,6 +40,7 @@ def test_serve_help_explains_the_engine_flags(capsys):
         ("--step-target-factor", {None: 4.0, "2.5": 2.5}, ("many", "0", "-1")),
         ("--row-quantum", {None: "auto", "auto": "auto", "64": 64}, ("tile", "0", "-64", "1.5")),
         ("--budget-midpoints", {None: "on", "off": "off"}, ("yes", "")),
+        ("--plan-padding", {None: "on", "off": "off"}, ("exact",)),
         ("--expert-tiles", {None: "auto", "on": "on", "off": "off"}, ("kernel",)),
         ("--quantized-tiles", {None: "auto", "on": "on", "off": "off"}, ("kernel",)),
         ("--plan-headroom", {None: 1.0, "0.9": 0.9, "0.75": 0.75}, ("most", "0", "1.5", "-0.5")),
