@@ -187,11 +187,12 @@ class OurSide:
             "decode_only_ms_p50": med([e.measured_ms for e in alone]),
             # the host's share of a mixed step (building and queuing its graph is its fixed cost on CUDA)
             "mixed_host_ms_p50": self._phases({e.step_id for e in mixed}),
-            # every step with prefill in order, [prefill rows, decode lanes, row-weighted history, ms, predicted ms]:
-            # how the cost model's predictions track the chunk sizes it chose (and the ones it did not try)
+            # every step with prefill in order, [prefill rows, decode lanes, row-weighted history, ms, predicted ms,
+            # prefill lanes]: how the cost model's predictions track the chunk sizes it chose (and the ones it did not
+            # try); a replay of the cost model needs the lanes (multi-prompt start-up steps)
             "prefill_steps": [
                 [e.prefill_rows, e.decode_lanes, round(e.weighted_history), round(e.measured_ms, 2),
-                 None if e.predicted_ms is None else round(e.predicted_ms, 2)]
+                 None if e.predicted_ms is None else round(e.predicted_ms, 2), e.prefill_width]
                 for e in steps if e.prefill_rows
             ],  # fmt: skip
             # where the longest gaps come from

@@ -57,7 +57,8 @@ def test_contended_only_run_and_its_refusal(tmp_path):
     assert result["ours"]["row_quantum"] == 16  # as the engine resolved it
     steps = result["ours"]["contended"]["steps"]
     assert "submission" in steps["mixed_host_ms_p50"]
-    assert steps["prefill_steps"] and all(len(step) == 5 and step[0] > 0 for step in steps["prefill_steps"])
+    recorded = steps["prefill_steps"]  # [rows, decode lanes, history, ms, predicted ms, prefill lanes]
+    assert recorded and all(len(step) == 6 and step[0] > 0 and step[5] >= 1 for step in recorded)
     table = (tmp_path / "gpu_bench.md").read_text()
     assert "TTFT / its solo TTFT" in table and "mlx-lm |" in table
     assert "host ms of a step with prefill" in table

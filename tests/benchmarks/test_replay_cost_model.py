@@ -1,0 +1,41 @@
+"""The cost-model replay of recorded GPU bench runs scores what the scheduler's own affine model would predict."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks.gpu.replay_cost_model import main, recorded_runs, replay, shape_of
+from scheduler.buckets import history_bucket, query_bucket
+
+
+def padded_ms(rows: int, decode_lanes: int, history: int) -> float:
+    """A step timed as the engine runs it on CUDA: its rows padded to a query bucket, its KV to a history bucket."""
+    padded = query_bucket(rows)
+    return 4 + 0.01 * padded + 1e-6 * padded * history_bucket(history + rows, 1024) + 0.2 * decode_lanes
+
+
+def test_padded_counts_predict_padded_steps_better_and_the_table_prints(tmp_path, capsys) -> None:
+    steps = []
+    for index in range(120):
+        rows, history = (200, 312, 700, 1100, 1552)[index % 5], (index * 733) % 15_000
+        steps.append([rows, 8, history, round(padded_ms(rows, 8, history), 2), None, 1])
+    steps.append([1920, 4, 26, 40.0, 16.6, 4])  # a multi-prompt start-up step: four lanes of 480
+    result = {"results": [{"shape": "0.6b", "ours": {"contended": {"steps": {"prefill_steps": steps}}}}]}
+    path = tmp_path / "gpu_bench.json"
+    path.write_text(json.dumps(result))
+    ((shape, recorded),) = recorded_runs([path])
+    assert shape == "0.6b" and len(recorded) == 121
+    assert [c.rows for c in shape_of(recorded[-1]).chunks] == [480] * 4
+    exact, padded = (replay(recorded[:-1], bucket, skip=20) for bucket in (0, 1024))
+    assert len(exact) == len(padded) == 100
+    assert sum(map(abs, padded)) < 0.2 * sum(map(abs, exact))
+    assert main([str(path)]) == 0
+    table = capsys.readouterr().out
+    assert "| 0.6b | 1 | 111 |" in table
+
+
+def test_files_without_recorded_steps_are_refused(tmp_path, capsys) -> None:
+    path = tmp_path / "gpu_bench.json"
+    path.write_text(json.dumps({"results": [{"shape": "8b", "ours": {}}]}))
+    assert main([str(path)]) == 1
+    assert "no recorded contended steps" in capsys.readouterr().err
