@@ -33,7 +33,7 @@ from scheduler.plan import Path
 FORGETTING = 0.995
 MIN_SAMPLES = 8
 INITIAL_COVARIANCE = 1e6
-PAIR_SCALE = 1e-3  # pairs are counted in thousands so the four features have comparable magnitudes
+PAIR_SCALE = 1e-3  # pairs are counted in thousands so the features have comparable magnitudes
 OUTLIER_FACTOR = 3.0  # a fitted path trains on at most 3x (at least a third of) its prediction
 
 

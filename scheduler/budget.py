@@ -1,11 +1,12 @@
 """Row budgets: the ceiling when uncontended; halved toward the floor while a contended step is predicted over
-the target, grown to fill what the engine pays for anyway (the query bucket it pads a chunk to, or else the step's
-last row tile, `SchedulerConfig.row_quantum`), then by half again where that is still predicted within the target
-(`SchedulerConfig.budget_midpoints`); none at all for one step when a stream is in decode debt.
+the target, grown to the rows the engine pays for anyway (the step's last row tile, `SchedulerConfig.row_quantum`,
+then the query bucket the engine pads that chunk to), then by half again where that is still predicted within the
+target (`SchedulerConfig.budget_midpoints`); none at all for one step when a stream is in decode debt.
 
-Where the engine pads chunks (`SchedulerConfig.kv_bucket`), a budget between two query buckets buys rows of padding:
-on the H200, 8B 4-bit chunks of 312 rows (8 lanes + 312 = five 64-row tiles) ran as 384, and a 16k prompt's last
-1,552 rows as 2,048 (31 ms against 25.8 predicted).
+Where the engine pads chunks (`SchedulerConfig.kv_bucket`), rows between two query buckets are padding it runs
+anyway: on the H200, 8B 4-bit budgets of 312 rows (8 lanes + 312 = five 64-row tiles) ran as 384, and a 16k
+prompt's last 1,552 rows as 2,048 (31 ms against 25.8 predicted). The budget says so, and the prediction is the
+padded step's.
 
 Halving alone throws away up to half of what the target allows: on the H200, 30B-A3B beside 8 streams ran
 512-row chunks in 72-77 ms against a 78 ms target, then 256-row chunks in ~50 ms for the rest of a 16k prompt,

@@ -126,8 +126,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "affine cost model counts the padded work; off: exact counts (default: %(default)s)")
     s.add_argument("--prefill-cost-model", choices=["ema", "bucketed", "affine"], default="ema",
                    help="step-time predictor for row budgets: one EMA ms-per-row, the 96-cell bucketed table, or "
-                        "an affine fit (fixed + rows + attention pairs + decode lanes) (default: %(default)s; env "
-                        "MLX_SERVE_PREFILL_COST_MODEL overrides)")
+                        "an affine fit (fixed + rows + attention pairs + decode lanes + extra prompt lanes) "
+                        "(default: %(default)s; env MLX_SERVE_PREFILL_COST_MODEL overrides)")
     s.add_argument("--max-overtakes", type=whole_number_arg(0), default=4,
                    help="how often a waiting request may be overtaken by shorter ones before it goes first "
                         "(default: %(default)s)")
