@@ -58,20 +58,22 @@ def observations(events: list[object]) -> tuple[list[Observation], int]:
     return found, skipped
 
 
-def available_models(names: tuple[str, ...]) -> list:
+def available_models(names: tuple[str, ...], kv_bucket: int = 0) -> list:
     models = []
     for name in names:
         try:
-            models.append(make_cost_model(name))
+            models.append(make_cost_model(name, kv_bucket))
         except (ValueError, ImportError) as exc:  # a newer model that this checkout does not have yet
             print(f"note: skipping cost model {name!r}: {exc}", file=sys.stderr)
     return models
 
 
-def replay(found: list[Observation], model_names: tuple[str, ...]) -> dict:
-    """Prequential errors: {model: {"all"|"path=gpu"|"width=2"...: [abs rel errors]}} plus prediction coverage."""
-    models = available_models(model_names)
+def replay(found: list[Observation], model_names: tuple[str, ...], kv_bucket: int = 0) -> dict:
+    """Prequential errors: {model: {"all"|"path=gpu"|"width=2"...: [abs rel errors]}}, the signed errors of "all"
+    (positive: over-predicted), plus prediction coverage. `kv_bucket`: count chunks as the engine pads them."""
+    models = available_models(model_names, kv_bucket)
     errors: dict[str, dict[str, list[float]]] = {m.name: defaultdict(list) for m in models}
+    signed: dict[str, list[float]] = {m.name: [] for m in models}
     unpredicted: dict[str, int] = dict.fromkeys(errors, 0)
     for obs in found:
         trainable = is_trainable(obs.shape, obs.measured_ms)
@@ -81,12 +83,13 @@ def replay(found: list[Observation], model_names: tuple[str, ...]) -> dict:
                 if predicted is None:
                     unpredicted[model.name] += 1
                 else:
-                    error = abs(predicted - obs.measured_ms) / obs.measured_ms
+                    signed[model.name].append((predicted - obs.measured_ms) / obs.measured_ms)
+                    error = abs(signed[model.name][-1])
                     for key in ("all", f"path={obs.shape.path.value}", f"width={obs.shape.width}",
                                 "contended" if obs.contended else "uncontended"):
                         errors[model.name][key].append(error)
             model.observe(obs.shape, obs.measured_ms)
-    return {"errors": errors, "unpredicted": unpredicted,
+    return {"errors": errors, "signed": signed, "unpredicted": unpredicted,
             "trainable": sum(is_trainable(o.shape, o.measured_ms) for o in found)}
 
 
