@@ -8,7 +8,9 @@ Shapes repeat because every dimension is a bucket: decode lanes as `compiled_ste
 `history_bucket`, and the causal mask is computed in the graph from the rows' positions.
 
 Measured in the same call (eighth run): host submission 13.4 -> 7.6 ms, but the step stays 20.5 ms queued back to
-back: such steps are bound by the GPU there, so `--compile-mixed` is opt-in (auto = off).
+back: such steps are bound by the GPU there. A new shape's trace costs 15-50 ms at first use, which a contended
+step would pay inside a stream's gap; with `defer_traces` a shape's first steps run eager and the engine traces it
+when it next has nothing to run (`trace_deferred`, on zero inputs: nothing is evaluated).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from mlx_serve.compiled_step import decode_tables, lane_bucket
+from mlx_serve.compiled_step import decode_tables, lane_bucket, width_bucket
 from mlx_serve.fused_decode import FusedDecode
 from mlx_serve.kv_pool import KVPool, slot_array
 from mlx_serve.ragged import (
@@ -33,6 +35,8 @@ from mlx_serve.ragged import (
 )
 from scheduler import Lane
 from scheduler.buckets import history_bucket, query_bucket
+
+MixedShape = tuple[int, int, int, int]  # padded (decode lanes, their table width, chunk rows, chunk history)
 
 
 def compilable(lanes: Sequence[Lane]) -> bool:
@@ -51,6 +55,7 @@ class CompiledMixed:
         logits: Callable[[mx.array], mx.array],
         min_lanes: int = 1,
         chunk_attention: ChunkAttention = sdpa_chunk_attention,
+        defer_traces: bool = False,
     ) -> None:
         self.pool = pool
         self.chunk_attention = chunk_attention
@@ -61,7 +66,61 @@ class CompiledMixed:
         # one compiled function per (with decode lanes, history gather): a step of a chunk alone has no decode
         # attention to trace, and a trace keeps the functions it was traced with
         self._steps: dict[tuple[bool, PrefillGather], Callable] = {}
-        self.shapes: set[tuple[int, int, int, int]] = set()  # (decode lanes, their table width, rows, history)
+        self.shapes: set[MixedShape] = set()  # traced
+        self.defer_traces = defer_traces  # a new shape runs eager until `trace_deferred` traces it
+        self._deferred: dict[MixedShape, PrefillGather] = {}  # met, not traced yet; first met first
+        self._untraceable: set[MixedShape] = set()  # their trace failed: they stay eager
+
+    @property
+    def deferred(self) -> int:
+        """Shapes met and waiting for `trace_deferred`."""
+        return len(self._deferred)
+
+    def shape(self, decode: Sequence[Lane], chunk: Lane, kv_bucket: int) -> MixedShape:
+        n, size = len(decode), self.pool.block_size
+        count = max(lane_bucket(n), self.min_lanes) if n > 1 else n
+        width = width_bucket(max(-(-lane.end // size) for lane in decode)) if decode else 1
+        return count, width, query_bucket(chunk.rows), history_bucket(chunk.end, kv_bucket)
+
+    def ready(self, decode: Sequence[Lane], chunk: Lane, kv_bucket: int, gather: PrefillGather) -> bool:
+        """Whether the step may take the compiled forward now: always, unless traces are deferred and its shape
+        has none yet (then the shape waits for `trace_deferred`)."""
+        if not self.defer_traces:
+            return True
+        shape = self.shape(decode, chunk, kv_bucket)
+        if shape in self.shapes:
+            return True
+        if shape not in self._untraceable:
+            self._deferred.setdefault(shape, gather)
+        return False
+
+    def trace_deferred(self) -> bool:
+        """Trace the first shape `ready` turned away, on zero inputs of its shapes (the outputs are dropped
+        unevaluated, so the device does nothing). Returns whether there was one."""
+        if not self._deferred:
+            return False
+        shape = next(iter(self._deferred))
+        gather = self._deferred.pop(shape)
+        count, width, rows, padded = shape
+        lanes = max(count, 1)  # a chunk alone still passes one pad lane's table
+        i32 = mx.int32
+        try:
+            self._step(count > 0, gather)(
+                mx.zeros((count + rows,), i32), mx.zeros((count + rows,), i32), mx.zeros((count + rows,), i32),
+                mx.zeros((lanes, width), i32), mx.zeros((lanes,), i32), mx.zeros((padded // self.pool.block_size,), i32),
+                mx.zeros((2,), i32), mx.zeros((count + 1,), i32), self.pool.keys, self.pool.values,
+            )  # fmt: skip
+        except Exception:
+            self._untraceable.add(shape)
+            raise
+        self.shapes.add(shape)
+        return True
+
+    def _step(self, with_decode: bool, gather: PrefillGather) -> Callable:
+        key = (with_decode, gather)
+        if key not in self._steps:
+            self._steps[key] = mx.compile(functools.partial(self._traced, *key))
+        return self._steps[key]
 
     def __call__(
         self, decode: Sequence[Lane], chunk: Lane, tokens: mx.array, kv_bucket: int, gather: PrefillGather
@@ -96,10 +155,8 @@ class CompiledMixed:
         inputs = mx.concatenate(parts) if len(parts) > 1 else parts[0]
         sample_rows = np.append(np.arange(count), count + chunk.rows - 1).astype(np.int32)
         self.shapes.add((count, meta.tables.shape[1], rows, padded))
-        key = (count > 0, gather)
-        if key not in self._steps:
-            self._steps[key] = mx.compile(functools.partial(self._traced, *key))
-        logits, keys, values = self._steps[key](
+        self._deferred.pop((count, meta.tables.shape[1], rows, padded), None)
+        logits, keys, values = self._step(count > 0, gather)(
             inputs,
             mx.array(np.concatenate([meta.positions[:count], chunk_positions])),
             mx.array(np.concatenate([meta.slots[:count], chunk_slots]).astype(np.int32)),

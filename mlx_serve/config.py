@@ -17,6 +17,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     step_target_ms: float | str = 500.0  # or "auto": step_target_factor measured decode-only steps (engine_setup)
     step_target_factor: float = 4.0  # with auto: decode steps a contended step may take (AUTO_STEP_FACTOR)
+    step_target_floor_ms: float = 20.0  # with auto: the least target (a tiny model's decode step is mostly noise)
     row_ceiling: int = 2048  # most rows one step carries (SCHEDULER.md)
     row_floor: int = 64  # fewest prefill rows a contended step is cut to
     row_quantum: int | str = "auto"  # contended steps fill their last row tile of this many rows; auto: engine_setup
@@ -34,6 +35,7 @@ class EngineConfig:
     fuse_decode: str = "auto"  # "auto" (on when compiled on CUDA and the family is known) | "on" | "off"
     fuse_mixed: str = "auto"  # "auto" (on with CUDA) | "on" | "off": steps with prefill take the fused forward too
     compile_mixed: str = "auto"  # "auto" (off) | "on" | "off": decode lanes + one chunk replay a compiled trace
+    defer_mixed_traces: bool = True  # a compiled mixed shape runs eager until the engine, idle, has traced it
     expert_tiles: str = "auto"  # "auto" (the CUDA kernel with CUDA) | "on" | "off": MoE steps of many rows in expert tiles
     dense_experts: str = "auto"  # "auto" (on with CUDA) | "on" | "off": MoE steps of enough rows use every expert
     split_quantized_k: str = "auto"  # "auto" (all with CUDA) | "on" | "off" | "all": quantized projections over K slices

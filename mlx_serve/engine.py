@@ -83,6 +83,7 @@ class Engine:
             fuse_mixed=(mixed := engine_setup.fuse_mixed(config.fuse_mixed, fused)),
             split_k=engine_setup.split_quantized_k(config.split_quantized_k, mixed),
             compile_mixed=engine_setup.compile_mixed(config.compile_mixed, mixed),
+            defer_mixed_traces=config.defer_mixed_traces,
             dense_moe=engine_setup.dense_experts(config.dense_experts),
             expert_tiles=engine_setup.expert_tiles(config.expert_tiles),
             dequantize_rows=engine_setup.dequantize_rows(config.dequantize_rows),
@@ -230,12 +231,22 @@ class Engine:
             if self._stopping and not self.delivery.open_ids():
                 return
             if not self.scheduler.has_work and self._in_flight is None:
+                if self._trace_deferred():
+                    continue
                 self._wakeup.wait(0.5)
                 self._wakeup.clear()
                 continue
             if not self._step():
                 self._wakeup.wait(0.01)  # nothing runnable (e.g. waiting for blocks): do not spin
                 self._wakeup.clear()
+
+    def _trace_deferred(self) -> bool:
+        """With nothing to run: trace one compiled shape a step met (its steps ran eager meanwhile)."""
+        try:
+            return self.runner.trace_deferred()
+        except Exception:  # that shape stays eager; serving goes on
+            log.exception("tracing a deferred compiled shape failed")
+            return True
 
     def _admit(self) -> None:
         t0 = self.trace.now()

@@ -56,6 +56,9 @@ def scheduler_config(
 ) -> SchedulerConfig:
     """`quantum`: the resolved `row_quantum` (it depends on the loaded model); `kv_bucket`: the runner's."""
     target_ms, factor = step_target(c.step_target_ms, c.step_target_factor)
+    floor = c.step_target_floor_ms
+    if isinstance(floor, bool) or not isinstance(floor, int | float) or not floor >= 0:
+        raise InvalidRequest(f"step_target_floor_ms must be a number >= 0, not {floor!r}", param="step_target_floor_ms")
     return SchedulerConfig(
         num_blocks=num_blocks,
         block_size=c.block_size,
@@ -64,6 +67,7 @@ def scheduler_config(
         max_model_len=context_length,
         step_target_ms=target_ms,
         step_target_factor=factor,
+        step_target_floor_ms=float(floor),
         row_ceiling=c.row_ceiling,
         row_floor=c.row_floor,
         row_quantum=quantum,

@@ -84,6 +84,9 @@ class InFlightStep:
     phases: dict[str, float]
     ane: tuple = ()  # ane_chunks.AneChunk submitted with this step
     stamp: mx.array | None = None  # the device clock's reading after the step (None: timed on the host)
+    # it paid a one-off cost (a compiled shape's first trace, or the eager path while that trace is deferred),
+    # so its time teaches the scheduler nothing about the next step of its shape
+    one_off: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +115,7 @@ class ModelRunner:
         quantized_tiles: QuantizedTiles | None = None,
         fuse_mixed: bool = False,
         compile_mixed: bool = False,
+        defer_mixed_traces: bool = False,
         split_k: str = "off",
         chunk_attention: ChunkAttention | None = None,
         clock: StepClock | None | str = "auto",
@@ -162,7 +166,8 @@ class ModelRunner:
         self.fused_mixed = fused if fuse_mixed else None  # steps with prefill through the fused forward too
         # a decode batch with one prefill chunk replays a compiled trace per shape (where the history is bucketed)
         self.compiled_mixed = (
-            CompiledMixed(pool, fused, self.decode_attention, self._logits, min_lanes, self.chunk_attention)
+            CompiledMixed(pool, fused, self.decode_attention, self._logits, min_lanes, self.chunk_attention,
+                          defer_mixed_traces)
             if compile_mixed and self.fused_mixed is not None
             else None
         )
@@ -265,11 +270,13 @@ class ModelRunner:
         gpu_lanes, ane_lanes = ane_chunks.split_lanes(plan.lanes, self.prefill_lane)
         chunks = ane_chunks.submit(self.prefill_lane, ane_lanes, self.pool) if ane_lanes else []
         compiled = self.compiled is not None and bool(gpu_lanes) and all(lane.rows == 1 for lane in gpu_lanes)
-        mixed = (
+        mixable = (
             not compiled and self.compiled_mixed is not None and bool(self.kv_bucket)
             and self.prefill_gather is not None and compilable(gpu_lanes)
         )  # fmt: skip
+        mixed = mixable and self._mixed_ready(gpu_lanes)
         prepared = None if compiled or mixed else self._prepare(gpu_lanes, previous)
+        traced = self._traced_shapes()
         t1 = time.perf_counter()
         if compiled:
             sample_ids, sampled = self._submit_compiled(gpu_lanes, previous)
@@ -282,7 +289,21 @@ class ModelRunner:
         phases = {"preparation": (t1 - t0) * 1e3, "submission": (t2 - t1) * 1e3}
         rows = {rid: i for i, rid in enumerate(sample_ids)}
         samplers = [self.samplers[rid] for rid in sample_ids]
-        return InFlightStep(plan, sample_ids, samplers, sampled, rows, t0, phases, tuple(chunks), stamp)
+        one_off = (mixable and not mixed) or self._traced_shapes() != traced
+        return InFlightStep(plan, sample_ids, samplers, sampled, rows, t0, phases, tuple(chunks), stamp, one_off)
+
+    def _mixed_ready(self, lanes: list[Lane]) -> bool:
+        chunk = next(lane for lane in lanes if lane.rows > 1)
+        decode = [lane for lane in lanes if lane.rows == 1]
+        return self.compiled_mixed.ready(decode, chunk, self.kv_bucket, self.prefill_gather)
+
+    def _traced_shapes(self) -> int:
+        """How many shapes the compiled forwards have traced (a step that adds one paid for its trace)."""
+        return sum(len(c.shapes) for c in (self.compiled, self.compiled_mixed) if c is not None)
+
+    def trace_deferred(self) -> bool:
+        """Trace one compiled shape a step met and ran eager (for when the engine has nothing to run)."""
+        return self.compiled_mixed is not None and self.compiled_mixed.trace_deferred()
 
     def _stamp(self, sampled: SampledRows | None) -> mx.array | None:
         """The device clock after the step's last output: its tokens, else the last layer's KV writes."""
@@ -359,7 +380,8 @@ class ModelRunner:
         t3 = time.perf_counter()
         elapsed_ms = self._elapsed_ms(step)
         ane_ms = max((span.end - span.start) * 1e3 for span in spans) if spans else None
-        outcome = StepOutcome({rid: s.token_id for rid, s in samples.items()}, elapsed_ms, ane_elapsed_ms=ane_ms)
+        outcome = StepOutcome({rid: s.token_id for rid, s in samples.items()}, elapsed_ms, ane_elapsed_ms=ane_ms,
+                              auxiliary=step.one_off)  # fmt: skip
         return RunnerOutput(outcome, samples, {**step.phases, "consumption": (t3 - t2) * 1e3}, spans)
 
     def _collect_ane(self, step: InFlightStep, samples: dict[str, SampledToken]) -> list:

@@ -66,7 +66,7 @@ def agreement(
 
 def main() -> int:
     same32, _ = agreement("float32")  # defaults: on CUDA, steps with prefill through the fused forward too
-    fused_mixed32, _ = agreement("float32", "auto", "auto", "on", "on")  # ... and its compiled trace
+    fused_mixed32, _ = agreement("float32", "auto", "auto", "on", "on", defer_mixed_traces=False)  # ... compiled
     eager_mixed32, _ = agreement("float32", "auto", "auto", "off")  # steps with prefill through mlx-lm's modules
     unfused32, _ = agreement("float32", "auto", "off", "off")
     eager32, _ = agreement("float32", "off", "off", "off")

@@ -134,6 +134,7 @@ def measure_ours(
               "split_quantized_k": args.split_quantized_k, "chunk_attention": args.chunk_attention,
               "fuse_mixed": args.fuse_mixed, "compile_mixed": args.compile_mixed,
               "row_quantum": args.row_quantum, "step_target_factor": args.target_factor,
+              "step_target_floor_ms": args.target_floor_ms, "defer_mixed_traces": args.defer_mixed_traces == "on",
               "budget_midpoints": args.budget_midpoints == "on", "plan_headroom": args.plan_headroom,
               "plan_padding": args.plan_padding == "on"}  # fmt: skip
     # only the contended engine meets long prompts' chunk shapes: the others skip the warm-up
@@ -187,6 +188,7 @@ def measure_ours(
         out["budget_midpoints"] = side.engine.scheduler.config.budget_midpoints
         out["plan_headroom"] = side.engine.scheduler.config.plan_headroom
         out["plan_kv_bucket"] = side.engine.scheduler.config.kv_bucket  # 0: planned with exact counts
+        out["step_target_floor_ms"] = side.engine.scheduler.config.step_target_floor_ms
         note(f"{dummy.name} ours warm-up", out["warm_up"])
         # warm-up with the same long prompt: the chunk shapes it meets are compiled (cuDNN graphs) before the run
         # that counts, as mlx-lm's were by its solo prefill of the same prompt length
@@ -195,6 +197,8 @@ def measure_ours(
         out["contended"] = side.contended(prompts, p)
         note(f"{dummy.name} ours contended", out["contended"])
         out["shared_prefix"] = side.shared_prefix(prompts, p)
+        mixed = side.engine.runner.compiled_mixed  # shapes traced, and met but still waiting (run eager)
+        out["compiled_mixed"] = None if mixed is None else {"traced": len(mixed.shapes), "waiting": mixed.deferred}
         status = side.engine.status()
         out["scheduler"] = status["counters"]
         out["step_target_ms"] = status["step_target_ms"]  # with auto: the one it had learned by the end
@@ -250,6 +254,8 @@ def main() -> None:
         help="default: target-factor x 8-stream step; auto: the engine's own (target-factor x its measured decode step)"
     )
     parser.add_argument("--target-factor", type=float, default=4.0)
+    parser.add_argument("--target-floor-ms", type=float, default=20.0,
+                        help="EngineConfig.step_target_floor_ms: the least auto target")
     parser.add_argument(
         "--reference-streams",
         type=int,
@@ -269,6 +275,8 @@ def main() -> None:
                         help="steps with prefill chunks through the fused forward too (FusedDecode.mixed; auto: CUDA)")
     parser.add_argument("--compile-mixed", default="auto", choices=("auto", "on", "off"),
                         help="decode lanes + one chunk through a compiled trace (CompiledMixed; auto: off)")
+    parser.add_argument("--defer-mixed-traces", choices=["on", "off"], default="on",
+                        help="EngineConfig.defer_mixed_traces: a new compiled mixed shape runs eager until traced idle")
     parser.add_argument(
         "--unfused-streams",
         type=_counts,

@@ -25,6 +25,14 @@ def positive_float_arg(text: str, expected: str = "a number") -> float:
     return value
 
 
+def non_negative_float_arg(text: str) -> float:
+    """A number >= 0 (`--step-target-floor-ms`)."""
+    value = _number(text, "a number")
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, not {text}")
+    return value
+
+
 def whole_number_arg(low: int, high: int | None = None, expected: str = "a whole number") -> Any:
     """An argparse type: a whole number in [low, high] written as digits (`--port`, `--kv-blocks`, ...)."""
 
@@ -103,10 +111,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--step-target-ms", type=step_target_arg, default=500.0, metavar="MS|auto",
                    help="a contended step's row budget is halved while its predicted time exceeds this; 500 suits "
                         "Apple GPUs, fast datacenter GPUs want far less; auto: --step-target-factor x the measured "
-                        "decode step, at least 20 ms (default: %(default)s)")
+                        "decode step, at least --step-target-floor-ms (default: %(default)s)")
     s.add_argument("--step-target-factor", type=positive_float_arg, default=4.0, metavar="F",
                    help="with --step-target-ms auto: how many measured decode steps a contended step may take "
                         "(default: %(default)s)")
+    s.add_argument("--step-target-floor-ms", type=non_negative_float_arg, default=20.0, metavar="MS",
+                   help="with --step-target-ms auto: the least step target (default: %(default)s)")
     s.add_argument("--row-ceiling", type=whole_number_arg(1), default=2048,
                    help="most rows (tokens) per step (default: %(default)s)")
     s.add_argument("--row-floor", type=whole_number_arg(1), default=64,
@@ -204,7 +214,8 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
         model=args.model, memory_budget_gb=args.memory_budget_gb, kv_blocks=args.kv_blocks,
         block_size=args.block_size, max_running=args.max_running, queue_limit=args.queue_limit,
         max_model_len=args.max_model_len, step_target_ms=args.step_target_ms,
-        step_target_factor=args.step_target_factor, row_ceiling=args.row_ceiling, row_floor=args.row_floor,
+        step_target_factor=args.step_target_factor, step_target_floor_ms=args.step_target_floor_ms,
+        row_ceiling=args.row_ceiling, row_floor=args.row_floor,
         row_quantum=args.row_quantum, budget_midpoints=args.budget_midpoints == "on", plan_headroom=args.plan_headroom, plan_padding=args.plan_padding == "on", cost_model=args.prefill_cost_model, max_overtakes=args.max_overtakes,
         enable_prefix_cache=not args.no_prefix_cache, decode_debt=not args.no_decode_debt,
         ane_lane=args.ane_lane, ane_package=args.ane_package, ane_timeout_s=args.ane_timeout_s,

@@ -5,6 +5,8 @@ through the engine."""
 
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
 import pytest
 from mlx_lm import load
@@ -15,7 +17,7 @@ from mlx_serve.kernels.paged_attention import select_decode_attention
 from mlx_serve.kernels.paged_gather import table_gather
 from mlx_serve.kv_pool import KVLayout, KVPool
 from mlx_serve.runner import ModelRunner
-from mlx_serve.types import SamplingParams
+from mlx_serve.types import GenerationRequest, SamplingParams
 from scheduler.plan import PENDING_TOKEN, Lane, LaneKind, StepPlan
 from tests.engine.reference import generate_in_cuda_layout, prompt_of, reference_tokens
 
@@ -26,13 +28,18 @@ def _blocks(index: int) -> tuple[int, ...]:
     return tuple(range(8 * index, 8 * index + 8))  # 128 tokens a request
 
 
-def _steps(runner: ModelRunner) -> list[tuple[str, int, float]]:
+def _steps(runner: ModelRunner, one_offs: list[bool] | None = None) -> list[tuple[str, int, float]]:
     """Prefill the decode lanes, then a 100-token prompt in chunks of 30 (the last one samples) beside them, a step
-    queued while the previous one is in flight (pending tokens), then a chunk alone; every sample, in order."""
+    queued while the previous one is in flight (pending tokens), then a chunk alone; every sample, in order.
+    `one_offs` collects each chunk step's `auxiliary` flag (a one-off cost: a trace, or eager while one waits)."""
     samples: list[tuple[str, int, float]] = []
 
     def record(out) -> None:
         samples.extend((rid, s.token_id, s.logprob) for rid, s in sorted(out.samples.items()))
+        if one_offs is not None and out is not first_out:
+            one_offs.append(out.outcome.auxiliary)
+
+    first_out = None
 
     prompts = {rid: prompt_of(9 + 4 * i, seed=160 + i) for i, rid in enumerate(DECODE)}
     long_prompt, alone = prompt_of(100, seed=170), prompt_of(40, seed=171)
@@ -40,7 +47,7 @@ def _steps(runner: ModelRunner) -> list[tuple[str, int, float]]:
         runner.add_request(rid, SamplingParams(temperature=0.0, logprobs=2))
     first = StepPlan(0, tuple(Lane(rid, LaneKind.PREFILL, tuple(p), 0, _blocks(i), True)
                               for i, (rid, p) in enumerate(prompts.items())), 40, "t", None, False)  # fmt: skip
-    out = runner.execute(first)
+    out = first_out = runner.execute(first)
     record(out)
     tokens = {rid: out.samples[rid].token_id for rid in DECODE}
     ends = {rid: len(p) for rid, p in prompts.items()}
@@ -71,12 +78,12 @@ def _steps(runner: ModelRunner) -> list[tuple[str, int, float]]:
     return samples
 
 
-def _runner(model, compile_mixed: bool, fuse_mixed: bool = True) -> ModelRunner:
+def _runner(model, compile_mixed: bool, fuse_mixed: bool = True, defer: bool = False) -> ModelRunner:
     args = model.args
     layout = KVLayout(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, mx.float32)
     return ModelRunner(model, KVPool(layout, 48, 16), select_decode_attention("auto"), kv_bucket=32,
                        compile_decode=True, fuse_decode=True, fuse_mixed=fuse_mixed, compile_mixed=compile_mixed,
-                       prefill_gather=table_gather)  # fmt: skip
+                       defer_mixed_traces=defer, prefill_gather=table_gather)  # fmt: skip
 
 
 @pytest.mark.parametrize("fixture", ["tiny_qwen3", "tiny_qwen3_moe"])
@@ -95,15 +102,70 @@ def test_compiled_mixed_steps_equal_the_eager_steps(fixture, request):
     assert len(shapes) < 6  # four chunk steps and the lone chunk: shapes repeat
 
 
-def test_compiled_mixed_steps_through_the_engine_match_mlx_lm(tiny_qwen3):
-    """Staggered requests with prefill cut into 7-row chunks beside decoding streams: mlx-lm's greedy tokens."""
+def test_deferred_shapes_run_eager_until_traced_then_replay(tiny_qwen3):
+    """With traces deferred, a shape's first steps take the eager forward and say they paid a one-off cost;
+    `trace_deferred` traces each shape met, without evaluating anything; the same steps then replay the traces,
+    with the eager steps' tokens, and teach the cost model again."""
+    model, _ = load(str(tiny_qwen3))
+    runner = _runner(model, compile_mixed=True, defer=True)
+    eager_one_offs: list[bool] = []
+    eager = _steps(runner, eager_one_offs)
+    mixed = runner.compiled_mixed
+    assert not mixed.shapes and all(eager_one_offs) and len(eager_one_offs) == 5
+    traced = 0
+    while runner.trace_deferred():
+        traced += 1
+    assert traced == len(mixed.shapes) == 4  # (4, 2, 64, h) for h = 32, 64, 128 and the lone chunk's (0, 1, 64, 64)
+    replays = []
+    submit = runner._submit_compiled_mixed
+    runner._submit_compiled_mixed = lambda *args: replays.append(1) or submit(*args)
+    replayed_one_offs: list[bool] = []
+    replayed = _steps(runner, replayed_one_offs)
+    assert len(replays) == 5 and len(mixed.shapes) == traced  # every chunk step found its trace
+    assert not any(replayed_one_offs)
+    assert [s[:2] for s in replayed] == [s[:2] for s in eager]
+    for a, b in zip(replayed, eager):
+        assert abs(a[2] - b[2]) < 1e-4, (a, b)
+
+
+@pytest.mark.parametrize("defer", [True, False])
+def test_compiled_mixed_steps_through_the_engine_match_mlx_lm(tiny_qwen3, defer):
+    """Staggered requests with prefill cut into 7-row chunks beside decoding streams: mlx-lm's greedy tokens, with
+    shapes traced at first use or deferred to the engine's idle moments."""
     prompts = [prompt_of(n, seed=180 + i) for i, n in enumerate((45, 12, 70, 9, 33))]
     engine = Engine.load(EngineConfig(model=str(tiny_qwen3), row_ceiling=7, row_floor=1, compile_decode="on",
-                                      fuse_decode="on", fuse_mixed="on", compile_mixed="on", warm_up=False))  # fmt: skip
+                                      fuse_decode="on", fuse_mixed="on", compile_mixed="on", warm_up=False,
+                                      defer_mixed_traces=defer))  # fmt: skip
     completions = generate_in_cuda_layout(engine, prompts, 8, table_gather)
     assert engine.runner.compiled_mixed.shapes, "no step took the compiled mixed forward"
     for prompt, tokens in zip(prompts, completions):
         assert tokens == reference_tokens(tiny_qwen3, prompt, 8)
+
+
+def test_the_engine_traces_deferred_shapes_when_idle(tiny_qwen3):
+    """A batch meets shapes and runs them eager; the idle engine traces them; the same batch again replays them
+    (no new shape met), with mlx-lm's tokens both times."""
+    prompts = [prompt_of(n, seed=190 + i) for i, n in enumerate((40, 11, 66))]
+    engine = Engine.load(EngineConfig(model=str(tiny_qwen3), row_ceiling=7, row_floor=1, compile_decode="on",
+                                      fuse_decode="on", fuse_mixed="on", compile_mixed="on", warm_up=False))  # fmt: skip
+    engine.runner.kv_bucket, engine.runner.prefill_gather = 32, table_gather
+    mixed = engine.runner.compiled_mixed
+    def requests(salt: str) -> list[GenerationRequest]:  # salted apart: no prefix hit changes the second's shapes
+        return [GenerationRequest(prompt_ids=tuple(p), max_tokens=6, cache_salt=salt) for p in prompts]
+
+    try:
+        first = [list(c.token_ids) for c in engine.generate(requests("first"))]
+        deadline = time.monotonic() + 30
+        while (mixed.deferred or not mixed.shapes) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        traced = set(mixed.shapes)
+        assert traced and not mixed.deferred
+        second = [list(c.token_ids) for c in engine.generate(requests("second"))]
+    finally:
+        engine.shutdown()
+    assert mixed.shapes == traced and not mixed.deferred  # the second batch met only traced shapes
+    for prompt, a, b in zip(prompts, first, second):
+        assert a == b == reference_tokens(tiny_qwen3, prompt, 6)
 
 
 def test_compile_mixed_settings(tiny_qwen3):

@@ -37,6 +37,24 @@ def test_the_auto_factor_is_configurable(tiny_qwen3):
         Engine.load(EngineConfig(model=str(tiny_qwen3), step_target_ms="auto", step_target_factor=0, warm_up=False))
 
 
+def test_the_auto_floor_is_configurable(tiny_qwen3):
+    """A floor far above the CPU's decode step holds the target at the floor; floor 0 leaves factor x step."""
+    for floor in (250.0, 0.0):
+        engine = Engine.load(EngineConfig(model=str(tiny_qwen3), step_target_ms="auto", step_target_factor=2.0,
+                                          step_target_floor_ms=floor, warm_up=False))  # fmt: skip
+        try:
+            engine.generate([GenerationRequest(prompt_ids=tuple(prompt_of(12, seed=3)), max_tokens=8)])
+            target = engine.scheduler.step_target
+            assert target.floor_ms == floor and target.decode_step_ms is not None
+            assert target.ms == (250.0 if floor else 2.0 * target.decode_step_ms)
+        finally:
+            engine.shutdown()
+    for bad in (-1.0, "low", True):
+        with pytest.raises(InvalidRequest, match="step_target_floor_ms must be a number >= 0"):
+            Engine.load(EngineConfig(model=str(tiny_qwen3), step_target_ms="auto", step_target_floor_ms=bad,
+                                     warm_up=False))  # fmt: skip
+
+
 @pytest.mark.parametrize("value", ["fast", 0, -1.0, True])
 def test_a_bad_step_target_is_a_clear_error(tiny_qwen3, value):
     with pytest.raises(InvalidRequest, match="step_target_ms must be a number of milliseconds > 0 or 'auto'"):
