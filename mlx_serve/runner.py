@@ -84,8 +84,8 @@ class InFlightStep:
     phases: dict[str, float]
     ane: tuple = ()  # ane_chunks.AneChunk submitted with this step
     stamp: mx.array | None = None  # the device clock's reading after the step (None: timed on the host)
-    # it paid a one-off cost (a compiled shape's first trace, or the eager path while that trace is deferred),
-    # so its time teaches the scheduler nothing about the next step of its shape
+    # it traced a compiled shape (tens of ms of host work, once), so its time teaches the scheduler nothing about
+    # the next step of its shape; a step run eager while its shape's trace is deferred is an ordinary step
     one_off: bool = False
 
 
@@ -289,7 +289,7 @@ class ModelRunner:
         phases = {"preparation": (t1 - t0) * 1e3, "submission": (t2 - t1) * 1e3}
         rows = {rid: i for i, rid in enumerate(sample_ids)}
         samplers = [self.samplers[rid] for rid in sample_ids]
-        one_off = (mixable and not mixed) or self._traced_shapes() != traced
+        one_off = self._traced_shapes() != traced
         return InFlightStep(plan, sample_ids, samplers, sampled, rows, t0, phases, tuple(chunks), stamp, one_off)
 
     def _mixed_ready(self, lanes: list[Lane]) -> bool:

@@ -90,7 +90,8 @@ def _runner(model, compile_mixed: bool, fuse_mixed: bool = True, defer: bool = F
 def test_compiled_mixed_steps_equal_the_eager_steps(fixture, request):
     model, _ = load(str(request.getfixturevalue(fixture)))
     compiled_runner = _runner(model, compile_mixed=True)
-    compiled = _steps(compiled_runner)
+    one_offs: list[bool] = []
+    compiled = _steps(compiled_runner, one_offs)
     eager = _steps(_runner(model, compile_mixed=False))
     modules = _steps(_runner(model, compile_mixed=False, fuse_mixed=False))
     assert [s[:2] for s in compiled] == [s[:2] for s in eager] == [s[:2] for s in modules]
@@ -100,18 +101,19 @@ def test_compiled_mixed_steps_equal_the_eager_steps(fixture, request):
     # 3 lanes padded to 4 (2 blocks each), 30-row chunks to 64 rows, histories of 32-128 tokens; the chunk alone
     assert (4, 2, 64, 32) in shapes and (4, 2, 64, 128) in shapes and (0, 1, 64, 64) in shapes
     assert len(shapes) < 6  # four chunk steps and the lone chunk: shapes repeat
+    assert sum(one_offs) == len(shapes) and one_offs[0]  # the steps that traced a shape, and only those, say so
 
 
 def test_deferred_shapes_run_eager_until_traced_then_replay(tiny_qwen3):
-    """With traces deferred, a shape's first steps take the eager forward and say they paid a one-off cost;
-    `trace_deferred` traces each shape met, without evaluating anything; the same steps then replay the traces,
-    with the eager steps' tokens, and teach the cost model again."""
+    """With traces deferred, a shape's steps take the eager forward (ordinary steps: the cost model learns them)
+    until `trace_deferred` traces each shape met, without evaluating anything; the same steps then replay the
+    traces with the eager steps' tokens."""
     model, _ = load(str(tiny_qwen3))
     runner = _runner(model, compile_mixed=True, defer=True)
     eager_one_offs: list[bool] = []
     eager = _steps(runner, eager_one_offs)
     mixed = runner.compiled_mixed
-    assert not mixed.shapes and all(eager_one_offs) and len(eager_one_offs) == 5
+    assert not mixed.shapes and not any(eager_one_offs) and len(eager_one_offs) == 5
     traced = 0
     while runner.trace_deferred():
         traced += 1
