@@ -34,7 +34,7 @@ class EngineConfig:
     warm_up: bool = True  # build the prefill attention shapes before serving (CUDA: cuDNN graphs, seconds)
     fuse_decode: str = "auto"  # "auto" (on when compiled on CUDA and the family is known) | "on" | "off"
     fuse_mixed: str = "auto"  # "auto" (on with CUDA) | "on" | "off": steps with prefill take the fused forward too
-    compile_mixed: str = "auto"  # "auto" (off) | "on" | "off": decode lanes + one chunk replay a compiled trace
+    compile_mixed: str = "auto"  # "auto" (on with CUDA) | "on" | "off": decode lanes + one chunk replay a compiled trace
     defer_mixed_traces: bool = True  # a compiled mixed shape runs eager until the engine, idle, has traced it
     expert_tiles: str = "auto"  # "auto" (the CUDA kernel with CUDA) | "on" | "off": MoE steps of many rows in expert tiles
     dense_experts: str = "auto"  # "auto" (on with CUDA) | "on" | "off": MoE steps of enough rows use every expert

@@ -77,6 +77,17 @@ class OurSide:
     def close(self) -> None:
         self.engine.shutdown()
 
+    def settle_traces(self, timeout_s: float = 30.0) -> dict | None:
+        """Let the idle engine trace the compiled shapes the last runs met (as a server between bursts does):
+        {"traced": shapes traced, "waiting": still untraced at the timeout, "s": seconds waited}; None: not compiled."""
+        mixed = self.engine.runner.compiled_mixed
+        if mixed is None:
+            return None
+        t0 = time.perf_counter()
+        while mixed.deferred and time.perf_counter() - t0 < timeout_s:
+            time.sleep(0.01)
+        return {"traced": len(mixed.shapes), "waiting": mixed.deferred, "s": round(time.perf_counter() - t0, 2)}
+
     def _run(self, prompts: list[list[int]], max_tokens: int) -> list[Any]:
         requests = [
             GenerationRequest(prompt_ids=tuple(p), max_tokens=max_tokens, ignore_eos=True) for p in prompts

@@ -194,6 +194,7 @@ def measure_ours(
         # that counts, as mlx-lm's were by its solo prefill of the same prompt length
         # kept: its steps train the cost model the measured run starts from
         out["contended_warm"] = side.contended(prompts, replace(p, tokens_before=4, tokens_after=4))
+        out["settled_traces"] = side.settle_traces()  # the warm pass's new compiled shapes, traced while idle
         out["contended"] = side.contended(prompts, p)
         note(f"{dummy.name} ours contended", out["contended"])
         out["shared_prefix"] = side.shared_prefix(prompts, p)
@@ -274,7 +275,7 @@ def main() -> None:
     parser.add_argument("--fuse-mixed", default="auto", choices=("auto", "on", "off"),
                         help="steps with prefill chunks through the fused forward too (FusedDecode.mixed; auto: CUDA)")
     parser.add_argument("--compile-mixed", default="auto", choices=("auto", "on", "off"),
-                        help="decode lanes + one chunk through a compiled trace (CompiledMixed; auto: off)")
+                        help="decode lanes + one chunk through a compiled trace (CompiledMixed; auto: on with CUDA)")
     parser.add_argument("--defer-mixed-traces", choices=["on", "off"], default="on",
                         help="EngineConfig.defer_mixed_traces: a new compiled mixed shape runs eager until traced idle")
     parser.add_argument(
