@@ -35,6 +35,9 @@ from tracing.events import RequestArrived, Span
 from tracing.sink import sink_from_env
 
 log = logging.getLogger("mlx_serve.engine")
+# quiet time before the engine traces deferred compiled shapes: a request arriving mid-trace waits for it (H200:
+# a shared-prefix continuation sent as the cold request finished waited 16-40 ms when traces began at once)
+TRACE_AFTER_IDLE_S = 0.5
 
 __all__ = ["Engine", "EngineConfig", "RequestHandle"]
 
@@ -107,6 +110,7 @@ class Engine:
         self._prompt_rows = 0  # prompt rows computed (prefix-cache hits excluded)
         self._stopping = False
         self._in_flight: _InFlight | None = None  # a step whose tokens are not read back yet
+        self._busy_at = time.monotonic()  # when the loop last had work (deferred traces wait for quiet)
         self.warmed: tuple[int, float] = (0, 0.0)  # attention shapes built before serving, and the seconds it took
         self._drained = threading.Event()
         self._thread = threading.Thread(
@@ -231,11 +235,13 @@ class Engine:
             if self._stopping and not self.delivery.open_ids():
                 return
             if not self.scheduler.has_work and self._in_flight is None:
-                if self._trace_deferred():
+                quiet_s = time.monotonic() - self._busy_at
+                if quiet_s >= TRACE_AFTER_IDLE_S and self._trace_deferred():
                     continue
-                self._wakeup.wait(0.5)
+                self._wakeup.wait(TRACE_AFTER_IDLE_S - quiet_s if quiet_s < TRACE_AFTER_IDLE_S else 0.5)
                 self._wakeup.clear()
                 continue
+            self._busy_at = time.monotonic()
             if not self._step():
                 self._wakeup.wait(0.01)  # nothing runnable (e.g. waiting for blocks): do not spin
                 self._wakeup.clear()
