@@ -140,8 +140,9 @@ def compile_mixed(kind: str, fused_mixed: bool) -> bool:
     bucketed shape (`CompiledMixed`). auto = on with MLX's CUDA backend and the fused forward: where the eager step
     is bound by the host, its chunks grow (H200, 8 streams beside a 16k prompt, same call: 0.6B 1,024-row steps in
     11-18 ms where eager 512-row ones took 13-17, TTFT 2.04x -> 1.32x solo; 8B 4-bit 768 rows in 29-33 ms where
-    eager 192 rows took 26, 2.53x -> 1.73x); on 8B it is neutral. New shapes trace when the engine is idle
-    (`EngineConfig.defer_mixed_traces`): traced at first use they cost a stream a 25-50 ms gap."""
+    eager 192 rows took 26, 2.53x -> 1.73x traced at first use); on 8B it is neutral. New shapes trace when the
+    engine is quiet (`EngineConfig.defer_mixed_traces`): traced at first use they cost a stream a 25-50 ms gap, and
+    until traced they run eager (RESULTS, nineteenth run: 0.6B 1.17-2.93x, 8B 4-bit 1.73-2.21x across runs)."""
     _check_switch(kind, "compile_mixed")
     if kind == "on" and not fused_mixed:
         raise InvalidRequest("compile_mixed on needs fuse_mixed", param="compile_mixed")
