@@ -33,5 +33,6 @@ def trace_step(trace: Any, plan: StepPlan, output: Any, t0: float, t1: float, t2
             weighted_history=sum(lane.history * lane.rows for lane in prefill) / rows if rows else 0.0,
             path=paths.pop() if len(paths) == 1 else "mixed",
             predicted_ms=plan.predicted_ms,
+            auxiliary=output.outcome.auxiliary,
         )
     )

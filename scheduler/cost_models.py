@@ -59,7 +59,7 @@ class StepShape:
     chunks: tuple[PrefillChunk, ...]
     decode_lanes: int = 0
     path: Path = Path.GPU
-    auxiliary: bool = False  # restore/prefix-copy/image work rode along: never trains
+    auxiliary: bool = False  # restore/prefix-copy/image work or a compiled shape's trace rode along: never trains
 
     @property
     def prefill_rows(self) -> int:

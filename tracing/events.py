@@ -73,7 +73,7 @@ class StepExecuted:
     weighted_history: float  # row-weighted history over the prefill lanes
     path: str  # "gpu", "ane" or "mixed"
     predicted_ms: float | None = None
-    auxiliary: bool = False  # restore/prefix-copy/image work rode along: never trains a cost model
+    auxiliary: bool = False  # restore/prefix-copy/image work or a trace rode along: never trains a cost model
 
 
 @dataclass(frozen=True, slots=True)

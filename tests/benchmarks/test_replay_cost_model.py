@@ -39,3 +39,22 @@ def test_files_without_recorded_steps_are_refused(tmp_path, capsys) -> None:
     path.write_text(json.dumps({"results": [{"shape": "8b", "ours": {}}]}))
     assert main([str(path)]) == 1
     assert "no recorded contended steps" in capsys.readouterr().err
+
+
+def test_steps_that_traced_a_shape_teach_the_replay_nothing(tmp_path) -> None:
+    """A recorded step flagged auxiliary (its compiled shape was traced during it) is neither trained on nor
+    scored, as live: the replayed predictions after it are those of the run without it."""
+    steps = []
+    for index in range(60):
+        rows, history = (256, 512, 1024)[index % 3], (index * 911) % 12_000
+        steps.append([rows, 8, history, round(padded_ms(rows, 8, history), 2), None, 1, False])
+    traced = [1024, 8, 3000, 400.0, None, 1, True]  # a trace's hundreds of ms, flagged
+    result = {"results": [{"shape": "0.6b", "ours": {"contended": {"steps": {"prefill_steps": steps[:30] + [traced] + steps[30:]}}}}]}
+    path = tmp_path / "gpu_bench.json"
+    path.write_text(json.dumps(result))
+    ((_, recorded),) = recorded_runs([path])
+    assert recorded[30][-1] is True and observations(recorded)[30].shape.auxiliary
+    with_trace = signed_errors(recorded, 1024)
+    unflagged = signed_errors([(*step[:5], False) for step in recorded], 1024)
+    assert with_trace == signed_errors(recorded[:30] + recorded[31:], 1024)  # as if it had not run
+    assert max(map(abs, unflagged[31:])) > 2 * max(map(abs, with_trace[30:]))  # learned, the trace would mislead

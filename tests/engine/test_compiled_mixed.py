@@ -20,6 +20,8 @@ from mlx_serve.runner import ModelRunner
 from mlx_serve.types import GenerationRequest, SamplingParams
 from scheduler.plan import PENDING_TOKEN, Lane, LaneKind, StepPlan
 from tests.engine.reference import generate_in_cuda_layout, prompt_of, reference_tokens
+from tracing.events import StepExecuted
+from tracing.sink import MemorySink
 
 DECODE = ("a", "b", "c")  # three decode lanes: padded to four
 
@@ -133,14 +135,19 @@ def test_deferred_shapes_run_eager_until_traced_then_replay(tiny_qwen3):
 @pytest.mark.parametrize("defer", [True, False])
 def test_compiled_mixed_steps_through_the_engine_match_mlx_lm(tiny_qwen3, defer):
     """Staggered requests with prefill cut into 7-row chunks beside decoding streams: mlx-lm's greedy tokens, with
-    shapes traced at first use or deferred to the engine's idle moments."""
+    shapes traced at first use or deferred to the engine's idle moments. The steps that traced a shape (and only
+    those) are traced as auxiliary: the cost model does not learn a trace as its shape's cost."""
     prompts = [prompt_of(n, seed=180 + i) for i, n in enumerate((45, 12, 70, 9, 33))]
+    sink = MemorySink()
     engine = Engine.load(EngineConfig(model=str(tiny_qwen3), row_ceiling=7, row_floor=1, compile_decode="on",
                                       fuse_decode="on", fuse_mixed="on", compile_mixed="on", warm_up=False,
-                                      defer_mixed_traces=defer))  # fmt: skip
+                                      defer_mixed_traces=defer, trace=sink))  # fmt: skip
     completions = generate_in_cuda_layout(engine, prompts, 8, table_gather)
+    runner = engine.runner
     if not defer:  # deferred, the shapes wait for a quiet engine (the next test) and these steps run eager
-        assert engine.runner.compiled_mixed.shapes, "no step took the compiled mixed forward"
+        assert runner.compiled_mixed.shapes, "no step took the compiled mixed forward"
+    one_offs = [e for e in sink.events if isinstance(e, StepExecuted) and e.auxiliary]
+    assert len(one_offs) == len(runner.compiled.shapes) + len(runner.compiled_mixed.shapes) > 0
     for prompt, tokens in zip(prompts, completions):
         assert tokens == reference_tokens(tiny_qwen3, prompt, 8)
 
