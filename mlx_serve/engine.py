@@ -125,6 +125,7 @@ class Engine:
         from mlx_serve.model_loading import kv_pool_blocks, load_model
 
         config = config or EngineConfig()
+        engine_setup.check_settings(config)  # before the load, which can take minutes
         loaded = load_model(config)
         return cls(config, loaded, kv_pool_blocks(config, loaded))
 
@@ -137,6 +138,7 @@ class Engine:
         from mlx_serve.model_source import check_supported
 
         config = config or EngineConfig()
+        engine_setup.check_settings(config)
         check_supported(model_config)
         if not isinstance(tokenizer, TokenizerWrapper):
             tokenizer = TokenizerWrapper(tokenizer)

@@ -30,6 +30,28 @@ def step_target(value: float | str, factor: float = AUTO_STEP_FACTOR) -> tuple[f
     return float(value), 0.0
 
 
+SWITCHES = ("compile_decode", "fuse_decode", "fuse_mixed", "compile_mixed", "dense_experts", "expert_tiles",
+            "quantized_tiles")  # fmt: skip
+
+
+def check_settings(c: EngineConfig) -> None:
+    """Every setting that needs no model, checked before one is loaded (a real checkpoint takes seconds to
+    minutes): InvalidRequest naming it. Those that depend on the model or on each other (fuse_decode on a family
+    without the fused forward, split_quantized_k all without fuse_mixed) are checked as the engine resolves them."""
+    for name in SWITCHES:
+        _check_switch(getattr(c, name), name)
+    if c.split_quantized_k not in ("auto", "on", "off", "all"):
+        split_quantized_k(c.split_quantized_k, True)  # raises its error
+    chunk_attention(c.chunk_attention)
+    dequantize_rows(c.dequantize_rows)
+    if c.row_quantum != "auto":
+        row_quantum(c.row_quantum, False)
+    try:
+        scheduler_config(c, num_blocks=1, context_length=1)  # the scheduler's own checks (row floor <= ceiling...)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+
+
 def _check_switch(kind: str, name: str) -> None:
     """An auto/on/off setting, or a clear 400 naming it."""
     if kind not in ("auto", "on", "off"):

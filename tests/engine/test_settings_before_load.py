@@ -1,0 +1,37 @@
+"""Settings that need no model are refused before one is loaded: a path that does not exist still gets the
+setting's error, not the loader's (a real checkpoint can take minutes to load before a late check)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlx_serve.engine import Engine, EngineConfig
+from mlx_serve.errors import InvalidRequest, ModelNotFound
+
+MISSING = "/nonexistent/model-dir"
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ({"row_floor": 512, "row_ceiling": 64}, "row_floor <= row_ceiling"),
+        ({"compile_mixed": "yes"}, "compile_mixed must be auto, on or off"),
+        ({"split_quantized_k": "some"}, "split_quantized_k must be auto, on, off or all"),
+        ({"chunk_attention": "flash"}, "chunk_attention must be auto, sdpa or matmul"),
+        ({"dequantize_rows": -1}, "dequantize_rows must be a whole number"),
+        ({"row_quantum": 0}, "row_quantum must be a whole number"),
+        ({"step_target_ms": "auto", "step_target_factor": -2}, "step_target_factor must be a number > 0"),
+        ({"step_target_floor_ms": -1.0}, "step_target_floor_ms must be a number >= 0"),
+        ({"plan_headroom": 1.5}, "plan_headroom must be in"),
+        ({"cost_model": "oracle"}, "cost_model must be one of"),
+    ],
+)
+def test_bad_settings_fail_before_the_model_loads(setting, message):
+    with pytest.raises(InvalidRequest, match=message):
+        Engine.load(EngineConfig(model=MISSING, **setting))
+
+
+def test_good_settings_reach_the_loader():
+    with pytest.raises(ModelNotFound, match="not found"):
+        Engine.load(EngineConfig(model=MISSING, row_floor=64, row_ceiling=512, compile_mixed="off",
+                                 step_target_ms="auto", step_target_floor_ms=0.0))  # fmt: skip
