@@ -187,11 +187,15 @@ class Engine:
     # introspection (any thread) ----------------------------------------------------------------------
     def status(self) -> dict:
         with self._lock:
-            return introspection.status(self.scheduler, self.model_id, self.pool.block_size)
+            status = introspection.status(self.scheduler, self.model_id, self.pool.block_size)
+        return {**status, "compiled_shapes": self.runner.compiled_shapes()}
 
     def stats(self) -> dict:
         with self._lock:
-            return introspection.stats(self.scheduler, self._prompt_rows, self.delivery.generation_tokens)
+            stats = introspection.stats(self.scheduler, self._prompt_rows, self.delivery.generation_tokens)
+        shapes = self.runner.compiled_shapes()
+        return {**stats, "compiled_shapes": shapes["decode"] + shapes["mixed"],
+                "compiled_shapes_waiting": shapes["mixed_waiting"]}  # fmt: skip
 
     def allocation_summary(self) -> str:
         layout = self.loaded.layout

@@ -301,6 +301,15 @@ class ModelRunner:
         """How many shapes the compiled forwards have traced (a step that adds one paid for its trace)."""
         return sum(len(c.shapes) for c in (self.compiled, self.compiled_mixed) if c is not None)
 
+    def compiled_shapes(self) -> dict[str, int]:
+        """Shapes with a compiled trace (decode steps, mixed steps) and mixed shapes met but not traced yet."""
+        mixed = self.compiled_mixed
+        return {
+            "decode": len(self.compiled.shapes) if self.compiled is not None else 0,
+            "mixed": len(mixed.shapes) if mixed is not None else 0,
+            "mixed_waiting": mixed.deferred if mixed is not None else 0,
+        }
+
     def trace_deferred(self) -> bool:
         """Trace one compiled shape a step met and ran eager (for when the engine has nothing to run)."""
         return self.compiled_mixed is not None and self.compiled_mixed.trace_deferred()

@@ -21,6 +21,9 @@ STAT_GAUGES = {
     "kv_blocks_total": ("kv_blocks_capacity", "KV blocks in the pool"),
     "kv_blocks_used": ("kv_blocks_used", "KV blocks referenced by running requests"),
     "kv_blocks_cached": ("kv_blocks_cached", "Unreferenced KV blocks kept for prefix reuse"),
+    "compiled_shapes": ("compiled_shapes", "Step shapes replayed from a compiled trace (decode and mixed steps)"),
+    "compiled_shapes_waiting": ("compiled_shapes_waiting",
+                                "Mixed step shapes met but not traced yet (their steps run eager until the engine is quiet)"),
 }
 STAT_COUNTERS = {
     "prefix_hit_tokens_total": ("prefix_hit_tokens", "Prompt tokens served from the prefix cache"),

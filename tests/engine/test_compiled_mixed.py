@@ -165,10 +165,15 @@ def test_the_engine_traces_deferred_shapes_when_idle(tiny_qwen3):
 
     try:
         first = [list(c.token_ids) for c in engine.generate(requests("first"))]
+        met = engine.status()["compiled_shapes"]
+        assert met["decode"] > 0 and met["mixed_waiting"] + met["mixed"] > 0  # /v1/status shows what waits
         deadline = time.monotonic() + 30
         while (mixed.deferred or not mixed.shapes) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert mixed.shapes and not mixed.deferred
+        traced = engine.status()["compiled_shapes"]
+        assert traced["mixed"] == len(mixed.shapes) and traced["mixed_waiting"] == 0
+        assert engine.stats()["compiled_shapes"] == traced["decode"] + traced["mixed"]
         replays = []
         submit = engine.runner._submit_compiled_mixed
         engine.runner._submit_compiled_mixed = lambda *args: replays.append(1) or submit(*args)

@@ -161,7 +161,8 @@ def test_metrics_parse_with_prometheus_client(http):
     http.post(CHAT, json=_chat(stream=True))
     families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
     for name in ("mlx_serve_queue_depth", "mlx_serve_running_requests", "mlx_serve_kv_blocks_used",
-                 "mlx_serve_kv_blocks_cached", "mlx_serve_prefix_hit_rate"):
+                 "mlx_serve_kv_blocks_cached", "mlx_serve_prefix_hit_rate", "mlx_serve_compiled_shapes",
+                 "mlx_serve_compiled_shapes_waiting"):
         assert families[name].type == "gauge"
     for name in ("mlx_serve_prompt_tokens", "mlx_serve_generation_tokens", "mlx_serve_budget_halvings",
                  "mlx_serve_steps"):
