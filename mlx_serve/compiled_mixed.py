@@ -34,9 +34,23 @@ from mlx_serve.ragged import (
     sdpa_chunk_attention,
 )
 from scheduler import Lane
-from scheduler.buckets import history_bucket, query_bucket
+from scheduler.buckets import history_bucket, query_bucket, query_buckets
 
 MixedShape = tuple[int, int, int, int]  # padded (decode lanes, their table width, chunk rows, chunk history)
+
+
+def neighbour_shapes(shape: MixedShape, unit: int, max_rows: int) -> list[MixedShape]:
+    """Shapes a workload near `shape` meets next: a query bucket either side (budgets move by halves and
+    midpoints), the next history bucket (a long prompt read on), and for a chunk alone the smallest chunk at its
+    history (a prompt that continues a cached prefix). Never more rows than history or `max_rows`."""
+    count, width, rows, padded = shape
+    smaller = query_buckets(rows)[-2:-1]  # the bucket below, if any
+    later = history_bucket(padded + 1, unit)
+    candidates = [(count, width, r, padded) for r in (*smaller, query_bucket(rows + 1))]
+    candidates.append((count, width, rows, later))
+    if count == 0 and rows > query_bucket(1):
+        candidates.append((0, width, query_bucket(1), padded))
+    return [c for c in candidates if c[2] <= min(c[3], max_rows)]
 
 
 def compilable(lanes: Sequence[Lane]) -> bool:
@@ -56,6 +70,7 @@ class CompiledMixed:
         min_lanes: int = 1,
         chunk_attention: ChunkAttention = sdpa_chunk_attention,
         defer_traces: bool = False,
+        neighbour_traces: int = 0,
     ) -> None:
         self.pool = pool
         self.chunk_attention = chunk_attention
@@ -68,13 +83,22 @@ class CompiledMixed:
         self._steps: dict[tuple[bool, PrefillGather], Callable] = {}
         self.shapes: set[MixedShape] = set()  # traced
         self.defer_traces = defer_traces  # a new shape runs eager until `trace_deferred` traces it
-        self._deferred: dict[MixedShape, PrefillGather] = {}  # met, not traced yet; first met first
+        self._deferred: dict[MixedShape, tuple[PrefillGather, int]] = {}  # met, untraced (gather, history unit)
         self._untraceable: set[MixedShape] = set()  # their trace failed: they stay eager
+        # with deferred traces: how many shapes next to met ones (`neighbour_shapes`) may be traced ahead of use
+        self.neighbour_traces = neighbour_traces
+        self._neighbours: dict[MixedShape, tuple[PrefillGather, int]] = {}  # traced after every met shape
+        self._most_rows = 0  # the largest query bucket met: neighbours never grow past it
 
     @property
     def deferred(self) -> int:
         """Shapes met and waiting for `trace_deferred`."""
         return len(self._deferred)
+
+    @property
+    def speculative(self) -> int:
+        """Shapes next to met ones waiting for `trace_deferred` (within what `neighbour_traces` has left)."""
+        return min(len(self._neighbours), self.neighbour_traces)
 
     def shape(self, decode: Sequence[Lane], chunk: Lane, kv_bucket: int) -> MixedShape:
         n, size = len(decode), self.pool.block_size
@@ -88,19 +112,35 @@ class CompiledMixed:
         if not self.defer_traces:
             return True
         shape = self.shape(decode, chunk, kv_bucket)
+        self._most_rows = max(self._most_rows, shape[2])
         if shape in self.shapes:
             return True
         if shape not in self._untraceable:
-            self._deferred.setdefault(shape, gather)
+            self._deferred.setdefault(shape, (gather, kv_bucket))
+            self._neighbours.pop(shape, None)
         return False
 
     def trace_deferred(self) -> bool:
-        """Trace the first shape `ready` turned away, on zero inputs of its shapes (the outputs are dropped
-        unevaluated, so the device does nothing). Returns whether there was one."""
-        if not self._deferred:
+        """Trace the first shape `ready` turned away, else (within `neighbour_traces`) one next to a met shape, on
+        zero inputs of its shapes (the outputs are dropped unevaluated: the device does nothing). Returns whether
+        there was one."""
+        if self._deferred:
+            shape = next(iter(self._deferred))
+            gather, unit = self._deferred.pop(shape)
+            if self.neighbour_traces:
+                for near in neighbour_shapes(shape, unit, self._most_rows):
+                    if near not in self.shapes and near not in self._untraceable and near not in self._deferred:
+                        self._neighbours.setdefault(near, (gather, unit))
+        elif self._neighbours and self.neighbour_traces:
+            shape = next(iter(self._neighbours))
+            gather, _ = self._neighbours.pop(shape)
+            self.neighbour_traces -= 1
+        else:
             return False
-        shape = next(iter(self._deferred))
-        gather = self._deferred.pop(shape)
+        self._trace(shape, gather)
+        return True
+
+    def _trace(self, shape: MixedShape, gather: PrefillGather) -> None:
         count, width, rows, padded = shape
         lanes = max(count, 1)  # a chunk alone still passes one pad lane's table
         i32 = mx.int32
@@ -114,7 +154,6 @@ class CompiledMixed:
             self._untraceable.add(shape)
             raise
         self.shapes.add(shape)
-        return True
 
     def _step(self, with_decode: bool, gather: PrefillGather) -> Callable:
         key = (with_decode, gather)
@@ -156,6 +195,7 @@ class CompiledMixed:
         sample_rows = np.append(np.arange(count), count + chunk.rows - 1).astype(np.int32)
         self.shapes.add((count, meta.tables.shape[1], rows, padded))
         self._deferred.pop((count, meta.tables.shape[1], rows, padded), None)
+        self._neighbours.pop((count, meta.tables.shape[1], rows, padded), None)
         logits, keys, values = self._step(count > 0, gather)(
             inputs,
             mx.array(np.concatenate([meta.positions[:count], chunk_positions])),

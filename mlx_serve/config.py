@@ -36,6 +36,7 @@ class EngineConfig:
     fuse_mixed: str = "auto"  # "auto" (on with CUDA) | "on" | "off": steps with prefill take the fused forward too
     compile_mixed: str = "auto"  # "auto" (on with CUDA) | "on" | "off": decode lanes + one chunk replay a compiled trace
     defer_mixed_traces: bool = True  # a compiled mixed shape runs eager until the engine, idle, has traced it
+    trace_neighbour_shapes: int = 0  # deferred: at most this many shapes next to met ones traced ahead, when idle
     expert_tiles: str = "auto"  # "auto" (the CUDA kernel with CUDA) | "on" | "off": MoE steps of many rows in expert tiles
     dense_experts: str = "auto"  # "auto" (on with CUDA) | "on" | "off": MoE steps of enough rows use every expert
     split_quantized_k: str = "auto"  # "auto" (all with CUDA) | "on" | "off" | "all": quantized projections over K slices

@@ -44,6 +44,10 @@ def check_settings(c: EngineConfig) -> None:
         split_quantized_k(c.split_quantized_k, True)  # raises its error
     chunk_attention(c.chunk_attention)
     dequantize_rows(c.dequantize_rows)
+    count = c.trace_neighbour_shapes
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise InvalidRequest(f"trace_neighbour_shapes must be a whole number >= 0, not {count!r}",
+                             param="trace_neighbour_shapes")  # fmt: skip
     if c.row_quantum != "auto":
         row_quantum(c.row_quantum, False)
     try:

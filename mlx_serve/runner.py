@@ -116,6 +116,7 @@ class ModelRunner:
         fuse_mixed: bool = False,
         compile_mixed: bool = False,
         defer_mixed_traces: bool = False,
+        neighbour_traces: int = 0,
         split_k: str = "off",
         chunk_attention: ChunkAttention | None = None,
         clock: StepClock | None | str = "auto",
@@ -167,7 +168,7 @@ class ModelRunner:
         # a decode batch with one prefill chunk replays a compiled trace per shape (where the history is bucketed)
         self.compiled_mixed = (
             CompiledMixed(pool, fused, self.decode_attention, self._logits, min_lanes, self.chunk_attention,
-                          defer_mixed_traces)
+                          defer_mixed_traces, neighbour_traces)
             if compile_mixed and self.fused_mixed is not None
             else None
         )

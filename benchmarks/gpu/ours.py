@@ -84,9 +84,10 @@ class OurSide:
         if mixed is None:
             return None
         t0 = time.perf_counter()
-        while mixed.deferred and time.perf_counter() - t0 < timeout_s:
+        while (mixed.deferred or mixed.speculative) and time.perf_counter() - t0 < timeout_s:
             time.sleep(0.01)
-        return {"traced": len(mixed.shapes), "waiting": mixed.deferred, "s": round(time.perf_counter() - t0, 2)}
+        return {"traced": len(mixed.shapes), "waiting": mixed.deferred, "neighbours_waiting": mixed.speculative,
+                "s": round(time.perf_counter() - t0, 2)}
 
     def _run(self, prompts: list[list[int]], max_tokens: int) -> list[Any]:
         requests = [

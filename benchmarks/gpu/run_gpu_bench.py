@@ -135,6 +135,7 @@ def measure_ours(
               "fuse_mixed": args.fuse_mixed, "compile_mixed": args.compile_mixed,
               "row_quantum": args.row_quantum, "step_target_factor": args.target_factor,
               "step_target_floor_ms": args.target_floor_ms, "defer_mixed_traces": args.defer_mixed_traces == "on",
+              "trace_neighbour_shapes": args.trace_neighbour_shapes,
               "budget_midpoints": args.budget_midpoints == "on", "plan_headroom": args.plan_headroom,
               "plan_padding": args.plan_padding == "on"}  # fmt: skip
     # only the contended engine meets long prompts' chunk shapes: the others skip the warm-up
@@ -278,6 +279,8 @@ def main() -> None:
                         help="decode lanes + one chunk through a compiled trace (CompiledMixed; auto: on with CUDA)")
     parser.add_argument("--defer-mixed-traces", choices=["on", "off"], default="on",
                         help="EngineConfig.defer_mixed_traces: a new compiled mixed shape runs eager until traced idle")
+    parser.add_argument("--trace-neighbour-shapes", type=int, default=0,
+                        help="EngineConfig.trace_neighbour_shapes: shapes next to met ones traced ahead when idle")
     parser.add_argument(
         "--unfused-streams",
         type=_counts,

@@ -11,6 +11,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 
+from mlx_serve.compiled_mixed import neighbour_shapes
 from mlx_serve.engine import Engine, EngineConfig
 from mlx_serve.errors import InvalidRequest
 from mlx_serve.kernels.paged_attention import select_decode_attention
@@ -132,6 +133,39 @@ def test_deferred_shapes_run_eager_until_traced_then_replay(tiny_qwen3):
         assert abs(a[2] - b[2]) < 1e-4, (a, b)
 
 
+def test_neighbour_shapes_are_the_next_budgets_and_histories():
+    # a query bucket either side (never past the largest met), the next history bucket
+    assert neighbour_shapes((8, 4, 1024, 8192), 1024, 2048) == [
+        (8, 4, 768, 8192), (8, 4, 1536, 8192), (8, 4, 1024, 12288)]  # fmt: skip
+    assert neighbour_shapes((8, 4, 1024, 8192), 1024, 1024) == [(8, 4, 768, 8192), (8, 4, 1024, 12288)]
+    # a chunk alone also has the smallest chunk at its history: a cached prefix's continuation
+    assert (0, 1, 64, 8192) in neighbour_shapes((0, 1, 2048, 8192), 1024, 2048)
+    # never more rows than history: nothing below the smallest bucket, nothing over the padded history
+    assert neighbour_shapes((4, 2, 64, 128), 32, 64) == [(4, 2, 64, 256)]
+
+
+def test_neighbours_of_met_shapes_trace_after_them_within_the_budget(tiny_qwen3):
+    """After the met shapes, `trace_deferred` traces their neighbours while `neighbour_traces` lasts; a step that
+    then meets one may replay it at once."""
+    model, _ = load(str(tiny_qwen3))
+    met = {(4, 2, 64, 32), (4, 2, 64, 64), (4, 2, 64, 128), (0, 1, 64, 64)}  # what `_steps` meets (32-token unit)
+    for budget, traced_neighbours in ((1, 1), (5, 2)):
+        runner = _runner(model, compile_mixed=True, defer=True)
+        mixed = runner.compiled_mixed
+        mixed.neighbour_traces = budget
+        _steps(runner)
+        assert mixed.deferred == len(met) and mixed.speculative == 0  # neighbours are found as met shapes trace
+        while runner.trace_deferred():
+            pass
+        assert met <= mixed.shapes and len(mixed.shapes) == len(met) + traced_neighbours
+        assert mixed.neighbour_traces == budget - traced_neighbours and not mixed.speculative
+    # the two: the next history bucket of the longest (64 rows is the largest met: no bigger bucket), and a lone
+    # chunk's at its next history (its smallest-chunk neighbour is itself)
+    assert mixed.shapes - met == {(4, 2, 64, 256), (0, 1, 64, 128)}
+    alone = Lane("q", LaneKind.PREFILL, tuple(range(30)), 70, _blocks(5), True)  # rows 70-100: history 128
+    assert mixed.ready([], alone, 32, table_gather) and not mixed.deferred
+
+
 @pytest.mark.parametrize("defer", [True, False])
 def test_compiled_mixed_steps_through_the_engine_match_mlx_lm(tiny_qwen3, defer):
     """Staggered requests with prefill cut into 7-row chunks beside decoding streams: mlx-lm's greedy tokens, with
@@ -157,7 +191,8 @@ def test_the_engine_traces_deferred_shapes_when_idle(tiny_qwen3):
     batch again replays them, with mlx-lm's tokens both times."""
     prompts = [prompt_of(n, seed=190 + i) for i, n in enumerate((40, 11, 66))]
     engine = Engine.load(EngineConfig(model=str(tiny_qwen3), row_ceiling=7, row_floor=1, compile_decode="on",
-                                      fuse_decode="on", fuse_mixed="on", compile_mixed="on", warm_up=False))  # fmt: skip
+                                      fuse_decode="on", fuse_mixed="on", compile_mixed="on", warm_up=False,
+                                      trace_neighbour_shapes=2))  # fmt: skip
     engine.runner.kv_bucket, engine.runner.prefill_gather = 32, table_gather
     mixed = engine.runner.compiled_mixed
     def requests(salt: str) -> list[GenerationRequest]:  # salted apart: no prefix hit changes the second's shapes
@@ -168,8 +203,9 @@ def test_the_engine_traces_deferred_shapes_when_idle(tiny_qwen3):
         met = engine.status()["compiled_shapes"]
         assert met["decode"] > 0 and met["mixed_waiting"] + met["mixed"] > 0  # /v1/status shows what waits
         deadline = time.monotonic() + 30
-        while (mixed.deferred or not mixed.shapes) and time.monotonic() < deadline:
+        while (mixed.deferred or mixed.speculative or not mixed.shapes) and time.monotonic() < deadline:
             time.sleep(0.01)
+        assert mixed.neighbour_traces < 2  # the quiet engine traced neighbours of the met shapes too
         assert mixed.shapes and not mixed.deferred
         traced = engine.status()["compiled_shapes"]
         assert traced["mixed"] == len(mixed.shapes) and traced["mixed_waiting"] == 0
