@@ -25,14 +25,6 @@ def positive_float_arg(text: str, expected: str = "a number") -> float:
     return value
 
 
-def non_negative_float_arg(text: str) -> float:
-    """A number >= 0 (`--step-target-floor-ms`)."""
-    value = _number(text, "a number")
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, not {text}")
-    return value
-
-
 def whole_number_arg(low: int, high: int | None = None, expected: str = "a whole number") -> Any:
     """An argparse type: a whole number in [low, high] written as digits (`--port`, `--kv-blocks`, ...)."""
 
@@ -49,7 +41,7 @@ def whole_number_arg(low: int, high: int | None = None, expected: str = "a whole
 
 
 def nonnegative_float_arg(text: str) -> float:
-    """A number >= 0 (`--drain-timeout`)."""
+    """A number >= 0 (`--drain-timeout`, `--step-target-floor-ms`)."""
     value = _number(text, "a number")
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, not {text}")
@@ -115,7 +107,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--step-target-factor", type=positive_float_arg, default=4.0, metavar="F",
                    help="with --step-target-ms auto: how many measured decode steps a contended step may take "
                         "(default: %(default)s)")
-    s.add_argument("--step-target-floor-ms", type=non_negative_float_arg, default=20.0, metavar="MS",
+    s.add_argument("--step-target-floor-ms", type=nonnegative_float_arg, default=20.0, metavar="MS",
                    help="with --step-target-ms auto: the least step target (default: %(default)s)")
     s.add_argument("--row-ceiling", type=whole_number_arg(1), default=2048,
                    help="most rows (tokens) per step (default: %(default)s)")
