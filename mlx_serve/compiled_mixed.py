@@ -168,12 +168,9 @@ class CompiledMixed:
         padded to a `history_bucket` of `kv_bucket` and read through `gather`."""
         size, scratch = self.pool.block_size, self.pool.scratch_block
         n = len(decode)
-        count = max(lane_bucket(n), self.min_lanes) if n > 1 else n
+        shape = count, _, rows, padded = self.shape(decode, chunk, kv_bucket)
         # a step without decode lanes still passes a (one pad lane) table: the traced function leaves it unread
         meta = decode_tables(decode, max(count, 1), self.pool)
-
-        rows = query_bucket(chunk.rows)
-        padded = history_bucket(chunk.end, kv_bucket)
         pad = rows - chunk.rows
         # pad rows repeat the last position (finite attention, dropped) and write scratch slots no lane reads
         chunk_positions = np.minimum(np.arange(chunk.start, chunk.start + rows), chunk.end - 1).astype(np.int32)
@@ -193,9 +190,9 @@ class CompiledMixed:
             parts.append(mx.zeros((pad,), dtype=tokens.dtype))
         inputs = mx.concatenate(parts) if len(parts) > 1 else parts[0]
         sample_rows = np.append(np.arange(count), count + chunk.rows - 1).astype(np.int32)
-        self.shapes.add((count, meta.tables.shape[1], rows, padded))
-        self._deferred.pop((count, meta.tables.shape[1], rows, padded), None)
-        self._neighbours.pop((count, meta.tables.shape[1], rows, padded), None)
+        self.shapes.add(shape)
+        self._deferred.pop(shape, None)
+        self._neighbours.pop(shape, None)
         logits, keys, values = self._step(count > 0, gather)(
             inputs,
             mx.array(np.concatenate([meta.positions[:count], chunk_positions])),
