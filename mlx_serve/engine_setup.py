@@ -44,16 +44,19 @@ def check_settings(c: EngineConfig) -> None:
         split_quantized_k(c.split_quantized_k, True)  # raises its error
     chunk_attention(c.chunk_attention)
     dequantize_rows(c.dequantize_rows)
-    count = c.trace_neighbour_shapes
-    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-        raise InvalidRequest(f"trace_neighbour_shapes must be a whole number >= 0, not {count!r}",
-                             param="trace_neighbour_shapes")  # fmt: skip
+    _check_count(c.trace_neighbour_shapes, "trace_neighbour_shapes")
     if c.row_quantum != "auto":
         row_quantum(c.row_quantum, False)
     try:
         scheduler_config(c, num_blocks=1, context_length=1)  # the scheduler's own checks (row floor <= ceiling...)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
+
+
+def _check_count(value: int, name: str) -> None:
+    """A whole number >= 0, or a clear 400 naming the setting."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidRequest(f"{name} must be a whole number >= 0, not {value!r}", param=name)
 
 
 def _check_switch(kind: str, name: str) -> None:
@@ -265,8 +268,7 @@ def chunk_attention(kind: str) -> Any:
 
 def dequantize_rows(rows: int) -> int:
     """Rows from which quantized projections of decode steps and logits run dense (`DequantizedRows`); 0: never."""
-    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
-        raise InvalidRequest(f"dequantize_rows must be a whole number >= 0, not {rows!r}", param="dequantize_rows")
+    _check_count(rows, "dequantize_rows")
     return rows
 
 
