@@ -7,7 +7,8 @@ kernel (`kernels.decode_qkv`), the paged attention, o_proj, and gate/up in one m
 each projection becomes a slice (a view) of the concatenated matrix, so the eager path and memory are unchanged.
 
 Used for steps whose lanes are all single rows (`compiled_step`); with `--fuse-mixed` (auto = on with CUDA), for
-steps with prefill chunks too (`FusedDecode.mixed`: eagerly, or as a compiled trace with `--compile-mixed on`).
+steps with prefill chunks too (`FusedDecode.mixed`: eagerly, or as a compiled trace with `--compile-mixed`, auto =
+on with CUDA).
 """
 
 from __future__ import annotations
