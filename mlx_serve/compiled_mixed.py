@@ -35,6 +35,7 @@ from mlx_serve.ragged import (
 )
 from scheduler import Lane
 from scheduler.buckets import history_bucket, query_bucket, query_buckets
+from scheduler.cost_models import PrefillChunk
 
 MixedShape = tuple[int, int, int, int]  # padded (decode lanes, their table width, chunk rows, chunk history)
 
@@ -51,6 +52,31 @@ def neighbour_shapes(shape: MixedShape, unit: int, max_rows: int) -> list[MixedS
     if count == 0 and rows > query_bucket(1):
         candidates.append((0, width, query_bucket(1), padded))
     return [c for c in candidates if c[2] <= min(c[3], max_rows)]
+
+
+class TracedMixedShapes:
+    """`scheduler.traced_shapes.TracedShapes` over a runner's `CompiledMixed`: a step of decode lanes and one
+    prefill chunk of 2+ rows runs compiled when its shape has a trace (always, if traces are not deferred)."""
+
+    def __init__(self, mixed: CompiledMixed, kv_bucket: int, gather: PrefillGather) -> None:
+        self.mixed = mixed
+        self.kv_bucket = kv_bucket
+        self.gather = gather
+
+    def _shape(self, chunks: Sequence[PrefillChunk], decode: Sequence[Lane]) -> MixedShape | None:
+        if len(chunks) != 1 or chunks[0].rows < 2:
+            return None  # two chunks, or a one-row chunk (a decode-like row), run another way
+        chunk = chunks[0]
+        return self.mixed.shape_of(decode, chunk.rows, chunk.history + chunk.rows, self.kv_bucket)
+
+    def traced(self, chunks: Sequence[PrefillChunk], decode: Sequence[Lane]) -> bool:
+        shape = self._shape(chunks, decode)
+        return shape is not None and self.mixed.has_trace(shape)
+
+    def want(self, chunks: Sequence[PrefillChunk], decode: Sequence[Lane]) -> None:
+        shape = self._shape(chunks, decode)
+        if shape is not None:
+            self.mixed.want(shape, self.gather, self.kv_bucket)
 
 
 def compilable(lanes: Sequence[Lane]) -> bool:
@@ -101,10 +127,25 @@ class CompiledMixed:
         return min(len(self._neighbours), self.neighbour_traces)
 
     def shape(self, decode: Sequence[Lane], chunk: Lane, kv_bucket: int) -> MixedShape:
+        return self.shape_of(decode, chunk.rows, chunk.end, kv_bucket)
+
+    def shape_of(self, decode: Sequence[Lane], rows: int, end: int, kv_bucket: int) -> MixedShape:
+        """The padded shape of a step of `decode` lanes and a chunk of `rows` rows ending at position `end`."""
         n, size = len(decode), self.pool.block_size
         count = max(lane_bucket(n), self.min_lanes) if n > 1 else n
         width = width_bucket(max(-(-lane.end // size) for lane in decode)) if decode else 1
-        return count, width, query_bucket(chunk.rows), history_bucket(chunk.end, kv_bucket)
+        return count, width, query_bucket(rows), history_bucket(end, kv_bucket)
+
+    def has_trace(self, shape: MixedShape) -> bool:
+        """Whether a step of `shape` replays a trace now (`ready` without recording the shape as met)."""
+        return not self.defer_traces or shape in self.shapes
+
+    def want(self, shape: MixedShape, gather: PrefillGather, kv_bucket: int) -> None:
+        """Queue `shape` for `trace_deferred` as if a step had met it (the scheduler wanted a budget of it)."""
+        if shape not in self.shapes and shape not in self._untraceable:
+            self._most_rows = max(self._most_rows, shape[2])
+            self._deferred.setdefault(shape, (gather, kv_bucket))
+            self._neighbours.pop(shape, None)
 
     def ready(self, decode: Sequence[Lane], chunk: Lane, kv_bucket: int, gather: PrefillGather) -> bool:
         """Whether the step may take the compiled forward now: always, unless traces are deferred and its shape

@@ -101,6 +101,7 @@ class Engine:
                 self.runner.kv_bucket if config.plan_padding else 0,
             ),
             trace=self.trace,
+            traced_shapes=self.runner.traced_shapes(),
         )
         self.delivery = Delivery(self.observer, self.trace, self._finish_on_stop_string, self.runner.release_one)
         self._eos_ids = frozenset(self.tokenizer.eos_token_ids)

@@ -39,6 +39,7 @@ def status(scheduler: Scheduler, model_id: str, block_size: int) -> dict:
             "contended_prefill_rows": stats.contended_prefill_rows,
             "preemptions": stats.preemptions,
             "budget_halvings": stats.budget_halvings,
+            "traces_wanted": stats.traces_wanted,
             "prefix_hit_tokens": stats.prefix_hit_tokens,
         },
         "step_target_ms": round(scheduler.step_target.ms, 2),  # the one contended steps are cut to now
@@ -64,6 +65,7 @@ def stats(scheduler: Scheduler, prompt_tokens: int, generation_tokens: int) -> d
         "generation_tokens_total": generation_tokens,
         "steps_total": s.steps,
         "budget_halvings_total": s.budget_halvings,
+        "traces_wanted_total": s.traces_wanted,
         "preemptions_total": s.preemptions,
     }
 

@@ -17,7 +17,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlx_serve import ane_chunks, dense_experts
-from mlx_serve.compiled_mixed import CompiledMixed, compilable
+from mlx_serve.compiled_mixed import CompiledMixed, TracedMixedShapes, compilable
 from mlx_serve.compiled_step import CompiledDecode
 from mlx_serve.fused_decode import FusedDecode, split_fused_projections, viewed_projections
 from mlx_serve.grouped_experts import TileMatmul
@@ -87,6 +87,7 @@ class InFlightStep:
     # it traced a compiled shape (tens of ms of host work, once), so its time teaches the scheduler nothing about
     # the next step of its shape; a step run eager while its shape's trace is deferred is an ordinary step
     one_off: bool = False
+    compiled: bool = False  # it replays a compiled trace (the scheduler learns compiled and eager costs apart)
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,7 +292,9 @@ class ModelRunner:
         rows = {rid: i for i, rid in enumerate(sample_ids)}
         samplers = [self.samplers[rid] for rid in sample_ids]
         one_off = self._traced_shapes() != traced
-        return InFlightStep(plan, sample_ids, samplers, sampled, rows, t0, phases, tuple(chunks), stamp, one_off)
+        return InFlightStep(
+            plan, sample_ids, samplers, sampled, rows, t0, phases, tuple(chunks), stamp, one_off, compiled or mixed
+        )
 
     def _mixed_ready(self, lanes: list[Lane]) -> bool:
         chunk = next(lane for lane in lanes if lane.rows > 1)
@@ -310,6 +313,12 @@ class ModelRunner:
             "mixed": len(mixed.shapes) if mixed is not None else 0,
             "mixed_waiting": mixed.deferred if mixed is not None else 0,
         }
+
+    def traced_shapes(self) -> TracedMixedShapes | None:
+        """What the scheduler asks about compiled steps (None: no prefill step runs compiled here)."""
+        if self.compiled_mixed is None or not self.kv_bucket or self.prefill_gather is None:
+            return None
+        return TracedMixedShapes(self.compiled_mixed, self.kv_bucket, self.prefill_gather)
 
     def trace_deferred(self) -> bool:
         """Trace one compiled shape a step met and ran eager (for when the engine has nothing to run)."""
@@ -391,7 +400,7 @@ class ModelRunner:
         elapsed_ms = self._elapsed_ms(step)
         ane_ms = max((span.end - span.start) * 1e3 for span in spans) if spans else None
         outcome = StepOutcome({rid: s.token_id for rid, s in samples.items()}, elapsed_ms, ane_elapsed_ms=ane_ms,
-                              auxiliary=step.one_off)  # fmt: skip
+                              auxiliary=step.one_off, compiled=step.compiled)  # fmt: skip
         return RunnerOutput(outcome, samples, {**step.phases, "consumption": (t3 - t2) * 1e3}, spans)
 
     def _collect_ane(self, step: InFlightStep, samples: dict[str, SampledToken]) -> list:

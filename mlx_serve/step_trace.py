@@ -34,5 +34,6 @@ def trace_step(trace: Any, plan: StepPlan, output: Any, t0: float, t1: float, t2
             path=paths.pop() if len(paths) == 1 else "mixed",
             predicted_ms=plan.predicted_ms,
             auxiliary=output.outcome.auxiliary,
+            compiled=output.outcome.compiled,
         )
     )

@@ -12,13 +12,17 @@ Halving alone throws away up to half of what the target allows: on the H200, 30B
 512-row chunks in 72-77 ms against a 78 ms target, then 256-row chunks in ~50 ms for the rest of a 16k prompt,
 where 384 rows fit. One more prediction per halved step takes the midpoint when it fits.
 
+Where the engine runs some shapes through compiled traces (`traced_shapes.py`), each candidate is predicted in
+the form it would run now, and the largest candidate turned down only for want of a trace (over the target eager,
+within it compiled) is the decision's `wanted`: the scheduler asks the engine to trace it.
+
 The prediction changes only which budget is chosen: the order of the lanes and who is admitted are decided
 elsewhere and never look at it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from scheduler.buckets import query_bucket
@@ -32,6 +36,7 @@ class BudgetDecision:
     reason: str  # "uncontended", "contended", "contended-untrained", "halved:<n>[+half]", "decode-debt"
     halvings: int
     predicted_ms: float | None  # the cost model's prediction for the planned prefill at this budget
+    wanted: tuple[PrefillChunk, ...] = ()  # a larger step's chunks that would fit the target with a compiled trace
 
 
 def fill_shortest_first(demand: Sequence[PrefillChunk], budget: int) -> tuple[PrefillChunk, ...]:
@@ -56,18 +61,30 @@ def choose_row_budget(
     in_debt: bool,
     contended: bool,
     target_ms: float,
+    traced: Callable[[Sequence[PrefillChunk]], bool] | None = None,
 ) -> BudgetDecision:
     """The prefill row budget for a step whose ordered prefill demand is `demand`, against `target_ms` (the
-    scheduler's `StepTarget`: fixed, or a multiple of the measured decode step) less `config.plan_headroom`."""
+    scheduler's `StepTarget`: fixed, or a multiple of the measured decode step) less `config.plan_headroom`.
+    `traced`: whether a step of these chunks would run compiled now (None: the engine compiles no prefill)."""
     target_ms *= config.plan_headroom
+    wanted: tuple[PrefillChunk, ...] = ()
 
     def predict(budget: int) -> float | None:
+        nonlocal wanted
         chunks = fill_shortest_first(demand, budget)
-        return model.predict(StepShape(chunks, decode_lanes)) if chunks else None
+        if not chunks:
+            return None
+        compiled = traced is not None and traced(chunks)
+        predicted = model.predict(StepShape(chunks, decode_lanes, compiled=compiled))
+        if traced is not None and not compiled and not wanted and predicted is not None and predicted > target_ms:
+            as_compiled = model.predict(StepShape(chunks, decode_lanes, compiled=True))
+            if as_compiled is not None and as_compiled <= target_ms:
+                wanted = chunks  # the first such candidate is the largest: budgets only shrink from here
+        return predicted
 
     budget = config.row_ceiling
     if not contended:
-        return BudgetDecision(budget, "uncontended", 0, predict(budget))
+        return BudgetDecision(budget, "uncontended", 0, predict(budget))  # no target: nothing wanted
     if in_debt:
         return BudgetDecision(0, "decode-debt", 0, None)
     halvings = 0
@@ -89,7 +106,9 @@ def choose_row_budget(
         reason = f"halved:{halvings}" + ("+half" if widened else "")
     else:
         reason = "contended-untrained" if predicted is None and demand else "contended"
-    return BudgetDecision(budget, reason, halvings, predicted)
+    if sum(chunk.rows for chunk in wanted) <= budget:
+        wanted = ()  # the step got as many rows anyway (a tile or bucket grew it back)
+    return BudgetDecision(budget, reason, halvings, predicted, wanted)
 
 
 def paid_rows(budget: int, decode_lanes: int, config: SchedulerConfig) -> int:

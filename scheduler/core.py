@@ -20,6 +20,7 @@ from scheduler.prefill import PrefillPlanner
 from scheduler.request import FinishReason, Request, RequestState
 from scheduler.stats import SchedulerStats
 from scheduler.step_target import StepTarget
+from scheduler.traced_shapes import TracedShapes
 from scheduler.tracing_hooks import emit_admitted, emit_step_planned
 from tracing.sink import NULL_SINK, TraceSink
 
@@ -27,9 +28,12 @@ _HOLDS_KV = (RequestState.PREFILLING, RequestState.DECODING)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, trace: TraceSink = NULL_SINK) -> None:
+    def __init__(
+        self, config: SchedulerConfig, trace: TraceSink = NULL_SINK, traced_shapes: TracedShapes | None = None
+    ) -> None:
         self.config = config
         self.trace = trace
+        self.traced_shapes = traced_shapes  # which steps the engine runs compiled (None: it compiles no prefill)
         self.blocks = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_cache)
         self.cost_model = make_cost_model(config.resolved_cost_model(), config.kv_bucket)
         self.step_target = StepTarget(config.step_target_ms, config.step_target_factor, config.step_target_floor_ms)
@@ -118,7 +122,11 @@ class Scheduler:
             lanes=lanes,
             row_budget=decision.row_budget,
             budget_reason=decision.reason,
-            predicted_ms=predict_planned_gpu_ms(self.cost_model, lanes) if prefill_lanes else decision.predicted_ms,
+            predicted_ms=(
+                predict_planned_gpu_ms(self.cost_model, lanes, self.traced_shapes)
+                if prefill_lanes
+                else decision.predicted_ms
+            ),
             contended=decision.reason != "uncontended",
             released_request_ids=tuple(self._released),
             preempted_request_ids=tuple(preempted),
@@ -223,9 +231,15 @@ class Scheduler:
                 if r.last_token_time is not None
             )
         contended = bool(decode_lanes) or bool(self.decoding_streams())  # a stream in flight still streams
-        return choose_row_budget(
-            self.config, self.cost_model, planner.demand(), len(decode_lanes), in_debt, contended, target
-        )
+        shapes = self.traced_shapes
+        decision = choose_row_budget(
+            self.config, self.cost_model, planner.demand(), len(decode_lanes), in_debt, contended, target,
+            None if shapes is None else lambda chunks: shapes.traced(chunks, decode_lanes),
+        )  # fmt: skip
+        if decision.wanted and shapes is not None:
+            shapes.want(decision.wanted, decode_lanes)
+            self.stats.traces_wanted += 1
+        return decision
 
     def _stalled(self) -> bool:
         """Nothing could be planned although requests hold KV and none of them is in flight."""

@@ -17,7 +17,8 @@ Selected by `SchedulerConfig.cost_model` (env `MLX_SERVE_PREFILL_COST_MODEL` ove
   the `ema` baseline's, which the table trains alongside itself on the same observations.
 - `affine` (optional): fixed + per-row + per-attention-pair + per-decode-lane + per-extra-prefill-lane
   milliseconds (padded counts where the engine pads chunks), fit online by recursive least squares with
-  forgetting, one fit per path; falls back to `ema` until it has 8 samples.
+  forgetting, one fit per path and per form (compiled trace or eager); falls back to the other form's fit, then
+  to `ema`, until it has 8 samples.
 
 Every model trains only on trainable observations: finite, positive time, >= 64 prefill rows, text prefill
 (auxiliary work such as KV restore/prefix copies or images never trains). The path of a shape is the path its
@@ -60,6 +61,9 @@ class StepShape:
     decode_lanes: int = 0
     path: Path = Path.GPU
     auxiliary: bool = False  # restore/prefix-copy/image work or a compiled shape's trace rode along: never trains
+    # the GPU lanes run (or ran) through a compiled trace: on a host-bound GPU the same rows cost a fraction of an
+    # eager step, so the affine model keeps the two apart (`traced_shapes.TracedShapes` says which a plan gets)
+    compiled: bool = False
 
     @property
     def prefill_rows(self) -> int:

@@ -18,6 +18,7 @@ class SchedulerStats:
     budget_halvings: int = 0
     overtakes: int = 0
     decode_debt_steps: int = 0
+    traces_wanted: int = 0  # steps whose budget was cut only because their larger shape had no compiled trace yet
 
     def count_lane(self, lane: Lane, contended: bool) -> None:
         """Count a lane whose outcome was applied (committed rows only)."""

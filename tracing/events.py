@@ -74,6 +74,7 @@ class StepExecuted:
     path: str  # "gpu", "ane" or "mixed"
     predicted_ms: float | None = None
     auxiliary: bool = False  # restore/prefix-copy/image work or a trace rode along: never trains a cost model
+    compiled: bool = False  # replayed a compiled trace (the affine model fits compiled and eager steps apart)
 
 
 @dataclass(frozen=True, slots=True)

@@ -53,6 +53,7 @@ def observations(events: list[object]) -> tuple[list[Observation], int]:
             decode_lanes=step.decode_lanes,
             path=LanePath(paths.pop()),
             auxiliary=step.auxiliary,
+            compiled=step.compiled,
         )
         found.append(Observation(shape, step.measured_ms, plan.contended))
     return found, skipped

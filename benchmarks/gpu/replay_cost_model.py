@@ -22,8 +22,9 @@ from scheduler.buckets import KV_BUCKET
 from scheduler.cost_models import PrefillChunk, StepShape
 from tracing.prefill_prediction import Observation, replay
 
-# prefill rows, decode lanes, row-weighted history, measured ms, prefill lanes, auxiliary (never trained live)
-Step = tuple[int, int, float, float, int, bool]
+# prefill rows, decode lanes, row-weighted history, measured ms, prefill lanes, auxiliary (never trained live),
+# compiled (replayed a trace)
+Step = tuple[int, int, float, float, int, bool, bool]
 
 
 def recorded_runs(paths: list[Path]) -> list[tuple[str, list[Step]]]:
@@ -37,7 +38,8 @@ def recorded_runs(paths: list[Path]) -> list[tuple[str, list[Step]]]:
                 for step in ours.get(phase, {}).get("steps", {}).get("prefill_steps", []):
                     lanes = step[5] if len(step) > 5 else 1  # recorded since the eighteenth run
                     auxiliary = bool(step[6]) if len(step) > 6 else False  # since the nineteenth
-                    steps.append((step[0], step[1], step[2], step[3], lanes, auxiliary))
+                    compiled = bool(step[7]) if len(step) > 7 else False  # since the twentieth
+                    steps.append((step[0], step[1], step[2], step[3], lanes, auxiliary, compiled))
             if steps:
                 runs.append((result["shape"], steps))
     return runs
@@ -47,11 +49,11 @@ def observations(steps: list[Step]) -> list[Observation]:
     """The contended steps (with decode lanes: the only ones the scheduler trains on and plans), each one's rows split
     evenly over its prefill lanes at their row-weighted history."""
     found = []
-    for rows, decode_lanes, history, measured_ms, lanes, auxiliary in steps:
+    for rows, decode_lanes, history, measured_ms, lanes, auxiliary, compiled in steps:
         if decode_lanes:
             lanes = max(1, min(lanes, rows))
             chunks = tuple(PrefillChunk(rows // lanes + (i < rows % lanes), round(history)) for i in range(lanes))
-            shape = StepShape(chunks, decode_lanes, auxiliary=auxiliary)
+            shape = StepShape(chunks, decode_lanes, auxiliary=auxiliary, compiled=compiled)
             found.append(Observation(shape, measured_ms, contended=True))
     return found
 

@@ -31,6 +31,8 @@ STAT_COUNTERS = {
     "generation_tokens_total": ("generation_tokens", "Tokens generated"),
     "steps_total": ("steps", "Engine steps run"),
     "budget_halvings_total": ("budget_halvings", "Row-budget halvings in contended steps"),
+    "traces_wanted_total": ("traces_wanted",
+                            "Contended steps cut smaller only because their larger shape had no compiled trace yet"),
     "preemptions_total": ("preemptions", "Requests preempted by recomputation"),
 }
 

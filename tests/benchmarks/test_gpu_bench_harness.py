@@ -57,9 +57,11 @@ def test_contended_only_run_and_its_refusal(tmp_path):
     assert result["ours"]["row_quantum"] == 16  # as the engine resolved it
     steps = result["ours"]["contended"]["steps"]
     assert "submission" in steps["mixed_host_ms_p50"]
-    recorded = steps["prefill_steps"]  # [rows, decode lanes, history, ms, predicted ms, prefill lanes, auxiliary]
-    assert recorded and all(len(step) == 7 and step[0] > 0 and step[5] >= 1 for step in recorded)
-    assert not any(step[6] for step in recorded)  # on the CPU no compiled mixed shape is traced
+    # [rows, decode lanes, history, ms, predicted ms, prefill lanes, auxiliary, compiled]
+    recorded = steps["prefill_steps"]
+    assert recorded and all(len(step) == 8 and step[0] > 0 and step[5] >= 1 for step in recorded)
+    assert not any(step[6] or step[7] for step in recorded)  # on the CPU no compiled mixed shape is traced
+    assert len(result["ours"]["settled_traces"]) == 2  # two warm passes by default, each settled
     table = (tmp_path / "gpu_bench.md").read_text()
     assert "TTFT / its solo TTFT" in table and "mlx-lm |" in table
     assert "host ms of a step with prefill" in table

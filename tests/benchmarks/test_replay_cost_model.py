@@ -53,8 +53,18 @@ def test_steps_that_traced_a_shape_teach_the_replay_nothing(tmp_path) -> None:
     path = tmp_path / "gpu_bench.json"
     path.write_text(json.dumps(result))
     ((_, recorded),) = recorded_runs([path])
-    assert recorded[30][-1] is True and observations(recorded)[30].shape.auxiliary
+    assert recorded[30][5] is True and observations(recorded)[30].shape.auxiliary
     with_trace = signed_errors(recorded, 1024)
-    unflagged = signed_errors([(*step[:5], False) for step in recorded], 1024)
+    unflagged = signed_errors([(*step[:5], False, step[6]) for step in recorded], 1024)
     assert with_trace == signed_errors(recorded[:30] + recorded[31:], 1024)  # as if it had not run
     assert max(map(abs, unflagged[31:])) > 2 * max(map(abs, with_trace[30:]))  # learned, the trace would mislead
+
+
+def test_steps_that_replayed_a_trace_are_replayed_as_compiled(tmp_path) -> None:
+    """The eighth field (since the twentieth run) says a step replayed a compiled trace: the replay fits it apart
+    from the eager steps, as live; older records (seven fields) are eager."""
+    steps = [[512, 8, 1000 * i, 20.0, None, 1, False, i % 2 == 1] for i in range(4)] + [[512, 8, 0, 20.0, None, 1, False]]
+    path = tmp_path / "gpu_bench.json"
+    path.write_text(json.dumps({"results": [{"shape": "8b", "ours": {"contended": {"steps": {"prefill_steps": steps}}}}]}))
+    ((_, recorded),) = recorded_runs([path])
+    assert [o.shape.compiled for o in observations(recorded)] == [False, True, False, True, False]

@@ -19,7 +19,8 @@ from mlx_serve.kernels.paged_gather import table_gather
 from mlx_serve.kv_pool import KVLayout, KVPool
 from mlx_serve.runner import ModelRunner
 from mlx_serve.types import GenerationRequest, SamplingParams
-from scheduler.plan import PENDING_TOKEN, Lane, LaneKind, StepPlan
+from scheduler.cost_models import PrefillChunk
+from scheduler.plan import PENDING_TOKEN, Lane, LaneKind, StepOutcome, StepPlan
 from tests.engine.reference import generate_in_cuda_layout, prompt_of, reference_tokens
 from tracing.events import StepExecuted
 from tracing.sink import MemorySink
@@ -31,16 +32,16 @@ def _blocks(index: int) -> tuple[int, ...]:
     return tuple(range(8 * index, 8 * index + 8))  # 128 tokens a request
 
 
-def _steps(runner: ModelRunner, one_offs: list[bool] | None = None) -> list[tuple[str, int, float]]:
+def _steps(runner: ModelRunner, outcomes: list[StepOutcome] | None = None) -> list[tuple[str, int, float]]:
     """Prefill the decode lanes, then a 100-token prompt in chunks of 30 (the last one samples) beside them, a step
     queued while the previous one is in flight (pending tokens), then a chunk alone; every sample, in order.
-    `one_offs` collects each chunk step's `auxiliary` flag (a one-off cost: a trace, or eager while one waits)."""
+    `outcomes` collects each chunk step's outcome (`auxiliary`: it traced a shape; `compiled`: it replayed one)."""
     samples: list[tuple[str, int, float]] = []
 
     def record(out) -> None:
         samples.extend((rid, s.token_id, s.logprob) for rid, s in sorted(out.samples.items()))
-        if one_offs is not None and out is not first_out:
-            one_offs.append(out.outcome.auxiliary)
+        if outcomes is not None and out is not first_out:
+            outcomes.append(out.outcome)
 
     first_out = None
 
@@ -93,8 +94,8 @@ def _runner(model, compile_mixed: bool, fuse_mixed: bool = True, defer: bool = F
 def test_compiled_mixed_steps_equal_the_eager_steps(fixture, request):
     model, _ = load(str(request.getfixturevalue(fixture)))
     compiled_runner = _runner(model, compile_mixed=True)
-    one_offs: list[bool] = []
-    compiled = _steps(compiled_runner, one_offs)
+    outcomes: list[StepOutcome] = []
+    compiled = _steps(compiled_runner, outcomes)
     eager = _steps(_runner(model, compile_mixed=False))
     modules = _steps(_runner(model, compile_mixed=False, fuse_mixed=False))
     assert [s[:2] for s in compiled] == [s[:2] for s in eager] == [s[:2] for s in modules]
@@ -104,7 +105,9 @@ def test_compiled_mixed_steps_equal_the_eager_steps(fixture, request):
     # 3 lanes padded to 4 (2 blocks each), 30-row chunks to 64 rows, histories of 32-128 tokens; the chunk alone
     assert (4, 2, 64, 32) in shapes and (4, 2, 64, 128) in shapes and (0, 1, 64, 64) in shapes
     assert len(shapes) < 6  # four chunk steps and the lone chunk: shapes repeat
+    one_offs = [o.auxiliary for o in outcomes]
     assert sum(one_offs) == len(shapes) and one_offs[0]  # the steps that traced a shape, and only those, say so
+    assert all(o.compiled for o in outcomes)  # traced at first use: every chunk step ran compiled
 
 
 def test_deferred_shapes_run_eager_until_traced_then_replay(tiny_qwen3):
@@ -113,10 +116,11 @@ def test_deferred_shapes_run_eager_until_traced_then_replay(tiny_qwen3):
     traces with the eager steps' tokens."""
     model, _ = load(str(tiny_qwen3))
     runner = _runner(model, compile_mixed=True, defer=True)
-    eager_one_offs: list[bool] = []
-    eager = _steps(runner, eager_one_offs)
+    eager_outcomes: list[StepOutcome] = []
+    eager = _steps(runner, eager_outcomes)
     mixed = runner.compiled_mixed
-    assert not mixed.shapes and not any(eager_one_offs) and len(eager_one_offs) == 5
+    assert not mixed.shapes and len(eager_outcomes) == 5
+    assert not any(o.auxiliary or o.compiled for o in eager_outcomes)
     traced = 0
     while runner.trace_deferred():
         traced += 1
@@ -124,13 +128,38 @@ def test_deferred_shapes_run_eager_until_traced_then_replay(tiny_qwen3):
     replays = []
     submit = runner._submit_compiled_mixed
     runner._submit_compiled_mixed = lambda *args: replays.append(1) or submit(*args)
-    replayed_one_offs: list[bool] = []
-    replayed = _steps(runner, replayed_one_offs)
+    replayed_outcomes: list[StepOutcome] = []
+    replayed = _steps(runner, replayed_outcomes)
     assert len(replays) == 5 and len(mixed.shapes) == traced  # every chunk step found its trace
-    assert not any(replayed_one_offs)
+    assert all(o.compiled and not o.auxiliary for o in replayed_outcomes)
     assert [s[:2] for s in replayed] == [s[:2] for s in eager]
     for a, b in zip(replayed, eager):
         assert abs(a[2] - b[2]) < 1e-4, (a, b)
+
+
+def test_the_scheduler_sees_which_steps_run_compiled_and_its_wants_are_traced(tiny_qwen3):
+    """`runner.traced_shapes()`: a step of decode lanes and one chunk runs compiled once its padded shape has a
+    trace; a shape the scheduler wants is traced by `trace_deferred` like a met one, and a step of it replays."""
+    model, _ = load(str(tiny_qwen3))
+    runner = _runner(model, compile_mixed=True, defer=True)
+    shapes = runner.traced_shapes()
+    decode = [Lane(rid, LaneKind.DECODE, (1,), 17 + i, _blocks(i), True) for i, rid in enumerate(DECODE)]  # 2 blocks
+    chunk = (PrefillChunk(30, 30),)  # 30 rows over 30 of history: (4 lanes, 2 blocks, 64 rows, 64 of history)
+    assert not shapes.traced(chunk, decode)
+    assert not shapes.traced((PrefillChunk(30, 0), PrefillChunk(20, 0)), decode)  # two chunks: never compiled
+    shapes.want((PrefillChunk(30, 0), PrefillChunk(20, 0)), decode)  # ... so never wanted
+    shapes.want((PrefillChunk(1, 40),), decode)  # nor a one-row chunk
+    assert runner.compiled_mixed.deferred == 0
+    shapes.want(chunk, decode)
+    assert runner.compiled_mixed.deferred == 1 and runner.trace_deferred() and not runner.trace_deferred()
+    assert shapes.traced(chunk, decode) and shapes.traced((PrefillChunk(40, 20),), decode)  # same buckets
+    assert not shapes.traced((PrefillChunk(30, 70),), decode)  # a history of 128: another bucket
+    outcomes: list[StepOutcome] = []
+    _steps(runner, outcomes)
+    # the chunk steps at histories 0-30 (bucket 32), 30-60 (64), 60-90 and 90-100 (128), then the lone chunk: only
+    # the second replays the wanted trace
+    assert [o.compiled for o in outcomes] == [False, True, False, False, False]
+    assert runner.traced_shapes() is not None and _runner(model, compile_mixed=False).traced_shapes() is None
 
 
 def test_neighbour_shapes_are_the_next_budgets_and_histories():

@@ -1,0 +1,32 @@
+"""What the engine runs through compiled traces, as the scheduler sees it (no MLX: plain shapes in, bools out).
+
+On CUDA a contended step of decode lanes and one prefill chunk replays an `mx.compile` trace of its padded shape,
+and a shape met for the first time runs eager until the engine, when quiet, traces it. The two forms cost very
+differently where the host bounds the step (H200, Qwen3-0.6B: eager ~13 ms for 512 rows, compiled 1,024 rows in
+11-18 ms), so a budget planned with one form's cost and run in the other misses its target, and a cost model that
+learns both as one drifts: eager steps of new shapes taught it eager costs, it shrank the budgets onto more new
+shapes (twentieth run, 0.6B at factor 2.75: 28 of 51 contended steps on shapes the warm pass never met, TTFT 3.8x).
+
+So the budget asks, for each candidate, whether that step would run compiled now and predicts that form; and when
+a larger candidate would have fitted the target as a compiled step but has no trace yet, it asks the engine to
+trace that shape when quiet, so the next contended read gets the budget it wanted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from scheduler.cost_models import PrefillChunk
+    from scheduler.plan import Lane
+
+
+class TracedShapes(Protocol):
+    def traced(self, chunks: Sequence[PrefillChunk], decode: Sequence[Lane]) -> bool:
+        """Whether a GPU step of these prefill chunks beside these decode lanes would run compiled now."""
+        ...
+
+    def want(self, chunks: Sequence[PrefillChunk], decode: Sequence[Lane]) -> None:
+        """Ask for a trace of that step's shape (the engine traces it when quiet; ignored if it cannot)."""
+        ...
