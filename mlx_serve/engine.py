@@ -229,13 +229,15 @@ class Engine:
             products = self.runner.warm_quantized_products(self.config.row_ceiling) if cuda_available() else 0
             # and the MoE blocks' kernels (expert tiles, their layout), which compile on first use
             blocks = self.runner.warm_moe_blocks(self.config.row_ceiling) if cuda_available() else 0
+            # and the compiled shapes of a short prompt over a cached prefix, which deferral would first run eager
+            traces = self.runner.warm_continuation_traces(self.context_length)
         except Exception:  # a warm-up failure costs first-use time later, never the engine
             log.exception("warm-up failed")
             return
         self.warmed = (shapes, time.perf_counter() - t0)
-        if shapes or products or blocks:
-            log.info("warmed %d prefill attention shapes, %d quantized products and %d MoE block forms in %.1f s",
-                     shapes, products, blocks, self.warmed[1])  # fmt: skip
+        if shapes or products or blocks or traces:
+            log.info("warmed %d prefill attention shapes, %d quantized products, %d MoE block forms and %d "
+                     "continuation traces in %.1f s", shapes, products, blocks, traces, self.warmed[1])  # fmt: skip
 
     def _loop(self) -> None:
         while True:

@@ -162,6 +162,20 @@ def test_the_scheduler_sees_which_steps_run_compiled_and_its_wants_are_traced(ti
     assert runner.traced_shapes() is not None and _runner(model, compile_mixed=False).traced_shapes() is None
 
 
+def test_continuation_shapes_are_traced_before_serving(tiny_qwen3):
+    """`warm_continuation_traces`: a short prompt alone at every history bucket (32-token unit up to 128: 32, 64,
+    128) and query bucket 64 or 128 that fits it is traced before a request meets it, so the lone chunk replays."""
+    model, _ = load(str(tiny_qwen3))
+    runner = _runner(model, compile_mixed=True, defer=True)
+    assert runner.warm_continuation_traces(128) == 3
+    assert runner.compiled_mixed.shapes == {(0, 1, 64, 64), (0, 1, 64, 128), (0, 1, 128, 128)}
+    outcomes: list[StepOutcome] = []
+    _steps(runner, outcomes)
+    assert [o.compiled for o in outcomes] == [False, False, False, False, True]  # only the lone 40-row chunk
+    assert _runner(model, compile_mixed=True).warm_continuation_traces(128) == 0  # traced at first use anyway
+    assert _runner(model, compile_mixed=False).warm_continuation_traces(128) == 0
+
+
 def test_neighbour_shapes_are_the_next_budgets_and_histories():
     # a query bucket either side (never past the largest met), the next history bucket
     assert neighbour_shapes((8, 4, 1024, 8192), 1024, 2048) == [
