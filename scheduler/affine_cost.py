@@ -9,14 +9,18 @@ exact count grew by a fifth, and the 1,552-row last chunk of a 16k prompt ran as
 Extra prefill lanes (a step's width past one) run outside the one-chunk compiled step, each with its own gather and
 attention a layer: a 4-prompt start-up step of 1,920 rows took 33 ms against 16.6 predicted without this term.
 
-One fit per path and form (compiled trace or eager: `StepShape.compiled`), by recursive least squares with
-forgetting (0.995: roughly the last 200 steps matter), so it tracks drift without storing samples. The forms are
-apart because one fit of both learnt neither: on the H200 an eager 0.6B step is ~12 ms of host submission whatever
-its rows, a compiled one ~8-17 ms for 1,024 rows (twentieth run, `scheduler/traced_shapes.py`). A direction the samples never excite (the width, while every step has one
+A sixth feature is 1 for a step that replays a compiled trace (`StepShape.compiled`): the same GPU work without
+building its graph on the host, so the forms share the slopes and differ by a fixed cost (on the H200 an eager
+Qwen3-0.6B step has ~12 ms of host submission, `scheduler/traced_shapes.py`). Fits of their own per form were
+tried first (twentieth run): where every compiled step had 64 rows, the compiled fit put that cost on its rows
+slope, priced 1,024 compiled rows far over the target and never asked for their trace (0.6B stuck at 64-row steps,
+TTFT 9.1x); shared slopes are learned from every step of either form.
+
+One fit per path, by recursive least squares with forgetting (0.995: roughly the last 200 steps matter), so it
+tracks drift without storing samples. A direction the samples never excite (the width, while every step has one
 chunk) would see its covariance grow by 1/0.995 a step without bound; the trace is held at its initial value.
-Until a fit has 8 samples, or if its prediction is not a positive finite number, it answers as the other form's
-fit of its path (an eager prediction for a compiled step errs long: the budget is smaller, not over target), and
-failing that exactly as the `ema` baseline it trains alongside. Same training filter as the other models; fixed memory.
+Until a path's fit has 8 samples, or if its prediction is not a positive finite number, it answers exactly as
+the `ema` baseline it trains alongside (until a compiled step is seen, a compiled one is predicted as eager). Same training filter as the other models; fixed memory.
 
 A least-squares fit has no defence against one wild sample, such as a step that stalled on a first-use compile
 (H200, 8B 4-bit: a skewed fit predicted 120-row steps of 15 ms at 40-130 ms for a hundred steps, while a fresh fit
@@ -40,18 +44,19 @@ PAIR_SCALE = 1e-3  # pairs are counted in thousands so the features have compara
 OUTLIER_FACTOR = 3.0  # a fitted path trains on at most 3x (at least a third of) its prediction
 
 
-FEATURES = 5
+FEATURES = 6
 
 
-def features(shape: StepShape, kv_bucket: int = 0) -> tuple[float, float, float, float, float]:
-    """(1, rows, attention pairs in thousands, decode lanes, extra prefill lanes), padded as the engine pads."""
+def features(shape: StepShape, kv_bucket: int = 0) -> tuple[float, float, float, float, float, float]:
+    """(1, rows, attention pairs in thousands, decode lanes, extra prefill lanes, compiled), padded as the engine
+    pads."""
     if kv_bucket and shape.path is Path.GPU:
         rows = sum(query_bucket(c.rows) for c in shape.chunks)
         pairs = sum(query_bucket(c.rows) * history_bucket(c.history + c.rows, kv_bucket) for c in shape.chunks)
     else:
         rows, pairs = shape.prefill_rows, shape.attention_pairs
     extra_lanes = max(shape.width - 1, 0)
-    return (1.0, float(rows), pairs * PAIR_SCALE, float(shape.decode_lanes), float(extra_lanes))
+    return (1.0, float(rows), pairs * PAIR_SCALE, float(shape.decode_lanes), float(extra_lanes), float(shape.compiled))
 
 
 class RecursiveLeastSquares:
@@ -89,23 +94,21 @@ class AffineCostModel:
     def __init__(self, kv_bucket: int = 0) -> None:
         self.kv_bucket = kv_bucket  # the engine's KV bucket unit (`SchedulerConfig.kv_bucket`); 0: exact shapes
         self.baseline = EmaCostModel()
-        self.fits = {(path, compiled): RecursiveLeastSquares(FEATURES) for path in Path for compiled in (False, True)}
+        self.fits = {path: RecursiveLeastSquares(FEATURES) for path in (Path.GPU, Path.ANE)}
 
     def predict(self, shape: StepShape) -> float | None:
-        x = features(shape, self.kv_bucket)
-        for compiled in (shape.compiled, not shape.compiled):  # its own form's fit, else the other's
-            fit = self.fits[shape.path, compiled]
-            if fit.samples >= MIN_SAMPLES:
-                predicted = fit.predict(x)
-                if math.isfinite(predicted) and predicted > 0:
-                    return predicted
+        fit = self.fits[shape.path]
+        if fit.samples >= MIN_SAMPLES:
+            predicted = fit.predict(features(shape, self.kv_bucket))
+            if math.isfinite(predicted) and predicted > 0:
+                return predicted
         return self.baseline.predict(shape)
 
     def observe(self, shape: StepShape, elapsed_ms: float) -> None:
         if not is_trainable(shape, elapsed_ms):
             return
         self.baseline.observe(shape, elapsed_ms)
-        fit, x = self.fits[shape.path, shape.compiled], features(shape, self.kv_bucket)
+        fit, x = self.fits[shape.path], features(shape, self.kv_bucket)
         fit.observe(x, _bounded(fit, x, elapsed_ms))
 
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler import SchedulerConfig
-from scheduler.affine_cost import AffineCostModel, features
+from scheduler.affine_cost import FEATURES, AffineCostModel, features
 from scheduler.cost_models import (
     NUM_CELLS,
     BucketedCostModel,
@@ -129,7 +129,7 @@ def test_affine_bounds_a_stall_and_still_learns_a_lasting_change() -> None:
             if bounded:
                 fit.observe(shape, cost(shape, scale))
             else:
-                fit.fits[Path.GPU, False].observe(features(shape), cost(shape, scale))
+                fit.fits[Path.GPU].observe(features(shape), cost(shape, scale))
 
     probe = StepShape((PrefillChunk(500, 3000),), 4)
     stall = StepShape((PrefillChunk(2048, 0), PrefillChunk(512, 0)), 0)
@@ -137,7 +137,7 @@ def test_affine_bounds_a_stall_and_still_learns_a_lasting_change() -> None:
     trained(model, range(60))
     trained(unbounded, range(60), bounded=False)
     model.observe(stall, 10_000.0)
-    unbounded.fits[Path.GPU, False].observe(features(stall), 10_000.0)
+    unbounded.fits[Path.GPU].observe(features(stall), 10_000.0)
     assert model.predict(stall) <= 3 * cost(stall) < unbounded.predict(stall) / 10
     assert model.predict(probe) == pytest.approx(cost(probe), rel=0.25)
 
@@ -196,9 +196,9 @@ def test_affine_learns_extra_lanes_and_its_covariance_stays_bounded() -> None:
     for index in range(5000):
         shape = StepShape((PrefillChunk((256, 512, 768, 1024)[index % 4], (index * 331) % 12_000),), index % 9)
         model.observe(shape, padded_cost(shape))
-    fit = model.fits[Path.GPU, False]
+    fit = model.fits[Path.GPU]
     trace = sum(fit.covariance[i][i] for i in range(len(fit.theta)))
-    assert math.isfinite(trace) and trace <= 5 * 1e6 * (1 + 1e-9)
+    assert math.isfinite(trace) and trace <= FEATURES * 1e6 * (1 + 1e-9)
     start_up = StepShape(tuple(PrefillChunk(480, 26) for _ in range(4)), 4)
     before = abs(model.predict(start_up) - padded_cost(start_up))
     for index in range(6):
