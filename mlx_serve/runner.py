@@ -90,7 +90,7 @@ class InFlightStep:
     # it traced a compiled shape (tens of ms of host work, once), so its time teaches the scheduler nothing about
     # the next step of its shape; a step run eager while its shape's trace is deferred is an ordinary step
     one_off: bool = False
-    compiled: bool = False  # it replays a compiled trace (the scheduler learns compiled and eager costs apart)
+    compiled: bool = False  # it replays a compiled trace (the scheduler's cost model prices the two forms apart)
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,8 @@ One fit per path, by recursive least squares with forgetting (0.995: roughly the
 tracks drift without storing samples. A direction the samples never excite (the width, while every step has one
 chunk) would see its covariance grow by 1/0.995 a step without bound; the trace is held at its initial value.
 Until a path's fit has 8 samples, or if its prediction is not a positive finite number, it answers exactly as
-the `ema` baseline it trains alongside (until a compiled step is seen, a compiled one is predicted as eager). Same training filter as the other models; fixed memory.
+the `ema` baseline it trains alongside (until a compiled step is seen, a compiled one is predicted as eager). Same
+training filter as the other models; fixed memory.
 
 A least-squares fit has no defence against one wild sample, such as a step that stalled on a first-use compile
 (H200, 8B 4-bit: a skewed fit predicted 120-row steps of 15 ms at 40-130 ms for a hundred steps, while a fresh fit
@@ -40,7 +41,11 @@ from scheduler.plan import Path
 FORGETTING = 0.995
 MIN_SAMPLES = 8
 INITIAL_COVARIANCE = 1e6
-PAIR_SCALE = 1e-3  # pairs are counted in thousands so the features have comparable magnitudes
+# rows in thousands, pairs in millions: features of order one. Where a direction is never excited (every step of one
+# size), the fit splits the cost by the features' magnitudes; counted in single rows it put a fixed cost on the rows
+# slope, priced twice the rows at twice the cost and never tried them (`tests/scheduler/test_traced_shapes.py`)
+ROW_SCALE = 1e-3
+PAIR_SCALE = 1e-6
 OUTLIER_FACTOR = 3.0  # a fitted path trains on at most 3x (at least a third of) its prediction
 
 
@@ -48,15 +53,16 @@ FEATURES = 6
 
 
 def features(shape: StepShape, kv_bucket: int = 0) -> tuple[float, float, float, float, float, float]:
-    """(1, rows, attention pairs in thousands, decode lanes, extra prefill lanes, compiled), padded as the engine
-    pads."""
+    """(1, rows in thousands, attention pairs in millions, decode lanes, extra prefill lanes, compiled), padded as
+    the engine pads."""
     if kv_bucket and shape.path is Path.GPU:
         rows = sum(query_bucket(c.rows) for c in shape.chunks)
         pairs = sum(query_bucket(c.rows) * history_bucket(c.history + c.rows, kv_bucket) for c in shape.chunks)
     else:
         rows, pairs = shape.prefill_rows, shape.attention_pairs
     extra_lanes = max(shape.width - 1, 0)
-    return (1.0, float(rows), pairs * PAIR_SCALE, float(shape.decode_lanes), float(extra_lanes), float(shape.compiled))
+    lanes, compiled = float(shape.decode_lanes), float(shape.compiled)
+    return (1.0, rows * ROW_SCALE, pairs * PAIR_SCALE, lanes, float(extra_lanes), compiled)
 
 
 class RecursiveLeastSquares:

@@ -186,7 +186,7 @@ def test_affine_counts_the_padded_work_where_the_engine_pads() -> None:
     assert abs(exact.predict(last) - padded_cost(last)) > 0.05 * padded_cost(last)
     edge = StepShape((PrefillChunk(1024, 11_300),), 8)  # ends at 12,324: a 16k bucket, not 12k
     assert padded.predict(edge) == pytest.approx(padded_cost(edge), rel=0.02)
-    assert features(StepShape((PrefillChunk(100, 0),), 0, Path.ANE), 1024)[1] == 100  # the ANE lane runs exact
+    assert features(StepShape((PrefillChunk(100, 0),), 0, Path.ANE), 1024)[1] == 0.1  # the ANE lane runs exact
 
 
 def test_affine_learns_extra_lanes_and_its_covariance_stays_bounded() -> None:

@@ -190,7 +190,7 @@ def test_a_padded_last_chunk_is_planned_at_its_padded_cost() -> None:
     from tests.scheduler.test_cost_models import padded_cost
 
     def plan_last_chunk(kv_bucket: int) -> int:
-        config = SchedulerConfig(num_blocks=8192, cost_model="affine", step_target_ms=14.0, kv_bucket=kv_bucket)
+        config = SchedulerConfig(num_blocks=8192, cost_model="affine", step_target_ms=14.5, kv_bucket=kv_bucket)
         scheduler = Scheduler(config)
         model = scheduler.cost_model
         assert isinstance(model, AffineCostModel)
@@ -206,6 +206,6 @@ def test_a_padded_last_chunk_is_planned_at_its_padded_cost() -> None:
         return plan.prefill_rows
 
     over, fits = (padded_cost(StepShape((PrefillChunk(rows, 0),), 8)) for rows in (1552, 1536))
-    assert over > 14.0 >= fits
+    assert over > 14.5 >= fits
     assert plan_last_chunk(1024) == 1536
-    assert plan_last_chunk(0) == 1552  # counted exactly, the whole rest looks like it fits
+    assert plan_last_chunk(0) == 1552  # counted exactly, the whole rest looks like it fits (predicted 14.0 ms)
