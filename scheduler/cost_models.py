@@ -16,9 +16,9 @@ Selected by `SchedulerConfig.cost_model` (env `MLX_SERVE_PREFILL_COST_MODEL` ove
   long-history lane behind it. A cell is used once it has 3 samples; before that the prediction is exactly
   the `ema` baseline's, which the table trains alongside itself on the same observations.
 - `affine` (optional): fixed + per-row + per-attention-pair + per-decode-lane + per-extra-prefill-lane
-  milliseconds (padded counts where the engine pads chunks), fit online by recursive least squares with
-  forgetting, one fit per path and per form (compiled trace or eager); falls back to the other form's fit, then
-  to `ema`, until it has 8 samples.
+  milliseconds, less a learned saving for a step that replays a compiled trace (padded counts where the engine pads
+  chunks), fit online by recursive least squares with forgetting, one fit per path; falls back to `ema` until it
+  has 8 samples.
 
 Every model trains only on trainable observations: finite, positive time, >= 64 prefill rows, text prefill
 (auxiliary work such as KV restore/prefix copies or images never trains). The path of a shape is the path its
@@ -62,7 +62,7 @@ class StepShape:
     path: Path = Path.GPU
     auxiliary: bool = False  # restore/prefix-copy/image work or a compiled shape's trace rode along: never trains
     # the GPU lanes run (or ran) through a compiled trace: on a host-bound GPU the same rows cost a fraction of an
-    # eager step, so the affine model keeps the two apart (`traced_shapes.TracedShapes` says which a plan gets)
+    # eager step, so the affine model prices the two apart (`traced_shapes.TracedShapes` says which a plan gets)
     compiled: bool = False
 
     @property

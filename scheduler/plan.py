@@ -88,4 +88,4 @@ class StepOutcome:
     # no cost model trains)
     ane_elapsed_ms: float | None = None
     auxiliary: bool = False
-    compiled: bool = False  # the GPU lanes ran through a compiled trace (the cost models learn the two forms apart)
+    compiled: bool = False  # the GPU lanes ran through a compiled trace (the affine model prices the two forms apart)
