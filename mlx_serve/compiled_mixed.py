@@ -156,9 +156,7 @@ class CompiledMixed:
         self._most_rows = max(self._most_rows, shape[2])
         if shape in self.shapes:
             return True
-        if shape not in self._untraceable:
-            self._deferred.setdefault(shape, (gather, kv_bucket))
-            self._neighbours.pop(shape, None)
+        self.want(shape, gather, kv_bucket)
         return False
 
     def trace_deferred(self) -> bool:

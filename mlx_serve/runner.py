@@ -209,7 +209,7 @@ class ModelRunner:
         continuation of a cached 8k prefix took 17 ms, 12.6 of them building the eager graph, against a cold TTFT of
         107 (twentieth run). Returns the number of shapes traced."""
         mixed = self.compiled_mixed
-        if mixed is None or not self.kv_bucket or self.prefill_gather is None or not mixed.defer_traces:
+        if not self._mixed_on or not mixed.defer_traces:
             return 0
         for padded in self._history_buckets(max_len):
             for count in (query_bucket(r) for r in rows if query_bucket(r) <= padded):
@@ -296,10 +296,7 @@ class ModelRunner:
         gpu_lanes, ane_lanes = ane_chunks.split_lanes(plan.lanes, self.prefill_lane)
         chunks = ane_chunks.submit(self.prefill_lane, ane_lanes, self.pool) if ane_lanes else []
         compiled = self.compiled is not None and bool(gpu_lanes) and all(lane.rows == 1 for lane in gpu_lanes)
-        mixable = (
-            not compiled and self.compiled_mixed is not None and bool(self.kv_bucket)
-            and self.prefill_gather is not None and compilable(gpu_lanes)
-        )  # fmt: skip
+        mixable = not compiled and self._mixed_on and compilable(gpu_lanes)
         mixed = mixable and self._mixed_ready(gpu_lanes)
         prepared = None if compiled or mixed else self._prepare(gpu_lanes, previous)
         traced = self._traced_shapes()
@@ -338,9 +335,14 @@ class ModelRunner:
             "mixed_waiting": mixed.deferred if mixed is not None else 0,
         }
 
+    @property
+    def _mixed_on(self) -> bool:
+        """Whether steps of decode lanes and one chunk can replay compiled traces here (bucketed, table-gathered)."""
+        return self.compiled_mixed is not None and bool(self.kv_bucket) and self.prefill_gather is not None
+
     def traced_shapes(self) -> TracedMixedShapes | None:
         """What the scheduler asks about compiled steps (None: no prefill step runs compiled here)."""
-        if self.compiled_mixed is None or not self.kv_bucket or self.prefill_gather is None:
+        if not self._mixed_on:
             return None
         return TracedMixedShapes(self.compiled_mixed, self.kv_bucket, self.prefill_gather)
 
