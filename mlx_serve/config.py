@@ -25,6 +25,7 @@ class EngineConfig:
     plan_headroom: float = 1.0  # contended steps are planned to this fraction of the step target
     plan_padding: bool = True  # budgets and the affine cost model see chunks padded as the runner pads them (CUDA)
     cost_model: str = "ema"
+    cost_trust_factor: float = 1.5  # affine: steps past this many times the largest recent one priced by its cost per row
     max_overtakes: int = 4
     enable_prefix_cache: bool = True
     decode_debt: bool = True

@@ -104,6 +104,7 @@ def scheduler_config(
         budget_midpoints=c.budget_midpoints,
         plan_headroom=c.plan_headroom,
         cost_model=c.cost_model,
+        cost_trust_factor=c.cost_trust_factor,
         max_overtakes=c.max_overtakes,
         decode_debt=c.decode_debt,
         enable_prefix_cache=c.enable_prefix_cache,

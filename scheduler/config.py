@@ -39,6 +39,9 @@ class SchedulerConfig:
     step_target_factor: float = 0.0
     step_target_floor_ms: float = 20.0
     cost_model: str = "ema"  # "ema" | "bucketed" | "affine" (env MLX_SERVE_PREFILL_COST_MODEL overrides)
+    # the affine model prices a step of more than this many times the rows of its largest recent step at least at
+    # that step's cost per row (`affine_cost.TrustRegion`: a fit extrapolated 2x ran 1.5x over); 0: off
+    cost_trust_factor: float = 1.5
     max_overtakes: int = 4
     decode_debt: bool = True
     enable_prefix_cache: bool = True
@@ -61,6 +64,8 @@ class SchedulerConfig:
             raise ValueError("step_target_factor and step_target_floor_ms must be >= 0")
         if not 0 < self.plan_headroom <= 1:
             raise ValueError(f"plan_headroom must be in (0, 1], got {self.plan_headroom}")
+        if not (self.cost_trust_factor == 0 or self.cost_trust_factor >= 1):
+            raise ValueError(f"cost_trust_factor must be 0 (off) or >= 1, got {self.cost_trust_factor}")
         if self.cost_model not in COST_MODELS:
             raise ValueError(f"cost_model must be one of {COST_MODELS}, got {self.cost_model!r}")
 

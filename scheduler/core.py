@@ -35,7 +35,9 @@ class Scheduler:
         self.trace = trace
         self.traced_shapes = traced_shapes  # which steps the engine runs compiled (None: it compiles no prefill)
         self.blocks = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_cache)
-        self.cost_model = make_cost_model(config.resolved_cost_model(), config.kv_bucket)
+        self.cost_model = make_cost_model(
+            config.resolved_cost_model(), config.kv_bucket, config.cost_trust_factor
+        )
         self.step_target = StepTarget(config.step_target_ms, config.step_target_factor, config.step_target_floor_ms)
         self.stats = SchedulerStats()
         self.max_len = min(config.max_model_len, config.pool_tokens)

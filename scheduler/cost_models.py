@@ -170,9 +170,10 @@ class BucketedCostModel:
         return self.ms_per_row.itemsize * len(self.ms_per_row) + self.samples.itemsize * len(self.samples)
 
 
-def make_cost_model(name: str, kv_bucket: int = 0) -> CostModel:
+def make_cost_model(name: str, kv_bucket: int = 0, trust_factor: float = 1.5) -> CostModel:
     """The cost model called `name` ("ema", "bucketed" or "affine"); `kv_bucket`: how the engine pads chunks
-    (`SchedulerConfig.kv_bucket`), which the affine model counts."""
+    (`SchedulerConfig.kv_bucket`), which the affine model counts; `trust_factor`: the affine model's trust region
+    (`SchedulerConfig.cost_trust_factor`)."""
     if name == "ema":
         return EmaCostModel()
     if name == "bucketed":
@@ -180,5 +181,5 @@ def make_cost_model(name: str, kv_bucket: int = 0) -> CostModel:
     if name == "affine":
         from scheduler.affine_cost import AffineCostModel
 
-        return AffineCostModel(kv_bucket)
+        return AffineCostModel(kv_bucket, trust_factor)
     raise ValueError(f"unknown prefill cost model {name!r}: expected ema, bucketed or affine")

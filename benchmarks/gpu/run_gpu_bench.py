@@ -137,7 +137,7 @@ def measure_ours(
               "step_target_floor_ms": args.target_floor_ms, "defer_mixed_traces": args.defer_mixed_traces == "on",
               "trace_neighbour_shapes": args.trace_neighbour_shapes,
               "budget_midpoints": args.budget_midpoints == "on", "plan_headroom": args.plan_headroom,
-              "plan_padding": args.plan_padding == "on"}  # fmt: skip
+              "cost_trust_factor": args.cost_trust_factor, "plan_padding": args.plan_padding == "on"}  # fmt: skip
     # only the contended engine meets long prompts' chunk shapes: the others skip the warm-up
     side = OurSide(dummy, kv_blocks, 500.0, args.attention, **engine, warm_up=False)
     try:
@@ -188,6 +188,7 @@ def measure_ours(
         out["row_quantum"] = side.engine.scheduler.config.row_quantum  # as resolved (auto: by model and backend)
         out["budget_midpoints"] = side.engine.scheduler.config.budget_midpoints
         out["plan_headroom"] = side.engine.scheduler.config.plan_headroom
+        out["cost_trust_factor"] = side.engine.scheduler.config.cost_trust_factor
         out["plan_kv_bucket"] = side.engine.scheduler.config.kv_bucket  # 0: planned with exact counts
         out["step_target_floor_ms"] = side.engine.scheduler.config.step_target_floor_ms
         note(f"{dummy.name} ours warm-up", out["warm_up"])
@@ -302,6 +303,8 @@ def main() -> None:
                         help="EngineConfig.budget_midpoints: a halved budget grows by half again where it fits")
     parser.add_argument("--plan-headroom", type=float, default=1.0,
                         help="EngineConfig.plan_headroom: contended steps planned to this fraction of the target")
+    parser.add_argument("--cost-trust-factor", type=float, default=1.5,
+                        help="EngineConfig.cost_trust_factor: the affine fit's trust region in rows (0: off)")
     parser.add_argument("--plan-padding", choices=["on", "off"], default="on",
                         help="EngineConfig.plan_padding: plan chunks as the engine pads them (off: exact counts)")
     parser.add_argument("--row-quantum", default="auto", type=row_quantum_arg,

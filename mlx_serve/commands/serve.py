@@ -60,6 +60,16 @@ def _headroom(text: str) -> float:
     return value
 
 
+def _trust_factor(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, not {text!r}") from None
+    if not (value == 0 or value >= 1):
+        raise argparse.ArgumentTypeError(f"must be 0 (off) or at least 1, not {text}")
+    return value
+
+
 def row_quantum_arg(text: str) -> int | str:
     """`--row-quantum`: a whole number >= 1, or auto."""
     return text if text == "auto" else whole_number_arg(1, expected="a whole number or auto")(text)
@@ -130,6 +140,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="step-time predictor for row budgets: one EMA ms-per-row, the 96-cell bucketed table, or "
                         "an affine fit (fixed + rows + attention pairs + decode lanes + extra prompt lanes) "
                         "(default: %(default)s; env MLX_SERVE_PREFILL_COST_MODEL overrides)")
+    s.add_argument("--cost-trust-factor", type=_trust_factor, default=1.5, metavar="X",
+                   help="affine: a step of more than X times the rows of the largest recent step is priced at least "
+                        "at that step's cost per row, not by the fit's extrapolation; 0: off (default: %(default)s)")
     s.add_argument("--max-overtakes", type=whole_number_arg(0), default=4,
                    help="how often a waiting request may be overtaken by shorter ones before it goes first "
                         "(default: %(default)s)")
@@ -215,7 +228,7 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
         max_model_len=args.max_model_len, step_target_ms=args.step_target_ms,
         step_target_factor=args.step_target_factor, step_target_floor_ms=args.step_target_floor_ms,
         row_ceiling=args.row_ceiling, row_floor=args.row_floor,
-        row_quantum=args.row_quantum, budget_midpoints=args.budget_midpoints == "on", plan_headroom=args.plan_headroom, plan_padding=args.plan_padding == "on", cost_model=args.prefill_cost_model, max_overtakes=args.max_overtakes,
+        row_quantum=args.row_quantum, budget_midpoints=args.budget_midpoints == "on", plan_headroom=args.plan_headroom, plan_padding=args.plan_padding == "on", cost_model=args.prefill_cost_model, cost_trust_factor=args.cost_trust_factor, max_overtakes=args.max_overtakes,
         enable_prefix_cache=not args.no_prefix_cache, decode_debt=not args.no_decode_debt,
         ane_lane=args.ane_lane, ane_package=args.ane_package, ane_timeout_s=args.ane_timeout_s,
         decode_attention=args.decode_attention, compile_decode=args.compile_decode, fuse_decode=args.fuse_decode,

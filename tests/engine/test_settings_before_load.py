@@ -24,6 +24,7 @@ MISSING = "/nonexistent/model-dir"
         ({"step_target_floor_ms": -1.0}, "step_target_floor_ms must be a number >= 0"),
         ({"plan_headroom": 1.5}, "plan_headroom must be in"),
         ({"cost_model": "oracle"}, "cost_model must be one of"),
+        ({"cost_trust_factor": 0.5}, "cost_trust_factor must be 0"),
         ({"trace_neighbour_shapes": -1}, "trace_neighbour_shapes must be a whole number"),
     ],
 )
