@@ -33,6 +33,10 @@ class SchedulerConfig:
     # 67-83 ms for one 768-row shape, stays under it). 1.0 since the H200's fourteenth run: at 0.9 the 8B shape's
     # 512-row chunks no longer fit its auto target (16k TTFT 1.19x solo at 1.0, 1.74x at 0.9)
     plan_headroom: float = 1.0
+    # where even the floor budget is predicted over the target, the budget grows while predicted within this multiple
+    # of the floor step's time (a step whose fixed cost dominates: H200 8B 4-bit at 16k, 64 rows ~22 ms, 384 ~29.5);
+    # 1: the floor budget, as before
+    floor_slack: float = 1.25
     # 500 ms is the seed's Apple-GPU value; a fast GPU (H200) wants tens of ms. With a factor > 0 the target is
     # that many measured decode-only steps (at least step_target_floor_ms), this value only until one is measured
     step_target_ms: float = 500.0
@@ -62,6 +66,8 @@ class SchedulerConfig:
             raise ValueError(f"step_target_ms must be > 0, got {self.step_target_ms}")
         if not (self.step_target_factor >= 0 and self.step_target_floor_ms >= 0):
             raise ValueError("step_target_factor and step_target_floor_ms must be >= 0")
+        if not self.floor_slack >= 1:
+            raise ValueError(f"floor_slack must be >= 1, got {self.floor_slack}")
         if not 0 < self.plan_headroom <= 1:
             raise ValueError(f"plan_headroom must be in (0, 1], got {self.plan_headroom}")
         if not (self.cost_trust_factor == 0 or self.cost_trust_factor >= 1):

@@ -134,3 +134,32 @@ def test_contended_budgets_are_planned_to_the_headroom_fraction_of_the_target(he
 def test_a_headroom_outside_zero_to_one_is_refused(headroom):
     with pytest.raises(ValueError, match="plan_headroom"):
         SchedulerConfig(num_blocks=16, plan_headroom=headroom)
+
+
+class FixedCostModel:
+    """A step of a large fixed cost: 22 ms, then 0.02 ms a row (the H200's 8B 4-bit beside 8 streams at 16k)."""
+
+    name = "fixed"
+
+    def predict(self, shape) -> float:
+        return 22.0 + 0.02 * shape.prefill_rows
+
+    def observe(self, shape, elapsed_ms: float) -> None:
+        pass
+
+
+@pytest.mark.parametrize("slack,budget,reason", [(1.25, 256, "halved:5+slack:4"), (1.0, 64, "halved:5")])
+def test_where_even_the_floor_is_over_the_target_the_budget_grows_within_the_slack(slack, budget, reason):
+    """Against 20 ms nothing fits: the floor (64 rows) is 23.3 ms. Within 1.25 x that (29.1 ms) the budget grows a
+    query bucket at a time: 96, 128, 192, 256 (27.1 ms); 384 (29.7) does not fit. Slack 1: the floor, as before."""
+    config = SchedulerConfig(num_blocks=4096, step_target_ms=20.0, floor_slack=slack)
+    scheduler = Scheduler(config)
+    scheduler.add(make_request("stream", 10, max_tokens=100))
+    run_step(scheduler, 0.0, elapsed_ms=10.0)
+    scheduler.cost_model = FixedCostModel()
+    scheduler.add(make_request("prompt", 5000, base=7000))
+    plan = scheduler.schedule(0.011)  # within the target of the stream's last token: no decode debt
+    assert (plan.row_budget, plan.prefill_rows, plan.budget_reason) == (budget, budget, reason)
+    assert plan.predicted_ms <= slack * (22.0 + 0.02 * 64)
+    with pytest.raises(ValueError, match="floor_slack"):
+        SchedulerConfig(num_blocks=16, floor_slack=0.9)
