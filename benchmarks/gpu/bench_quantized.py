@@ -7,6 +7,7 @@ dequantized to a dense matmul (`DequantizedRows`, `--dequantize-rows`); up to 2,
     python -m benchmarks.gpu.bench_quantized
     python -m benchmarks.gpu.bench_quantized --projections   # every 8B projection the fused decode step runs
     python -m benchmarks.gpu.bench_quantized --tiles   # the quantized-tiles kernel against MLX's 4-bit GEMM, by rows
+    python -m benchmarks.gpu.bench_quantized --gemv   # the GEMV kernel against MLX's 4-bit matmul, 1-8 rows
 
 The second form looks for the 4-bit 8-lane decode step's missing time (16.6 ms against 7.7 for bf16 8B in the
 seventh run, though the 4096x12288 product of 8 rows costs what bf16 does when one layer is called 36 times, its
@@ -27,8 +28,9 @@ import mlx.nn as nn
 
 from benchmarks.gpu.bench_kernel import time_ms, variants
 from mlx_serve.kernels.dequantize import dense_matmul, dequantize_4bit
+from mlx_serve.kernels.quantized_gemv import quantized_gemv
 from mlx_serve.kernels.quantized_tiles import quantized_tiles_matmul
-from mlx_serve.quantized_rows import DequantizedRows, reference_matmul
+from mlx_serve.quantized_rows import DequantizedRows, k_splits_for, reference_matmul
 
 K, N, CALLS = 4096, 12288, 36
 # (name, in, out) of Qwen3-8B's products in the fused decode forward
@@ -148,6 +150,47 @@ def _dequantize_split(x: mx.array, parts: tuple[mx.array, mx.array, mx.array]) -
     return dequantize_4bit(*parts, 64)  # the dequantization alone (its input only orders the chain)
 
 
+def gemv(rows: tuple[int, ...]) -> None:
+    """Each 8B projection over distinct layers, chained, at decode's rows: the GEMV kernel against MLX's 4-bit
+    matmul, over the whole weight and, where `k_splits_for` splits it, over its K slices (MLX's then as the engine
+    runs it: one batched product, summed). Per call: ms, GB/s of packed weights, scales and biases, MLX's time over
+    ours, and the largest difference from MLX's answer (MLX rounds each weight to bf16, the kernel does not)."""
+    for name, k, n in PROJECTIONS:
+        calls = 4 if name == "lm_head" else CALLS
+        quants = [quant for _, quant in (_layers(k, n) for _ in range(calls))]
+        layouts = {1: [(q.weight, q.scales, q.biases) for q in quants]}
+        splits = k_splits_for(n, k, 64)
+        if splits > 1:
+            layouts[splits] = [_split_k(q, splits) for q in quants]
+        mx.eval(list(layouts.values()))
+        gigabytes = sum(a.nbytes for a in layouts[1][0]) / 1e9
+        for m in rows:
+            x = mx.random.normal((m, k)).astype(mx.bfloat16)
+            mx.eval(x)
+            for slices, parts in layouts.items():
+                ours = [functools.partial(_gemv, parts=p) for p in parts]
+                mlx = [functools.partial(_mlx_product, parts=p, splits=slices) for p in parts]
+                row = {"projection": name, "rows": m, "splits": slices, "distinct_layers": calls,
+                       "gemv_ms": time_ms(lambda x=x, f=ours: _chained(x, f)) / calls,
+                       "mlx_ms": time_ms(lambda x=x, f=mlx: _chained(x, f)) / calls}  # fmt: skip
+                for path in ("gemv", "mlx"):
+                    row[f"{path}_gb_s"] = gigabytes / row[f"{path}_ms"] * 1e3
+                row["mlx_over_gemv"] = row["mlx_ms"] / row["gemv_ms"]
+                diff = ours[0](x).astype(mx.float32) - mlx[0](x).astype(mx.float32)
+                row["max_abs_diff"] = mx.abs(diff).max().item()
+                print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+
+
+def _gemv(x: mx.array, parts: tuple[mx.array, mx.array, mx.array]) -> mx.array:
+    return quantized_gemv(x, *parts, 64)
+
+
+def _mlx_product(x: mx.array, parts: tuple[mx.array, mx.array, mx.array], splits: int) -> mx.array:
+    if splits > 1:
+        return _split_k_product(x, parts, splits)
+    return mx.quantized_matmul(x, *parts, transpose=True, group_size=64, bits=4)
+
+
 def by_rows() -> None:
     dense, quant = _layers(K, N)
     dequantized = DequantizedRows(1)
@@ -175,19 +218,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--projections", action="store_true", help="every 8B projection at 1-64 rows instead")
     parser.add_argument("--tiles", action="store_true", help="the quantized-tiles kernel against MLX's GEMM")
-    parser.add_argument("--rows", default="8,16,32,33,64,128,256,512,2048", help="row counts for --tiles")
-    parser.add_argument("--variants", default="", help="--tiles: the kernel module's constants set in turn, e.g. "
-                        "'PIPE=2;PIPE=3,TARGET_BLOCKS=396' (default: as the module has them)")
+    parser.add_argument("--gemv", action="store_true", help="the GEMV kernel against MLX's 4-bit matmul, 1-8 rows")
+    parser.add_argument("--rows", default=None, help="row counts for --tiles (8,...,2048) or --gemv (1,2,4,8)")
+    parser.add_argument("--variants", default="", help="--tiles / --gemv: the kernel module's constants set in "
+                        "turn, e.g. 'PIPE=2;PIPE=3,TARGET_BLOCKS=396' (default: as the module has them)")
     parser.add_argument("--no-peers", action="store_true", help="--tiles: leave out bf16 and MLX's 4-bit GEMM")
     args = parser.parse_args()
-    if args.tiles:
+    if args.gemv:
+        from mlx_serve.kernels import quantized_gemv as module
+
+        for variant in variants(args.variants) or [{}]:
+            for name, value in variant.items():
+                setattr(module, name, value)
+            print(json.dumps({"variant": variant}), flush=True)
+            gemv(tuple(int(r) for r in (args.rows or "1,2,4,8").split(",")))
+    elif args.tiles:
         from mlx_serve.kernels import quantized_tiles
 
         for number, variant in enumerate(variants(args.variants) or [{}]):
             for name, value in variant.items():
                 setattr(quantized_tiles, name, value)
             print(json.dumps({"variant": variant}), flush=True)
-            tiles(tuple(int(r) for r in args.rows.split(",")), first=number == 0 and not args.no_peers)
+            rows = args.rows or "8,16,32,33,64,128,256,512,2048"
+            tiles(tuple(int(r) for r in rows.split(",")), first=number == 0 and not args.no_peers)
     else:
         projections() if args.projections else by_rows()
 

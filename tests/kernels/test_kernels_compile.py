@@ -9,7 +9,14 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx.core as mx
 import pytest
 
-from mlx_serve.kernels import dequantize, expert_tiles, paged_attention, quantized_tiles, tile_layout
+from mlx_serve.kernels import (
+    dequantize,
+    expert_tiles,
+    paged_attention,
+    quantized_gemv,
+    quantized_tiles,
+    tile_layout,
+)
 from mlx_serve.kernels.synthetic import random_decode_problem
 from tests.kernels.nvcc_check import compile_source, nvcc, recorded_kernels
 
@@ -21,8 +28,9 @@ def kernels(monkeypatch):
     """The recorded launches; the kernel builders' caches are cleared around the test (a cached real kernel
     would bypass the recorder, a cached recorder would outlive it)."""
     builders = (
-        dequantize._kernel, expert_tiles._kernel, paged_attention._kernels, quantized_tiles._kernel, tile_layout._kernel
-    )
+        dequantize._kernel, expert_tiles._kernel, paged_attention._kernels, quantized_gemv._kernel,
+        quantized_tiles._kernel, tile_layout._kernel,
+    )  # fmt: skip
     for builder in builders:
         builder.cache_clear()
     with recorded_kernels(monkeypatch) as recorded:
@@ -59,6 +67,20 @@ def test_quantized_tiles_compiles(kernels) -> None:
             scales = mx.zeros((slices, 1024, k // slices // group_size), dtype=mx.bfloat16)
             x = mx.zeros((rows, k), mx.bfloat16)
             quantized_tiles.quantized_tiles_matmul(x, weight, scales, scales, group_size)
+    assert_compiles(kernels)
+
+
+def test_quantized_gemv_compiles(kernels) -> None:
+    """1 and 8 rows, every group size, whole and split weights, each tile width (N of 1024, 16384 and 32768) and
+    an N no tile divides."""
+    for rows in (1, 8):
+        for group_size in quantized_gemv.GROUP_SIZES:
+            for n, k, slices in [(1024, 4096, 1), (16384, 4096, 8), (32768, 1024, 1), (1000, 1024, 2)]:
+                weight = mx.zeros((slices, n, k // slices // 8), dtype=mx.uint32)
+                scales = mx.zeros((slices, n, k // slices // group_size), dtype=mx.bfloat16)
+                x = mx.zeros((rows, k), mx.bfloat16)
+                assert quantized_gemv.quantized_gemv(x, weight, scales, scales, group_size).shape == (rows, n)
+    assert {quantized_gemv.tiles_for(n) for n in (1024, 16384, 32768)} == set(quantized_gemv.TILE_CHOICES)
     assert_compiles(kernels)
 
 
