@@ -23,6 +23,7 @@ class EngineConfig:
     row_quantum: int | str = "auto"  # contended steps fill their last row tile of this many rows; auto: engine_setup
     budget_midpoints: bool = True  # a halved budget grows by half again where still predicted within the target
     plan_headroom: float = 1.0  # contended steps are planned to this fraction of the step target
+    floor_slack: float = 1.25  # where even the floor budget is over the target, grow while within this x its time
     plan_padding: bool = True  # budgets and the affine cost model see chunks padded as the runner pads them (CUDA)
     cost_model: str = "ema"
     cost_trust_factor: float = 1.5  # affine: steps past this many times the largest recent one priced by its cost per row
@@ -42,6 +43,7 @@ class EngineConfig:
     dense_experts: str = "auto"  # "auto" (on with CUDA) | "on" | "off": MoE steps of enough rows use every expert
     split_quantized_k: str = "auto"  # "auto" (all with CUDA) | "on" | "off" | "all": quantized projections over K slices
     chunk_attention: str = "auto"  # "auto" | "sdpa" | "matmul": how prefill chunks attend (`ragged.ChunkAttention`)
+    quantized_gemv: str = "auto"  # "auto" (the CUDA kernel with CUDA) | "on" | "off": 4-bit products of <= 8 rows
     quantized_tiles: str = "auto"  # "auto" (the CUDA kernel with CUDA) | "on" | "off": 4-bit steps of many rows
     dequantize_rows: int = 0  # quantized projections of steps with this many rows as dense matmuls (0: never)
     ane_lane: str = "off"  # "off" | "cpu" (labelled MLX CPU stand-in) | "ane" (Core ML, macOS only)

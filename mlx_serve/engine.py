@@ -92,6 +92,7 @@ class Engine:
             expert_tiles=engine_setup.expert_tiles(config.expert_tiles),
             dequantize_rows=engine_setup.dequantize_rows(config.dequantize_rows),
             quantized_tiles=engine_setup.quantized_tiles(config.quantized_tiles),
+            quantized_gemv=engine_setup.quantized_gemv(config.quantized_gemv),
             chunk_attention=engine_setup.chunk_attention(config.chunk_attention),
         )
         self.scheduler = Scheduler(

@@ -12,7 +12,7 @@ from scheduler import SchedulerConfig
 
 if TYPE_CHECKING:  # the module stays importable without MLX
     from mlx_serve.grouped_experts import TileMatmul
-    from mlx_serve.quantized_rows import QuantizedTiles
+    from mlx_serve.quantized_rows import QuantizedGemv, QuantizedTiles
 
 AUTO_STEP_FACTOR = 4.0  # `step_target_ms="auto"`: a contended step may take 4 decode steps (scheduler/step_target.py)
 
@@ -31,7 +31,7 @@ def step_target(value: float | str, factor: float = AUTO_STEP_FACTOR) -> tuple[f
 
 
 SWITCHES = ("compile_decode", "fuse_decode", "fuse_mixed", "compile_mixed", "dense_experts", "expert_tiles",
-            "quantized_tiles")  # fmt: skip
+            "quantized_tiles", "quantized_gemv")  # fmt: skip
 
 
 def check_settings(c: EngineConfig) -> None:
@@ -103,6 +103,7 @@ def scheduler_config(
         kv_bucket=kv_bucket,
         budget_midpoints=c.budget_midpoints,
         plan_headroom=c.plan_headroom,
+        floor_slack=c.floor_slack,
         cost_model=c.cost_model,
         cost_trust_factor=c.cost_trust_factor,
         max_overtakes=c.max_overtakes,
@@ -229,6 +230,25 @@ def quantized_tiles(kind: str) -> QuantizedTiles | None:
 
         return QuantizedTiles(kernel.many_rows_matmul, kernel.fits)
     return REFERENCE_TILES
+
+
+def quantized_gemv(kind: str) -> QuantizedGemv | None:
+    """How 4-bit projections of at most 8 rows (decode steps) multiply: auto = the `quantized_gemv` kernel with
+    MLX's CUDA backend (MLX's quantized matrix-vector product reads the weights at ~17% of the H200's bandwidth, once
+    per row), else MLX's quantized matmul; on = the kernel on CUDA, its reference (dequantize, then matmul)
+    elsewhere, for tests; off = MLX's quantized matmul."""
+    _check_switch(kind, "quantized_gemv")
+    from mlx_serve.kernels.paged_attention import cuda_available
+
+    if kind == "off" or (kind == "auto" and not cuda_available()):
+        return None
+    from mlx_serve.quantized_rows import REFERENCE_GEMV, QuantizedGemv
+
+    if cuda_available():
+        from mlx_serve.kernels import quantized_gemv as kernel
+
+        return QuantizedGemv(kernel.quantized_gemv, kernel.MOST_ROWS, kernel.fits)
+    return REFERENCE_GEMV
 
 
 def split_quantized_k(kind: str, fused_mixed: bool) -> str:

@@ -44,7 +44,18 @@ class QuantizedTiles:
     fits: Callable[[nn.Module], bool]
 
 
+@dataclass(frozen=True, slots=True)
+class QuantizedGemv:
+    """A product for quantized linears of a few rows (a decode step's), and which linears it takes."""
+
+    # (x [M, K] with M <= most_rows, packed weight [N, K / 8] or [S, N, K / S / 8], scales, biases, group size)
+    matmul: Callable[[mx.array, mx.array, mx.array, mx.array, int], mx.array]
+    most_rows: int
+    fits: Callable[[nn.Module], bool]
+
+
 class RowsQuantizedLinear(nn.QuantizedLinear):
+    gemv: QuantizedGemv | None = None  # how products of at most `gemv.most_rows` rows run (None: as the rest)
     dequantize_from = 0  # rows from which a product runs over the dequantized weights (`DequantizedRows`); 0: never
     k_splits = 1  # > 1: weight, scales and biases held as `[k_splits, out, in / k_splits]` slices of K (`split_k`)
     tiles: QuantizedTiles | None = None  # how products of `TILES_FROM_ROWS` rows or more run (None: as the rest)
@@ -54,6 +65,11 @@ class RowsQuantizedLinear(nn.QuantizedLinear):
         # an explicit --dequantize-rows is the user's choice: it goes before the tiles' auto default
         if self.dequantize_from and rows >= self.dequantize_from and self.get("global_scale") is None:
             return _dense_product(self, x)
+        if self.gemv is not None and rows <= self.gemv.most_rows:
+            flat = x.reshape(rows, x.shape[-1])
+            y = self.gemv.matmul(flat, self["weight"], self["scales"], self["biases"], self.group_size)
+            y = y + self["bias"] if "bias" in self else y
+            return y.reshape(*x.shape[:-1], y.shape[-1])
         if self.tiles is not None and rows >= TILES_FROM_ROWS:
             flat = x.reshape(rows, x.shape[-1])
             y = self.tiles.matmul(flat, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
@@ -126,10 +142,13 @@ def split_standalone_projections(model: Any, shared: set[int]) -> int:
     return sum(split_where_worth_it(module) > 1 for module in modules)
 
 
-def fold_quantized_rows(model: Any, dequantize_from: int = 0, tiles: QuantizedTiles | None = None) -> int:
+def fold_quantized_rows(
+    model: Any, dequantize_from: int = 0, tiles: QuantizedTiles | None = None, gemv: QuantizedGemv | None = None
+) -> int:
     """Make the model's quantized linears fold rows, run products of `dequantize_from` rows or more (0: never)
-    over their dequantized weights, and those of `TILES_FROM_ROWS` or more through `tiles` where it takes the
-    linear's quantization; returns how many fold rows now (an earlier engine's included)."""
+    over their dequantized weights, those of `TILES_FROM_ROWS` or more through `tiles` and those of at most
+    `gemv.most_rows` through `gemv`, each where it takes the linear's quantization; returns how many fold rows now
+    (an earlier engine's included)."""
     folded = 0
     for _, module in model.named_modules():
         if type(module) is nn.QuantizedLinear:
@@ -137,6 +156,7 @@ def fold_quantized_rows(model: Any, dequantize_from: int = 0, tiles: QuantizedTi
         if type(module) is RowsQuantizedLinear:
             module.dequantize_from = dequantize_from
             module.tiles = tiles if tiles is not None and tiles.fits(module) else None
+            module.gemv = gemv if gemv is not None and gemv.fits(module) else None
             folded += 1
     return folded
 
@@ -153,6 +173,18 @@ def reference_matmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx
 
 
 REFERENCE_TILES = QuantizedTiles(reference_matmul, affine_with_biases)  # the kernel's stand-in off CUDA (tests)
+
+
+def _reference_gemv(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array, group_size: int) -> mx.array:
+    return reference_matmul(x, weight, scales, biases, group_size, 4)
+
+
+def _affine_4bit(module: nn.Module) -> bool:
+    return affine_with_biases(module) and module.bits == 4
+
+
+GEMV_MOST_ROWS = 8  # the `quantized_gemv` kernel's most rows (a full lane bucket of a small decode batch)
+REFERENCE_GEMV = QuantizedGemv(_reference_gemv, GEMV_MOST_ROWS, _affine_4bit)  # the kernel's stand-in off CUDA
 
 
 class DequantizedRows:

@@ -27,6 +27,7 @@ from mlx_serve.kernels.step_clock import CONTINUITY_S, GpuStepClock, StepClock, 
 from mlx_serve.kv_pool import KVPool, slot_array
 from mlx_serve.quantized_rows import (
     DequantizedRows,
+    QuantizedGemv,
     QuantizedTiles,
     fold_quantized_rows,
     split_standalone_projections,
@@ -117,6 +118,7 @@ class ModelRunner:
         expert_tiles: TileMatmul | None = None,
         dequantize_rows: int = 0,
         quantized_tiles: QuantizedTiles | None = None,
+        quantized_gemv: QuantizedGemv | None = None,
         fuse_mixed: bool = False,
         compile_mixed: bool = False,
         defer_mixed_traces: bool = False,
@@ -146,7 +148,7 @@ class ModelRunner:
         self._last_end_ns: int | None = None  # the device clock at the last step's end
         install_ragged_attention(model)
         # how many there are sets the scheduler's row tile
-        self.quantized_projections = fold_quantized_rows(model, dequantize_rows, quantized_tiles)
+        self.quantized_projections = fold_quantized_rows(model, dequantize_rows, quantized_tiles, quantized_gemv)
         if dense_moe or expert_tiles is not None:  # MoE blocks pick their form by the step's rows
             dense_experts.install(model, dense=dense_moe, tiles=expert_tiles)
         self._tied = bool(getattr(getattr(model, "args", None), "tie_word_embeddings", False))
@@ -164,7 +166,8 @@ class ModelRunner:
                 raise ValueError("splitting the fused projections needs the fused forward for every step")
             split_fused_projections(fused.layers)
         quantized = any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
-        min_lanes = QUANTIZED_MIN_LANES if quantized and cuda_available() else 1
+        # a GEMV reads the weights once for all its rows: 2-7 lanes need no padding to a GEMM's 8
+        min_lanes = QUANTIZED_MIN_LANES if quantized and cuda_available() and quantized_gemv is None else 1
         self.compiled = (
             CompiledDecode(model, pool, self.decode_attention, self._logits, fused, min_lanes) if use_compiled else None
         )

@@ -131,13 +131,14 @@ def measure_ours(
     engine = {"compile_decode": args.compile_decode, "fuse_decode": args.fuse_decode, "cost_model": args.cost_model,
               "dense_experts": args.dense_experts, "dequantize_rows": args.dequantize_rows,
               "expert_tiles": args.expert_tiles, "quantized_tiles": args.quantized_tiles,
+              "quantized_gemv": args.quantized_gemv,
               "split_quantized_k": args.split_quantized_k, "chunk_attention": args.chunk_attention,
               "fuse_mixed": args.fuse_mixed, "compile_mixed": args.compile_mixed,
               "row_quantum": args.row_quantum, "step_target_factor": args.target_factor,
               "step_target_floor_ms": args.target_floor_ms, "defer_mixed_traces": args.defer_mixed_traces == "on",
               "trace_neighbour_shapes": args.trace_neighbour_shapes,
               "budget_midpoints": args.budget_midpoints == "on", "plan_headroom": args.plan_headroom,
-              "cost_trust_factor": args.cost_trust_factor, "plan_padding": args.plan_padding == "on"}  # fmt: skip
+              "cost_trust_factor": args.cost_trust_factor, "floor_slack": args.floor_slack, "plan_padding": args.plan_padding == "on"}  # fmt: skip
     # only the contended engine meets long prompts' chunk shapes: the others skip the warm-up
     side = OurSide(dummy, kv_blocks, 500.0, args.attention, **engine, warm_up=False)
     try:
@@ -189,6 +190,7 @@ def measure_ours(
         out["budget_midpoints"] = side.engine.scheduler.config.budget_midpoints
         out["plan_headroom"] = side.engine.scheduler.config.plan_headroom
         out["cost_trust_factor"] = side.engine.scheduler.config.cost_trust_factor
+        out["floor_slack"] = side.engine.scheduler.config.floor_slack
         out["plan_kv_bucket"] = side.engine.scheduler.config.kv_bucket  # 0: planned with exact counts
         out["step_target_floor_ms"] = side.engine.scheduler.config.step_target_floor_ms
         note(f"{dummy.name} ours warm-up", out["warm_up"])
@@ -297,6 +299,7 @@ def main() -> None:
     parser.add_argument("--dense-experts", default="auto", choices=("auto", "on", "off"))
     parser.add_argument("--expert-tiles", default="auto", choices=("auto", "on", "off"))
     parser.add_argument("--quantized-tiles", default="auto", choices=("auto", "on", "off"))
+    parser.add_argument("--quantized-gemv", default="auto", choices=("auto", "on", "off"))
     parser.add_argument("--split-quantized-k", default="auto", choices=("auto", "on", "off", "all"))
     parser.add_argument("--chunk-attention", default="auto", choices=("auto", "sdpa", "matmul"))
     parser.add_argument("--budget-midpoints", choices=["on", "off"], default="on",
@@ -305,6 +308,8 @@ def main() -> None:
                         help="EngineConfig.plan_headroom: contended steps planned to this fraction of the target")
     parser.add_argument("--cost-trust-factor", type=float, default=1.5,
                         help="EngineConfig.cost_trust_factor: the affine fit's trust region in rows (0: off)")
+    parser.add_argument("--floor-slack", type=float, default=1.25,
+                        help="EngineConfig.floor_slack: where the floor is over the target, grow within this x its time")
     parser.add_argument("--plan-padding", choices=["on", "off"], default="on",
                         help="EngineConfig.plan_padding: plan chunks as the engine pads them (off: exact counts)")
     parser.add_argument("--row-quantum", default="auto", type=row_quantum_arg,

@@ -60,6 +60,16 @@ def _headroom(text: str) -> float:
     return value
 
 
+def _floor_slack(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, not {text!r}") from None
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {text}")
+    return value
+
+
 def _trust_factor(text: str) -> float:
     try:
         value = float(text)
@@ -133,6 +143,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--plan-headroom", type=_headroom, default=1.0,
                    help="contended steps are planned to this fraction of the step target, below 1 so that a step's "
                         "usual spread stays under the target (0 < x <= 1; default: %(default)s)")
+    s.add_argument("--floor-slack", type=_floor_slack, default=1.25, metavar="X",
+                   help="where even the smallest contended step (--row-floor rows) is predicted over the step "
+                        "target, its fixed cost dominates: the budget grows while predicted within X times that "
+                        "step's time (X >= 1; 1: the floor; default: %(default)s)")
     s.add_argument("--plan-padding", choices=["on", "off"], default="on",
                    help="contended budgets land on the query buckets the engine pads chunks to (CUDA) and the "
                         "affine cost model counts the padded work; off: exact counts (default: %(default)s)")
@@ -187,6 +201,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="MoE steps of more than 64 rows (a full decode batch) sort their (row, expert) pairs into tiles of one expert each and "
                         "multiply each tile by its expert: auto = a CUDA kernel with MLX's CUDA backend, else off; "
                         "on elsewhere: MLX's gather_mm over the tiles (default: %(default)s)")
+    g.add_argument("--quantized-gemv", choices=["auto", "on", "off"], default="auto",
+                   help="4-bit projections of decode steps of up to 8 rows run through a matrix-vector kernel that "
+                        "reads the packed weights once for all rows: auto = the CUDA kernel with MLX's CUDA backend, "
+                        "else MLX's quantized matmul; on elsewhere: dequantize then matmul (default: %(default)s)")
     g.add_argument("--quantized-tiles", choices=["auto", "on", "off"], default="auto",
                    help="4-bit projections of steps of 33 rows or more (prefill chunks) run through a GEMM that "
                         "dequantizes packed weights in registers, and from 129 rows through a dequantize kernel and "
@@ -228,11 +246,11 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
         max_model_len=args.max_model_len, step_target_ms=args.step_target_ms,
         step_target_factor=args.step_target_factor, step_target_floor_ms=args.step_target_floor_ms,
         row_ceiling=args.row_ceiling, row_floor=args.row_floor,
-        row_quantum=args.row_quantum, budget_midpoints=args.budget_midpoints == "on", plan_headroom=args.plan_headroom, plan_padding=args.plan_padding == "on", cost_model=args.prefill_cost_model, cost_trust_factor=args.cost_trust_factor, max_overtakes=args.max_overtakes,
+        row_quantum=args.row_quantum, budget_midpoints=args.budget_midpoints == "on", plan_headroom=args.plan_headroom, floor_slack=args.floor_slack, plan_padding=args.plan_padding == "on", cost_model=args.prefill_cost_model, cost_trust_factor=args.cost_trust_factor, max_overtakes=args.max_overtakes,
         enable_prefix_cache=not args.no_prefix_cache, decode_debt=not args.no_decode_debt,
         ane_lane=args.ane_lane, ane_package=args.ane_package, ane_timeout_s=args.ane_timeout_s,
         decode_attention=args.decode_attention, compile_decode=args.compile_decode, fuse_decode=args.fuse_decode,
-        dense_experts=args.dense_experts, expert_tiles=args.expert_tiles, fuse_mixed=args.fuse_mixed, compile_mixed=args.compile_mixed, defer_mixed_traces=args.defer_mixed_traces == "on", trace_neighbour_shapes=args.trace_neighbour_shapes, split_quantized_k=args.split_quantized_k, chunk_attention=args.chunk_attention, dequantize_rows=args.dequantize_rows, quantized_tiles=args.quantized_tiles, warm_up=not args.no_warm_up,
+        dense_experts=args.dense_experts, expert_tiles=args.expert_tiles, fuse_mixed=args.fuse_mixed, compile_mixed=args.compile_mixed, defer_mixed_traces=args.defer_mixed_traces == "on", trace_neighbour_shapes=args.trace_neighbour_shapes, split_quantized_k=args.split_quantized_k, chunk_attention=args.chunk_attention, dequantize_rows=args.dequantize_rows, quantized_tiles=args.quantized_tiles, quantized_gemv=args.quantized_gemv, warm_up=not args.no_warm_up,
         pipeline=not args.no_pipeline,
         trace=sink_from_env(args.trace), observer=observer,
         progress=not args.no_progress,

@@ -25,6 +25,7 @@ MISSING = "/nonexistent/model-dir"
         ({"plan_headroom": 1.5}, "plan_headroom must be in"),
         ({"cost_model": "oracle"}, "cost_model must be one of"),
         ({"cost_trust_factor": 0.5}, "cost_trust_factor must be 0"),
+        ({"floor_slack": 0.5}, "floor_slack must be >= 1"),
         ({"trace_neighbour_shapes": -1}, "trace_neighbour_shapes must be a whole number"),
     ],
 )
