@@ -65,7 +65,7 @@ class RowsQuantizedLinear(nn.QuantizedLinear):
         # an explicit --dequantize-rows is the user's choice: it goes before the tiles' auto default
         if self.dequantize_from and rows >= self.dequantize_from and self.get("global_scale") is None:
             return _dense_product(self, x)
-        if self.gemv is not None and rows <= self.gemv.most_rows:
+        if self.gemv is not None and rows <= self.gemv.most_rows and x.dtype == self["scales"].dtype:
             flat = x.reshape(rows, x.shape[-1])
             y = self.gemv.matmul(flat, self["weight"], self["scales"], self["biases"], self.group_size)
             y = y + self["bias"] if "bias" in self else y

@@ -14,7 +14,8 @@ where 384 rows fit. One more prediction per halved step takes the midpoint when 
 
 Where even the floor budget is predicted over the target, the step's fixed cost dominates it and the target is
 missed whatever the rows: the budget then grows a bucket at a time while predicted within `floor_slack` of the
-floor step (`SchedulerConfig.floor_slack`), rather than carrying the floor's rows at nearly the same cost.
+floor step (`SchedulerConfig.floor_slack`, off by default: not yet shown to help on the H200), rather than carrying
+the floor's rows at nearly the same cost.
 
 Where the engine runs some shapes through compiled traces (`traced_shapes.py`), each candidate is predicted in
 the form it would run now, and the largest candidate turned down only for want of a trace (over the target eager,
