@@ -34,10 +34,9 @@ class SchedulerConfig:
     # 512-row chunks no longer fit its auto target (16k TTFT 1.19x solo at 1.0, 1.74x at 0.9)
     plan_headroom: float = 1.0
     # where even the floor budget is predicted over the target, the budget grows while predicted within this multiple
-    # of the floor step's time (a step whose fixed cost dominates: H200 8B 4-bit at 16k, 64 rows ~22 ms, 384 ~29.5).
-    # 1 (default): the floor budget. At 1.25 the H200's 4-bit run read its 16k prompt slower (TTFT 2.1 -> 2.8x solo,
-    # one run): where nothing fits, the fit is often freshly wrong (a 1,536-row first step planned at 64 ms)
-    floor_slack: float = 1.0
+    # of the floor step's time (a step whose fixed cost dominates: H200 8B 4-bit at 16k, 128 rows ~27 ms, 256 ~30,
+    # against a 22 ms target with its decode GEMV: TTFT 3.9x -> 2.9x solo). 1: the floor budget (`budget.py`)
+    floor_slack: float = 1.25
     # 500 ms is the seed's Apple-GPU value; a fast GPU (H200) wants tens of ms. With a factor > 0 the target is
     # that many measured decode-only steps (at least step_target_floor_ms), this value only until one is measured
     step_target_ms: float = 500.0

@@ -148,11 +148,15 @@ class FixedCostModel:
         pass
 
 
-@pytest.mark.parametrize("slack,budget,reason", [(1.25, 256, "halved:5+slack:4"), (1.0, 64, "halved:5")])
-def test_where_even_the_floor_is_over_the_target_the_budget_grows_within_the_slack(slack, budget, reason):
+@pytest.mark.parametrize(
+    "slack,target,budget,reason",
+    [(1.25, 20.0, 256, "halved:5+slack:4"), (1.0, 20.0, 64, "halved:5"), (1.25, 15.0, 64, "halved:5")],
+)
+def test_where_even_the_floor_is_over_the_target_the_budget_grows_within_the_slack(slack, target, budget, reason):
     """Against 20 ms nothing fits: the floor (64 rows) is 23.3 ms. Within 1.25 x that (29.1 ms) the budget grows a
-    query bucket at a time: 96, 128, 192, 256 (27.1 ms); 384 (29.7) does not fit. Slack 1: the floor, as before."""
-    config = SchedulerConfig(num_blocks=4096, step_target_ms=20.0, floor_slack=slack)
+    query bucket at a time: 96, 128, 192, 256 (27.1 ms); 384 (29.7) does not fit. Slack 1: the floor, as before.
+    Against 15 ms the floor is more than `SLACK_WITHIN` over the target: no slack (a fit more likely wrong)."""
+    config = SchedulerConfig(num_blocks=4096, step_target_ms=target, floor_slack=slack)
     scheduler = Scheduler(config)
     scheduler.add(make_request("stream", 10, max_tokens=100))
     run_step(scheduler, 0.0, elapsed_ms=10.0)
