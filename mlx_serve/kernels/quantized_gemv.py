@@ -286,6 +286,13 @@ def _kernel() -> object:
                                header=HEADER)  # fmt: skip
 
 
+def padded_rows(rows: int) -> int:
+    """The rows a product of `rows` runs with: a power of two. The rows are a template argument, and a serving step
+    that met 4 or 5 rows first (an eager step's logits) stalled its streams ~2 s while NVRTC built the kernel (H200,
+    twenty-first run); the engine's warm-up builds 1, 2, 4 and 8 (`ModelRunner.warm_quantized_products`)."""
+    return 1 << (rows - 1).bit_length()
+
+
 def rows_fit(rows: int) -> bool:
     """Whether a product of `rows` rows runs here (one MMA's 8 columns carry them all)."""
     return 1 <= rows <= MOST_ROWS
@@ -340,6 +347,9 @@ def quantized_gemv(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.a
     slices, n, words = weight.shape
     if x.shape[1] != slices * words * 8:
         raise ValueError(f"x has {x.shape[1]} columns, the weight {slices * words * 8}")
+    rows = x.shape[0]
+    if rows & (rows - 1):  # 3, 5-7 rows run as 4 or 8: one instantiation per row count, ~2 s of NVRTC each
+        x = mx.concatenate([x, mx.zeros((padded_rows(rows) - rows, x.shape[1]), x.dtype)])
     tiles = tiles_for(n)
     warps = max(1, min(TILE_WARPS // tiles, slices * words * 8 // STEP))  # no warp without a step
     if warps * STAGES * stage_bytes(tiles, group_size) > SHARED_BYTES:
@@ -353,4 +363,4 @@ def quantized_gemv(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.a
         output_shapes=[(x.shape[0], n)],
         output_dtypes=[mx.bfloat16],
     )
-    return y
+    return y if y.shape[0] == rows else y[:rows]

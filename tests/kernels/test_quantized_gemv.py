@@ -208,3 +208,19 @@ def test_row_views_of_a_fused_weight_read_from_their_offset(group_size, k) -> No
     for start, stop in [(0, 4096), (4096, 5120), (5120, 6144), (40, 1000), (41, 1000)]:
         part = gemv(x, weight[start:stop], scales[start:stop], biases[start:stop], group_size)
         _assert_within_bf16(part, want[:, start:stop], magnitude[:, start:stop])
+
+
+def test_odd_row_counts_run_as_the_next_power_of_two(monkeypatch) -> None:
+    """Rows 1-8 build four kernels, not eight (each is seconds of NVRTC the first time a step meets it); the rows
+    added are zeros and cut from the result."""
+    from tests.kernels.nvcc_check import recorded_kernels
+
+    assert [quantized_gemv.padded_rows(m) for m in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    quantized_gemv._kernel.cache_clear()
+    weight, scales = mx.zeros((256, 128 // 8), mx.uint32), mx.zeros((256, 2), mx.bfloat16)
+    with recorded_kernels(monkeypatch) as recorded:
+        for rows in range(1, MOST_ROWS + 1):
+            y = quantized_gemv.quantized_gemv(mx.zeros((rows, 128), mx.bfloat16), weight, scales, scales, 64)
+            assert y.shape == (rows, 256)
+    quantized_gemv._kernel.cache_clear()
+    assert len(recorded) == MOST_ROWS and len({kernel.source for kernel in recorded}) == 4
