@@ -166,8 +166,9 @@ class ModelRunner:
                 raise ValueError("splitting the fused projections needs the fused forward for every step")
             split_fused_projections(fused.layers)
         quantized = any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
-        # a GEMV reads the weights once for all its rows: 2-7 lanes need no padding to a GEMM's 8
-        min_lanes = QUANTIZED_MIN_LANES if quantized and cuda_available() and quantized_gemv is None else 1
+        # kept with the GEMV (whose cost is flat from 1 to 8 rows): the shapes compiled steps meet stay the ones
+        # measured before it; contended-only H200 runs with 4-lane shapes stalled ~2 s on their first steps
+        min_lanes = QUANTIZED_MIN_LANES if quantized and cuda_available() else 1
         self.compiled = (
             CompiledDecode(model, pool, self.decode_attention, self._logits, fused, min_lanes) if use_compiled else None
         )
