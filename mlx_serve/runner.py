@@ -19,7 +19,7 @@ import numpy as np
 
 from mlx_serve import ane_chunks, dense_experts
 from mlx_serve.compiled_mixed import CompiledMixed, TracedMixedShapes, compilable
-from mlx_serve.compiled_step import CompiledDecode
+from mlx_serve.compiled_step import CompiledDecode, lane_bucket
 from mlx_serve.fused_decode import FusedDecode, split_fused_projections, viewed_projections
 from mlx_serve.grouped_experts import TileMatmul
 from mlx_serve.kernels.paged_attention import cuda_available
@@ -56,6 +56,7 @@ log = logging.getLogger("mlx_serve.runner")
 # ms for 2 / 4 rows of a 4096x12288 4-bit product on the H200) and one GEMM from 8 (0.036 ms): quantized decode steps
 # of 2-7 lanes are padded to 8
 QUANTIZED_MIN_LANES = 8
+EAGER_SHAPES_MOST = 4096  # eager step shapes remembered as met (`_first_eager_shape`); past it every shape counts as met
 # prompt rows of the continuations traced before serving (`warm_continuation_traces`): chat turns of up to 128 tokens
 CONTINUATION_ROWS = (64, 128)
 
@@ -136,6 +137,7 @@ class ModelRunner:
         # prefill lanes pad their KV to a `history_bucket` of this unit (0: exact): on CUDA, MLX builds a cuDNN
         # attention graph for every new (rows, history) shape, tens of ms each, so a growing history must repeat shapes
         self.kv_bucket = (KV_BUCKET if mx.cuda.is_available() else 0) if kv_bucket is None else kv_bucket
+        self.eager_shapes: set[tuple] = set()  # padded shapes of eager steps with prefill met so far
         # how bucketed prefill lanes read their history: a kernel through the block table (CUDA), else slots
         self.prefill_gather = prefill_gather
         self.chunk_attention = chunk_attention or sdpa_chunk_attention  # how prefill lanes attend
@@ -316,7 +318,7 @@ class ModelRunner:
         phases = {"preparation": (t1 - t0) * 1e3, "submission": (t2 - t1) * 1e3}
         rows = {rid: i for i, rid in enumerate(sample_ids)}
         samplers = [self.samplers[rid] for rid in sample_ids]
-        one_off = self._traced_shapes() != traced
+        one_off = self._traced_shapes() != traced or (not (compiled or mixed) and self._first_eager_shape(gpu_lanes))
         return InFlightStep(
             plan, sample_ids, samplers, sampled, rows, t0, phases, tuple(chunks), stamp, one_off, compiled or mixed
         )
@@ -325,6 +327,22 @@ class ModelRunner:
         chunk = next(lane for lane in lanes if lane.rows > 1)
         decode = [lane for lane in lanes if lane.rows == 1]
         return self.compiled_mixed.ready(decode, chunk, self.kv_bucket, self.prefill_gather)
+
+    def _first_eager_shape(self, lanes: Sequence[Lane]) -> bool:
+        """Whether an eager step with prefill meets its padded shape for the first time (CUDA): its time holds
+        one-off builds (cuDNN graphs, NVRTC kernels: 1.3-2.5 s on the H200's first 4-lane 4-bit steps) that an
+        unbounded cost fit learned as the cost of rows, so it does not train the scheduler."""
+        if not self.kv_bucket or all(lane.rows == 1 for lane in lanes):
+            return False
+        decode = sum(lane.rows == 1 for lane in lanes)
+        chunks = tuple(
+            (query_bucket(lane.rows), history_bucket(lane.end, self.kv_bucket)) for lane in lanes if lane.rows > 1
+        )
+        shape = (lane_bucket(decode) if decode else 0, chunks)
+        if shape in self.eager_shapes or len(self.eager_shapes) >= EAGER_SHAPES_MOST:
+            return False
+        self.eager_shapes.add(shape)
+        return True
 
     def _traced_shapes(self) -> int:
         """How many shapes the compiled forwards have traced (a step that adds one paid for its trace)."""

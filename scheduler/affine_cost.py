@@ -27,7 +27,10 @@ A least-squares fit has no defence against one wild sample, such as a step that 
 (H200, 8B 4-bit: a skewed fit predicted 120-row steps of 15 ms at 40-130 ms for a hundred steps, while a fresh fit
 of the same steps predicted them within a few ms). So a fitted path trains on the measured time bounded to within
 `OUTLIER_FACTOR` of its own prediction: one such sample moves the fit a bounded way, and a lasting change of cost
-is still learned.
+is still learned. On the GPU path the `ema` baseline's prediction widens that range (whichever allows more) and
+bounds the samples before the fit answers: 2 s first-use kernel builds among a 4-bit run's first steps made its fit
+predict 0.4 to 2,863 ms for the rest of that pass, and a fit predicting far too little capped every true sample
+at 3x its own error (twenty-first run; replayed with this rule, that pass's mean error 161% -> 6%).
 
 An affine fit also extrapolates: trained on steps up to 1,024 rows, where a fixed cost is spread over few rows, it
 priced a 2,040-row 0.6B step at 21.3 ms that ran 31.8 (H200, twentieth run), and 768-row 4-bit steps at 19.7 that
@@ -193,16 +196,22 @@ class AffineCostModel:
     def observe(self, shape: StepShape, elapsed_ms: float) -> None:
         if not is_trainable(shape, elapsed_ms):
             return
-        self.baseline.observe(shape, elapsed_ms)
         fit, x = self.fits[shape.path], features(shape, self.kv_bucket)
-        bounded = _bounded(fit, x, elapsed_ms)
+        baseline = self.baseline.predict(shape) if shape.path is Path.GPU else None  # the ema learns the GPU only
+        bounded = _bounded(fit, x, elapsed_ms, baseline)
+        self.baseline.observe(shape, bounded)
         fit.observe(x, bounded)
         self.trust[shape.path].record(*extent(shape, self.kv_bucket), bounded)
 
 
-def _bounded(fit: RecursiveLeastSquares, x: tuple[float, ...], elapsed_ms: float) -> float:
-    """`elapsed_ms` within `OUTLIER_FACTOR` of the fit's prediction once the fit answers; as measured before."""
-    predicted = fit.predict(x)
-    if fit.samples < MIN_SAMPLES or not math.isfinite(predicted) or predicted <= 0:
+def _bounded(fit: RecursiveLeastSquares, x: tuple[float, ...], elapsed_ms: float, baseline: float | None) -> float:
+    """`elapsed_ms` within `OUTLIER_FACTOR` of the fit's prediction (once it answers) or of the `ema` baseline's,
+    whichever allows more; as measured before either predicts. The baseline bounds the first steps (H200 4-bit runs
+    met first-use kernel builds of 1.3-2.5 s among them, which an unbounded fit of 8 samples learned as the cost of
+    rows) and keeps a fit that predicts far too little from capping every true sample at 3x its own error (the
+    same run's fit then predicted 0.4-1.4 ms for 384-row steps of 25 ms for tens of steps)."""
+    references = [baseline, fit.predict(x) if fit.samples >= MIN_SAMPLES else None]
+    references = [p for p in references if p is not None and math.isfinite(p) and p > 0]
+    if not references:
         return elapsed_ms
-    return min(max(elapsed_ms, predicted / OUTLIER_FACTOR), predicted * OUTLIER_FACTOR)
+    return min(max(elapsed_ms, min(references) / OUTLIER_FACTOR), max(references) * OUTLIER_FACTOR)

@@ -111,16 +111,19 @@ def test_compiled_mixed_steps_equal_the_eager_steps(fixture, request):
 
 
 def test_deferred_shapes_run_eager_until_traced_then_replay(tiny_qwen3):
-    """With traces deferred, a shape's steps take the eager forward (ordinary steps: the cost model learns them)
-    until `trace_deferred` traces each shape met, without evaluating anything; the same steps then replay the
-    traces with the eager steps' tokens."""
+    """With traces deferred, a shape's steps take the eager forward until `trace_deferred` traces each shape met,
+    without evaluating anything; the same steps then replay the traces with the eager steps' tokens. An eager step
+    on a padded shape met for the first time is one-off (its time holds first-use builds: the cost model does not
+    learn it); the next of that shape is an ordinary step."""
     model, _ = load(str(tiny_qwen3))
     runner = _runner(model, compile_mixed=True, defer=True)
     eager_outcomes: list[StepOutcome] = []
     eager = _steps(runner, eager_outcomes)
     mixed = runner.compiled_mixed
     assert not mixed.shapes and len(eager_outcomes) == 5
-    assert not any(o.auxiliary or o.compiled for o in eager_outcomes)
+    assert not any(o.compiled for o in eager_outcomes)
+    # chunks ending at 30, 60, 90, 100 tokens: history buckets 32, 64, 128, 128; then the chunk alone
+    assert [o.auxiliary for o in eager_outcomes] == [True, True, True, False, True]
     traced = 0
     while runner.trace_deferred():
         traced += 1
@@ -212,8 +215,9 @@ def test_neighbours_of_met_shapes_trace_after_them_within_the_budget(tiny_qwen3)
 @pytest.mark.parametrize("defer", [True, False])
 def test_compiled_mixed_steps_through_the_engine_match_mlx_lm(tiny_qwen3, defer):
     """Staggered requests with prefill cut into 7-row chunks beside decoding streams: mlx-lm's greedy tokens, with
-    shapes traced at first use or deferred to the engine's idle moments. The steps that traced a shape (and only
-    those) are traced as auxiliary: the cost model does not learn a trace as its shape's cost."""
+    shapes traced at first use or deferred to the engine's idle moments. The steps that traced a shape or met an
+    eager shape first (and only those) are traced as auxiliary: the cost model does not learn one-off work as its
+    shape's cost."""
     prompts = [prompt_of(n, seed=180 + i) for i, n in enumerate((45, 12, 70, 9, 33))]
     sink = MemorySink()
     engine = Engine.load(EngineConfig(model=str(tiny_qwen3), row_ceiling=7, row_floor=1, compile_decode="on",
@@ -224,7 +228,8 @@ def test_compiled_mixed_steps_through_the_engine_match_mlx_lm(tiny_qwen3, defer)
     if not defer:  # deferred, the shapes wait for a quiet engine (the next test) and these steps run eager
         assert runner.compiled_mixed.shapes, "no step took the compiled mixed forward"
     one_offs = [e for e in sink.events if isinstance(e, StepExecuted) and e.auxiliary]
-    assert len(one_offs) == len(runner.compiled.shapes) + len(runner.compiled_mixed.shapes) > 0
+    traced = len(runner.compiled.shapes) + len(runner.compiled_mixed.shapes)
+    assert len(one_offs) == traced + len(runner.eager_shapes) > 0
     for prompt, tokens in zip(prompts, completions):
         assert tokens == reference_tokens(tiny_qwen3, prompt, 8)
 

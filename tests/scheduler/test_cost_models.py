@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler import SchedulerConfig
-from scheduler.affine_cost import FEATURES, AffineCostModel, features
+from scheduler.affine_cost import FEATURES, MIN_SAMPLES, AffineCostModel, features
 from scheduler.cost_models import (
     NUM_CELLS,
     BucketedCostModel,
@@ -138,7 +138,8 @@ def test_affine_bounds_a_stall_and_still_learns_a_lasting_change() -> None:
     trained(unbounded, range(60), bounded=False)
     model.observe(stall, 10_000.0)
     unbounded.fits[Path.GPU].observe(features(stall), 10_000.0)
-    assert model.predict(stall) <= 3 * cost(stall) < unbounded.predict(stall) / 10
+    # within 3x of the fit's prediction or the ema baseline's, whichever allows more (here the baseline's)
+    assert model.predict(stall) <= 4 * cost(stall) < unbounded.predict(stall) / 10
     assert model.predict(probe) == pytest.approx(cost(probe), rel=0.25)
 
     honest, plain = AffineCostModel(), AffineCostModel()
@@ -206,3 +207,29 @@ def test_affine_learns_extra_lanes_and_its_covariance_stays_bounded() -> None:
         model.observe(burst, padded_cost(burst))
     after = abs(model.predict(start_up) - padded_cost(start_up))
     assert before > 0.2 * padded_cost(start_up) and after < 0.05 * padded_cost(start_up)
+
+
+def test_affine_bounds_a_stall_among_its_first_steps_by_the_baseline() -> None:
+    """First-use kernel builds among the first few steps (H200, 4-bit: 2 s for a 128-row step of ~20 ms) are
+    bounded by the ema baseline before the fit answers: once it answers, its predictions of the next steps are off
+    by a third on average, where a fit trained on the raw times was off by more than 2x."""
+
+    def cost(shape: StepShape) -> float:
+        return 8.0 + 0.05 * shape.prefill_rows
+
+    steps = [StepShape((PrefillChunk((128, 256, 384)[i % 3], 512 * i),), 8) for i in range(20)]
+    bounded, raw = AffineCostModel(), AffineCostModel()
+    errors: dict[str, list[float]] = {"bounded": [], "raw": []}
+    for index, shape in enumerate(steps):
+        elapsed = 2000.0 if index in (2, 4) else cost(shape)
+        if index >= MIN_SAMPLES:
+            errors["bounded"].append(abs(bounded.predict(shape) / cost(shape) - 1))
+            errors["raw"].append(abs(raw.predict(shape) / cost(shape) - 1))
+        bounded.observe(shape, elapsed)
+        if index < MIN_SAMPLES:  # the old rule: nothing bounded before the fit answers
+            raw.baseline.observe(shape, elapsed)
+            raw.fits[Path.GPU].observe(features(shape), elapsed)
+        else:
+            raw.observe(shape, elapsed)
+    assert sum(errors["bounded"]) / len(errors["bounded"]) < 0.5
+    assert sum(errors["raw"]) / len(errors["raw"]) > 2.0
