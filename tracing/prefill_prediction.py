@@ -71,10 +71,11 @@ def available_models(names: tuple[str, ...], kv_bucket: int = 0) -> list:
 
 def replay(found: list[Observation], model_names: tuple[str, ...], kv_bucket: int = 0) -> dict:
     """Prequential errors: {model: {"all"|"path=gpu"|"width=2"...: [abs rel errors]}}, the signed errors of "all"
-    (positive: over-predicted), plus prediction coverage. `kv_bucket`: count chunks as the engine pads them."""
+    (positive: over-predicted) and of the contended observations, plus prediction coverage. `kv_bucket`: count chunks as the engine pads them."""
     models = available_models(model_names, kv_bucket)
     errors: dict[str, dict[str, list[float]]] = {m.name: defaultdict(list) for m in models}
     signed: dict[str, list[float]] = {m.name: [] for m in models}
+    signed_contended: dict[str, list[float]] = {m.name: [] for m in models}
     unpredicted: dict[str, int] = dict.fromkeys(errors, 0)
     for obs in found:
         trainable = is_trainable(obs.shape, obs.measured_ms)
@@ -85,12 +86,14 @@ def replay(found: list[Observation], model_names: tuple[str, ...], kv_bucket: in
                     unpredicted[model.name] += 1
                 else:
                     signed[model.name].append((predicted - obs.measured_ms) / obs.measured_ms)
+                    if obs.contended:
+                        signed_contended[model.name].append(signed[model.name][-1])
                     error = abs(signed[model.name][-1])
                     for key in ("all", f"path={obs.shape.path.value}", f"width={obs.shape.width}",
                                 "contended" if obs.contended else "uncontended"):
                         errors[model.name][key].append(error)
             model.observe(obs.shape, obs.measured_ms)
-    return {"errors": errors, "signed": signed, "unpredicted": unpredicted,
+    return {"errors": errors, "signed": signed, "signed_contended": signed_contended, "unpredicted": unpredicted,
             "trainable": sum(is_trainable(o.shape, o.measured_ms) for o in found)}
 
 

@@ -1,8 +1,9 @@
 """`python -m benchmarks.gpu.replay_cost_model RESULT.json...`: the contended steps of recorded GPU bench runs, replayed
 through the affine cost model counted exactly and counted as the engine pads (`SchedulerConfig.kv_bucket`).
 
-Each run's contended steps with prefill (warm pass, then the measured pass, as `run_gpu_bench` records them) go through
-`tracing.prefill_prediction.replay`: predicted from the earlier ones only, then observed, as the scheduler does live.
+Each run's steps with prefill (warm pass, then the measured pass, as `run_gpu_bench` records them) go through
+`tracing.prefill_prediction.replay`: predicted from the earlier ones only, then observed, as the scheduler does live;
+the steps without decode lanes (the solo prefill before the streams) train the model, as live, and are not scored.
 Prints, per shape, the mean absolute and the mean signed relative error (positive: the model over-predicts, so
 budgets come out smaller than the target allows).
 
@@ -46,21 +47,20 @@ def recorded_runs(paths: list[Path]) -> list[tuple[str, list[Step]]]:
 
 
 def observations(steps: list[Step]) -> list[Observation]:
-    """The contended steps (with decode lanes: the only ones the scheduler trains on and plans), each one's rows split
-    evenly over its prefill lanes at their row-weighted history."""
+    """Every step, its rows split evenly over its prefill lanes at their row-weighted history; contended (scored)
+    where it had decode lanes. The live model trains on both: a stall in the solo prefill misled it too."""
     found = []
     for rows, decode_lanes, history, measured_ms, lanes, auxiliary, compiled in steps:
-        if decode_lanes:
-            lanes = max(1, min(lanes, rows))
-            chunks = tuple(PrefillChunk(rows // lanes + (i < rows % lanes), round(history)) for i in range(lanes))
-            shape = StepShape(chunks, decode_lanes, auxiliary=auxiliary, compiled=compiled)
-            found.append(Observation(shape, measured_ms, contended=True))
+        lanes = max(1, min(lanes, rows))
+        chunks = tuple(PrefillChunk(rows // lanes + (i < rows % lanes), round(history)) for i in range(lanes))
+        shape = StepShape(chunks, decode_lanes, auxiliary=auxiliary, compiled=compiled)
+        found.append(Observation(shape, measured_ms, contended=bool(decode_lanes)))
     return found
 
 
 def signed_errors(steps: list[Step], kv_bucket: int) -> list[float]:
     """The affine model's prequential signed relative errors over one run's contended steps."""
-    return replay(observations(steps), ("affine",), kv_bucket)["signed"]["affine"]
+    return replay(observations(steps), ("affine",), kv_bucket)["signed_contended"]["affine"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,7 @@ def padded_ms(rows: int, decode_lanes: int, history: int) -> float:
 
 
 def test_padded_counts_predict_padded_steps_better_and_the_table_prints(tmp_path, capsys) -> None:
-    steps = [[2048, 0, 0, 60.0, None, 4]]  # uncontended: neither trained on nor scored
+    steps = [[2048, 0, 0, 60.0, None, 4]]  # uncontended: trained on (as live), not scored
     for index in range(120):
         rows, history = (200, 312, 700, 1100, 1552)[index % 5], (index * 733) % 15_000
         steps.append([rows, 8, history, round(padded_ms(rows, 8, history), 2), None, 1])
@@ -26,12 +26,13 @@ def test_padded_counts_predict_padded_steps_better_and_the_table_prints(tmp_path
     ((shape, recorded),) = recorded_runs([path])
     assert shape == "0.6b" and len(recorded) == 122
     found = observations(recorded)
-    assert len(found) == 121 and [c.rows for c in found[-1].shape.chunks] == [480] * 4
+    assert len(found) == 122 and [c.rows for c in found[-1].shape.chunks] == [480] * 4
+    assert not found[0].contended and all(o.contended for o in found[1:])
     exact, padded = (signed_errors(recorded[:-1], bucket)[20:] for bucket in (0, 1024))
-    assert len(exact) == len(padded) == 99  # 120 contended steps; the first has nothing to predict from
+    assert len(exact) == len(padded) == 100  # 120 contended steps, each predicted (the solo step came first)
     assert sum(map(abs, padded)) < 0.2 * sum(map(abs, exact))
     assert main([str(path)]) == 0
-    assert "| 0.6b | 1 | 120 |" in capsys.readouterr().out  # 121 contended steps, 120 predicted
+    assert "| 0.6b | 1 | 121 |" in capsys.readouterr().out  # 121 contended steps, all predicted
 
 
 def test_files_without_recorded_steps_are_refused(tmp_path, capsys) -> None:
