@@ -61,21 +61,13 @@ def _headroom(text: str) -> float:
 
 
 def _floor_slack(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, not {text!r}") from None
-    if not value >= 1:
+    if not (value := _number(text, "a factor")) >= 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {text}")
     return value
 
 
 def _trust_factor(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, not {text!r}") from None
-    if not (value == 0 or value >= 1):
+    if not ((value := _number(text, "a factor")) == 0 or value >= 1):
         raise argparse.ArgumentTypeError(f"must be 0 (off) or at least 1, not {text}")
     return value
 
