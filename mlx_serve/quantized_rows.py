@@ -66,21 +66,23 @@ class RowsQuantizedLinear(nn.QuantizedLinear):
         if self.dequantize_from and rows >= self.dequantize_from and self.get("global_scale") is None:
             return _dense_product(self, x)
         if self.gemv is not None and rows <= self.gemv.most_rows and x.dtype == self["scales"].dtype:
-            flat = x.reshape(rows, x.shape[-1])
-            y = self.gemv.matmul(flat, self["weight"], self["scales"], self["biases"], self.group_size)
-            y = y + self["bias"] if "bias" in self else y
-            return y.reshape(*x.shape[:-1], y.shape[-1])
+            return self._flat_product(x, self.gemv.matmul(x.reshape(rows, x.shape[-1]), *self._packed()))
         if self.tiles is not None and rows >= TILES_FROM_ROWS:
-            flat = x.reshape(rows, x.shape[-1])
-            y = self.tiles.matmul(flat, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
-            y = y + self["bias"] if "bias" in self else y
-            return y.reshape(*x.shape[:-1], y.shape[-1])
+            return self._flat_product(x, self.tiles.matmul(x.reshape(rows, x.shape[-1]), *self._packed(), self.bits))
         if self.k_splits > 1:
             return self._split_product(x)
         if x.ndim == 3 and x.shape[1] == 1 and x.shape[0] > 1:
             rows = x.shape[0]
             return super().__call__(x.reshape(1, rows, x.shape[2])).reshape(rows, 1, -1)
         return super().__call__(x)
+
+    def _packed(self) -> tuple[mx.array, mx.array, mx.array, int]:
+        return self["weight"], self["scales"], self["biases"], self.group_size
+
+    def _flat_product(self, x: mx.array, y: mx.array) -> mx.array:
+        """`y`, the product of `x`'s rows as one `[rows, in]` matrix, plus the bias, in `x`'s leading shape."""
+        y = y + self["bias"] if "bias" in self else y
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def _split_product(self, x: mx.array) -> mx.array:
         """`x @ W.T` as one batched product over the K slices (`[splits, rows, in / splits]`), summed."""

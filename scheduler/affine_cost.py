@@ -36,7 +36,8 @@ An affine fit also extrapolates: trained on steps up to 1,024 rows, where a fixe
 priced a 2,040-row 0.6B step at 21.3 ms that ran 31.8 (H200, twentieth run), and 768-row 4-bit steps at 19.7 that
 ran 32. So a fitted prediction has a trust region (`TrustRegion`): a step of more than `trust_factor` times the
 rows of the largest step recently trained on at a KV reach at least as long (where none reached as far: of those
-that reached farthest) is priced at least at that step's cost per row. Growing one query bucket at a time (512 -> 768 -> 1,024) stays inside it.
+that reached farthest) is priced at least at that step's cost per row. Growing one query bucket at a time (512 ->
+768 -> 1,024) stays inside it.
 """
 
 from __future__ import annotations
