@@ -264,7 +264,7 @@ class CompiledMixed:
         key_positions = mx.arange(padded, dtype=mx.int32)[None, :]
         visible = key_positions <= positions[count:, None]
         mask = mx.where(visible, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))[None, None]
-        chunk = LaneRows(count, rows, mx.zeros((0,), dtype=mx.int32), mask, table, length, padded, rows)
+        chunk = LaneRows(count, rows, mx.zeros((0,), dtype=mx.int32), mask, table, length, padded, rows, positions[count:])
         decode = DecodeRows(count, tables, lengths, pool.block_size, lanes=()) if with_decode else None
         layout = StepLayout(positions, slots, decode, (chunk,), self.attention, gather, self.chunk_attention)
         hidden = self.fused.mixed(tokens, layout, pool)

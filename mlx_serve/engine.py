@@ -27,6 +27,7 @@ from mlx_serve.grammar import Grammars
 from mlx_serve.handle import RequestHandle
 from mlx_serve.kernels.paged_attention import cuda_available
 from mlx_serve.outputs import RequestStream
+from mlx_serve.ragged import PagedChunkAttention
 from mlx_serve.step_trace import trace_step
 from mlx_serve.types import Completion, GenerationRequest
 from scheduler import FinishReason, Request, Scheduler, StepOutcome, StepPlan
@@ -100,6 +101,7 @@ class Engine:
                 config, num_blocks, self.context_length,
                 engine_setup.row_quantum(config.row_quantum, self.runner.quantized_projections > 0),
                 self.runner.kv_bucket if config.plan_padding else 0,
+                not isinstance(self.runner.chunk_attention, PagedChunkAttention),
             ),
             trace=self.trace,
             traced_shapes=self.runner.traced_shapes(),

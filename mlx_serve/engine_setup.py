@@ -81,9 +81,11 @@ def row_quantum(value: int | str, quantized: bool) -> int:
 
 
 def scheduler_config(
-    c: EngineConfig, num_blocks: int, context_length: int, quantum: int = 1, kv_bucket: int = 0
+    c: EngineConfig, num_blocks: int, context_length: int, quantum: int = 1, kv_bucket: int = 0,
+    pads_history: bool = True,
 ) -> SchedulerConfig:
-    """`quantum`: the resolved `row_quantum` (it depends on the loaded model); `kv_bucket`: the runner's."""
+    """`quantum`: the resolved `row_quantum` (it depends on the loaded model); `kv_bucket` and `pads_history`: the
+    runner's (whether its chunk attention computes over the padded history)."""
     target_ms, factor = step_target(c.step_target_ms, c.step_target_factor)
     floor = c.step_target_floor_ms
     if isinstance(floor, bool) or not isinstance(floor, int | float) or not floor >= 0:
@@ -101,6 +103,7 @@ def scheduler_config(
         row_floor=c.row_floor,
         row_quantum=quantum,
         kv_bucket=kv_bucket,
+        pads_history=pads_history,
         budget_midpoints=c.budget_midpoints,
         plan_headroom=c.plan_headroom,
         floor_slack=c.floor_slack,

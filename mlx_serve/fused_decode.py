@@ -27,7 +27,7 @@ from mlx_serve.kernels.add_norm import AddNorm, select_add_norm
 from mlx_serve.kernels.decode_qkv import HeadSpec, QKVRows, plain_qkv_rows, select_qkv_rows
 from mlx_serve.kv_pool import KVPool
 from mlx_serve.quantized_rows import split_where_worth_it
-from mlx_serve.ragged import DecodeAttention, DecodeRows, RaggedLayerCache, StepLayout
+from mlx_serve.ragged import DecodeAttention, DecodeRows, PagedChunkAttention, RaggedLayerCache, StepLayout
 
 # mlx-lm model modules whose blocks are `h + attn(norm(h))`, then `h + mlp(norm(h))`, with the attention and MLP
 # written as below (checked against mlx-lm 0.32)
@@ -150,7 +150,7 @@ class FusedDecode:
         the writes. A step whose history is read any other way takes mlx-lm's prologue (a functional scatter)."""
         qkv_rows = self.qkv_rows
         in_place = getattr(qkv_rows, "in_place", False)
-        gather = layout.prefill_gather
+        gather, chunk = layout.prefill_gather, layout.chunk_attention
         ordered_reads = getattr(gather, "orders_after", False) and all(lane.table is not None for lane in layout.lanes)
         if in_place and not ordered_reads:
             qkv_rows, in_place = plain_qkv_rows, False
@@ -159,7 +159,8 @@ class FusedDecode:
             step = layout
             if in_place:
                 pool.keys[index], pool.values[index] = mx.depends([pool.keys[index], pool.values[index]], [queries])
-                step = replace(layout, prefill_gather=functools.partial(gather, after=queries))
+                ordered = chunk.ordered_after(queries) if isinstance(chunk, PagedChunkAttention) else chunk
+                step = replace(layout, prefill_gather=functools.partial(gather, after=queries), chunk_attention=ordered)
             return RaggedLayerCache(pool, index, step).attention(queries, scale)
 
         return self._forward(tokens, layout.positions, layout.write_slots, pool, attend, qkv_rows)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
@@ -36,6 +36,8 @@ class LaneRows:
     kv_len: int = 0
     # with a mask: the query rows attention runs with, `rows` padded so a shape repeats (0: exactly `rows`)
     query_rows: int = 0
+    # with a `table`: each query row's position (pad rows repeat the last), for attention that reads the pool itself
+    positions: mx.array | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +104,35 @@ class MatmulChunkAttention:
         return out.reshape(batch, heads, rows, head_dim)
 
 
+@dataclass(frozen=True, slots=True)
+class PagedChunkAttention:
+    """A chunk's attention read straight from the paged pool through its block table by one kernel
+    (`kernels.chunk_attention`): no gathered copy of the history, no arithmetic on its padding or on keys past a
+    row's position. A lane it does not take (no table, or a shape `supports` refuses) attends through `fallback`
+    over its gathered history, as any `ChunkAttention`."""
+
+    # (q [1, H, n, D], pool keys, pool values, table, length, positions, scale, block size, after=) -> like q
+    attend: Callable[..., mx.array]
+    supports: Callable[[mx.array, mx.array, int], bool]  # (q, pool keys, block size)
+    fallback: ChunkAttention = sdpa_chunk_attention
+    after: mx.array | None = None  # read the pool once this array's producer has run (KV written in place)
+
+    def takes(self, q: mx.array, pool_keys: mx.array, lane: LaneRows, block_size: int) -> bool:
+        return lane.table is not None and lane.positions is not None and self.supports(q, pool_keys, block_size)
+
+    def paged(self, q: mx.array, pool_keys: mx.array, pool_values: mx.array, lane: LaneRows, scale: float,
+              block_size: int) -> mx.array:  # fmt: skip
+        ordered = {} if self.after is None else {"after": self.after}
+        return self.attend(q, pool_keys, pool_values, lane.table, lane.length, lane.positions, scale, block_size,
+                           **ordered)  # fmt: skip
+
+    def ordered_after(self, queries: mx.array) -> PagedChunkAttention:
+        return replace(self, after=queries)
+
+    def __call__(self, q: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
+        return self.fallback(q, keys, values, scale, mask)
+
+
 # H200 (bench_chunk_attention, 8B and 0.6B heads, 2k-16k history): the matmuls won wherever the history held at
 # least 4 tokens per score row, e.g. a 64-row 8B chunk over 8k: 0.15 against cuDNN's 0.21 ms a layer; 16k: 0.23/0.40
 CUDA_CHUNK_ATTENTION = MatmulChunkAttention(max_rows=256, history_per_score_row=4)
@@ -159,19 +190,27 @@ class RaggedLayerCache:
             outputs.append(self.step.decode_attention(queries[: decode.count], pool_keys, pool_values, decode, scale))
         for lane in self.step.lanes:
             q = queries[lane.row_start : lane.row_start + lane.rows].transpose(2, 1, 0, 3)  # [1, H, n, D]
-            if lane.table is not None:
-                pool_keys, pool_values = self.pool.keys[self.layer], self.pool.values[self.layer]
-                keys, values = self.step.prefill_gather(pool_keys, pool_values, lane, self.pool.block_size)
-            else:
-                keys, values = self.pool.gather(self.layer, lane.kv_slots)
             if lane.query_rows:  # one layout for every bucketed call: MLX caches a cuDNN graph per shape and strides
                 pad = lane.query_rows - lane.rows
                 q = mx.pad(q, [(0, 0), (0, 0), (0, pad), (0, 0)]) if pad else mx.contiguous(q)
-            mask = lane.mask if lane.mask is not None else ("causal" if lane.rows > 1 else None)
-            out = self.step.chunk_attention(q, keys, values, scale, mask)
+            out = self._chunk(q, lane, scale)
             out = out[:, :, : lane.rows] if lane.query_rows > lane.rows else out
             outputs.append(out.transpose(2, 1, 0, 3))  # back to [n, H, 1, D]
         return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
+
+    def _chunk(self, q: mx.array, lane: LaneRows, scale: float) -> mx.array:
+        """A multi-row lane's attention over its history and itself: read from the pool where the step's chunk
+        attention does that, else over the history gathered (through the block table, or the lane's slots)."""
+        attention, size = self.step.chunk_attention, self.pool.block_size
+        if lane.table is not None:
+            pool_keys, pool_values = self.pool.keys[self.layer], self.pool.values[self.layer]
+            if isinstance(attention, PagedChunkAttention) and attention.takes(q, pool_keys, lane, size):
+                return attention.paged(q, pool_keys, pool_values, lane, scale, size)
+            keys, values = self.step.prefill_gather(pool_keys, pool_values, lane, size)
+        else:
+            keys, values = self.pool.gather(self.layer, lane.kv_slots)
+        mask = lane.mask if lane.mask is not None else ("causal" if lane.rows > 1 else None)
+        return attention(q, keys, values, scale, mask)
 
 
 def _dispatching_sdpa(original):

@@ -538,14 +538,15 @@ class ModelRunner:
         With a `prefill_gather` the lane carries its block table; otherwise slots, padded with slot 0."""
         padded = history_bucket(lane.end, self.kv_bucket)
         queries = query_bucket(lane.rows)
-        query_pos = mx.minimum(mx.arange(lane.start, lane.start + queries, dtype=mx.int32), lane.end - 1)[:, None]
+        query_pos = mx.minimum(mx.arange(lane.start, lane.start + queries, dtype=mx.int32), lane.end - 1)
         key_pos = mx.arange(padded, dtype=mx.int32)[None, :]
         dtype = self.pool.layout.dtype
-        mask = mx.where(key_pos <= query_pos, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))[None, None]
+        visible = key_pos <= query_pos[:, None]  # left unevaluated where the attention reads the pool itself
+        mask = mx.where(visible, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))[None, None]
         if self.prefill_gather is not None:
             table = mx.array(np.asarray(lane.block_ids[: -(-lane.end // self.pool.block_size)], dtype=np.int32))
             length = mx.array([lane.end, padded], dtype=mx.int32)
-            return LaneRows(row_start, lane.rows, self._no_slots, mask, table, length, padded, queries)
+            return LaneRows(row_start, lane.rows, self._no_slots, mask, table, length, padded, queries, query_pos)
         slots = np.zeros(padded, dtype=np.int32)
         slots[: lane.end] = slot_array(lane.block_ids, 0, lane.end, self.pool.block_size)
         return LaneRows(row_start, lane.rows, mx.array(slots), mask, query_rows=queries)

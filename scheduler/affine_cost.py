@@ -70,12 +70,18 @@ def _padded(shape: StepShape, kv_bucket: int) -> bool:
     return bool(kv_bucket) and shape.path is Path.GPU
 
 
-def features(shape: StepShape, kv_bucket: int = 0) -> tuple[float, float, float, float, float, float]:
+def features(
+    shape: StepShape, kv_bucket: int = 0, pads_history: bool = True
+) -> tuple[float, float, float, float, float, float]:
     """(1, rows in thousands, attention pairs in millions, decode lanes, extra prefill lanes, compiled), padded as
-    the engine pads."""
+    the engine pads: rows to query buckets, and the history to its bucket where the attention computes over it."""
     if _padded(shape, kv_bucket):
         rows = sum(query_bucket(c.rows) for c in shape.chunks)
-        pairs = sum(query_bucket(c.rows) * history_bucket(c.history + c.rows, kv_bucket) for c in shape.chunks)
+        pairs = sum(
+            query_bucket(c.rows)
+            * (history_bucket(c.history + c.rows, kv_bucket) if pads_history else c.history + c.rows / 2)
+            for c in shape.chunks
+        )
     else:
         rows, pairs = shape.prefill_rows, shape.attention_pairs
     extra_lanes = max(shape.width - 1, 0)
@@ -170,8 +176,9 @@ class TrustRegion:
 class AffineCostModel:
     name = "affine"
 
-    def __init__(self, kv_bucket: int = 0, trust_factor: float = TRUST_FACTOR) -> None:
+    def __init__(self, kv_bucket: int = 0, trust_factor: float = TRUST_FACTOR, pads_history: bool = True) -> None:
         self.kv_bucket = kv_bucket  # the engine's KV bucket unit (`SchedulerConfig.kv_bucket`); 0: exact shapes
+        self.pads_history = pads_history  # `SchedulerConfig.pads_history`
         self.baseline = EmaCostModel()
         self.fits = {path: RecursiveLeastSquares(FEATURES) for path in (Path.GPU, Path.ANE)}
         self.trust = {path: TrustRegion(trust_factor) for path in (Path.GPU, Path.ANE)}
@@ -179,7 +186,7 @@ class AffineCostModel:
     def predict(self, shape: StepShape) -> float | None:
         fit = self.fits[shape.path]
         if fit.samples >= MIN_SAMPLES:
-            predicted = fit.predict(features(shape, self.kv_bucket))
+            predicted = fit.predict(features(shape, self.kv_bucket, self.pads_history))
             if math.isfinite(predicted) and predicted > 0:
                 least = self.trust[shape.path].least_ms(*extent(shape, self.kv_bucket))
                 return predicted if least is None else max(predicted, least)
@@ -188,7 +195,7 @@ class AffineCostModel:
     def observe(self, shape: StepShape, elapsed_ms: float) -> None:
         if not is_trainable(shape, elapsed_ms):
             return
-        fit, x = self.fits[shape.path], features(shape, self.kv_bucket)
+        fit, x = self.fits[shape.path], features(shape, self.kv_bucket, self.pads_history)
         baseline = self.baseline.predict(shape) if shape.path is Path.GPU else None  # the ema learns the GPU only
         bounded = _bounded(fit, x, elapsed_ms, baseline)
         self.baseline.observe(shape, bounded)

@@ -26,6 +26,10 @@ class SchedulerConfig:
     # of this many tokens (CUDA: MLX builds a graph per shape); 0: exact shapes. Nonzero: budgets grow to the
     # query bucket their chunk is padded to (those rows are paid for) and the affine cost model counts padded work
     kv_bucket: int = 0
+    # with `kv_bucket`: whether a chunk's attention also runs over its padded history (a gathered copy, cuDNN or
+    # matmuls under a mask) or reads exactly the KV each row sees (the paged chunk kernel); the affine model counts
+    # the attention work either way
+    pads_history: bool = True
     # a halved budget grows by half again (1,024 -> 1,536, 256 -> 384) where that is still predicted within the
     # target: halving alone leaves up to half of the target unused. False: the seed's plain halving
     budget_midpoints: bool = True

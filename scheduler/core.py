@@ -36,7 +36,7 @@ class Scheduler:
         self.traced_shapes = traced_shapes  # which steps the engine runs compiled (None: it compiles no prefill)
         self.blocks = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_cache)
         self.cost_model = make_cost_model(
-            config.resolved_cost_model(), config.kv_bucket, config.cost_trust_factor
+            config.resolved_cost_model(), config.kv_bucket, config.cost_trust_factor, config.pads_history
         )
         self.step_target = StepTarget(config.step_target_ms, config.step_target_factor, config.step_target_floor_ms)
         self.stats = SchedulerStats()

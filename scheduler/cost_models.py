@@ -170,9 +170,11 @@ class BucketedCostModel:
         return self.ms_per_row.itemsize * len(self.ms_per_row) + self.samples.itemsize * len(self.samples)
 
 
-def make_cost_model(name: str, kv_bucket: int = 0, trust_factor: float = 1.5) -> CostModel:
-    """The cost model called `name` ("ema", "bucketed" or "affine"); `kv_bucket`: how the engine pads chunks
-    (`SchedulerConfig.kv_bucket`), which the affine model counts; `trust_factor`: the affine model's trust region
+def make_cost_model(
+    name: str, kv_bucket: int = 0, trust_factor: float = 1.5, pads_history: bool = True
+) -> CostModel:
+    """The cost model called `name` ("ema", "bucketed" or "affine"); `kv_bucket` and `pads_history`: how the engine
+    pads chunks (`SchedulerConfig`), which the affine model counts; `trust_factor`: the affine model's trust region
     (`SchedulerConfig.cost_trust_factor`)."""
     if name == "ema":
         return EmaCostModel()
@@ -181,5 +183,5 @@ def make_cost_model(name: str, kv_bucket: int = 0, trust_factor: float = 1.5) ->
     if name == "affine":
         from scheduler.affine_cost import AffineCostModel
 
-        return AffineCostModel(kv_bucket, trust_factor)
+        return AffineCostModel(kv_bucket, trust_factor, pads_history)
     raise ValueError(f"unknown prefill cost model {name!r}: expected ema, bucketed or affine")

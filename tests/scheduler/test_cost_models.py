@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from scheduler import SchedulerConfig
 from scheduler.affine_cost import FEATURES, MIN_SAMPLES, AffineCostModel, features
+from scheduler.buckets import query_bucket
 from scheduler.cost_models import (
     NUM_CELLS,
     BucketedCostModel,
@@ -188,6 +189,29 @@ def test_affine_counts_the_padded_work_where_the_engine_pads() -> None:
     edge = StepShape((PrefillChunk(1024, 11_300),), 8)  # ends at 12,324: a 16k bucket, not 12k
     assert padded.predict(edge) == pytest.approx(padded_cost(edge), rel=0.02)
     assert features(StepShape((PrefillChunk(100, 0),), 0, Path.ANE), 1024)[1] == 0.1  # the ANE lane runs exact
+
+
+def test_affine_counts_rows_padded_but_history_exact_where_the_attention_reads_the_pool() -> None:
+    """With the paged chunk kernel the engine still pads a chunk's rows to a query bucket, but its attention reads
+    only the KV each row sees: pairs are the padded rows times the exact history (plus half the chunk), so a chunk
+    just past a history bucket's edge costs what its neighbour does, not a bucket more."""
+    chunk = PrefillChunk(100, 12_300)  # ends at 12,400: history bucket 16,384
+    shape = StepShape((chunk,), 8)
+    assert features(shape, 1024)[2] == pytest.approx(128 * 16_384 * 1e-6)
+    assert features(shape, 1024, pads_history=False)[2] == pytest.approx(128 * (12_400 - 50) * 1e-6)
+    assert features(shape, 1024, pads_history=False)[1] == features(shape, 1024)[1] == pytest.approx(0.128)
+    exact = AffineCostModel(kv_bucket=1024, pads_history=False)
+
+    def cost(s: StepShape) -> float:  # what such a kernel costs: linear in the exact pairs
+        return 3 + 0.004 * sum(query_bucket(c.rows) for c in s.chunks) + 6e-7 * sum(
+            query_bucket(c.rows) * (c.history + c.rows / 2) for c in s.chunks)  # fmt: skip
+
+    for index in range(200):
+        rows = (64, 128, 256, 512, 1024)[index % 5]
+        trained = StepShape((PrefillChunk(rows, (index * 977) % 15_000),), 8)
+        exact.observe(trained, cost(trained))
+    edge = StepShape((PrefillChunk(1024, 11_300),), 8)
+    assert exact.predict(edge) == pytest.approx(cost(edge), rel=0.02)
 
 
 def test_affine_learns_extra_lanes_and_its_covariance_stays_bounded() -> None:
