@@ -42,7 +42,7 @@ class EngineConfig:
     expert_tiles: str = "auto"  # "auto" (the CUDA kernel with CUDA) | "on" | "off": MoE steps of many rows in expert tiles
     dense_experts: str = "auto"  # "auto" (on with CUDA) | "on" | "off": MoE steps of enough rows use every expert
     split_quantized_k: str = "auto"  # "auto" (all with CUDA) | "on" | "off" | "all": quantized projections over K slices
-    chunk_attention: str = "auto"  # "auto" | "sdpa" | "matmul": how prefill chunks attend (`ragged.ChunkAttention`)
+    chunk_attention: str = "auto"  # "auto" | "sdpa" | "matmul" | "paged": how prefill chunks attend (`ragged.ChunkAttention`)
     quantized_gemv: str = "auto"  # "auto" (the CUDA kernel with CUDA) | "on" | "off": 4-bit products of <= 8 rows
     quantized_tiles: str = "auto"  # "auto" (the CUDA kernel with CUDA) | "on" | "off": 4-bit steps of many rows
     dequantize_rows: int = 0  # quantized projections of steps with this many rows as dense matmuls (0: never)

@@ -277,17 +277,34 @@ def split_quantized_k(kind: str, fused_mixed: bool) -> str:
 def chunk_attention(kind: str) -> Any:
     """How prefill chunks attend (`ragged.ChunkAttention`): "sdpa" (MLX's fused attention, cuDNN on CUDA), "matmul"
     (`MatmulChunkAttention`: chunks of up to 128 query rows as two matmuls and a softmax, every output tile a
-    thread block) or "auto": on CUDA, matmul where the history is long for the chunk (`CUDA_CHUNK_ATTENTION`)."""
+    thread block), "paged" (`PagedChunkAttention`: one kernel reading the paged pool, `kernels.chunk_attention`; its
+    MLX-ops reference off CUDA) or "auto": paged on CUDA, the fused attention elsewhere."""
+    from mlx_serve.kernels import chunk_attention as paged
     from mlx_serve.kernels.paged_attention import cuda_available
-    from mlx_serve.ragged import CUDA_CHUNK_ATTENTION, MatmulChunkAttention, sdpa_chunk_attention
+    from mlx_serve.ragged import (
+        CUDA_CHUNK_ATTENTION,
+        MatmulChunkAttention,
+        PagedChunkAttention,
+        sdpa_chunk_attention,
+    )
 
+    if kind == "paged" or (kind == "auto" and cuda_available()):
+        if cuda_available():
+            return PagedChunkAttention(paged.paged_chunk_attention, paged.supports, CUDA_CHUNK_ATTENTION)
+        return PagedChunkAttention(paged.reference_chunk_attention, _any_chunk)
     if kind == "auto":
-        return CUDA_CHUNK_ATTENTION if cuda_available() else sdpa_chunk_attention
+        return sdpa_chunk_attention
     if kind == "sdpa":
         return sdpa_chunk_attention
     if kind == "matmul":
         return MatmulChunkAttention()
-    raise InvalidRequest(f"chunk_attention must be auto, sdpa or matmul, not {kind!r}", param="chunk_attention")
+    raise InvalidRequest(
+        f"chunk_attention must be auto, sdpa, matmul or paged, not {kind!r}", param="chunk_attention"
+    )
+
+
+def _any_chunk(q: Any, pool_keys: Any, block_size: int) -> bool:
+    return True  # the reference takes every dtype and head size
 
 
 def dequantize_rows(rows: int) -> int:

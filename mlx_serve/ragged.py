@@ -118,7 +118,9 @@ class PagedChunkAttention:
     after: mx.array | None = None  # read the pool once this array's producer has run (KV written in place)
 
     def takes(self, q: mx.array, pool_keys: mx.array, lane: LaneRows, block_size: int) -> bool:
-        return lane.table is not None and lane.positions is not None and self.supports(q, pool_keys, block_size)
+        if lane.table is None or lane.positions is None or lane.positions.shape[0] != q.shape[2]:
+            return False
+        return self.supports(q, pool_keys, block_size)
 
     def paged(self, q: mx.array, pool_keys: mx.array, pool_values: mx.array, lane: LaneRows, scale: float,
               block_size: int) -> mx.array:  # fmt: skip

@@ -1,11 +1,19 @@
-"""A prefill chunk's attention over its padded history, MLX's fused SDPA against `MatmulChunkAttention`, by rows.
+"""A prefill chunk's attention over its paged history, by rows: MLX's fused SDPA and `MatmulChunkAttention`
+(each after the `paged_gather` copy they need, and without it) against the paged flash-attention kernel
+(`kernels.chunk_attention`), which reads the pool through the block table itself.
 
 Each call's queries are the previous call's output, so the calls run one after another as a forward pass's
-layers do (independent calls would run side by side in MLX's CUDA graph and hide a kernel that fills few SMs: a
-64-row chunk over 8k tokens gives cuDNN 32 thread blocks). Keys and values differ per call (36 layers' worth),
-bf16, the bucketed lane's additive mask. Prints ms a call, one JSON line per (shape, rows, history).
+layers do (independent calls would run side by side in MLX's CUDA graph and hide a kernel that fills few SMs:
+a 64-row chunk over 8k tokens gives cuDNN 32 thread blocks). Keys and values differ per call (36 layers'
+worth, a pool and a block table each, blocks in random order), bf16; the chunk is the last `rows` tokens of
+`history`, the table padded to `history + 128` tokens with a scratch block, as a bucketed lane's.
 
-    python -m benchmarks.gpu.bench_chunk_attention
+Prints ms a call, one JSON line per (shape, history, rows): `sdpa_ms` / `matmul_ms` over K/V gathered
+beforehand, `gather_sdpa_ms` / `gather_matmul_ms` with the gather, `paged_ms` the kernel with its own choices
+(`paged_splits`), any `--splits` / `--warps` overrides, and `paged_err`: the kernel's largest difference from
+SDPA on one layer, over SDPA's largest output.
+
+    python -m benchmarks.gpu.bench_chunk_attention [--quick] [--splits 1,2,4,8] [--warps 8]
 """
 
 from __future__ import annotations
@@ -14,54 +22,133 @@ import argparse
 import json
 
 import mlx.core as mx
+import numpy as np
 
 from benchmarks.gpu.bench_kernel import time_ms
-from mlx_serve.ragged import MatmulChunkAttention, sdpa_chunk_attention
+from mlx_serve.kernels.chunk_attention import WARPS, paged_chunk_attention, split_count
+from mlx_serve.kernels.paged_gather import paged_gather
+from mlx_serve.ragged import LaneRows, MatmulChunkAttention, sdpa_chunk_attention
 
 SHAPES = {"8b": (32, 8, 128), "0.6b": (16, 8, 128)}  # heads, kv heads, head dim
 LAYERS = 36
+BLOCK_SIZE = 16
+PAD = 128  # table tokens past the history, as a bucketed lane's
+ROWS = "64,128,192,256,512,1024"
+HISTORIES = "2048,8192,16384"
+QUICK_ROWS, QUICK_HISTORIES = "128,1024", "8192"
 
 
-def chained(attention, q: mx.array, layers: list[tuple[mx.array, mx.array]], mask: mx.array, scale: float) -> mx.array:
-    for keys, values in layers:
-        q = attention(q, keys, values, scale, mask)
-    return q
+def make_layers(kv_heads: int, head_dim: int, history: int, seed: int) -> list[tuple[mx.array, ...]]:
+    """Per layer: a pool of keys and values (the history's blocks plus a scratch block) and its block table
+    (the history's blocks in random order, padded with the scratch block to `history + PAD` tokens)."""
+    rng = np.random.default_rng(seed)
+    used, padded_blocks = -(-history // BLOCK_SIZE), (history + PAD) // BLOCK_SIZE
+    shape = ((used + 1) * BLOCK_SIZE, kv_heads, head_dim)
+    layers = []
+    for _ in range(LAYERS):
+        table = np.full(padded_blocks, used, dtype=np.int32)  # block `used` is the scratch block
+        table[:used] = rng.permutation(used)
+        keys = mx.random.normal(shape).astype(mx.bfloat16)
+        values = mx.random.normal(shape).astype(mx.bfloat16)
+        layers.append((keys, values, mx.array(table)))
+    mx.eval(layers)
+    return layers
 
 
-def measure(shape: str, rows: int, history: int) -> dict:
+def measure(shape: str, rows: int, history: int, layers: list, splits: list[int], warps: list[int]) -> dict:
     heads, kv_heads, head_dim = SHAPES[shape]
-    padded = history + 128
+    padded = history + PAD
     q = mx.random.normal((1, heads, rows, head_dim)).astype(mx.bfloat16)
-    layers = [
-        (mx.random.normal((1, kv_heads, padded, head_dim)).astype(mx.bfloat16),
-         mx.random.normal((1, kv_heads, padded, head_dim)).astype(mx.bfloat16))
-        for _ in range(LAYERS)
-    ]  # fmt: skip
-    query_pos = mx.arange(history - rows, history)[:, None]
-    visible = mx.arange(padded)[None, :] <= query_pos
+    positions = mx.arange(history - rows, history, dtype=mx.int32)
+    length = mx.array([history, padded], dtype=mx.int32)
+    visible = mx.arange(padded)[None, :] <= positions[:, None]
     mask = mx.where(visible, mx.array(0, mx.bfloat16), mx.array(-1e30, mx.bfloat16))[None, None]
-    mx.eval(q, layers, mask)
+    no_slots = mx.zeros((0,), mx.int32)
+    lanes = [LaneRows(0, rows, no_slots, mask, table, length, padded, rows) for *_, table in layers]
+    gathered = [paged_gather(k, v, lane, BLOCK_SIZE) for (k, v, _), lane in zip(layers, lanes)]
+    mx.eval(q, positions, length, mask, gathered)
     scale = head_dim**-0.5
-    matmul = MatmulChunkAttention(max_rows=1 << 20)
-    return {
+    matmul = MatmulChunkAttention(max_rows=1 << 20)  # past its `max_scores` it answers with SDPA
+
+    def contiguous(attention):
+        def run():
+            out = q
+            for keys, values in gathered:
+                out = attention(out, keys, values, scale, mask)
+            return out
+
+        return run
+
+    def gather_then(attention):
+        def run():
+            out = q
+            for (pool_keys, pool_values, _), lane in zip(layers, lanes):
+                keys, values = paged_gather(pool_keys, pool_values, lane, BLOCK_SIZE)
+                out = attention(out, keys, values, scale, mask)
+            return out
+
+        return run
+
+    def paged(**overrides):
+        def run():
+            out = q
+            for keys, values, table in layers:
+                out = paged_chunk_attention(out, keys, values, table, length, positions, scale, BLOCK_SIZE,
+                                            **overrides)  # fmt: skip
+            return out
+
+        return run
+
+    keys, values, table = layers[0]
+    want = sdpa_chunk_attention(q, *gathered[0], scale, mask).astype(mx.float32)
+    got = paged_chunk_attention(q, keys, values, table, length, positions, scale, BLOCK_SIZE)
+    got = got.astype(mx.float32)
+    tiles = -(-rows * heads // kv_heads // (16 * WARPS))
+    row = {
         "shape": shape, "rows": rows, "history": history,
-        "sdpa_ms": time_ms(lambda: chained(sdpa_chunk_attention, q, layers, mask, scale)) / LAYERS,
-        "matmul_ms": time_ms(lambda: chained(matmul, q, layers, mask, scale)) / LAYERS,
+        "sdpa_ms": time_ms(contiguous(sdpa_chunk_attention)) / LAYERS,
+        "matmul_ms": time_ms(contiguous(matmul)) / LAYERS,
+        "gather_sdpa_ms": time_ms(gather_then(sdpa_chunk_attention)) / LAYERS,
+        "gather_matmul_ms": time_ms(gather_then(matmul)) / LAYERS,
+        "paged_ms": time_ms(paged()) / LAYERS,
+        "paged_splits": split_count(tiles * kv_heads, padded),
+        "paged_err": (mx.abs(got - want).max() / mx.abs(want).max()).item(),
     }  # fmt: skip
+    for count in splits:
+        row[f"paged_s{count}_ms"] = time_ms(paged(splits=count)) / LAYERS
+    for count in warps:
+        row[f"paged_w{count}_ms"] = time_ms(paged(warps=count)) / LAYERS
+    return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="8b,0.6b")
-    parser.add_argument("--rows", default="16,32,64,128,256,512")
-    parser.add_argument("--histories", default="2048,8192,16384")
+    parser.add_argument("--rows", default=None, help=f"default {ROWS} ({QUICK_ROWS} with --quick)")
+    parser.add_argument("--histories", default=None, help=f"default {HISTORIES} ({QUICK_HISTORIES} --quick)")
+    parser.add_argument("--quick", action="store_true", help="fewer rows and histories")
+    parser.add_argument("--splits", default="", help="also time the kernel with these history splits: 1,4")
+    parser.add_argument("--warps", default="", help="also time the kernel with blocks of these warps: 8")
     args = parser.parse_args()
+    rows_list = [int(r) for r in (args.rows or (QUICK_ROWS if args.quick else ROWS)).split(",")]
+    histories = args.histories or (QUICK_HISTORIES if args.quick else HISTORIES)
+    histories = [int(h) for h in histories.split(",")]
+    splits = [int(s) for s in args.splits.split(",") if s]
+    warps = [int(w) for w in args.warps.split(",") if w]
+    assert all(h % BLOCK_SIZE == 0 for h in histories), f"histories of whole {BLOCK_SIZE}-token blocks"
     for shape in args.shapes.split(","):
-        for history in (int(h) for h in args.histories.split(",")):
-            for rows in (int(r) for r in args.rows.split(",")):
-                row = measure(shape, rows, history)
-                print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        _, kv_heads, head_dim = SHAPES[shape]
+        for history in histories:
+            layers = make_layers(kv_heads, head_dim, history, seed=history)
+            for rows in rows_list:
+                if rows > history:
+                    continue
+                row = measure(shape, rows, history, layers, splits, warps)
+                rounded = {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
+                print(json.dumps(rounded), flush=True)
                 mx.clear_cache()
+            del layers
+            mx.clear_cache()
 
 
 if __name__ == "__main__":

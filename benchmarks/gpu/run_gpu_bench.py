@@ -301,7 +301,7 @@ def main() -> None:
     parser.add_argument("--quantized-tiles", default="auto", choices=("auto", "on", "off"))
     parser.add_argument("--quantized-gemv", default="auto", choices=("auto", "on", "off"))
     parser.add_argument("--split-quantized-k", default="auto", choices=("auto", "on", "off", "all"))
-    parser.add_argument("--chunk-attention", default="auto", choices=("auto", "sdpa", "matmul"))
+    parser.add_argument("--chunk-attention", default="auto", choices=("auto", "sdpa", "matmul", "paged"))
     parser.add_argument("--budget-midpoints", choices=["on", "off"], default="on",
                         help="EngineConfig.budget_midpoints: a halved budget grows by half again where it fits")
     parser.add_argument("--plan-headroom", type=float, default=1.0,

@@ -207,11 +207,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "too) run as one batched product over slices of their input dimension, summed, so that "
                         "MLX's CUDA quantized GEMM fills the GPU: auto = all with MLX's CUDA backend and the fused "
                         "mixed forward, on (o_proj, down_proj) with CUDA otherwise (default: %(default)s)")
-    g.add_argument("--chunk-attention", choices=["auto", "sdpa", "matmul"], default="auto",
-                   help="how prefill chunks attend: MLX's fused attention (sdpa), or (matmul) chunks of up to 128 "
-                        "rows as two matmuls and a softmax, which keeps every SM busy where a small chunk reads a "
-                        "long history; auto = matmul with MLX's CUDA backend where the history holds 4 tokens per "
-                        "query head and row (default: %(default)s)")
+    g.add_argument("--chunk-attention", choices=["auto", "sdpa", "matmul", "paged"], default="auto",
+                   help="how prefill chunks attend: MLX's fused attention (sdpa) over the history gathered from the "
+                        "paged pool; (matmul) chunks of up to 128 rows as two matmuls and a softmax, which keeps "
+                        "every SM busy where a small chunk reads a long history; (paged) one flash-attention kernel "
+                        "reading the pool through the block table, no copy and no work on padding; auto = paged "
+                        "with MLX's CUDA backend, sdpa elsewhere (default: %(default)s)")
     g.add_argument("--dequantize-rows", type=whole_number_arg(0), default=0, metavar="N",
                    help="quantized models: steps of at least N rows (prefill chunks, decode batches, logits) run each "
                         "projection as a dense matmul over its dequantized weights, since MLX's quantized matmul "

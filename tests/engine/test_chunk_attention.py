@@ -64,7 +64,7 @@ def test_engine_with_matmul_chunk_attention_matches_mlx_lm(tiny_qwen3, monkeypat
     for prompt, tokens in zip(prompts, generate_in_cuda_layout(engine, prompts, 8, table_gather)):
         assert tokens == reference_tokens(tiny_qwen3, prompt, 8)
     assert taken, "no chunk took the matmul attention"
-    with pytest.raises(InvalidRequest, match="chunk_attention must be auto, sdpa or matmul"):
+    with pytest.raises(InvalidRequest, match="chunk_attention must be auto, sdpa, matmul or paged"):
         Engine.load(EngineConfig(model=str(tiny_qwen3), chunk_attention="flash"))
 
 
@@ -76,5 +76,35 @@ def test_auto_chunk_attention_takes_matmuls_only_for_long_histories_within_the_s
     assert rule.takes(heads=16, rows=256, length=16384) and not rule.takes(heads=16, rows=512, length=32768)
     assert not rule.takes(heads=64, rows=256, length=1 << 16)  # 2**30 scores: over the budget
     on_cuda = cuda_available()
-    assert engine_setup.chunk_attention("auto") is (rule if on_cuda else ragged.sdpa_chunk_attention)
+    auto = engine_setup.chunk_attention("auto")
+    if on_cuda:  # the paged kernel, falling back to the rule for a lane it does not take
+        assert isinstance(auto, ragged.PagedChunkAttention) and auto.fallback is rule
+    else:
+        assert auto is ragged.sdpa_chunk_attention
     assert engine_setup.chunk_attention("matmul").history_per_score_row == 0
+
+
+def test_engine_with_paged_chunk_attention_matches_mlx_lm(tiny_qwen3):
+    """`--chunk-attention paged` on the CPU (the kernel's MLX-ops reference reading the pool through the block
+    table, each row's positions passed down): chunks of 7 rows beside decoding streams give mlx-lm's greedy
+    tokens, every chunk went through the paged path, and the scheduler counts exact (unpadded) history."""
+    from dataclasses import replace
+
+    from mlx_serve.kernels import chunk_attention as paged
+
+    engine = Engine.load(EngineConfig(model=str(tiny_qwen3), row_ceiling=7, row_floor=1, chunk_attention="paged",
+                                      warm_up=False))  # fmt: skip
+    chunk = engine.runner.chunk_attention
+    assert isinstance(chunk, ragged.PagedChunkAttention) and chunk.attend is paged.reference_chunk_attention
+    assert not engine.scheduler.config.pads_history
+    seen = []
+
+    def attend(q, *args, **kwargs):
+        seen.append((q.shape[2], args[4].shape[0]))  # the rows attention runs with, and their positions
+        return paged.reference_chunk_attention(q, *args, **kwargs)
+
+    engine.runner.chunk_attention = replace(chunk, attend=attend)
+    prompts = [prompt_of(n, seed=300 + i) for i, n in enumerate((45, 12, 70, 9, 33))]
+    for prompt, tokens in zip(prompts, generate_in_cuda_layout(engine, prompts, 8, table_gather)):
+        assert tokens == reference_tokens(tiny_qwen3, prompt, 8)
+    assert seen and all(rows == positions for rows, positions in seen)

@@ -6,11 +6,13 @@ through the engine."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import mlx.core as mx
 import pytest
 from mlx_lm import load
 
+from mlx_serve import engine_setup
 from mlx_serve.compiled_mixed import neighbour_shapes
 from mlx_serve.engine import Engine, EngineConfig
 from mlx_serve.errors import InvalidRequest
@@ -82,12 +84,35 @@ def _steps(runner: ModelRunner, outcomes: list[StepOutcome] | None = None) -> li
     return samples
 
 
-def _runner(model, compile_mixed: bool, fuse_mixed: bool = True, defer: bool = False) -> ModelRunner:
+def _runner(model, compile_mixed: bool, fuse_mixed: bool = True, defer: bool = False, chunk=None) -> ModelRunner:
     args = model.args
     layout = KVLayout(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, mx.float32)
     return ModelRunner(model, KVPool(layout, 48, 16), select_decode_attention("auto"), kv_bucket=32,
                        compile_decode=True, fuse_decode=True, fuse_mixed=fuse_mixed, compile_mixed=compile_mixed,
-                       defer_mixed_traces=defer, prefill_gather=table_gather)  # fmt: skip
+                       defer_mixed_traces=defer, prefill_gather=table_gather, chunk_attention=chunk)  # fmt: skip
+
+
+def test_compiled_and_eager_steps_with_paged_chunk_attention_equal_the_gathered_ones(tiny_qwen3):
+    """Chunks attending through the paged reference (the pool read through the table, causal by each row's
+    position: traced positions in the compiled step, padded query positions in the eager one) give the logits of
+    the gathered, masked attention, compiled and eager."""
+    model, _ = load(str(tiny_qwen3))
+    reference = engine_setup.chunk_attention("paged")
+    calls = []
+
+    def attend(q, *args, **kwargs):
+        calls.append(q.shape[2])
+        return reference.attend(q, *args, **kwargs)
+
+    paged = replace(reference, attend=attend)
+    gathered = _steps(_runner(model, compile_mixed=False))
+    for compile_mixed in (True, False):
+        calls.clear()
+        steps = _steps(_runner(model, compile_mixed=compile_mixed, chunk=paged))
+        assert calls, "no chunk read the pool itself"
+        assert [s[:2] for s in steps] == [s[:2] for s in gathered]
+        for a, b in zip(steps, gathered):
+            assert abs(a[2] - b[2]) < 1e-4, (compile_mixed, a, b)
 
 
 @pytest.mark.parametrize("fixture", ["tiny_qwen3", "tiny_qwen3_moe"])

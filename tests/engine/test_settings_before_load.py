@@ -17,7 +17,7 @@ MISSING = "/nonexistent/model-dir"
         ({"row_floor": 512, "row_ceiling": 64}, "row_floor <= row_ceiling"),
         ({"compile_mixed": "yes"}, "compile_mixed must be auto, on or off"),
         ({"split_quantized_k": "some"}, "split_quantized_k must be auto, on, off or all"),
-        ({"chunk_attention": "flash"}, "chunk_attention must be auto, sdpa or matmul"),
+        ({"chunk_attention": "flash"}, "chunk_attention must be auto, sdpa, matmul or paged"),
         ({"dequantize_rows": -1}, "dequantize_rows must be a whole number"),
         ({"row_quantum": 0}, "row_quantum must be a whole number"),
         ({"step_target_ms": "auto", "step_target_factor": -2}, "step_target_factor must be a number > 0"),

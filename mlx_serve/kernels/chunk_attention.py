@@ -1,0 +1,507 @@
+"""A prefill chunk's attention over its paged KV history: one flash-attention kernel that reads the pool
+through the block table.
+
+Today a chunk's history is first copied out of the pool (`paged_gather`, ~2 ms a step at 16k) into contiguous
+`[1, kv_heads, L_pad, D]` keys and values, then cuDNN SDPA or two matmuls run over the whole padded history
+with an additive mask (1.6-1.8x the exact causal cost). Here one kernel streams each 32-token tile of K and V
+from the pool (`[slots, kv_heads, D]`, slot = block id * block size + offset) into shared memory once per 64
+score rows, and never touches a key past the rows' causal limit: no copy, no padding work.
+
+Layout (FA2 forward on tensor cores, `mma.sync m16n8k16`, bf16 in, fp32 sums):
+- score rows: the G = heads / kv_heads query heads of a kv head are stacked as rows `s = i * G + g` (query
+  row i, head kvh * G + g), so one K/V tile serves all of them. A thread block is (64 score rows, kv head,
+  history split); its 4 warps own 16 rows each and hold their Q fragments in registers.
+- K/V tiles: 32 tokens, `cp.async` into shared memory one tile ahead of use (`PIPE` stages of 17 KB at
+  D = 128), token rows padded to an odd number of 16-byte chunks so that `ldmatrix` (K, the B operand of
+  S = Q K^T) and `ldmatrix.trans` (V, the B operand of O += P V) meet no bank conflicts.
+- softmax: online, fp32, in the log2 domain (`exp2f` of log2(e)-prescaled scores); P goes from the S
+  accumulators straight into bf16 A fragments (the C layout of two n8 tiles is the A layout of one k16 step).
+- causal: key j is visible to row i iff j <= positions[i] and j < length[0]. A block stops at the last key
+  any of its rows sees, a warp skips tiles none of its rows sees, and only a tile that straddles a row's
+  limit is masked per element.
+- splits: when the (query tiles x kv heads) blocks would not fill the GPU, each block's history [0, limit)
+  is cut into `splits` equal whole-tile ranges (flash decoding): blocks write fp32 partial (output, max, sum)
+  rows and a merge kernel combines them.
+
+Every length is read on the device, so the grid depends only on static shapes (rows, heads, head dim, table
+length): one compiled graph serves every history within a bucket. Rows that see no key (only with a zero
+length) come out as zeros.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import zlib
+
+import mlx.core as mx
+
+from mlx_serve.kernels.mma import MMA_HEADER
+from mlx_serve.kernels.paged_gather import table_gather
+from mlx_serve.ragged import LaneRows
+
+# a block's warps, 16 score rows each (32 a warp would double O's 64 registers a thread). 8 warps halve the L2
+# reads of K/V (every query tile reads the whole history) but leave one block a SM: to be measured (`--warps`)
+WARPS = 4
+BN = 32  # tokens a staged K/V tile: two stages of K and V take 34 KB of the 48 KB of static shared memory
+PIPE = 2  # shared-memory stages: the next tile's copies run under this tile's products
+MERGE_THREADS = 128
+HEAD_DIMS = (64, 128)
+LOG2E = 1.4426950408889634
+# splits of the history: enough blocks for two a SM on the H200's 132 (a block of 4 warps holds ~1/3 of a SM's
+# registers) once the query tiles leave SMs idle, each split at least MIN_SPLIT_TOKENS of the padded history.
+# To be tuned with `benchmarks/gpu/bench_chunk_attention.py --splits`.
+SMS = 132
+TARGET_BLOCKS = 2 * SMS
+MIN_SPLIT_TOKENS = 512
+MAX_SPLITS = 16
+
+HEADER = r"""
+#define CA_NEG_INF __uint_as_float(0xff800000u)
+
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const __nv_bfloat16* p) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
+}
+
+// bf16 offset of 16-byte chunk `chunk` of token row `row` in a staged tile: rows padded to D + 8 bf16 (an odd
+// number of 16-byte chunks, so the 8 rows an ldmatrix matrix reads at one chunk hit 8 distinct bank groups);
+// unlike an XOR swizzle, every fragment's address is the lane's base plus a constant (fewer registers)
+template <int D>
+__device__ __forceinline__ int ca_at(int row, int chunk) { return row * (D + 8) + chunk * 8; }
+
+__device__ __forceinline__ unsigned ca_pack(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (the lower column) in the low half, as mma wants
+  return *reinterpret_cast<unsigned*>(&v);
+}
+"""
+
+# Template: D (64 or 128), G (query heads a kv head), BS (block size), BN (tokens a tile), PIPE (stages),
+# WARPS (4 or 8, 16 score rows each); the macro CA_PARTIAL (in the header) picks partial outputs.
+# Inputs: q [1, H, R, D] bf16, k_pool/v_pool [slots, KVH, D] bf16, table [NB] int32, length [2] int32 (tokens;
+# the padded length is not read), positions [R] int32, scale_log2 [1] fp32 (scale * log2 e), and optionally
+# `after` (never read). Grid: (ceil(R * G / (16 * WARPS)), KVH, splits) blocks of WARPS * 32 threads.
+# Outputs: out [1, H, R, D] bf16; or o_part [splits, H, R, D] fp32 (unnormalised) and ml_part
+# [splits, H, R, 2] fp32 (row max in the log2 domain, row sum).
+SOURCE = r"""
+  static_assert(D == 64 || D == 128, "chunk attention takes heads of 64 or 128 dims");
+  static_assert(BN % 16 == 0 && BN >= 16, "tiles of whole k16 steps of P V");
+  static_assert(WARPS == 4 || WARPS == 8, "blocks of 4 or 8 warps");
+  constexpr int BM = 16 * WARPS;     // score rows a block
+  constexpr int CH = D / 8;          // 16-byte chunks of a token's head
+  constexpr int KT = D / 16;         // k16 steps of S = Q K^T
+  constexpr int ST = BN / 8;         // n8 tiles of S (tokens)
+  constexpr int OT = D / 8;          // n8 tiles of O (head dims)
+  constexpr int TILE = BN * (D + 8); // bf16 of one staged K or V tile (rows padded, see ca_at)
+  constexpr int COPIES = BN * CH / (32 * WARPS);  // 16-byte copies a thread issues per tile, each of K and V
+  static_assert(COPIES * 32 * WARPS == BN * CH, "a tile's chunks spread evenly over the threads");
+  static_assert(2 * PIPE * TILE * 2 <= 48 * 1024, "MLX's kernels have 48 KB of static shared memory");
+  __shared__ __align__(16) __nv_bfloat16 Ks[PIPE * TILE];
+  __shared__ __align__(16) __nv_bfloat16 Vs[PIPE * TILE];
+
+  const int H = q_shape[1];
+  const int R = q_shape[2];
+  const int KVH = k_pool_shape[1];
+  const int NB = table_shape[0];
+  const int tile = gridDim.x - 1 - blockIdx.x;  // the last query tiles see the most keys: start them first
+  const int kvh = blockIdx.y;
+  const int split = blockIdx.z;
+  const int splits = gridDim.z;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int gid = lane >> 2, tig = lane & 3;  // the fragment's row (and row + 8) and column pair
+  const int len = min(length[0], NB * BS);    // never past the table
+  const float sl2 = scale_log2[0];
+  const int rows = R * G;                     // score rows of this kv head
+  const int s_block = tile * BM;
+
+  // a score row sees keys [0, min(position + 1, len)); the last tile's rows past R * G take row R - 1's limit
+  // (their Q is zero and they are never stored)
+  auto row_limit = [&](int s) { return max(0, min(positions[min(s / G, R - 1)] + 1, len)); };
+
+  // the block's limit: the largest of its query rows' (each warp computes it, so it is block-uniform)
+  int block_lim = 0;
+  {
+    const int i_lo = s_block / G, i_hi = min((s_block + BM - 1) / G, R - 1);
+    for (int i = i_lo + lane; i <= i_hi; i += 32) block_lim = max(block_lim, min(positions[i] + 1, len));
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) block_lim = max(block_lim, __shfl_xor_sync(0xffffffffu, block_lim, o));
+    block_lim = max(block_lim, 0);
+  }
+  // this split's keys: [start, end), whole tiles (a split boundary never cuts a tile), sized from the block's
+  // own limit so the splits share the real history evenly however far the table is padded
+  const int per = (block_lim + splits * BN - 1) / (splits * BN) * BN;
+  const int start = split * per;
+  const int end = min(start + per, block_lim);
+  const int n_tiles = end > start ? (end - start + BN - 1) / BN : 0;
+
+  // this thread's two score rows, their limits within the split, and the warp's least and greatest limit
+  const int s0 = s_block + warp * 16 + gid, s1 = s0 + 8;
+  const int lim[2] = {min(row_limit(s0), end), min(row_limit(s1), end)};
+  int wmin = min(lim[0], lim[1]), wmax = max(lim[0], lim[1]);
+  #pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    wmin = min(wmin, __shfl_xor_sync(0xffffffffu, wmin, o));
+    wmax = max(wmax, __shfl_xor_sync(0xffffffffu, wmax, o));
+  }
+
+  // Q's A fragments, held for the whole history: a0 (row gid, dims 2 tig..+1), a1 (row gid + 8), a2 / a3 the
+  // same at dims + 8, for each k16 step of the head
+  unsigned qa[KT][4];
+  {
+    auto q_row = [&](int s) {  // score row s: query head kvh * G + s % G, row s / G (none past the rows)
+      const __nv_bfloat16* row = q + ((size_t)(kvh * G + s % G) * R + s / G) * D;
+      return s < rows ? reinterpret_cast<const unsigned*>(row) : nullptr;
+    };
+    const unsigned* q0 = q_row(s0);
+    const unsigned* q1 = q_row(s1);
+    #pragma unroll
+    for (int kk = 0; kk < KT; ++kk) {
+      qa[kk][0] = q0 ? q0[8 * kk + tig] : 0u;
+      qa[kk][1] = q1 ? q1[8 * kk + tig] : 0u;
+      qa[kk][2] = q0 ? q0[8 * kk + 4 + tig] : 0u;
+      qa[kk][3] = q1 ? q1[8 * kk + 4 + tig] : 0u;
+    }
+  }
+
+  // one tile's copies: token rows of D bf16 from the pool through the table (16 threads a row: 256 contiguous
+  // bytes); tokens past the split's end are zero-filled and their table entries never read
+  auto copy_tile = [&](int it) {
+    const int stage = it % PIPE, t0 = start + it * BN;
+    #pragma unroll
+    for (int c = 0; c < COPIES; ++c) {
+      const int piece = tid + 32 * WARPS * c, tok = piece / CH, chunk = piece % CH;
+      const int t = t0 + tok;
+      const bool ok = t < end;
+      const size_t slot = ok ? (size_t)table[t / BS] * BS + t % BS : 0;
+      const size_t off = (slot * KVH + kvh) * D + chunk * 8;
+      const int at = stage * TILE + ca_at<D>(tok, chunk);
+      cp_async16(Ks + at, k_pool + off, ok);
+      cp_async16(Vs + at, v_pool + off, ok);
+    }
+  };
+
+  float o[OT][4];
+  #pragma unroll
+  for (int nd = 0; nd < OT; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
+  float m[2] = {CA_NEG_INF, CA_NEG_INF};  // rows gid, gid + 8: running max of the raw scores (quad-uniform)
+  float l[2] = {0.f, 0.f};                // and this thread's share of the running sum
+
+  // ldmatrix lanes. K (non-trans): lanes 0-7 tokens 0-7 at chunk k, 8-15 the same at k + 1, 16-23 tokens
+  // 8-15 at k, 24-31 those at k + 1: b0 / b1 of two n8 token tiles. V (trans): lanes 0-7 tokens 0-7 at dim
+  // chunk n, 8-15 tokens 8-15 at n, 16-23 tokens 0-7 at n + 1, 24-31 tokens 8-15 at n + 1: b0 / b1 of two
+  // n8 dim tiles.
+  const int k_row = (lane & 7) + ((lane >> 4) << 3), k_chunk = (lane >> 3) & 1;
+  const int v_row = (lane & 7) + (((lane >> 3) & 1) << 3), v_chunk = lane >> 4;
+
+  pipe_start<PIPE>(n_tiles, copy_tile);
+  for (int it = 0; it < n_tiles; ++it) {
+    pipe_next<PIPE>(it, n_tiles, copy_tile);
+    const int t0 = start + it * BN;
+    if (t0 >= wmax) continue;  // no row of this warp sees this tile (warp-uniform; barriers are in pipe_next)
+    const __nv_bfloat16* ks = Ks + (it % PIPE) * TILE;
+    const __nv_bfloat16* vs = Vs + (it % PIPE) * TILE;
+
+    // S = Q K^T: s[j] is the n8 tile of tokens 8 j..8 j + 7; [0], [1] row gid, [2], [3] row gid + 8
+    float s[ST][4];
+    #pragma unroll
+    for (int j = 0; j < ST; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+    #pragma unroll
+    for (int kk = 0; kk < KT; ++kk) {
+      #pragma unroll
+      for (int j = 0; j < ST; j += 2) {
+        unsigned r[4];
+        ldmatrix_x4(r, ks + ca_at<D>(8 * j + k_row, 2 * kk + k_chunk));
+        const unsigned b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+        mma_bf16(s[j], qa[kk], b0);
+        mma_bf16(s[j + 1], qa[kk], b1);
+      }
+    }
+    if (t0 + BN > wmin) {  // some row of the warp stops inside this tile: mask per element
+      #pragma unroll
+      for (int j = 0; j < ST; ++j)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (t0 + 8 * j + 2 * tig + (e & 1) >= lim[e >> 1]) s[j][e] = CA_NEG_INF;
+    }
+
+    // online softmax of the tile, in the log2 domain: p = 2^(s sl2 - m sl2)
+    float tmax[2] = {CA_NEG_INF, CA_NEG_INF};
+    #pragma unroll
+    for (int j = 0; j < ST; ++j) {
+      tmax[0] = fmaxf(tmax[0], fmaxf(s[j][0], s[j][1]));
+      tmax[1] = fmaxf(tmax[1], fmaxf(s[j][2], s[j][3]));
+    }
+    float corr[2], ms[2];
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 1));
+      tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 2));
+      const float m_new = fmaxf(m[h], tmax[h]);
+      const float m_use = m_new == CA_NEG_INF ? 0.f : m_new;  // a row with nothing visible yet: p = 0, no NaN
+      corr[h] = exp2f((m[h] - m_use) * sl2);                 // m = -inf gives 0
+      ms[h] = m_use * sl2;
+      m[h] = m_new;
+    }
+    float psum[2] = {0.f, 0.f};
+    #pragma unroll
+    for (int j = 0; j < ST; ++j)
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[j][e] = exp2f(fmaf(s[j][e], sl2, -ms[e >> 1]));  // masked: 2^-inf = 0
+        psum[e >> 1] += s[j][e];
+      }
+    l[0] = l[0] * corr[0] + psum[0];
+    l[1] = l[1] * corr[1] + psum[1];
+    #pragma unroll
+    for (int nd = 0; nd < OT; ++nd) {
+      o[nd][0] *= corr[0]; o[nd][1] *= corr[0];
+      o[nd][2] *= corr[1]; o[nd][3] *= corr[1];
+    }
+
+    // O += P V, k16 step t over tokens 16 t..16 t + 15: P's A fragment is S's n8 tiles 2 t and 2 t + 1
+    #pragma unroll
+    for (int t = 0; t < BN / 16; ++t) {
+      const float* lo = s[2 * t];
+      const float* hi = s[2 * t + 1];
+      const unsigned pa[4] = {ca_pack(lo[0], lo[1]), ca_pack(lo[2], lo[3]), ca_pack(hi[0], hi[1]),
+                              ca_pack(hi[2], hi[3])};
+      #pragma unroll
+      for (int nd = 0; nd < OT; nd += 2) {
+        unsigned r[4];
+        ldmatrix_x4_trans(r, vs + ca_at<D>(16 * t + v_row, nd + v_chunk));
+        const unsigned b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+        mma_bf16(o[nd], pa, b0);
+        mma_bf16(o[nd + 1], pa, b1);
+      }
+    }
+  }
+
+  // the rows' sums over their quads; then rows gid and gid + 8 out (rows past R * G are dropped)
+  #pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+  }
+  #pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int sr = h ? s1 : s0;
+    if (sr >= rows) continue;
+    const size_t row = (size_t)(kvh * G + sr % G) * R + sr / G;  // (head, query row) in [H, R]
+#if CA_PARTIAL
+    float* op = o_part + ((size_t)split * H * R + row) * D + 2 * tig;
+    #pragma unroll
+    for (int nd = 0; nd < OT; ++nd)
+      *reinterpret_cast<float2*>(op + 8 * nd) = make_float2(o[nd][2 * h], o[nd][2 * h + 1]);
+    if (tig == 0) {
+      float* mlp = ml_part + ((size_t)split * H * R + row) * 2;
+      mlp[0] = m[h] * sl2;  // -inf stays -inf: a split this row sees nothing of, which the merge skips
+      mlp[1] = l[h];
+    }
+#else
+    const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+    __nv_bfloat16* op = out + row * D + 2 * tig;
+    #pragma unroll
+    for (int nd = 0; nd < OT; ++nd)
+      *reinterpret_cast<__nv_bfloat162*>(op + 8 * nd) =
+          __floats2bfloat162_rn(o[nd][2 * h] * inv, o[nd][2 * h + 1] * inv);
+#endif
+  }
+"""
+
+# Template: D. Inputs: o_part [splits, H, R, D] fp32, ml_part [splits, H, R, 2] fp32. Output: out [1, H, R, D]
+# bf16. One thread per 4 dims of a (head, row); grid: H * R * D / 4 threads, in blocks of 128.
+MERGE_SOURCE = r"""
+  const int splits = o_part_shape[0];
+  const size_t rows = (size_t)o_part_shape[1] * o_part_shape[2];
+  const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= rows * (D / 4)) return;
+  const size_t row = idx / (D / 4);
+  const int d = (idx % (D / 4)) * 4;
+  float mmax = CA_NEG_INF;
+  for (int p = 0; p < splits; ++p) mmax = fmaxf(mmax, ml_part[((size_t)p * rows + row) * 2]);
+  float lsum = 0.f;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (mmax != CA_NEG_INF) {
+    for (int p = 0; p < splits; ++p) {
+      const float mp = ml_part[((size_t)p * rows + row) * 2];
+      if (mp == CA_NEG_INF) continue;  // a split past this row's limit: nothing in it
+      const float c = exp2f(mp - mmax);
+      lsum += c * ml_part[((size_t)p * rows + row) * 2 + 1];
+      const float4 v = *reinterpret_cast<const float4*>(o_part + ((size_t)p * rows + row) * D + d);
+      acc.x += c * v.x; acc.y += c * v.y; acc.z += c * v.z; acc.w += c * v.w;
+    }
+  }
+  const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
+  __nv_bfloat162* op = reinterpret_cast<__nv_bfloat162*>(out + row * D + d);
+  op[0] = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
+  op[1] = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
+"""
+
+
+# MLX's JIT caches compiled kernels on disk by name (and template values) alone, and `on_device.sh` carries
+# that cache between machines: the sources' digest in the names keeps an edited kernel from running as its old
+# self
+SOURCE_DIGEST = f"{zlib.crc32((MMA_HEADER + HEADER + SOURCE + MERGE_SOURCE).encode()):08x}"
+
+
+@functools.cache
+def _kernel(partial: bool, ordered: bool) -> object:
+    # `after` is never read: it is an input only so MLX's CUDA graph orders this kernel after the one that
+    # made it
+    inputs = ["q", "k_pool", "v_pool", "table", "length", "positions", "scale_log2"]
+    inputs += ["after"] if ordered else []
+    outputs = ["o_part", "ml_part"] if partial else ["out"]
+    name = "mlx_serve_chunk_attention" + ("_partial" if partial else "") + ("_after" if ordered else "")
+    header = MMA_HEADER + HEADER + f"#define CA_PARTIAL {int(partial)}\n"
+    return mx.fast.cuda_kernel(f"{name}_{SOURCE_DIGEST}", inputs, outputs, SOURCE, header=header)
+
+
+@functools.cache
+def _merge_kernel() -> object:
+    name = f"mlx_serve_chunk_attention_merge_{SOURCE_DIGEST}"
+    return mx.fast.cuda_kernel(name, ["o_part", "ml_part"], ["out"], MERGE_SOURCE, header=HEADER)
+
+
+@functools.lru_cache(maxsize=64)
+def _scalar(value: float) -> mx.array:
+    # kernel scalars arrive as pointers: one cached device array per value, not a new upload per layer and
+    # step
+    scalar = mx.array([value], dtype=mx.float32)
+    mx.eval(scalar)
+    return scalar
+
+
+def _int32(values: mx.array) -> mx.array:
+    return values if values.dtype == mx.int32 else values.astype(mx.int32)
+
+
+def supports(q: mx.array, pool_keys: mx.array, block_size: int) -> bool:
+    """Whether the kernel takes this chunk: bf16 queries and pool, heads of 64 or 128 dims, one batch element,
+    any whole group of query heads a kv head, any block size."""
+    return (
+        q.ndim == 4
+        and q.shape[0] == 1
+        and pool_keys.ndim == 3
+        and q.dtype == mx.bfloat16
+        and pool_keys.dtype == mx.bfloat16
+        and q.shape[-1] == pool_keys.shape[-1]
+        and pool_keys.shape[-1] in HEAD_DIMS
+        and q.shape[1] % pool_keys.shape[1] == 0
+        and block_size >= 1
+    )
+
+
+def _check(q, pool_keys, pool_values, table, length, positions, block_size) -> None:
+    if not supports(q, pool_keys, block_size):
+        raise ValueError(
+            "paged chunk attention takes bf16 queries [1, heads, rows, D] and a bf16 pool [slots, kv_heads, "
+            f"D] with D in {HEAD_DIMS}, heads a multiple of kv_heads and a positive block size; got q "
+            f"{q.shape} {q.dtype}, pool {pool_keys.shape} {pool_keys.dtype}, block size {block_size}"
+        )
+    if pool_values.shape != pool_keys.shape or pool_values.dtype != pool_keys.dtype:
+        values, keys = f"{pool_values.shape} {pool_values.dtype}", f"{pool_keys.shape} {pool_keys.dtype}"
+        raise ValueError(f"pool values {values} differ from the keys {keys}")
+    if table.ndim != 1 or length.ndim != 1 or length.shape[0] < 1:
+        raise ValueError(f"table must be [blocks] and length [2], not {table.shape} and {length.shape}")
+    if positions.shape != (q.shape[2],):
+        raise ValueError(f"positions must be [rows] = [{q.shape[2]}], not {positions.shape}")
+
+
+def split_count(blocks: int, padded: int) -> int:
+    """History splits for `blocks` (query tiles x kv heads) thread blocks over a table of `padded` tokens:
+    none once the blocks cover the SMs, else enough for `TARGET_BLOCKS`, each at least `MIN_SPLIT_TOKENS`."""
+    if blocks >= SMS:
+        return 1
+    return max(1, min(MAX_SPLITS, math.ceil(TARGET_BLOCKS / blocks), padded // MIN_SPLIT_TOKENS))
+
+
+def paged_chunk_attention(
+    q: mx.array,
+    pool_keys: mx.array,
+    pool_values: mx.array,
+    table: mx.array,
+    length: mx.array,
+    positions: mx.array,
+    scale: float,
+    block_size: int = 16,
+    after: mx.array | None = None,
+    *,
+    splits: int | None = None,
+    warps: int | None = None,
+) -> mx.array:
+    """softmax((q * scale) K^T + mask) V over the history the block table lists: `[1, heads, rows, D]` bf16.
+
+    q `[1, heads, rows, D]`; pool keys/values `[slots, kv_heads, D]`; table `[blocks]` int32; length `[2]`
+    int32 (visible tokens, padded length); positions `[rows]` int32: key j is visible to row i iff
+    j <= positions[i] and j < length[0]. `splits` (history splits, `split_count`) and `warps` (4 or 8 a
+    block) override the module's choices, for tests and benchmarks.
+
+    MLX orders kernels by the arrays they output, so a kernel that wrote the pool in place is not seen as the
+    pool's writer: pass its output as `after` to read the pool only once it has run."""
+    _check(q, pool_keys, pool_values, table, length, positions, block_size)
+    _, heads, rows, head_dim = q.shape
+    kv_heads = pool_keys.shape[1]
+    group = heads // kv_heads
+    warps = warps or WARPS
+    if warps not in (4, 8):
+        raise ValueError(f"blocks of 4 or 8 warps, not {warps}")
+    threads = 32 * warps
+    tiles = -(-rows * group // (16 * warps))
+    count = max(1, int(splits)) if splits else split_count(tiles * kv_heads, table.shape[0] * block_size)
+    ordered = after is not None
+    inputs = [q, pool_keys, pool_values, _int32(table), _int32(length), _int32(positions)]
+    inputs += [_scalar(float(scale) * LOG2E)] + ([after] if ordered else [])
+    launch = {
+        "template": [("D", head_dim), ("G", group), ("BS", block_size), ("BN", BN), ("PIPE", PIPE)]
+        + [("WARPS", warps)],
+        "grid": (tiles * threads, kv_heads, count),
+        "threadgroup": (threads, 1, 1),
+    }
+    if count == 1:
+        kernel = _kernel(False, ordered)
+        (out,) = kernel(inputs=inputs, output_shapes=[q.shape], output_dtypes=[q.dtype], **launch)
+        return out
+    o_part, ml_part = _kernel(True, ordered)(
+        inputs=inputs,
+        output_shapes=[(count, heads, rows, head_dim), (count, heads, rows, 2)],
+        output_dtypes=[mx.float32, mx.float32],
+        **launch,
+    )
+    quads = heads * rows * head_dim // 4  # a thread each
+    (out,) = _merge_kernel()(
+        inputs=[o_part, ml_part],
+        template=[("D", head_dim)],
+        grid=(-(-quads // MERGE_THREADS) * MERGE_THREADS, 1, 1),
+        threadgroup=(MERGE_THREADS, 1, 1),
+        output_shapes=[q.shape],
+        output_dtypes=[q.dtype],
+    )
+    return out
+
+
+# takes `after`: it may read a pool written in place (see FusedDecode.mixed)
+paged_chunk_attention.orders_after = True
+
+
+def reference_chunk_attention(
+    q: mx.array,
+    pool_keys: mx.array,
+    pool_values: mx.array,
+    table: mx.array,
+    length: mx.array,
+    positions: mx.array,
+    scale: float,
+    block_size: int = 16,
+    after: mx.array | None = None,
+) -> mx.array:
+    """The same attention in plain MLX ops (`table_gather`, an explicit mask, fused SDPA), any dtype: the
+    yardstick the kernel is tested against, and the path elsewhere. Rows that see no key give zeros, as the
+    kernel's do."""
+    padded = table.shape[0] * block_size
+    lane = LaneRows(0, q.shape[2], mx.zeros((0,), mx.int32), None, _int32(table), _int32(length), padded)
+    keys, values = table_gather(pool_keys, pool_values, lane, block_size)
+    key_pos = mx.arange(padded, dtype=mx.int32)[None, :]
+    visible = (key_pos <= _int32(positions)[:, None]) & (key_pos < lane.length[0])  # [rows, padded]
+    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=visible[None, None])
+    return mx.where(visible.any(axis=-1)[None, None, :, None], out, mx.zeros((), q.dtype))

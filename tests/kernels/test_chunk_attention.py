@@ -1,0 +1,601 @@
+"""A prefill chunk's attention over its paged KV history (`kernels.chunk_attention`).
+
+Here: the plain-MLX reference against float64 numpy attention with the exact mask; a numpy model of the CUDA
+kernel (its index formulas, with `ldmatrix` and `mma.sync m16n8k16` fragments as the PTX ISA lays them out)
+against the same; argument checks; nvcc compiles of every kernel the launcher builds (registers, no spills).
+On the GPU (`device`): the kernel against float64 numpy over rows x histories x head shapes, padded rows and
+tables, split and single-pass, inside `mx.compile`.
+
+Tolerance, elementwise, against float64 math on the same bf16 inputs (float32 on the GPU, for speed: ~1e-6):
+`|got - want| <= 2^-7 |want| + 2^-7 sum_j w_j |v_j|` (w: the exact softmax weights). The kernel's only
+roundings are P to bf16 before P V (relative 2^-8 a weight: at most 2^-8 sum_j w_j |v_j| on an output) and the
+output to bf16 (2^-8 |want|); fp32 sums and `ex2.approx` are orders below. The bound doubles both. A worst
+case, it is loose where many keys average out, so the relative error norm must also stay under 1e-2 (random
+roundings give ~3e-3; a wrong key or weight gives O(1)).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_serve.kernels import chunk_attention
+from mlx_serve.kernels.chunk_attention import (
+    BN,
+    LOG2E,
+    PIPE,
+    paged_chunk_attention,
+    reference_chunk_attention,
+    split_count,
+    supports,
+)
+from scheduler.buckets import history_bucket, query_bucket
+from tests.kernels.nvcc_check import compile_source, nvcc, recorded_kernels
+
+_needs_cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="the kernel needs MLX's CUDA backend")
+_needs_nvcc = pytest.mark.skipif(nvcc() is None, reason="nvcc (the CUDA toolkit) is not installed")
+
+
+def on_cuda(test):
+    return pytest.mark.device(_needs_cuda(test))
+
+
+# --- problems and the float64 yardstick
+# --------------------------------------------------------------------------
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    """float32 copies of the values rounded to bf16 (round to nearest even, as the kernel's conversions)."""
+    return np.array(mx.array(np.asarray(x, dtype=np.float32)).astype(mx.bfloat16).astype(mx.float32))
+
+
+@dataclass(frozen=True)
+class Problem:
+    q: np.ndarray  # [1, heads, rows, D], bf16 values
+    pool_keys: np.ndarray  # [slots, kv_heads, D], bf16 values; NaN where no row may look
+    pool_values: np.ndarray
+    table: np.ndarray  # [blocks] int32
+    length: np.ndarray  # [2] int32: visible tokens, padded length
+    positions: np.ndarray  # [rows] int32
+    scale: float
+    block_size: int
+
+    def inputs(self, dtype: mx.Dtype = mx.bfloat16) -> tuple:
+        return (
+            mx.array(self.q).astype(dtype), mx.array(self.pool_keys).astype(dtype),
+            mx.array(self.pool_values).astype(dtype), mx.array(self.table), mx.array(self.length),
+            mx.array(self.positions), self.scale, self.block_size,
+        )  # fmt: skip
+
+
+def make_problem(
+    rows: int,
+    history: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int = 128,
+    block_size: int = 16,
+    *,
+    query_rows: int | None = None,
+    table_tokens: int | None = None,
+    spare_blocks: int = 2,
+    seed: int = 0,
+    sharpness: float = 1.0,
+) -> Problem:
+    """A chunk of `rows` rows after `history` tokens, its blocks scattered over a pool in random order. The
+    query rows are padded to `query_rows` (pad rows repeat the last position) and the table to `table_tokens`
+    with a scratch block; every pool slot no row may see (scratch, spare blocks, the last block past the end)
+    is NaN, so that a read of one shows."""
+    rng = np.random.default_rng(seed)
+    end = history + rows
+    query_rows = query_rows or rows
+    used = -(-end // block_size)
+    table_len = max(used, -(-(table_tokens or end) // block_size))
+    blocks = used + spare_blocks + 1
+    scratch = blocks - 1
+    table = np.full(table_len, scratch, dtype=np.int32)
+    table[:used] = rng.permutation(blocks - 1)[:used]
+    shape = (blocks * block_size, kv_heads, head_dim)
+    keys = rng.standard_normal(shape, dtype=np.float32)
+    values = rng.standard_normal(shape, dtype=np.float32)
+    visible = np.zeros(blocks * block_size, dtype=bool)
+    visible[(table[:used, None] * block_size + np.arange(block_size)).reshape(-1)[:end]] = True
+    keys[~visible] = np.nan
+    values[~visible] = np.nan
+    q = sharpness * rng.standard_normal((1, heads, query_rows, head_dim), dtype=np.float32)
+    positions = np.minimum(np.arange(history, history + query_rows), end - 1).astype(np.int32)
+    return Problem(
+        _bf16(q), _bf16(keys), _bf16(values), table, np.array([end, table_len * block_size], dtype=np.int32),
+        positions, head_dim**-0.5, block_size,
+    )  # fmt: skip
+
+
+def numpy_attention(p: Problem, dtype: type = np.float64) -> tuple[np.ndarray, np.ndarray]:
+    """Attention with the exact mask in `dtype` (float64; the device tests' long histories take float32, ~1e-6
+    relative, 4x faster): (output, sum_j w_j |v_j|), each `[1, heads, rows, D]` float64."""
+    _, heads, rows, head_dim = p.q.shape
+    kv_heads = p.pool_keys.shape[1]
+    group = heads // kv_heads
+    end = int(p.length[0])
+    out, abs_weighted = np.zeros(p.q.shape), np.zeros(p.q.shape)
+    if end == 0:
+        return out, abs_weighted
+    slots = (p.table[:, None] * p.block_size + np.arange(p.block_size)).reshape(-1)[:end]
+    limit = np.clip(np.minimum(p.positions.astype(np.int64) + 1, end), 0, None)
+    visible = np.tile(np.arange(end)[None, :] < limit[:, None], (group, 1))  # [group * rows, end]
+    for kvh in range(kv_heads):
+        keys = p.pool_keys[slots, kvh].astype(dtype)
+        values = p.pool_values[slots, kvh].astype(dtype)
+        q = p.q[0, kvh * group : (kvh + 1) * group].astype(dtype).reshape(group * rows, head_dim)
+        s = np.where(visible, (q @ keys.T) * dtype(p.scale), dtype(-np.inf))
+        m = s.max(axis=1, keepdims=True)
+        w = np.exp(s - np.where(np.isfinite(m), m, 0), out=s)
+        total = w.sum(axis=1, keepdims=True, dtype=np.float64).astype(dtype)
+        w = np.divide(w, np.where(total > 0, total, 1), out=w)
+        out[0, kvh * group : (kvh + 1) * group] = (w @ values).reshape(group, rows, head_dim)
+        abs_weighted[0, kvh * group : (kvh + 1) * group] = (w @ np.abs(values)).reshape(group, rows, head_dim)
+    return out, abs_weighted
+
+
+def assert_close(got: np.ndarray, p: Problem, label: str = "", dtype: type = np.float64) -> None:
+    """The bf16 bound of the module docstring, elementwise, and a relative error norm under 1e-2."""
+    want, abs_weighted = numpy_attention(p, dtype)
+    got = np.asarray(got, dtype=np.float64)
+    assert got.shape == want.shape, label
+    assert np.isfinite(got).all(), f"{label}: non-finite output"
+    error = np.abs(got - want)
+    bound = 2.0**-7 * np.abs(want) + 2.0**-7 * abs_weighted + 1e-6
+    worst = np.unravel_index(np.argmax(error - bound), error.shape)
+    assert (error <= bound).all(), (
+        f"{label}: at [0, head {worst[1]}, row {worst[2]}, dim {worst[3]}] got {got[worst]:.6f}, want "
+        f"{want[worst]:.6f} (bound {bound[worst]:.2e}); {int((error > bound).sum())} elements out"
+    )
+    norm = np.linalg.norm(want)
+    relative = np.linalg.norm(got - want) / norm if norm > 0 else 0.0
+    assert relative < 1e-2, f"{label}: relative error {relative:.2e}"
+
+
+# --- the MLX reference
+# -------------------------------------------------------------------------------------------
+
+REFERENCE_CASES = [  # rows, history, heads, kv_heads, head_dim, block_size, query_rows, table_tokens
+    (1, 0, 8, 8, 64, 16, None, None),
+    (5, 37, 8, 4, 64, 16, 8, 64),  # padded rows and table
+    (16, 100, 16, 8, 128, 32, 24, 256),
+    (33, 0, 16, 4, 64, 16, None, None),  # G = 4, no history
+    (7, 50, 16, 2, 64, 32, 16, 128),  # G = 8
+    (20, 16, 4, 4, 128, 16, 20, 96),  # G = 1
+]
+
+
+@pytest.mark.parametrize("case", REFERENCE_CASES)
+def test_reference_matches_float64_attention(case) -> None:
+    rows, history, heads, kv_heads, head_dim, block_size, query_rows, table_tokens = case
+    p = make_problem(rows, history, heads, kv_heads, head_dim, block_size, query_rows=query_rows,
+                     table_tokens=table_tokens, seed=rows + history)  # fmt: skip
+    out = reference_chunk_attention(*p.inputs(mx.float32))
+    assert out.shape == p.q.shape and out.dtype == mx.float32
+    want, _ = numpy_attention(p)
+    np.testing.assert_allclose(np.array(out), want, rtol=1e-4, atol=1e-5)
+
+
+def test_reference_keeps_the_dtype_and_zeroes_rows_that_see_nothing() -> None:
+    p = make_problem(4, 12, 8, 2, 64, 16, seed=1)
+    out = reference_chunk_attention(*p.inputs())
+    assert out.dtype == mx.bfloat16
+    empty = dataclasses.replace(p, length=np.array([0, 16], np.int32))
+    out = reference_chunk_attention(*empty.inputs(mx.float32))
+    assert not np.array(out).any()
+
+
+# --- arguments
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_supports_bf16_heads_of_64_and_128_and_whole_groups() -> None:
+    q = mx.zeros((1, 32, 8, 128), mx.bfloat16)
+    pool = mx.zeros((64, 8, 128), mx.bfloat16)
+    assert supports(q, pool, 16) and supports(q, pool, 32)
+    assert supports(q[..., :64], pool[..., :64], 16)
+    assert supports(q[:, :8], pool, 16)  # G = 1
+    assert supports(q, mx.zeros((64, 4, 128), mx.bfloat16), 16)  # G = 8
+    assert not supports(q.astype(mx.float16), pool.astype(mx.float16), 16)
+    assert not supports(q, pool.astype(mx.float32), 16)
+    assert not supports(q[..., :96], pool[..., :96], 16)
+    assert not supports(mx.zeros((1, 12, 8, 128), mx.bfloat16), pool, 16)  # 12 heads over 8 kv heads
+    assert not supports(mx.zeros((2, 32, 8, 128), mx.bfloat16), pool, 16)  # a batch of two
+    assert not supports(q, pool, 0)
+
+
+def test_kernel_refuses_what_it_does_not_support() -> None:
+    p = make_problem(4, 12, 8, 2, 64, 16)
+    q, keys, values, table, length, positions, scale, block_size = p.inputs()
+    with pytest.raises(ValueError, match="bf16"):
+        paged_chunk_attention(q.astype(mx.float32), keys, values, table, length, positions, scale, block_size)
+    with pytest.raises(ValueError, match="64, 128"):
+        paged_chunk_attention(q[..., :32], keys[..., :32], values[..., :32], table, length, positions, 1, 16)
+    with pytest.raises(ValueError, match="positions"):
+        paged_chunk_attention(q, keys, values, table, length, positions[:3], scale, block_size)
+    with pytest.raises(ValueError, match="differ"):
+        paged_chunk_attention(q, keys, values[:16], table, length, positions, scale, block_size)
+    assert paged_chunk_attention.orders_after
+
+
+def test_split_count() -> None:
+    # 8B, 128 rows: 8 query tiles x 8 kv heads = 64 blocks; split to two blocks a SM, each split >= 512 tokens
+    assert split_count(64, 16384) == 5
+    assert split_count(64, 1024) == 2
+    assert split_count(64, 256) == 1
+    assert split_count(8, 16384) == chunk_attention.MAX_SPLITS  # one row
+    assert split_count(chunk_attention.SMS, 16384) == 1  # the query tiles fill the SMs
+    assert split_count(256, 16384) == 1
+
+
+# --- a numpy model of the kernel
+# ---------------------------------------------------------------------------------
+
+LANE = np.arange(32)
+GID, TIG = LANE >> 2, LANE & 3  # a fragment's row (and row + 8) and column pair
+
+
+def ldmatrix_x4(smem: np.ndarray, address: np.ndarray, trans: bool) -> np.ndarray:
+    """`ldmatrix.sync.aligned.m8n8.x4[.trans].b16`: lanes 8i..8i+7 give matrix i's row addresses (bf16
+    offsets); lane t receives (row t/4, cols 2(t%4), +1), or with .trans (rows 2(t%4), +1, col t/4).
+    Returns [4 registers, 32 lanes, 2 halves]."""
+    regs = np.empty((4, 32, 2))
+    for i in range(4):
+        rows = address[8 * i : 8 * i + 8]
+        for half in range(2):
+            regs[i, :, half] = smem[rows[2 * TIG + half] + GID] if trans else smem[rows[GID] + 2 * TIG + half]
+    return regs
+
+
+def mma(acc: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """`mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32` on per-lane fragments: acc [32, 4], a [32, 4, 2],
+    b [32, 2, 2] (registers of two bf16, the lower column or k first), laid out as the PTX ISA's figures."""
+    A, B, C = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))
+    for e in range(2):
+        A[GID, 2 * TIG + e], A[GID + 8, 2 * TIG + e] = a[:, 0, e], a[:, 1, e]
+        A[GID, 8 + 2 * TIG + e], A[GID + 8, 8 + 2 * TIG + e] = a[:, 2, e], a[:, 3, e]
+        B[2 * TIG + e, GID], B[8 + 2 * TIG + e, GID] = b[:, 0, e], b[:, 1, e]
+        C[GID, 2 * TIG + e], C[GID + 8, 2 * TIG + e] = acc[:, e], acc[:, 2 + e]
+    product = A @ B + C
+    out = np.empty((32, 4))
+    for e in range(2):
+        out[:, e], out[:, 2 + e] = product[GID, 2 * TIG + e], product[GID + 8, 2 * TIG + e]
+    return out
+
+
+def quad_reduce(x: np.ndarray, op) -> np.ndarray:
+    """`__shfl_xor_sync` over lane bits 0 and 1: the 4 lanes of a fragment row."""
+    x = op(x, x[LANE ^ 1])
+    return op(x, x[LANE ^ 2])
+
+
+def warp_reduce(x: np.ndarray, op) -> np.ndarray:
+    for o in (16, 8, 4, 2, 1):
+        x = op(x, x[LANE ^ o])
+    return x
+
+
+def emulate_kernel(p: Problem, splits: int, warps: int = 4) -> np.ndarray:
+    """The CUDA source's steps, one lane per array element, in float64 but for its bf16 roundings (P, the
+    output): the same block ranges, copies into padded stages, fragment addresses, masks, online softmax and
+    merge."""
+    _, heads, rows_q, D = p.q.shape
+    kv_heads = p.pool_keys.shape[1]
+    G, BS, NB = heads // kv_heads, p.block_size, len(p.table)
+    CH, KT, ST, OT, TILE = D // 8, D // 16, BN // 8, D // 8, BN * (D + 8)
+    BM, threads = 16 * warps, 32 * warps
+    copies = BN * CH // threads
+    rows = rows_q * G
+    tiles = -(-rows // BM)
+    length = min(int(p.length[0]), NB * BS)
+    sl2 = p.scale * LOG2E
+    positions = p.positions.astype(np.int64)
+    o_part = np.zeros((splits, heads, rows_q, D))
+    ml_part = np.zeros((splits, heads, rows_q, 2))
+
+    def at(row, chunk):
+        return row * (D + 8) + chunk * 8
+
+    def row_limit(s):
+        return np.maximum(0, np.minimum(positions[np.minimum(s // G, rows_q - 1)] + 1, length))
+
+    def q_value(kvh, s, d):  # Q of score row s (zero past the rows), dims d
+        ok = s < rows
+        s = np.where(ok, s, 0)
+        return np.where(ok, p.q[0, kvh * G + s % G, s // G, d], 0.0)
+
+    k_row, k_chunk = (LANE & 7) + ((LANE >> 4) << 3), (LANE >> 3) & 1
+    v_row, v_chunk = (LANE & 7) + (((LANE >> 3) & 1) << 3), LANE >> 4
+    for block_x in range(tiles):
+        tile = tiles - 1 - block_x
+        for kvh in range(kv_heads):
+            for split in range(splits):
+                s_block = tile * BM
+                i_lo, i_hi = s_block // G, min((s_block + BM - 1) // G, rows_q - 1)
+                block_lim = max(0, max(min(int(positions[i]) + 1, length) for i in range(i_lo, i_hi + 1)))
+                per = (block_lim + splits * BN - 1) // (splits * BN) * BN
+                start = split * per
+                end = min(start + per, block_lim)
+                n_tiles = (end - start + BN - 1) // BN if end > start else 0
+                # shared memory never written reads as NaN
+                ks, vs = np.full(PIPE * TILE, np.nan), np.full(PIPE * TILE, np.nan)
+
+                def copy_tile(it, start=start, end=end, ks=ks, vs=vs, kvh=kvh):
+                    stage, t0 = it % PIPE, start + it * BN
+                    tid = np.arange(threads)
+                    for c in range(copies):
+                        piece = tid + threads * c
+                        tok, chunk = piece // CH, piece % CH
+                        t = t0 + tok
+                        ok = t < end
+                        slot = np.where(ok, p.table[np.where(ok, t, 0) // BS] * BS + t % BS, 0)
+                        dims = chunk[:, None] * 8 + np.arange(8)
+                        dst = (stage * TILE + at(tok, chunk))[:, None] + np.arange(8)
+                        ks[dst] = np.where(ok[:, None], p.pool_keys[slot[:, None], kvh, dims], 0.0)
+                        vs[dst] = np.where(ok[:, None], p.pool_values[slot[:, None], kvh, dims], 0.0)
+
+                states = []
+                for warp in range(warps):
+                    s0 = s_block + warp * 16 + GID
+                    s1 = s0 + 8
+                    lim = [np.minimum(row_limit(s0), end), np.minimum(row_limit(s1), end)]
+                    qa = np.empty((KT, 32, 4, 2))
+                    for kk in range(KT):
+                        for e in range(2):
+                            qa[kk, :, 0, e] = q_value(kvh, s0, 16 * kk + 2 * TIG + e)
+                            qa[kk, :, 1, e] = q_value(kvh, s1, 16 * kk + 2 * TIG + e)
+                            qa[kk, :, 2, e] = q_value(kvh, s0, 16 * kk + 8 + 2 * TIG + e)
+                            qa[kk, :, 3, e] = q_value(kvh, s1, 16 * kk + 8 + 2 * TIG + e)
+                    states.append({
+                        "s": (s0, s1), "lim": lim, "qa": qa, "o": np.zeros((OT, 32, 4)),
+                        "m": [np.full(32, -np.inf), np.full(32, -np.inf)], "l": [np.zeros(32), np.zeros(32)],
+                        "wmin": warp_reduce(np.minimum(lim[0], lim[1]), np.minimum)[0],
+                        "wmax": warp_reduce(np.maximum(lim[0], lim[1]), np.maximum)[0],
+                    })  # fmt: skip
+
+                for it in range(min(PIPE - 1, n_tiles)):  # pipe_start
+                    copy_tile(it)
+                for it in range(n_tiles):
+                    if it + PIPE - 1 < n_tiles:  # pipe_next: past the barrier, refill the last tile's stage
+                        copy_tile(it + PIPE - 1)
+                    t0 = start + it * BN
+                    stage_k, stage_v = ks[(it % PIPE) * TILE :], vs[(it % PIPE) * TILE :]
+                    for w in states:
+                        if t0 >= w["wmax"]:
+                            continue
+                        s = np.zeros((ST, 32, 4))
+                        for kk in range(KT):
+                            for j in range(0, ST, 2):
+                                r = ldmatrix_x4(stage_k, at(8 * j + k_row, 2 * kk + k_chunk), trans=False)
+                                s[j] = mma(s[j], w["qa"][kk], np.stack([r[0], r[1]], axis=1))
+                                s[j + 1] = mma(s[j + 1], w["qa"][kk], np.stack([r[2], r[3]], axis=1))
+                        if t0 + BN > w["wmin"]:
+                            for j in range(ST):
+                                for e in range(4):
+                                    token = t0 + 8 * j + 2 * TIG + (e & 1)
+                                    s[j, :, e] = np.where(token >= w["lim"][e >> 1], -np.inf, s[j, :, e])
+                        corr, ms = [None, None], [None, None]
+                        for h in range(2):
+                            tmax = quad_reduce(s[:, :, 2 * h : 2 * h + 2].max(axis=(0, 2)), np.maximum)
+                            m_new = np.maximum(w["m"][h], tmax)
+                            m_use = np.where(m_new == -np.inf, 0.0, m_new)
+                            corr[h] = np.exp2((w["m"][h] - m_use) * sl2)
+                            ms[h] = m_use * sl2
+                            w["m"][h] = m_new
+                        for e in range(4):
+                            s[:, :, e] = np.exp2(s[:, :, e] * sl2 - ms[e >> 1])
+                        for h in range(2):
+                            w["l"][h] = w["l"][h] * corr[h] + s[:, :, 2 * h : 2 * h + 2].sum(axis=(0, 2))
+                            w["o"][:, :, 2 * h : 2 * h + 2] *= corr[h][None, :, None]
+                        pb = _bf16(s)  # P as bf16 A fragments (ca_pack)
+                        for t in range(BN // 16):
+                            pa = np.stack([pb[2 * t][:, 0:2], pb[2 * t][:, 2:4], pb[2 * t + 1][:, 0:2],
+                                           pb[2 * t + 1][:, 2:4]], axis=1)  # fmt: skip
+                            for nd in range(0, OT, 2):
+                                r = ldmatrix_x4(stage_v, at(16 * t + v_row, nd + v_chunk), trans=True)
+                                w["o"][nd] = mma(w["o"][nd], pa, np.stack([r[0], r[1]], axis=1))
+                                w["o"][nd + 1] = mma(w["o"][nd + 1], pa, np.stack([r[2], r[3]], axis=1))
+
+                for w in states:
+                    for h in range(2):
+                        total = quad_reduce(w["l"][h], np.add)
+                        for lane in np.nonzero(w["s"][h] < rows)[0]:
+                            sr = w["s"][h][lane]
+                            head, row = kvh * G + sr % G, sr // G
+                            for nd in range(OT):
+                                dims = 8 * nd + 2 * TIG[lane] + np.arange(2)
+                                o_part[split, head, row, dims] = w["o"][nd, lane, 2 * h : 2 * h + 2]
+                            ml_part[split, head, row] = (w["m"][h][lane] * sl2, total[lane])
+    # the merge (with one split: the kernel's own normalisation, the same arithmetic)
+    mmax = ml_part[..., 0].max(axis=0)
+    shifted = ml_part[..., 0] - np.where(mmax == -np.inf, 0.0, mmax)
+    c = np.where(ml_part[..., 0] == -np.inf, 0.0, np.exp2(shifted))
+    total = (c * ml_part[..., 1]).sum(axis=0)
+    out = (c[..., None] * o_part).sum(axis=0) / np.where(total > 0, total, 1.0)[..., None]
+    return _bf16(np.where(total[..., None] > 0, out, 0.0))[None]
+
+
+# rows, history, heads, kv_heads, head_dim, block_size, query_rows, table_tokens, splits, warps
+EMULATED_CASES = [
+    (20, 70, 4, 2, 64, 16, 24, 128, 1, 4),  # G = 2, padded rows and table, a tile straddling the rows' limits
+    (20, 70, 4, 2, 64, 16, 24, 128, 3, 4),  # the same split three ways
+    (3, 40, 8, 1, 64, 32, None, None, 2, 4),  # G = 8: 24 score rows, warps past them
+    (70, 5, 2, 2, 64, 16, None, 96, 1, 4),  # G = 1: two query tiles (the second mostly pad score rows)
+    (9, 25, 4, 1, 128, 16, 16, 64, 4, 4),  # G = 4, heads of 128, more splits than the history has tiles
+    (40, 30, 4, 2, 64, 16, 48, 96, 2, 8),  # blocks of 8 warps
+]
+
+
+@pytest.mark.parametrize("case", EMULATED_CASES)
+def test_numpy_model_of_the_kernel_matches_float64_attention(case) -> None:
+    """The kernel's fragment layouts (S from ldmatrix'd K, P reused from S's accumulators, V through
+    ldmatrix.trans, the output's columns), block ranges, splits and masks, checked without a GPU."""
+    rows, history, heads, kv_heads, head_dim, block_size, query_rows, table_tokens, splits, warps = case
+    p = make_problem(rows, history, heads, kv_heads, head_dim, block_size, query_rows=query_rows,
+                     table_tokens=table_tokens, seed=7 + rows)  # fmt: skip
+    assert_close(emulate_kernel(p, splits, warps), p, f"emulated {case}")
+
+
+# --- nvcc
+# --------------------------------------------------------------------------------------------------------
+
+# every template combination and output form the launcher can produce, in a handful of units: (rows, history,
+# heads, kv_heads, head_dim, block_size, table_tokens, splits, warps, after)
+COMPILE_UNITS = [
+    (128, 16000, 32, 8, 128, 16, 16384, None, None, False),  # 8B: split (partial + merge)
+    (1024, 8000, 16, 8, 128, 16, 9216, None, None, True),  # 0.6B, many rows: one pass, after a pool writer
+    (64, 100, 32, 4, 128, 32, 1024, 1, 8, False),  # 30B-A3B's G = 8, blocks of 32 tokens, of 8 warps
+    (16, 1000, 8, 8, 64, 16, 2048, 3, None, True),  # G = 1, heads of 64: split and ordered
+]
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """The recorded launches (the builders' caches cleared around the test, so none bypasses the recorder)."""
+    for builder in (chunk_attention._kernel, chunk_attention._merge_kernel):
+        builder.cache_clear()
+    with recorded_kernels(monkeypatch) as recorded:
+        for unit in COMPILE_UNITS:
+            rows, history, heads, kv_heads, head_dim, block_size, table_tokens, splits, warps, after = unit
+            q = mx.zeros((1, heads, rows, head_dim), mx.bfloat16)
+            pool = mx.zeros((table_tokens, kv_heads, head_dim), mx.bfloat16)
+            table = mx.zeros((table_tokens // block_size,), mx.int32)
+            length = mx.array([history + rows, table_tokens], mx.int32)
+            positions = mx.arange(history, history + rows, dtype=mx.int32)
+            after = mx.zeros((1,)) if after else None
+            out = paged_chunk_attention(q, pool, pool, table, length, positions, head_dim**-0.5, block_size,
+                                        after, splits=splits, warps=warps)  # fmt: skip
+            assert out.shape == q.shape and out.dtype == mx.bfloat16
+        yield list({kernel.source: kernel for kernel in recorded}.values())  # each distinct unit once
+    for builder in (chunk_attention._kernel, chunk_attention._merge_kernel):
+        builder.cache_clear()
+
+
+def _ptxas(kernel) -> subprocess.CompletedProcess:
+    """nvcc with ptxas's resource report (registers, spills, shared memory)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / f"{kernel.name}.cu"
+        path.write_text(kernel.source)
+        command = [nvcc(), "-arch=sm_90", "-std=c++17", "-c", str(path), "-o", str(Path(scratch) / "k.o"),
+                   "-Xptxas", "-v"]  # fmt: skip
+        return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+
+@_needs_nvcc
+def test_kernels_compile(kernels) -> None:
+    names = {kernel.name.removesuffix(f"_{chunk_attention.SOURCE_DIGEST}") for kernel in kernels}
+    assert names == {
+        "mlx_serve_chunk_attention", "mlx_serve_chunk_attention_after", "mlx_serve_chunk_attention_partial",
+        "mlx_serve_chunk_attention_partial_after", "mlx_serve_chunk_attention_merge",
+    }  # fmt: skip
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # nvcc is one process per unit
+        results = list(pool.map(compile_source, kernels))
+    for kernel, result in zip(kernels, results, strict=True):
+        assert result.returncode == 0, f"{kernel.name}:\n{result.stderr[-4000:]}"
+
+
+@_needs_nvcc
+def test_attention_kernel_fits_three_blocks_a_sm_without_spills(kernels) -> None:
+    """Heads of 128: no spills, at most 168 registers (three 128-thread blocks in a SM's 64K) and 34 KB of
+    shared memory (two stages of 32 padded tokens of K and V)."""
+    unit = next(k for k in kernels if "attention_partial_" in k.name and "constexpr int D = 128" in k.source)
+    result = _ptxas(unit)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = result.stderr
+    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+    registers = int(report.split("Used ")[-1].split(" registers")[0])
+    assert registers <= 168, report
+    assert f"{2 * PIPE * BN * (128 + 8) * 2} bytes smem" in report, report
+
+
+# --- on the GPU (run on the lent H200: see benchmarks/gpu/README.md)
+# ---------------------------------------------
+
+GRID_ROWS = [1, 16, 64, 100, 192, 512, 1024]
+GRID_HISTORIES = [0, 1, 37, 1000, 4096, 16384]
+GRID_HEADS = [(32, 8), (16, 8), (32, 4), (8, 8)]
+
+
+def _run(p: Problem, **kwargs) -> np.ndarray:
+    out = paged_chunk_attention(*p.inputs(), **kwargs)
+    mx.eval(out)
+    assert out.dtype == mx.bfloat16
+    return np.array(out.astype(mx.float32))
+
+
+@on_cuda
+@pytest.mark.parametrize("heads", GRID_HEADS, ids=lambda h: f"{h[0]}x{h[1]}")
+@pytest.mark.parametrize("history", GRID_HISTORIES)
+@pytest.mark.parametrize("rows", GRID_ROWS)
+def test_kernel_matches_float64_attention(rows, history, heads) -> None:
+    """The launcher's own choice of splits; the table padded to the engine's history bucket with a scratch
+    block (NaN, as is every slot past the chunk's end), blocks of 16."""
+    seed = int(np.random.default_rng().integers(1 << 30))  # fresh inputs on every run
+    p = make_problem(rows, history, *heads, table_tokens=history_bucket(history + rows, 1024), seed=seed)
+    assert_close(_run(p), p, f"seed {seed}", np.float32)
+
+
+@on_cuda
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("heads", GRID_HEADS, ids=lambda h: f"{h[0]}x{h[1]}")
+@pytest.mark.parametrize("rows,history", [(1, 0), (37, 1000), (100, 4096), (192, 16384), (700, 2000)])
+def test_kernel_with_padded_rows(rows, history, heads, block_size) -> None:
+    """Rows padded to the engine's query bucket (pad rows repeat the last position), blocks of 16 and 32."""
+    seed = int(np.random.default_rng().integers(1 << 30))
+    p = make_problem(rows, history, *heads, block_size=block_size, query_rows=query_bucket(rows),
+                     table_tokens=history_bucket(history + rows, 1024), seed=seed)  # fmt: skip
+    assert_close(_run(p), p, f"seed {seed}", np.float32)
+
+
+@on_cuda
+@pytest.mark.parametrize("head_dim,heads", [(128, (32, 8)), (128, (16, 2)), (64, (16, 8)), (64, (8, 8))])
+@pytest.mark.parametrize("rows,history", [(1, 5000), (64, 37), (128, 12000), (300, 3000)])
+def test_split_and_single_pass_agree(rows, history, head_dim, heads) -> None:
+    """One pass, the launcher's splits and odd split counts (some empty) all meet the bound, agree with each
+    other, and repeat bit for bit (no race); heads of 64 too."""
+    seed = int(np.random.default_rng().integers(1 << 30))
+    p = make_problem(rows, history, *heads, head_dim, table_tokens=history_bucket(history + rows, 1024),
+                     seed=seed, sharpness=2.0)  # fmt: skip
+    outputs = {}
+    for splits in (1, None, 3, 16):
+        outputs[splits] = _run(p, splits=splits)
+        assert_close(outputs[splits], p, f"seed {seed}, splits {splits}", np.float32)
+        again = _run(p, splits=splits)
+        np.testing.assert_array_equal(outputs[splits], again, err_msg=f"splits {splits}: a race")
+    for splits, out in outputs.items():
+        np.testing.assert_allclose(out, outputs[1], rtol=2**-6, atol=2**-7, err_msg=f"{splits} splits, 1")
+
+
+@on_cuda
+def test_one_compiled_graph_serves_every_history_of_a_bucket() -> None:
+    """Lengths and positions are read on the device: one compiled function gives each history its answer."""
+    table_tokens = 4096
+    compiled = mx.compile(functools.partial(paged_chunk_attention, scale=128**-0.5, block_size=16))
+    for history in (0, 900, 3000, 4096 - 128):
+        p = make_problem(128, history, 32, 8, table_tokens=table_tokens, seed=history, spare_blocks=1)
+        q, keys, values, table, length, positions, _, _ = p.inputs()
+        pool_pad = table_tokens + 32 - keys.shape[0]  # one pool shape for every history
+        keys = mx.pad(keys, [(0, pool_pad), (0, 0), (0, 0)])
+        values = mx.pad(values, [(0, pool_pad), (0, 0), (0, 0)])
+        out = compiled(q, keys, values, table, length, positions)
+        assert_close(np.array(out.astype(mx.float32)), p, f"history {history}", np.float32)
+
+
+@on_cuda
+def test_after_orders_without_changing_the_result() -> None:
+    p = make_problem(64, 500, 32, 8, seed=3)
+    plain = _run(p)
+    np.testing.assert_array_equal(_run(p, after=mx.zeros((4,))), plain)
