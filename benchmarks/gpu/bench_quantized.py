@@ -8,7 +8,6 @@ dequantized to a dense matmul (`DequantizedRows`, `--dequantize-rows`); up to 2,
     python -m benchmarks.gpu.bench_quantized --projections   # every 8B projection the fused decode step runs
     python -m benchmarks.gpu.bench_quantized --tiles   # the quantized-tiles kernel against MLX's 4-bit GEMM, by rows
     python -m benchmarks.gpu.bench_quantized --gemv   # the GEMV kernel against MLX's 4-bit matmul, 1-8 rows
-    python -m benchmarks.gpu.bench_quantized --gemm   # the quantized GEMM against tiles, dense and bf16, 64-2,048 rows
 
 The second form looks for the 4-bit 8-lane decode step's missing time (16.6 ms against 7.7 for bf16 8B in the
 seventh run, though the 4096x12288 product of 8 rows costs what bf16 does when one layer is called 36 times, its
@@ -29,7 +28,6 @@ import mlx.nn as nn
 
 from benchmarks.gpu.bench_kernel import time_ms, variants
 from mlx_serve.kernels.dequantize import dense_matmul, dequantize_4bit
-from mlx_serve.kernels.quantized_gemm import Tile, plan, quantized_gemm
 from mlx_serve.kernels.quantized_gemv import quantized_gemv
 from mlx_serve.kernels.quantized_tiles import quantized_tiles_matmul
 from mlx_serve.quantized_rows import DequantizedRows, k_splits_for, reference_matmul
@@ -152,75 +150,6 @@ def _dequantize_split(x: mx.array, parts: tuple[mx.array, mx.array, mx.array]) -
     return dequantize_4bit(*parts, 64)  # the dequantization alone (its input only orders the chain)
 
 
-GEMM_ROWS = "64,128,192,256,384,512,768,1024,2048"
-# tiles `--gemm` also runs forced (the launcher's own two, 8 warps of 64 x 32, and 64-wide K steps in 112 KB of
-# dynamic shared memory); `--gemm-tiles` replaces the list
-GEMM_TILES = "128x128x32w4s3,64x128x32w4s4,128x128x32w8s3,128x128x64w4s4"
-
-
-def gemm(rows: tuple[int, ...], tiles: tuple[Tile, ...] = (), first: bool = True) -> None:
-    """Each 8B projection over 36 distinct layers, chained, by rows, its weights laid out as the engine holds them
-    (qkv and gate_up whole, o_proj and down_proj in `k_splits_for` K slices): the quantized GEMM as its launcher
-    plans it and with each of `tiles` forced, and (when `first`) the quantized-tiles kernel, the dense product
-    (the dequantize kernel, then the bf16 GEMM), the bf16 GEMM alone (the lower bound) and the dequantize kernel
-    alone. Per call: ms and TFLOP/s (the dequantize kernel: GB/s of packed weights, scales and biases read and
-    bf16 written); the GEMM's largest error against dequantize-then-matmul. A variant that fails (a tile NVRTC or
-    the launch refuses) reports its error and the rest go on. One JSON line per (projection, rows)."""
-    for name, k, n in PROJECTIONS[:4]:
-        layers = [_layers(k, n) for _ in range(CALLS)]
-        splits = k_splits_for(n, k, 64) if name in ("o_proj", "down_proj") else 1
-        packed = [_split_k(q, splits) if splits > 1 else (q.weight, q.scales, q.biases) for _, q in layers]
-        mx.eval(packed)
-        gigabytes = (sum(a.nbytes for a in packed[0]) + n * k * 2) / 1e9
-        for m in rows:
-            x = mx.random.normal((m, k)).astype(mx.bfloat16)
-            mx.eval(x)
-            tile, parts = plan(m, n, k, 64)
-            row = {"projection": name, "rows": m, "layout": f"split{splits}" if splits > 1 else "whole",
-                   "distinct_layers": CALLS, "gemm_plan": f"{tile.name} parts {parts}"}  # fmt: skip
-            quant = layers[0][1]
-            want = reference_matmul(x, quant.weight, quant.scales, quant.biases, quant.group_size, 4)
-            ours = [("gemm", None)] + [(f"gemm_{t.name}", t) for t in tiles]
-            variants = [(label, [functools.partial(_gemm, parts=p, tile=t) for p in packed]) for label, t in ours]
-            if first:
-                variants += [
-                    ("tiles", [functools.partial(_tiles_parts, parts=p) for p in packed]),
-                    ("dense", [functools.partial(_dense_parts, parts=p) for p in packed]),
-                    ("bf16", [dense for dense, _ in layers]),
-                    ("dequantize", [functools.partial(_dequantize_parts, parts=p) for p in packed]),
-                ]
-            for variant, products in variants:
-                try:
-                    if variant.startswith("gemm"):
-                        error = mx.abs(products[0](x).astype(mx.float32) - want.astype(mx.float32)).max()
-                        row[f"{variant}_max_rel_err"] = (error / mx.abs(want.astype(mx.float32)).max()).item()
-                    row[f"{variant}_ms"] = time_ms(lambda x=x, products=products: _chained(x, products)) / CALLS
-                except Exception as failure:  # a variant's failure is a result, not the run's end
-                    row[f"{variant}_error"] = str(failure)[:300]
-                    continue
-                if variant == "dequantize":
-                    row["dequantize_gb_s"] = gigabytes / row["dequantize_ms"] * 1e3
-                else:
-                    row[f"{variant}_tflops"] = 2 * m * n * k / row[f"{variant}_ms"] / 1e9
-            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
-
-
-def _gemm(x: mx.array, parts: tuple[mx.array, mx.array, mx.array], tile: Tile | None) -> mx.array:
-    return quantized_gemm(x, *parts, 64, tile=tile)
-
-
-def _tiles_parts(x: mx.array, parts: tuple[mx.array, mx.array, mx.array]) -> mx.array:
-    return quantized_tiles_matmul(x, *parts, 64)
-
-
-def _dense_parts(x: mx.array, parts: tuple[mx.array, mx.array, mx.array]) -> mx.array:
-    return dense_matmul(x, *parts, 64)
-
-
-def _dequantize_parts(x: mx.array, parts: tuple[mx.array, mx.array, mx.array]) -> mx.array:
-    return dequantize_4bit(*parts, 64)  # the dequantization alone (its input only orders the chain)
-
-
 def gemv(rows: tuple[int, ...]) -> None:
     """Each 8B projection over distinct layers, chained, at decode's rows: the GEMV kernel against MLX's 4-bit
     matmul, over the whole weight and, where `k_splits_for` splits it, over its K slices (MLX's then as the engine
@@ -290,33 +219,12 @@ def main() -> None:
     parser.add_argument("--projections", action="store_true", help="every 8B projection at 1-64 rows instead")
     parser.add_argument("--tiles", action="store_true", help="the quantized-tiles kernel against MLX's GEMM")
     parser.add_argument("--gemv", action="store_true", help="the GEMV kernel against MLX's 4-bit matmul, 1-8 rows")
-    parser.add_argument("--gemm", action="store_true", help="the quantized GEMM against tiles, dense and bf16")
-    parser.add_argument("--rows", default=None, help="row counts for --tiles (8,...,2048), --gemv (1,2,4,8) or "
-                        f"--gemm ({GEMM_ROWS})")
-    parser.add_argument("--variants", default="", help="--tiles / --gemv / --gemm: the kernel module's constants "
-                        "set in turn, e.g. 'PIPE=2;PIPE=3,TARGET_BLOCKS=396' (default: as the module has them); "
-                        "--gemm sets each on quantized_gemm and/or dequantize, whichever has it")
-    parser.add_argument("--gemm-tiles", default=GEMM_TILES, help="--gemm: tiles also run forced, comma-separated "
-                        "(bm x bn x bk, warps, slots), '' for none")
-    parser.add_argument("--no-peers", action="store_true", help="--tiles: leave out bf16 and MLX's 4-bit GEMM; "
-                        "--gemm: leave out tiles, dense, bf16 and the dequantize kernel")
+    parser.add_argument("--rows", default=None, help="row counts for --tiles (8,...,2048) or --gemv (1,2,4,8)")
+    parser.add_argument("--variants", default="", help="--tiles / --gemv: the kernel module's constants set in "
+                        "turn, e.g. 'PIPE=2;PIPE=3,TARGET_BLOCKS=396' (default: as the module has them)")
+    parser.add_argument("--no-peers", action="store_true", help="--tiles: leave out bf16 and MLX's 4-bit GEMM")
     args = parser.parse_args()
-    if args.gemm:
-        from mlx_serve.kernels import dequantize
-        from mlx_serve.kernels import quantized_gemm as gemm_module
-
-        forced = tuple(Tile.from_name(name) for name in args.gemm_tiles.split(",") if name.strip())
-        for number, variant in enumerate(variants(args.variants) or [{}]):
-            for name, value in variant.items():
-                owners = [module for module in (gemm_module, dequantize) if hasattr(module, name)]
-                if not owners:
-                    raise SystemExit(f"neither quantized_gemm nor dequantize has a constant {name}")
-                for module in owners:
-                    setattr(module, name, value)
-            print(json.dumps({"variant": variant}), flush=True)
-            rows = tuple(int(r) for r in (args.rows or GEMM_ROWS).split(","))
-            gemm(rows, forced, first=number == 0 and not args.no_peers)
-    elif args.gemv:
+    if args.gemv:
         from mlx_serve.kernels import quantized_gemv as module
 
         for variant in variants(args.variants) or [{}]:
