@@ -9,7 +9,7 @@ Requests at the pool's edge finish LENGTH: a request never grows past the whole 
 
 from __future__ import annotations
 
-from scheduler.budget import BudgetDecision, choose_row_budget, stream_in_debt
+from scheduler.budget import BudgetDecision, choose_row_budget, debt_limit_ms, stream_in_debt
 from scheduler.config import SchedulerConfig
 from scheduler.cost_models import make_cost_model
 from scheduler.errors import QueueFull, RequestTooLarge
@@ -225,19 +225,21 @@ class Scheduler:
     def _choose_budget(self, planner: PrefillPlanner, decode_lanes: list[Lane], now: float) -> BudgetDecision:
         in_debt = False
         target = self.step_target.ms
+        shapes = self.traced_shapes
+        traced = None if shapes is None else lambda chunks: shapes.traced(chunks, decode_lanes)
+        demand = planner.demand()
         if self.config.decode_debt and decode_lanes and not self._last_step_was_debt:
+            limit = debt_limit_ms(self.config, self.cost_model, demand, len(decode_lanes), target, traced)
             in_debt = any(
                 stream_in_debt(now - r.last_token_time, r.last_token_gap if self._last_update_had_prefill else None,
-                               target)
+                               limit)
                 for r in self.decoding_streams()
                 if r.last_token_time is not None
             )
         contended = bool(decode_lanes) or bool(self.decoding_streams())  # a stream in flight still streams
-        shapes = self.traced_shapes
         decision = choose_row_budget(
-            self.config, self.cost_model, planner.demand(), len(decode_lanes), in_debt, contended, target,
-            None if shapes is None else lambda chunks: shapes.traced(chunks, decode_lanes),
-        )  # fmt: skip
+            self.config, self.cost_model, demand, len(decode_lanes), in_debt, contended, target, traced
+        )
         if decision.wanted and shapes is not None:
             shapes.want(decision.wanted, decode_lanes)
             self.stats.traces_wanted += 1

@@ -167,3 +167,22 @@ def test_where_even_the_floor_is_over_the_target_the_budget_grows_within_the_sla
     assert plan.predicted_ms <= slack * (22.0 + 0.02 * 64)
     with pytest.raises(ValueError, match="floor_slack"):
         SchedulerConfig(num_blocks=16, floor_slack=0.9)
+
+
+@pytest.mark.parametrize("slack,elapsed_ms,debt", [(1.25, 27.0, False), (1.25, 35.0, True), (1.0, 27.0, True)])
+def test_a_step_within_the_floor_slack_puts_no_stream_in_decode_debt(slack, elapsed_ms, debt):
+    """Where even the floor step (23.3 ms) is over the 20 ms target, a debt step cannot bring the next contended step
+    under it: a mixed step within the slack's allowance (1.25 x 23.3 = 29.1 ms) is followed by another mixed step,
+    one past it (35 ms) by a decode-only step, and without slack any step over the target is debt."""
+    scheduler = Scheduler(SchedulerConfig(num_blocks=4096, step_target_ms=20.0, floor_slack=slack))
+    scheduler.add(make_request("stream", 10, max_tokens=100))
+    run_step(scheduler, 0.0, elapsed_ms=10.0)
+    scheduler.cost_model = FixedCostModel()
+    scheduler.add(make_request("prompt", 5000, base=7000))
+    mixed = scheduler.schedule(0.011)
+    assert mixed.prefill_rows > 0
+    now = 0.011 + elapsed_ms / 1000.0
+    scheduler.update(mixed, fake_outcome(mixed, elapsed_ms=elapsed_ms), now)
+    after = scheduler.schedule(now)
+    assert (after.budget_reason == "decode-debt") is debt
+    assert (after.prefill_rows == 0) is debt
