@@ -274,6 +274,12 @@ def split_quantized_k(kind: str, fused_mixed: bool) -> str:
     return "standalone" if kind == "on" else "off"
 
 
+# H200 (bench_chunk_attention, gathered history + cuDNN or matmuls against the kernel, ms a layer at 4k / 16k): the
+# kernel won to 384 score rows (0.6B 192 rows 0.128 / 0.299 against 0.153 / 0.393) and lost from 768 (8B 192 rows
+# 0.188 / 0.506 against 0.166 / 0.457)
+CUDA_PAGED_SCORE_ROWS = 512
+
+
 def chunk_attention(kind: str) -> Any:
     """How prefill chunks attend (`ragged.ChunkAttention`): "sdpa" (MLX's fused attention, cuDNN on CUDA), "matmul"
     (`MatmulChunkAttention`: chunks of up to 128 query rows as two matmuls and a softmax, every output tile a
@@ -290,7 +296,7 @@ def chunk_attention(kind: str) -> Any:
 
     if kind == "paged" or (kind == "auto" and cuda_available()):
         if cuda_available():
-            return PagedChunkAttention(paged.paged_chunk_attention, paged.supports, CUDA_CHUNK_ATTENTION)
+            return PagedChunkAttention(paged.paged_chunk_attention, paged.supports, CUDA_CHUNK_ATTENTION, CUDA_PAGED_SCORE_ROWS)
         return PagedChunkAttention(paged.reference_chunk_attention, _any_chunk)
     if kind == "auto":
         return sdpa_chunk_attention

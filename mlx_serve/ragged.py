@@ -115,12 +115,15 @@ class PagedChunkAttention:
     attend: Callable[..., mx.array]
     supports: Callable[[mx.array, mx.array, int], bool]  # (q, pool keys, block size)
     fallback: ChunkAttention = sdpa_chunk_attention
+    # most score rows (chunk rows x query heads a kv head) the kernel takes; more go to `fallback` (0: no limit)
+    max_score_rows: int = 0
     after: mx.array | None = None  # read the pool once this array's producer has run (KV written in place)
 
     def takes(self, q: mx.array, pool_keys: mx.array, lane: LaneRows, block_size: int) -> bool:
         if lane.table is None or lane.positions is None or lane.positions.shape[0] != q.shape[2]:
             return False
-        return self.supports(q, pool_keys, block_size)
+        score_rows = q.shape[2] * (q.shape[1] // pool_keys.shape[1])
+        return (not self.max_score_rows or score_rows <= self.max_score_rows) and self.supports(q, pool_keys, block_size)
 
     def paged(self, q: mx.array, pool_keys: mx.array, pool_values: mx.array, lane: LaneRows, scale: float,
               block_size: int) -> mx.array:  # fmt: skip

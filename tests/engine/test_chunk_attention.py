@@ -108,3 +108,23 @@ def test_engine_with_paged_chunk_attention_matches_mlx_lm(tiny_qwen3):
     for prompt, tokens in zip(prompts, generate_in_cuda_layout(engine, prompts, 8, table_gather)):
         assert tokens == reference_tokens(tiny_qwen3, prompt, 8)
     assert seen and all(rows == positions for rows, positions in seen)
+
+
+def test_paged_chunk_attention_takes_lanes_with_a_table_positions_and_few_enough_score_rows():
+    """The kernel takes a lane read through its block table whose positions match its query rows, up to
+    `max_score_rows` (rows x query heads a kv head); any other lane attends through the fallback."""
+    chunk = ragged.PagedChunkAttention(lambda *a, **k: None, lambda q, keys, size: True, max_score_rows=512)
+    keys = mx.zeros((64, 8, 64))
+    table, length = mx.zeros((4,), dtype=mx.int32), mx.array([40, 64], dtype=mx.int32)
+
+    def lane(rows: int, positions: int | None, with_table: bool = True) -> ragged.LaneRows:
+        return ragged.LaneRows(0, rows, mx.zeros((0,), dtype=mx.int32), None, table if with_table else None, length,
+                               64, rows, None if positions is None else mx.arange(positions))  # fmt: skip
+
+    q = mx.zeros((1, 32, 128, 64))  # 4 query heads a kv head: 512 score rows
+    assert chunk.takes(q, keys, lane(128, 128), 16)
+    assert not chunk.takes(mx.zeros((1, 32, 192, 64)), keys, lane(192, 192), 16)  # 768 score rows
+    assert ragged.PagedChunkAttention(chunk.attend, chunk.supports).takes(mx.zeros((1, 32, 192, 64)), keys,
+                                                                        lane(192, 192), 16)  # fmt: skip
+    assert not chunk.takes(q, keys, lane(128, 127), 16)  # positions of other rows
+    assert not chunk.takes(q, keys, lane(128, None), 16) and not chunk.takes(q, keys, lane(128, 128, False), 16)
