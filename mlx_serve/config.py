@@ -23,7 +23,7 @@ class EngineConfig:
     row_quantum: int | str = "auto"  # contended steps fill their last row tile of this many rows; auto: engine_setup
     budget_midpoints: bool = True  # a halved budget grows by half again where still predicted within the target
     plan_headroom: float = 1.0  # contended steps are planned to this fraction of the step target
-    floor_slack: float = 1.25  # where even the floor budget is over the target, grow while within this x its time
+    floor_slack: float = 1.5  # a contended step may take this x the floor step's time where that exceeds the target
     plan_padding: bool = True  # budgets and the affine cost model see chunks padded as the runner pads them (CUDA)
     cost_model: str = "ema"
     cost_trust_factor: float = 1.5  # affine: steps past this many times the largest recent one priced by its cost per row

@@ -12,11 +12,14 @@ Halving alone throws away up to half of what the target allows: on the H200, 30B
 512-row chunks in 72-77 ms against a 78 ms target, then 256-row chunks in ~50 ms for the rest of a 16k prompt,
 where 384 rows fit. One more prediction per halved step takes the midpoint when it fits.
 
-Where even the floor budget is predicted over the target (by at most `SLACK_WITHIN`), the step's fixed cost
-dominates it and the target is missed whatever the rows: the budget then grows a bucket at a time while predicted
-within `floor_slack` of the floor step (`SchedulerConfig.floor_slack`), rather than carrying the floor's rows at
-nearly the same cost. H200, 8B 4-bit with its decode GEMV: a 22-25 ms target (4 decode steps) under mixed steps of
-~27 ms at 128 rows and ~30 at 256; 16k TTFT 3.9x solo at the floor, 2.9x with the slack (one run each).
+A step's fixed cost can fill the target by itself (H200, 8B 4-bit with its decode GEMV: a ~21 ms 128-row step
+against a 20.4 ms target, 384 rows ~25 ms). Halving to the floor then buys nothing and stalls the prompt: every
+contended step may take `floor_slack` times the floor step's prediction where that is more than the target
+(`slack_allowance_ms`, reason `+slack`), and decode debt counts from that allowance too. Same run's code, one
+contended run each: slack 1.25 16k TTFT 2.98x solo, gap 1.65; 1.5 TTFT 1.65x, gap 1.84. Where the floor step is
+far over the target (`SLACK_WITHIN`) the fit is more likely wrong and the target holds (unguarded, a fresh fit once
+grew a first step to 1,536 rows, 62 ms against 30). On the other shapes measured the floor is well under the
+target and nothing changes.
 
 Where the engine runs some shapes through compiled traces (`traced_shapes.py`), each candidate is predicted in
 the form it would run now, and the largest candidate turned down only for want of a trace (over the target eager,
@@ -35,16 +38,18 @@ from scheduler.buckets import query_bucket
 from scheduler.config import SchedulerConfig
 from scheduler.cost_models import CostModel, PrefillChunk, StepShape
 
-# the floor slack applies only where the floor step is predicted at most this far over the target: the target then sits
-# just under a step's fixed cost; far over it, the fit is more likely still wrong (H200, 8B 4-bit: a first contended
-# step planned by a fresh fit grew to 1,536 rows, 62 ms against a 30 ms target)
+# the floor slack applies only where the floor step is predicted at most this far over the target: far over it, the
+# fit is more likely still wrong (H200, 8B 4-bit: a first contended step planned by a fresh fit grew to 1,536 rows,
+# 62 ms against a 30 ms target)
 SLACK_WITHIN = 1.5
 
 
 @dataclass(frozen=True, slots=True)
 class BudgetDecision:
     row_budget: int  # prefill rows the step may carry
-    reason: str  # "uncontended", "contended", "contended-untrained", "halved:<n>[+half|+slack:<m>]", "decode-debt"
+    # "uncontended", "contended", "contended-untrained", "halved:<n>[+half]" (contended ones end in "+slack" where
+    # the floor slack raised the target: `slack_allowance_ms`), "decode-debt"
+    reason: str
     halvings: int
     predicted_ms: float | None  # the cost model's prediction for the planned prefill at this budget
     wanted: tuple[PrefillChunk, ...] = ()  # a larger step's chunks that would fit the target with a compiled trace
@@ -98,6 +103,8 @@ def choose_row_budget(
         return BudgetDecision(budget, "uncontended", 0, predict(budget))  # no target: nothing wanted
     if in_debt:
         return BudgetDecision(0, "decode-debt", 0, None)
+    allowance = slack_allowance_ms(config, model, demand, decode_lanes, target_ms, traced)
+    slack, target_ms = allowance > target_ms, allowance
     halvings = 0
     predicted = predict(budget)
     while predicted is not None and predicted > target_ms and budget > config.row_floor:
@@ -107,42 +114,20 @@ def choose_row_budget(
     filled = paid_rows(budget, decode_lanes, config)
     if filled != budget:
         budget, predicted = filled, predict(filled)
-    widened, slack = False, 0
+    widened = False
     if halvings and config.budget_midpoints and predicted is not None and predicted <= target_ms:
         wider = paid_rows(budget + budget // 2, decode_lanes, config)
         wider_predicted = predict(wider) if wider > budget else None
         if wider_predicted is not None and wider_predicted <= target_ms:
             budget, predicted, widened = wider, wider_predicted, True
-    elif config.floor_slack > 1 and predicted is not None and target_ms < predicted <= SLACK_WITHIN * target_ms:
-        budget, predicted, slack = _within_slack(budget, predicted, predict, demand, decode_lanes, config)
     if halvings:
-        reason = f"halved:{halvings}" + ("+half" if widened else "") + (f"+slack:{slack}" if slack else "")
+        reason = f"halved:{halvings}" + ("+half" if widened else "")
     else:
         reason = "contended-untrained" if predicted is None and demand else "contended"
+    reason += "+slack" if slack else ""
     if sum(chunk.rows for chunk in wanted) <= budget:
         wanted = ()  # the step got as many rows anyway (a tile or bucket grew it back)
     return BudgetDecision(budget, reason, halvings, predicted, wanted)
-
-
-def _within_slack(
-    budget: int,
-    predicted: float,
-    predict: Callable[[int], float | None],
-    demand: Sequence[PrefillChunk],
-    decode_lanes: int,
-    config: SchedulerConfig,
-) -> tuple[int, float, int]:
-    """Where even the floor budget is predicted over the target, a step's fixed cost dominates it: grow the budget
-    a query bucket at a time while predicted within `config.floor_slack` of the floor step (the target is missed
-    either way; these rows come nearly free). H200, 8B 4-bit at 16k: 64 rows ~22 ms, 384 rows ~29.5 ms."""
-    most_ms, waiting, grown = config.floor_slack * predicted, sum(chunk.rows for chunk in demand), 0
-    while budget < min(config.row_ceiling, waiting):
-        wider = min(paid_rows(query_bucket(budget + 1), decode_lanes, config), config.row_ceiling)
-        wider_predicted = predict(wider) if wider > budget else None
-        if wider_predicted is None or wider_predicted > most_ms:
-            break
-        budget, predicted, grown = wider, wider_predicted, grown + 1
-    return budget, predicted, grown
 
 
 def paid_rows(budget: int, decode_lanes: int, config: SchedulerConfig) -> int:
@@ -164,7 +149,7 @@ def fill_row_tile(budget: int, decode_lanes: int, quantum: int, ceiling: int) ->
     return max(budget, min(rows, ceiling) - decode_lanes)
 
 
-def debt_limit_ms(
+def slack_allowance_ms(
     config: SchedulerConfig,
     model: CostModel,
     demand: Sequence[PrefillChunk],
@@ -172,17 +157,17 @@ def debt_limit_ms(
     target_ms: float,
     traced: Callable[[Sequence[PrefillChunk]], bool] | None = None,
 ) -> float:
-    """The gap past which a stream is in decode debt: the target, or where even the floor step is predicted over it
-    (by at most `SLACK_WITHIN`) what the floor slack lets a contended step take. There a debt step cannot bring the
-    next contended step under the target; it only delays the prompt and halves its share of the steps (H200, 8B
-    4-bit: 77 decode-only steps beside 74 mixed ones of ~26 ms against a 20.5 ms target, 0.4 s of a 2.1 s TTFT)."""
+    """What a contended step may take: the target, or `config.floor_slack` times the floor step's prediction where
+    that is more and the floor step is predicted at most `SLACK_WITHIN` times the target (far over it, the fit is
+    more likely wrong). The budget plans to it, and a stream is in decode debt only past it: where a step's fixed
+    cost fills the target, a debt step cannot bring the next contended step under the target, it only delays the
+    prompt (H200, 8B 4-bit: 77 debt steps beside 74 mixed ones, 0.4 s of a 2.1 s TTFT)."""
     if config.floor_slack <= 1 or not demand:
         return target_ms
-    planned = target_ms * config.plan_headroom  # what `choose_row_budget` compares the floor step with
     chunks = fill_shortest_first(demand, paid_rows(config.row_floor, decode_lanes, config))
     compiled = traced is not None and traced(chunks)
     floor_ms = model.predict(StepShape(chunks, decode_lanes, compiled=compiled)) if chunks else None
-    if floor_ms is None or not planned < floor_ms <= SLACK_WITHIN * planned:
+    if floor_ms is None or not 0 < floor_ms <= SLACK_WITHIN * target_ms:
         return target_ms
     return max(target_ms, config.floor_slack * floor_ms)
 

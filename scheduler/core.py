@@ -9,7 +9,7 @@ Requests at the pool's edge finish LENGTH: a request never grows past the whole 
 
 from __future__ import annotations
 
-from scheduler.budget import BudgetDecision, choose_row_budget, debt_limit_ms, stream_in_debt
+from scheduler.budget import BudgetDecision, choose_row_budget, slack_allowance_ms, stream_in_debt
 from scheduler.config import SchedulerConfig
 from scheduler.cost_models import make_cost_model
 from scheduler.errors import QueueFull, RequestTooLarge
@@ -229,7 +229,7 @@ class Scheduler:
         traced = None if shapes is None else lambda chunks: shapes.traced(chunks, decode_lanes)
         demand = planner.demand()
         if self.config.decode_debt and decode_lanes and not self._last_step_was_debt:
-            limit = debt_limit_ms(self.config, self.cost_model, demand, len(decode_lanes), target, traced)
+            limit = slack_allowance_ms(self.config, self.cost_model, demand, len(decode_lanes), target, traced)
             in_debt = any(
                 stream_in_debt(now - r.last_token_time, r.last_token_gap if self._last_update_had_prefill else None,
                                limit)

@@ -308,8 +308,8 @@ def main() -> None:
                         help="EngineConfig.plan_headroom: contended steps planned to this fraction of the target")
     parser.add_argument("--cost-trust-factor", type=float, default=1.5,
                         help="EngineConfig.cost_trust_factor: the affine fit's trust region in rows (0: off)")
-    parser.add_argument("--floor-slack", type=float, default=1.25,
-                        help="EngineConfig.floor_slack: where the floor is over the target, grow within this x its time")
+    parser.add_argument("--floor-slack", type=float, default=1.5,
+                        help="EngineConfig.floor_slack: a step may take this x the floor step's time over the target")
     parser.add_argument("--plan-padding", choices=["on", "off"], default="on",
                         help="EngineConfig.plan_padding: plan chunks as the engine pads them (off: exact counts)")
     parser.add_argument("--row-quantum", default="auto", type=row_quantum_arg,

@@ -135,10 +135,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--plan-headroom", type=_headroom, default=1.0,
                    help="contended steps are planned to this fraction of the step target, below 1 so that a step's "
                         "usual spread stays under the target (0 < x <= 1; default: %(default)s)")
-    s.add_argument("--floor-slack", type=_floor_slack, default=1.25, metavar="X",
-                   help="where even the smallest contended step (--row-floor rows) is predicted over the step "
-                        "target, its fixed cost dominates: the budget grows while predicted within X times that "
-                        "step's time (X >= 1; 1: the floor; default: %(default)s)")
+    s.add_argument("--floor-slack", type=_floor_slack, default=1.5, metavar="X",
+                   help="a contended step may take X times the smallest contended step's (--row-floor rows) "
+                        "predicted time where that is more than the step target: a fixed cost that fills the "
+                        "target buys nothing by halving (X >= 1; 1: off; default: %(default)s)")
     s.add_argument("--plan-padding", choices=["on", "off"], default="on",
                    help="contended budgets land on the query buckets the engine pads chunks to (CUDA) and the "
                         "affine cost model counts the padded work; off: exact counts (default: %(default)s)")

@@ -150,12 +150,18 @@ class FixedCostModel:
 
 @pytest.mark.parametrize(
     "slack,target,budget,reason",
-    [(1.25, 20.0, 256, "halved:5+slack:4"), (1.0, 20.0, 64, "halved:5"), (1.25, 15.0, 64, "halved:5")],
+    [
+        (1.25, 20.0, 256, "halved:3+slack"),  # nothing fits 20 ms: allowed 1.25 x the floor's 23.3 = 29.1 (256: 27.1)
+        (1.0, 20.0, 64, "halved:5"),  # no slack: the floor, over the target
+        (1.25, 15.0, 64, "halved:5"),  # the floor 1.55x over the target: the fit is more likely wrong
+        (1.5, 30.0, 512, "halved:2+slack"),  # the floor fits, yet 1.5 x 23.3 = 34.9 is more than the target
+        (1.5, 40.0, 768, "halved:2+half"),  # the target is more than the slack allows: as without it
+    ],
 )
-def test_where_even_the_floor_is_over_the_target_the_budget_grows_within_the_slack(slack, target, budget, reason):
-    """Against 20 ms nothing fits: the floor (64 rows) is 23.3 ms. Within 1.25 x that (29.1 ms) the budget grows a
-    query bucket at a time: 96, 128, 192, 256 (27.1 ms); 384 (29.7) does not fit. Slack 1: the floor, as before.
-    Against 15 ms the floor is more than `SLACK_WITHIN` over the target: no slack (a fit more likely wrong)."""
+def test_a_step_may_take_the_slack_times_the_floor_step_where_that_is_more_than_the_target(slack, target, budget, reason):
+    """A step of 22 ms + 0.02 ms a row: the floor (64 rows) is 23.3 ms. Where `floor_slack` times that is more than
+    the target, the budget plans to it; where the floor is over the target by more than `SLACK_WITHIN`, or the slack
+    is 1, the target holds."""
     config = SchedulerConfig(num_blocks=4096, step_target_ms=target, floor_slack=slack)
     scheduler = Scheduler(config)
     scheduler.add(make_request("stream", 10, max_tokens=100))
@@ -164,7 +170,7 @@ def test_where_even_the_floor_is_over_the_target_the_budget_grows_within_the_sla
     scheduler.add(make_request("prompt", 5000, base=7000))
     plan = scheduler.schedule(0.011)  # within the target of the stream's last token: no decode debt
     assert (plan.row_budget, plan.prefill_rows, plan.budget_reason) == (budget, budget, reason)
-    assert plan.predicted_ms <= slack * (22.0 + 0.02 * 64)
+    assert plan.predicted_ms <= max(target, slack * (22.0 + 0.02 * 64))
     with pytest.raises(ValueError, match="floor_slack"):
         SchedulerConfig(num_blocks=16, floor_slack=0.9)
 

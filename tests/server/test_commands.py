@@ -48,7 +48,7 @@ def test_serve_help_explains_the_engine_flags(capsys):
         ("--quantized-tiles", {None: "auto", "on": "on", "off": "off"}, ("kernel",)),
         ("--plan-headroom", {None: 1.0, "0.9": 0.9, "0.75": 0.75}, ("most", "0", "1.5", "-0.5")),
         ("--cost-trust-factor", {None: 1.5, "0": 0.0, "2": 2.0}, ("wide", "0.5", "-1")),
-        ("--floor-slack", {None: 1.25, "1": 1.0, "1.5": 1.5}, ("some", "0.9", "-1")),
+        ("--floor-slack", {None: 1.5, "1": 1.0, "1.25": 1.25}, ("some", "0.9", "-1")),
         ("--port", {None: 8080, "0": 0, "65535": 65535}, ("http", "-5", "70000", "80.5")),
         ("--block-size", {None: 16, "32": 32}, ("0", "-16", "big")),
         ("--kv-blocks", {None: None, "100": 100}, ("0", "-1")),
