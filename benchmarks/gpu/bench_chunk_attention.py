@@ -9,11 +9,18 @@ worth, a pool and a block table each, blocks in random order), bf16; the chunk i
 `history`, the table padded to `history + 128` tokens with a scratch block, as a bucketed lane's.
 
 Prints ms a call, one JSON line per (shape, history, rows): `sdpa_ms` / `matmul_ms` over K/V gathered
-beforehand, `gather_sdpa_ms` / `gather_matmul_ms` with the gather, `paged_ms` the kernel with its own choices
-(`paged_splits`), any `--splits` / `--warps` overrides, and `paged_err`: the kernel's largest difference from
-SDPA on one layer, over SDPA's largest output.
+beforehand, `gather_sdpa_ms` / `gather_matmul_ms` with the gather (`--baselines` picks which), `paged_ms` the
+kernel with its own choices (`paged_variant`, `paged_splits`), any `--splits` / `--warps` overrides of the
+default build, and `paged_err`: the kernel's largest difference from SDPA on one layer, over SDPA's largest
+output. `--variants` times other builds of the kernel (`Variant.parse` specs, `;`-separated, or `all` for
+`VARIANTS`) with the launcher's splits: `paged_<name>_ms` and `paged_<name>_err` each (`old`: the first
+version, 32-token tiles in two static stages, a global table load per copy). `--target-blocks`,
+`--min-split-tokens`, `--max-splits`, `--wave-splits` (and `--split-overhead-tokens`) set the split policy's
+constants for the whole run; a variant's splits follow its blocks a SM (`Variant.blocks_per_sm`) where the
+policy looks at them.
 
     python -m benchmarks.gpu.bench_chunk_attention [--quick] [--splits 1,2,4,8] [--warps 8]
+        [--variants "old;BN=32,STAGES=4;BN=64,STAGES=3"] [--baselines gather_sdpa]
 """
 
 from __future__ import annotations
@@ -25,7 +32,14 @@ import mlx.core as mx
 import numpy as np
 
 from benchmarks.gpu.bench_kernel import time_ms
-from mlx_serve.kernels.chunk_attention import WARPS, paged_chunk_attention, split_count
+from mlx_serve.kernels import chunk_attention
+from mlx_serve.kernels.chunk_attention import (
+    OLD,
+    Variant,
+    default_variant,
+    paged_chunk_attention,
+    split_count,
+)
 from mlx_serve.kernels.paged_gather import paged_gather
 from mlx_serve.ragged import LaneRows, MatmulChunkAttention, sdpa_chunk_attention
 
@@ -36,6 +50,11 @@ PAD = 128  # table tokens past the history, as a bucketed lane's
 ROWS = "64,128,192,256,512,1024"
 HISTORIES = "2048,8192,16384"
 QUICK_ROWS, QUICK_HISTORIES = "128,1024", "8192"
+BASELINES = ("sdpa", "matmul", "gather_sdpa", "gather_matmul")
+
+
+def variant_label(variant: Variant) -> str:
+    return "old" if variant == OLD else variant.name
 
 
 def make_layers(kv_heads: int, head_dim: int, history: int, seed: int) -> list[tuple[mx.array, ...]]:
@@ -55,7 +74,16 @@ def make_layers(kv_heads: int, head_dim: int, history: int, seed: int) -> list[t
     return layers
 
 
-def measure(shape: str, rows: int, history: int, layers: list, splits: list[int], warps: list[int]) -> dict:
+def measure(
+    shape: str,
+    rows: int,
+    history: int,
+    layers: list,
+    splits: list[int],
+    warps: list[int],
+    variants: list[Variant] = (),
+    baselines: tuple[str, ...] = BASELINES,
+) -> dict:
     heads, kv_heads, head_dim = SHAPES[shape]
     padded = history + PAD
     q = mx.random.normal((1, heads, rows, head_dim)).astype(mx.bfloat16)
@@ -65,7 +93,9 @@ def measure(shape: str, rows: int, history: int, layers: list, splits: list[int]
     mask = mx.where(visible, mx.array(0, mx.bfloat16), mx.array(-1e30, mx.bfloat16))[None, None]
     no_slots = mx.zeros((0,), mx.int32)
     lanes = [LaneRows(0, rows, no_slots, mask, table, length, padded, rows) for *_, table in layers]
-    gathered = [paged_gather(k, v, lane, BLOCK_SIZE) for (k, v, _), lane in zip(layers, lanes)]
+    contiguous_runs = {"sdpa", "matmul"} & set(baselines)  # the first layer's K/V alone serve `paged_err`
+    gather = zip(layers if contiguous_runs else layers[:1], lanes, strict=False)
+    gathered = [paged_gather(k, v, lane, BLOCK_SIZE) for (k, v, _), lane in gather]
     mx.eval(q, positions, length, mask, gathered)
     scale = head_dim**-0.5
     matmul = MatmulChunkAttention(max_rows=1 << 20)  # past its `max_scores` it answers with SDPA
@@ -101,23 +131,41 @@ def measure(shape: str, rows: int, history: int, layers: list, splits: list[int]
 
     keys, values, table = layers[0]
     want = sdpa_chunk_attention(q, *gathered[0], scale, mask).astype(mx.float32)
-    got = paged_chunk_attention(q, keys, values, table, length, positions, scale, BLOCK_SIZE)
-    got = got.astype(mx.float32)
-    tiles = -(-rows * heads // kv_heads // (16 * WARPS))
-    row = {
-        "shape": shape, "rows": rows, "history": history,
-        "sdpa_ms": time_ms(contiguous(sdpa_chunk_attention)) / LAYERS,
-        "matmul_ms": time_ms(contiguous(matmul)) / LAYERS,
-        "gather_sdpa_ms": time_ms(gather_then(sdpa_chunk_attention)) / LAYERS,
-        "gather_matmul_ms": time_ms(gather_then(matmul)) / LAYERS,
-        "paged_ms": time_ms(paged()) / LAYERS,
-        "paged_splits": split_count(tiles * kv_heads, padded),
-        "paged_err": (mx.abs(got - want).max() / mx.abs(want).max()).item(),
-    }  # fmt: skip
+
+    def error(
+        **overrides,
+    ) -> float:  # the largest difference from SDPA on one layer, over SDPA's largest output
+        got = paged_chunk_attention(q, keys, values, table, length, positions, scale, BLOCK_SIZE, **overrides)
+        return (mx.abs(got.astype(mx.float32) - want).max() / mx.abs(want).max()).item()
+
+    def blocks(variant: Variant) -> int:  # query tiles x kv heads, before splits
+        return -(-rows * heads // kv_heads // (16 * variant.warps)) * kv_heads
+
+    runs = {
+        "sdpa": contiguous(sdpa_chunk_attention),
+        "matmul": contiguous(matmul),
+        "gather_sdpa": gather_then(sdpa_chunk_attention),
+        "gather_matmul": gather_then(matmul),
+    }
+    row = {"shape": shape, "rows": rows, "history": history}
+    for name in baselines:
+        row[f"{name}_ms"] = time_ms(runs[name]) / LAYERS
+    row["paged_ms"] = time_ms(paged()) / LAYERS
+    row["paged_variant"] = variant_label(default_variant())
+    row["paged_splits"] = split_count(
+        blocks(default_variant()), padded, default_variant().blocks_per_sm(head_dim)
+    )
+    row["paged_err"] = error()
     for count in splits:
         row[f"paged_s{count}_ms"] = time_ms(paged(splits=count)) / LAYERS
     for count in warps:
         row[f"paged_w{count}_ms"] = time_ms(paged(warps=count)) / LAYERS
+    for variant in variants:
+        label = variant_label(variant)
+        same = variant == default_variant()  # timed already
+        row[f"paged_{label}_ms"] = row["paged_ms"] if same else time_ms(paged(variant=variant)) / LAYERS
+        row[f"paged_{label}_splits"] = split_count(blocks(variant), padded, variant.blocks_per_sm(head_dim))
+        row[f"paged_{label}_err"] = row["paged_err"] if same else error(variant=variant)
     return row
 
 
@@ -129,7 +177,30 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer rows and histories")
     parser.add_argument("--splits", default="", help="also time the kernel with these history splits: 1,4")
     parser.add_argument("--warps", default="", help="also time the kernel with blocks of these warps: 8")
+    parser.add_argument("--variants", default="", help='also time these builds: "old;BN=64,STAGES=3", all')
+    parser.add_argument(
+        "--baselines", default=",".join(BASELINES), help="of sdpa,matmul,gather_sdpa,gather_matmul"
+    )
+    parser.add_argument("--target-blocks", type=int, help=f"split policy: {chunk_attention.TARGET_BLOCKS}")
+    parser.add_argument(
+        "--min-split-tokens", type=int, help=f"split policy: {chunk_attention.MIN_SPLIT_TOKENS}"
+    )
+    parser.add_argument("--max-splits", type=int, help=f"split policy: {chunk_attention.MAX_SPLITS}")
+    parser.add_argument("--wave-splits", action="store_true", help="split policy: whole waves (WAVE_SPLITS)")
+    parser.add_argument(
+        "--split-overhead-tokens", type=int, help=f"--wave-splits: {chunk_attention.SPLIT_OVERHEAD_TOKENS}"
+    )
     args = parser.parse_args()
+    chunk_attention.WAVE_SPLITS = args.wave_splits or chunk_attention.WAVE_SPLITS
+    for name in ("target_blocks", "min_split_tokens", "max_splits", "split_overhead_tokens"):
+        if getattr(args, name) is not None:
+            setattr(chunk_attention, name.upper(), getattr(args, name))
+    variants = []  # `all` stands for VARIANTS, among other specs too
+    for spec in filter(str.strip, args.variants.split(";")):
+        variants += chunk_attention.VARIANTS if spec.strip().lower() == "all" else [Variant.parse(spec)]
+    variants = list(dict.fromkeys(variants))
+    baselines = tuple(name for name in args.baselines.split(",") if name)
+    assert set(baselines) <= set(BASELINES), f"baselines of {BASELINES}"
     rows_list = [int(r) for r in (args.rows or (QUICK_ROWS if args.quick else ROWS)).split(",")]
     histories = args.histories or (QUICK_HISTORIES if args.quick else HISTORIES)
     histories = [int(h) for h in histories.split(",")]
@@ -143,7 +214,7 @@ def main() -> None:
             for rows in rows_list:
                 if rows > history:
                     continue
-                row = measure(shape, rows, history, layers, splits, warps)
+                row = measure(shape, rows, history, layers, splits, warps, variants, baselines)
                 rounded = {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
                 print(json.dumps(rounded), flush=True)
                 mx.clear_cache()

@@ -3,17 +3,21 @@ through the block table.
 
 Today a chunk's history is first copied out of the pool (`paged_gather`, ~2 ms a step at 16k) into contiguous
 `[1, kv_heads, L_pad, D]` keys and values, then cuDNN SDPA or two matmuls run over the whole padded history
-with an additive mask (1.6-1.8x the exact causal cost). Here one kernel streams each 32-token tile of K and V
-from the pool (`[slots, kv_heads, D]`, slot = block id * block size + offset) into shared memory once per 64
+with an additive mask (1.6-1.8x the exact causal cost). Here one kernel streams each `BN`-token tile of K and
+V from the pool (`[slots, kv_heads, D]`, slot = block id * block size + offset) into shared memory once per 64
 score rows, and never touches a key past the rows' causal limit: no copy, no padding work.
 
 Layout (FA2 forward on tensor cores, `mma.sync m16n8k16`, bf16 in, fp32 sums):
 - score rows: the G = heads / kv_heads query heads of a kv head are stacked as rows `s = i * G + g` (query
   row i, head kvh * G + g), so one K/V tile serves all of them. A thread block is (64 score rows, kv head,
   history split); its 4 warps own 16 rows each and hold their Q fragments in registers.
-- K/V tiles: 32 tokens, `cp.async` into shared memory one tile ahead of use (`PIPE` stages of 17 KB at
-  D = 128), token rows padded to an odd number of 16-byte chunks so that `ldmatrix` (K, the B operand of
-  S = Q K^T) and `ldmatrix.trans` (V, the B operand of O += P V) meet no bank conflicts.
+- K/V tiles: `BN` (32 or 64) tokens, `cp.async` into `STAGES` (2-4) shared-memory stages, `STAGES - 1` tiles
+  in flight ahead of the one in use behind one barrier a tile; token rows padded to an odd number of 16-byte
+  chunks so that `ldmatrix` (K, the B operand of S = Q K^T) and `ldmatrix.trans` (V, the B operand of
+  O += P V) meet no bank conflicts. Stages past 48 KB live in dynamic shared memory (MLX opts the kernel in).
+- block table: a block stages its split's table entries in shared memory once (a window of `TABLE_ENTRIES`,
+  refilled in the rare split that spans more), so a tile's copies need no dependent global load of their
+  addresses (the old way, a table load per copy just before it, stays buildable: `Variant(table=False)`).
 - softmax: online, fp32, in the log2 domain (`exp2f` of log2(e)-prescaled scores); P goes from the S
   accumulators straight into bf16 A fragments (the C layout of two n8 tiles is the A layout of one k16 step).
 - causal: key j is visible to row i iff j <= positions[i] and j < length[0]. A block stops at the last key
@@ -26,13 +30,20 @@ Layout (FA2 forward on tensor cores, `mma.sync m16n8k16`, bf16 in, fp32 sums):
 Every length is read on the device, so the grid depends only on static shapes (rows, heads, head dim, table
 length): one compiled graph serves every history within a bucket. Rows that see no key (only with a zero
 length) come out as zeros.
+
+The build (`Variant`: tile tokens, stages, table staging, static or dynamic shared memory) comes from the
+module constants `BN`, `STAGES`, `TABLE`, `TABLE_ENTRIES`, `DYNAMIC_SMEM`, read at each call, or a call's
+`variant=`; `OLD` is the first version's build (32-token tiles, two static stages, the table read per copy),
+kept to compare against (`benchmarks/gpu/bench_chunk_attention.py --variants`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import zlib
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -43,18 +54,140 @@ from mlx_serve.ragged import LaneRows
 # a block's warps, 16 score rows each (32 a warp would double O's 64 registers a thread). 8 warps halve the L2
 # reads of K/V (every query tile reads the whole history) but leave one block a SM: to be measured (`--warps`)
 WARPS = 4
-BN = 32  # tokens a staged K/V tile: two stages of K and V take 34 KB of the 48 KB of static shared memory
-PIPE = 2  # shared-memory stages: the next tile's copies run under this tile's products
+# The default build (see `Variant`), read at each call so that a benchmark may set them: tokens a staged K/V
+# tile (32 or 64), shared-memory stages (2-4: STAGES - 1 tiles in flight behind the one in use), whether a
+# block stages its table entries in shared memory (TABLE_ENTRIES of them at a time), and dynamic shared memory
+# (needed past 48 KB; MLX opts the kernel in). At D = 128 a stage of K and V takes 17 KB a 32-token tile, 34
+# KB a 64-token one.
+BN = 64
+STAGES = 3
+TABLE = True
+TABLE_ENTRIES = 1024  # 4 KB: 16k tokens of blocks of 16 before a split refills its window
+DYNAMIC_SMEM = True
 MERGE_THREADS = 128
 HEAD_DIMS = (64, 128)
 LOG2E = 1.4426950408889634
+STATIC_SMEM_LIMIT = 48 * 1024
+DYNAMIC_SMEM_LIMIT = 227 * 1024  # the H100 / H200's most a block may opt in to
 # splits of the history: enough blocks for two a SM on the H200's 132 (a block of 4 warps holds ~1/3 of a SM's
 # registers) once the query tiles leave SMs idle, each split at least MIN_SPLIT_TOKENS of the padded history.
-# To be tuned with `benchmarks/gpu/bench_chunk_attention.py --splits`.
+# To be tuned with `benchmarks/gpu/bench_chunk_attention.py --splits` (or its --target-blocks and friends).
 SMS = 132
 TARGET_BLOCKS = 2 * SMS
 MIN_SPLIT_TOKENS = 512
 MAX_SPLITS = 16
+# an experiment (off: the policy above): splits for whole waves of the build's resident blocks (SMS x
+# `Variant.blocks_per_sm`), even past SMS blocks (1024 rows of 8B: 512 blocks, 1.3 waves of three a SM): the
+# fewest that minimise waves x (split tokens + SPLIT_OVERHEAD_TOKENS, a block's fixed cost: its first loads)
+WAVE_SPLITS = False
+SPLIT_OVERHEAD_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One build of the attention kernel: `bn` tokens a K/V tile (32 or 64), `stages` shared-memory stages
+    (2-4), `warps` a block (4 or 8, 16 score rows each), `table`: the block's table entries staged in shared
+    memory (`table_entries` at a time) rather than read from global memory by each copy, `dynamic`: dynamic
+    shared memory (else static, at most 48 KB), `min_blocks` > 0: `__launch_bounds__(threads, min_blocks)`,
+    which caps the registers (ptxas spills what does not fit: an experiment, outside `VARIANTS`)."""
+
+    bn: int = 64
+    stages: int = 3
+    warps: int = 4
+    table: bool = True
+    table_entries: int = 1024
+    dynamic: bool = True
+    min_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        if self.bn not in (32, 64) or self.stages not in (2, 3, 4):
+            raise ValueError(f"tiles of 32 or 64 tokens in 2-4 stages, not {self.bn} in {self.stages}")
+        if self.warps not in (4, 8):
+            raise ValueError(f"blocks of 4 or 8 warps, not {self.warps}")
+        if not 0 <= self.min_blocks <= 64 // self.warps:
+            raise ValueError(
+                f"at most {64 // self.warps} blocks of {self.warps} warps a SM, not {self.min_blocks}"
+            )
+        if self.table and self.table_entries < self.bn + 1:
+            raise ValueError(
+                f"a table window of {self.table_entries} entries holds less than a tile's {self.bn + 1}"
+            )
+
+    def smem_bytes(self, head_dim: int) -> int:
+        """Shared memory a block takes: the stages of K and V (rows padded to D + 8 bf16), the table
+        window."""
+        return 2 * self.stages * self.bn * (head_dim + 8) * 2 + (4 * self.table_entries if self.table else 0)
+
+    def blocks_per_sm(self, head_dim: int = 128) -> int:
+        """Blocks a H100 / H200 SM holds (64K registers, 228 KB of shared memory and 1 KB more a block),
+        taking ptxas's registers at heads of 128 (`REGISTERS`, checked by
+        `test_every_variant_compiles_without_spills`) or those `min_blocks` leaves."""
+        if self.min_blocks:
+            registers = 65536 // (32 * self.warps * self.min_blocks) // 8 * 8
+        else:
+            registers = REGISTERS[self.bn, self.table]
+        by_registers = 65536 // (-(-registers // 8) * 8 * 32 * self.warps)
+        return max(1, min(by_registers, 228 * 1024 // (self.smem_bytes(head_dim) + 1024), 64 // self.warps))
+
+    @property
+    def name(self) -> str:
+        """`bn64s3`, then `_w8` (blocks of 8 warps), `_tc<entries>` (a window other than 1024 entries),
+        `_gtable` (the table read from global memory), `_static` (static shared memory), `_mb<blocks>` (launch
+        bounds) where they apply."""
+        name = f"bn{self.bn}s{self.stages}" + ("_w8" if self.warps == 8 else "")
+        if self.table and self.table_entries != Variant.table_entries:
+            name += f"_tc{self.table_entries}"
+        name += "" if self.table else "_gtable"
+        return (
+            name + ("" if self.dynamic else "_static") + (f"_mb{self.min_blocks}" if self.min_blocks else "")
+        )
+
+    @classmethod
+    def parse(cls, spec: str) -> Variant:
+        """`old` (`OLD`), or comma-separated settings over the module's default build: `BN=64,STAGES=4`,
+        `WARPS=8`, `TABLE=0` (global reads), `TC=<table entries>`, `SMEM=static|dynamic`, `MINB=<blocks a
+        SM>`."""
+        if spec.strip().lower() == "old":
+            return OLD
+        numbers = {
+            "BN": "bn",
+            "STAGES": "stages",
+            "WARPS": "warps",
+            "TC": "table_entries",
+            "MINB": "min_blocks",
+        }
+        fields = {}
+        for item in filter(None, (part.strip() for part in spec.split(","))):
+            key, _, value = (part.strip() for part in item.partition("="))
+            key, value = key.upper(), value.lower()
+            if key in numbers and value.isdigit():
+                fields[numbers[key]] = int(value)
+            elif key == "TABLE" and value in ("0", "1"):
+                fields["table"] = value == "1"
+            elif key == "SMEM" and value in ("static", "dynamic"):
+                fields["dynamic"] = value == "dynamic"
+            else:
+                expected = "BN=, STAGES=, WARPS=, TC=, MINB=, TABLE=0|1, SMEM=static|dynamic"
+                raise ValueError(f"variant setting {item!r}: {expected}")
+        return dataclasses.replace(default_variant(), **fields)
+
+
+# ptxas's registers a thread at heads of 128 (CUDA 13, sm_90), by (tile tokens, table staged): the most of the
+# split and one-pass builds at any stage count or warps. 168 is the most for three 4-warp blocks a SM.
+REGISTERS = {(32, True): 168, (32, False): 166, (64, True): 175, (64, False): 213}
+
+# the first version's build: two static stages of 32-token tiles, a global table load per copy
+OLD = Variant(bn=32, stages=2, warps=4, table=False, dynamic=False)
+# the builds worth a sweep (`bench_chunk_attention.py --variants all`; the nvcc and device tests take them
+# all): the first version, tiles of 32 or 64 tokens in 2-4 stages (4 warps: three blocks a SM at 32 tokens,
+# two at 64 but one at 64 x 4 stages), and 64 x 4 stages for one block of 8 warps
+VARIANTS = (OLD, *(Variant(bn, stages) for bn in (32, 64) for stages in (2, 3, 4)), Variant(64, 4, warps=8))
+
+
+def default_variant() -> Variant:
+    """The build the module constants name (read now: a benchmark may have changed them)."""
+    return Variant(BN, STAGES, WARPS, TABLE, TABLE_ENTRIES, DYNAMIC_SMEM)
+
 
 HEADER = r"""
 #define CA_NEG_INF __uint_as_float(0xff800000u)
@@ -77,28 +210,41 @@ __device__ __forceinline__ unsigned ca_pack(float lo, float hi) {
 }
 """
 
-# Template: D (64 or 128), G (query heads a kv head), BS (block size), BN (tokens a tile), PIPE (stages),
-# WARPS (4 or 8, 16 score rows each); the macro CA_PARTIAL (in the header) picks partial outputs.
-# Inputs: q [1, H, R, D] bf16, k_pool/v_pool [slots, KVH, D] bf16, table [NB] int32, length [2] int32 (tokens;
-# the padded length is not read), positions [R] int32, scale_log2 [1] fp32 (scale * log2 e), and optionally
-# `after` (never read). Grid: (ceil(R * G / (16 * WARPS)), KVH, splits) blocks of WARPS * 32 threads.
-# Outputs: out [1, H, R, D] bf16; or o_part [splits, H, R, D] fp32 (unnormalised) and ml_part
-# [splits, H, R, 2] fp32 (row max in the log2 domain, row sum).
+# Template: D (64 or 128), G (query heads a kv head), BS (block size), BN (tokens a tile), STAGES
+# (shared-memory stages), WARPS (4 or 8, 16 score rows each), TABLE (1: table entries staged in shared memory,
+# TC at a time), SMEM (the bytes of shared memory the launcher gives a block); the macros CA_PARTIAL (partial
+# outputs) and CA_DYNAMIC (dynamic shared memory) come in the header. Inputs: q [1, H, R, D] bf16,
+# k_pool/v_pool [slots, KVH, D] bf16, table [NB] int32, length [2] int32 (tokens; the padded length is not
+# read), positions [R] int32, scale_log2 [1] fp32 (scale * log2 e), and optionally `after` (never read). Grid:
+# (ceil(R * G / (16 * WARPS)), KVH, splits) blocks of WARPS * 32 threads. Outputs: out [1, H, R, D] bf16; or
+# o_part [splits, H, R, D] fp32 (unnormalised) and ml_part [splits, H, R, 2] fp32 (row max in the log2 domain,
+# row sum).
 SOURCE = r"""
   static_assert(D == 64 || D == 128, "chunk attention takes heads of 64 or 128 dims");
   static_assert(BN % 16 == 0 && BN >= 16, "tiles of whole k16 steps of P V");
+  static_assert(STAGES >= 2, "a stage in use and at least one in flight");
   static_assert(WARPS == 4 || WARPS == 8, "blocks of 4 or 8 warps");
+  static_assert(!TABLE || TC >= BN + 1, "a table window holds a tile's entries (BN + 1 of them with BS = 1)");
+  constexpr int THREADS = 32 * WARPS;
   constexpr int BM = 16 * WARPS;     // score rows a block
   constexpr int CH = D / 8;          // 16-byte chunks of a token's head
   constexpr int KT = D / 16;         // k16 steps of S = Q K^T
   constexpr int ST = BN / 8;         // n8 tiles of S (tokens)
   constexpr int OT = D / 8;          // n8 tiles of O (head dims)
   constexpr int TILE = BN * (D + 8); // bf16 of one staged K or V tile (rows padded, see ca_at)
-  constexpr int COPIES = BN * CH / (32 * WARPS);  // 16-byte copies a thread issues per tile, each of K and V
-  static_assert(COPIES * 32 * WARPS == BN * CH, "a tile's chunks spread evenly over the threads");
-  static_assert(2 * PIPE * TILE * 2 <= 48 * 1024, "MLX's kernels have 48 KB of static shared memory");
-  __shared__ __align__(16) __nv_bfloat16 Ks[PIPE * TILE];
-  __shared__ __align__(16) __nv_bfloat16 Vs[PIPE * TILE];
+  constexpr int COPIES = BN * CH / THREADS;  // 16-byte copies a thread issues per tile, each of K and V
+  static_assert(COPIES * THREADS == BN * CH, "a tile's chunks spread evenly over the threads");
+  // shared memory: STAGES tiles of K, then of V, then the table window (TC int32 entries)
+  static_assert(2 * STAGES * TILE * 2 + (TABLE ? 4 * TC : 0) <= SMEM, "the launcher's shared memory fits");
+#if CA_DYNAMIC
+  extern __shared__ __align__(16) unsigned char ca_smem[];
+#else
+  static_assert(SMEM <= 48 * 1024, "MLX's kernels have 48 KB of static shared memory");
+  __shared__ __align__(16) unsigned char ca_smem[SMEM];
+#endif
+  __nv_bfloat16* const Ks = reinterpret_cast<__nv_bfloat16*>(ca_smem);
+  __nv_bfloat16* const Vs = Ks + STAGES * TILE;
+  int* const tab = reinterpret_cast<int*>(Vs + STAGES * TILE);
 
   const int H = q_shape[1];
   const int R = q_shape[2];
@@ -164,16 +310,43 @@ SOURCE = r"""
     }
   }
 
+  // the table window: tab[e - wb] = table[e] for the split's entries e in [wb, wb + TC). Loaded once before
+  // the first tile and reloaded (from the first entry of the tile about to be copied) only when a split spans
+  // more than TC entries; wb is block-uniform, as are the tiles, so every thread meets the barriers.
+  const int e_end = end > start ? (end - 1) / BS + 1 : 0;  // one past the split's last entry
+  int wb = 0;
+  auto load_window = [&](int e0) {  // a refill, in the loop (rare): a load a thread at a time, few registers
+    __syncthreads();  // every thread is past its reads of the old window
+    const int count = min(TC, e_end - e0);
+    for (int e = tid; e < count; e += THREADS) tab[e] = table[e0 + e];
+    __syncthreads();
+    wb = e0;
+  };
+  if (TABLE && n_tiles > 0) {  // the first window: every thread's loads in flight at once (one latency)
+    constexpr int PER = TABLE ? (TC + THREADS - 1) / THREADS : 1;
+    const int e0 = start / BS, count = min(TC, e_end - e0);
+    int entry[PER];
+    #pragma unroll
+    for (int k = 0; k < PER; ++k) entry[k] = tid + k * THREADS < count ? table[e0 + tid + k * THREADS] : 0;
+    #pragma unroll
+    for (int k = 0; k < PER; ++k)
+      if (tid + k * THREADS < count) tab[tid + k * THREADS] = entry[k];
+    __syncthreads();
+    wb = e0;
+  }
+
   // one tile's copies: token rows of D bf16 from the pool through the table (16 threads a row: 256 contiguous
   // bytes); tokens past the split's end are zero-filled and their table entries never read
   auto copy_tile = [&](int it) {
-    const int stage = it % PIPE, t0 = start + it * BN;
+    const int stage = it % STAGES, t0 = start + it * BN;
+    if (TABLE && (min(t0 + BN, end) - 1) / BS >= wb + TC) load_window(t0 / BS);
     #pragma unroll
     for (int c = 0; c < COPIES; ++c) {
-      const int piece = tid + 32 * WARPS * c, tok = piece / CH, chunk = piece % CH;
+      const int piece = tid + THREADS * c, tok = piece / CH, chunk = piece % CH;
       const int t = t0 + tok;
       const bool ok = t < end;
-      const size_t slot = ok ? (size_t)table[t / BS] * BS + t % BS : 0;
+      const int block = ok ? (TABLE ? tab[t / BS - wb] : table[t / BS]) : 0;
+      const size_t slot = (size_t)block * BS + t % BS;
       const size_t off = (slot * KVH + kvh) * D + chunk * 8;
       const int at = stage * TILE + ca_at<D>(tok, chunk);
       cp_async16(Ks + at, k_pool + off, ok);
@@ -194,13 +367,13 @@ SOURCE = r"""
   const int k_row = (lane & 7) + ((lane >> 4) << 3), k_chunk = (lane >> 3) & 1;
   const int v_row = (lane & 7) + (((lane >> 3) & 1) << 3), v_chunk = lane >> 4;
 
-  pipe_start<PIPE>(n_tiles, copy_tile);
+  pipe_start<STAGES>(n_tiles, copy_tile);
   for (int it = 0; it < n_tiles; ++it) {
-    pipe_next<PIPE>(it, n_tiles, copy_tile);
+    pipe_next<STAGES>(it, n_tiles, copy_tile);
     const int t0 = start + it * BN;
     if (t0 >= wmax) continue;  // no row of this warp sees this tile (warp-uniform; barriers are in pipe_next)
-    const __nv_bfloat16* ks = Ks + (it % PIPE) * TILE;
-    const __nv_bfloat16* vs = Vs + (it % PIPE) * TILE;
+    const __nv_bfloat16* ks = Ks + (it % STAGES) * TILE;
+    const __nv_bfloat16* vs = Vs + (it % STAGES) * TILE;
 
     // S = Q K^T: s[j] is the n8 tile of tokens 8 j..8 j + 7; [0], [1] row gid, [2], [3] row gid + 8
     float s[ST][4];
@@ -346,15 +519,33 @@ SOURCE_DIGEST = f"{zlib.crc32((MMA_HEADER + HEADER + SOURCE + MERGE_SOURCE).enco
 
 
 @functools.cache
-def _kernel(partial: bool, ordered: bool) -> object:
+def _kernel(
+    partial: bool, ordered: bool, dynamic_smem: int = 0, bounds: tuple[int, int] | None = None
+) -> object:
+    """The attention kernel; `dynamic_smem` > 0: a build for dynamic shared memory of that many bytes (MLX
+    sets a kernel's dynamic shared memory when it is made, and opts it in past 48 KB when first loaded: the
+    bytes are a function of the template, so each template's kernel keeps one value). `bounds`: (threads,
+    blocks a SM) for `__launch_bounds__`, which MLX's generated signature has no place for: the header, the
+    last text before that signature, redefines CUDA's `__global__` (`__location__(global)` in
+    crt/host_defines.h) to carry them (the template's MINB keeps the name apart)."""
     # `after` is never read: it is an input only so MLX's CUDA graph orders this kernel after the one that
     # made it
     inputs = ["q", "k_pool", "v_pool", "table", "length", "positions", "scale_log2"]
     inputs += ["after"] if ordered else []
     outputs = ["o_part", "ml_part"] if partial else ["out"]
     name = "mlx_serve_chunk_attention" + ("_partial" if partial else "") + ("_after" if ordered else "")
-    header = MMA_HEADER + HEADER + f"#define CA_PARTIAL {int(partial)}\n"
-    return mx.fast.cuda_kernel(f"{name}_{SOURCE_DIGEST}", inputs, outputs, SOURCE, header=header)
+    name += "_dyn" if dynamic_smem else ""
+    header = (
+        MMA_HEADER
+        + HEADER
+        + f"#define CA_PARTIAL {int(partial)}\n#define CA_DYNAMIC {int(bool(dynamic_smem))}\n"
+    )
+    if bounds:
+        bounded = f"__location__(global) __launch_bounds__({bounds[0]}, {bounds[1]})"
+        header += f"#undef __global__\n#define __global__ {bounded}\n"
+    return mx.fast.cuda_kernel(
+        f"{name}_{SOURCE_DIGEST}", inputs, outputs, SOURCE, header=header, shared_memory=dynamic_smem
+    )
 
 
 @functools.cache
@@ -408,12 +599,22 @@ def _check(q, pool_keys, pool_values, table, length, positions, block_size) -> N
         raise ValueError(f"positions must be [rows] = [{q.shape[2]}], not {positions.shape}")
 
 
-def split_count(blocks: int, padded: int) -> int:
+def split_count(blocks: int, padded: int, per_sm: int = 2) -> int:
     """History splits for `blocks` (query tiles x kv heads) thread blocks over a table of `padded` tokens:
-    none once the blocks cover the SMs, else enough for `TARGET_BLOCKS`, each at least `MIN_SPLIT_TOKENS`."""
+    none once the blocks cover the SMs, else enough for `TARGET_BLOCKS`, each at least `MIN_SPLIT_TOKENS`.
+    With `WAVE_SPLITS`: the count (at most MAX_SPLITS, each split at least MIN_SPLIT_TOKENS) that fits whole
+    waves of `per_sm` blocks a SM best."""
+    most = max(1, min(MAX_SPLITS, padded // MIN_SPLIT_TOKENS))
+    if WAVE_SPLITS:
+        slots = per_sm * SMS
+
+        def cost(count: int) -> float:
+            return -(-blocks * count // slots) * (padded / count + SPLIT_OVERHEAD_TOKENS)
+
+        return min(range(1, most + 1), key=cost)
     if blocks >= SMS:
         return 1
-    return max(1, min(MAX_SPLITS, math.ceil(TARGET_BLOCKS / blocks), padded // MIN_SPLIT_TOKENS))
+    return max(1, min(most, math.ceil(TARGET_BLOCKS / blocks)))
 
 
 def paged_chunk_attention(
@@ -429,13 +630,15 @@ def paged_chunk_attention(
     *,
     splits: int | None = None,
     warps: int | None = None,
+    variant: Variant | None = None,
 ) -> mx.array:
     """softmax((q * scale) K^T + mask) V over the history the block table lists: `[1, heads, rows, D]` bf16.
 
     q `[1, heads, rows, D]`; pool keys/values `[slots, kv_heads, D]`; table `[blocks]` int32; length `[2]`
     int32 (visible tokens, padded length); positions `[rows]` int32: key j is visible to row i iff
-    j <= positions[i] and j < length[0]. `splits` (history splits, `split_count`) and `warps` (4 or 8 a
-    block) override the module's choices, for tests and benchmarks.
+    j <= positions[i] and j < length[0]. `variant` (the build: `default_variant()`), `splits` (history
+    splits: `split_count`) and `warps` (4 or 8 a block, over the variant's) override the module's choices, for
+    tests and benchmarks.
 
     MLX orders kernels by the arrays they output, so a kernel that wrote the pool in place is not seen as the
     pool's writer: pass its output as `after` to read the pool only once it has run."""
@@ -443,26 +646,40 @@ def paged_chunk_attention(
     _, heads, rows, head_dim = q.shape
     kv_heads = pool_keys.shape[1]
     group = heads // kv_heads
-    warps = warps or WARPS
-    if warps not in (4, 8):
-        raise ValueError(f"blocks of 4 or 8 warps, not {warps}")
+    variant = variant or default_variant()
+    if warps:
+        variant = dataclasses.replace(variant, warps=warps)
+    warps = variant.warps
+    smem = variant.smem_bytes(head_dim)
+    if smem > (DYNAMIC_SMEM_LIMIT if variant.dynamic else STATIC_SMEM_LIMIT):
+        kind = "dynamic" if variant.dynamic else "static"
+        raise ValueError(f"{variant.name} takes {smem} bytes of shared memory, past the {kind} limit")
     threads = 32 * warps
     tiles = -(-rows * group // (16 * warps))
-    count = max(1, int(splits)) if splits else split_count(tiles * kv_heads, table.shape[0] * block_size)
+    padded = table.shape[0] * block_size
+    per_sm = variant.blocks_per_sm(head_dim)
+    count = max(1, int(splits)) if splits else split_count(tiles * kv_heads, padded, per_sm)
     ordered = after is not None
     inputs = [q, pool_keys, pool_values, _int32(table), _int32(length), _int32(positions)]
     inputs += [_scalar(float(scale) * LOG2E)] + ([after] if ordered else [])
     launch = {
-        "template": [("D", head_dim), ("G", group), ("BS", block_size), ("BN", BN), ("PIPE", PIPE)]
-        + [("WARPS", warps)],
+        "template": [("D", head_dim), ("G", group), ("BS", block_size), ("BN", variant.bn)]
+        + [("STAGES", variant.stages), ("WARPS", warps), ("TABLE", int(variant.table))]
+        + [
+            ("TC", variant.table_entries if variant.table else 0),
+            ("SMEM", smem),
+            ("MINB", variant.min_blocks),
+        ],
         "grid": (tiles * threads, kv_heads, count),
         "threadgroup": (threads, 1, 1),
     }
+    bounds = (threads, variant.min_blocks) if variant.min_blocks else None
+    dynamic_smem = smem if variant.dynamic else 0
     if count == 1:
-        kernel = _kernel(False, ordered)
+        kernel = _kernel(False, ordered, dynamic_smem, bounds)
         (out,) = kernel(inputs=inputs, output_shapes=[q.shape], output_dtypes=[q.dtype], **launch)
         return out
-    o_part, ml_part = _kernel(True, ordered)(
+    o_part, ml_part = _kernel(True, ordered, dynamic_smem, bounds)(
         inputs=inputs,
         output_shapes=[(count, heads, rows, head_dim), (count, heads, rows, 2)],
         output_dtypes=[mx.float32, mx.float32],

@@ -16,6 +16,7 @@ roundings give ~3e-3; a wrong key or weight gives O(1)).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -31,9 +32,10 @@ import pytest
 
 from mlx_serve.kernels import chunk_attention
 from mlx_serve.kernels.chunk_attention import (
-    BN,
     LOG2E,
-    PIPE,
+    OLD,
+    Variant,
+    default_variant,
     paged_chunk_attention,
     reference_chunk_attention,
     split_count,
@@ -147,9 +149,12 @@ def numpy_attention(p: Problem, dtype: type = np.float64) -> tuple[np.ndarray, n
     return out, abs_weighted
 
 
-def assert_close(got: np.ndarray, p: Problem, label: str = "", dtype: type = np.float64) -> None:
-    """The bf16 bound of the module docstring, elementwise, and a relative error norm under 1e-2."""
-    want, abs_weighted = numpy_attention(p, dtype)
+def assert_close(
+    got: np.ndarray, p: Problem, label: str = "", dtype: type = np.float64, reference: tuple | None = None
+) -> None:
+    """The bf16 bound of the module docstring, elementwise, and a relative error norm under 1e-2 (`reference`:
+    `numpy_attention(p, dtype)` computed beforehand, to check several outputs against one)."""
+    want, abs_weighted = reference or numpy_attention(p, dtype)
     got = np.asarray(got, dtype=np.float64)
     assert got.shape == want.shape, label
     assert np.isfinite(got).all(), f"{label}: non-finite output"
@@ -241,6 +246,17 @@ def test_split_count() -> None:
     assert split_count(256, 16384) == 1
 
 
+def test_wave_splits(monkeypatch) -> None:
+    monkeypatch.setattr(chunk_attention, "WAVE_SPLITS", True)
+    # 8B, 1024 rows: 512 blocks are 1.3 waves of three a SM (two waves of work): three splits make four waves
+    # of a third of the work each; of two a SM, 512 blocks are whole waves already
+    assert split_count(512, 16512, per_sm=3) == 3
+    assert split_count(512, 16512, per_sm=2) == 1
+    assert split_count(32, 16512, per_sm=3) == 12  # 64 rows: 384 blocks of 396 places
+    assert split_count(8, 16512, per_sm=3) == chunk_attention.MAX_SPLITS
+    assert split_count(64, 1024, per_sm=3) == 2  # each split still at least MIN_SPLIT_TOKENS
+
+
 # --- a numpy model of the kernel
 # ---------------------------------------------------------------------------------
 
@@ -288,10 +304,12 @@ def warp_reduce(x: np.ndarray, op) -> np.ndarray:
     return x
 
 
-def emulate_kernel(p: Problem, splits: int, warps: int = 4) -> np.ndarray:
+def emulate_kernel(p: Problem, splits: int, variant: Variant) -> tuple[np.ndarray, int]:
     """The CUDA source's steps, one lane per array element, in float64 but for its bf16 roundings (P, the
-    output): the same block ranges, copies into padded stages, fragment addresses, masks, online softmax and
-    merge."""
+    output): the same block ranges, table window (loads and refills), copies into the pipeline's padded stages
+    (issued in the kernel's order: a stage is refilled only once its tile is done), fragment addresses, masks,
+    online softmax and merge. Returns the output and the most table window loads one block made."""
+    BN, STAGES, warps, TC = variant.bn, variant.stages, variant.warps, variant.table_entries
     _, heads, rows_q, D = p.q.shape
     kv_heads = p.pool_keys.shape[1]
     G, BS, NB = heads // kv_heads, p.block_size, len(p.table)
@@ -305,6 +323,7 @@ def emulate_kernel(p: Problem, splits: int, warps: int = 4) -> np.ndarray:
     positions = p.positions.astype(np.int64)
     o_part = np.zeros((splits, heads, rows_q, D))
     ml_part = np.zeros((splits, heads, rows_q, 2))
+    window_loads = []  # table window loads a block made
 
     def at(row, chunk):
         return row * (D + 8) + chunk * 8
@@ -330,18 +349,39 @@ def emulate_kernel(p: Problem, splits: int, warps: int = 4) -> np.ndarray:
                 start = split * per
                 end = min(start + per, block_lim)
                 n_tiles = (end - start + BN - 1) // BN if end > start else 0
-                # shared memory never written reads as NaN
-                ks, vs = np.full(PIPE * TILE, np.nan), np.full(PIPE * TILE, np.nan)
+                # shared memory never written reads as NaN (the table window as -1: no block)
+                ks, vs = np.full(STAGES * TILE, np.nan), np.full(STAGES * TILE, np.nan)
+                tab, window = np.full(TC, -1, dtype=np.int64), {"wb": 0, "loads": 0}
+                e_end = (end - 1) // BS + 1 if end > start else 0
 
-                def copy_tile(it, start=start, end=end, ks=ks, vs=vs, kvh=kvh):
-                    stage, t0 = it % PIPE, start + it * BN
+                def load_window(e0, tab=tab, window=window, e_end=e_end):
+                    count = min(TC, e_end - e0)
+                    tab[:count] = p.table[e0 : e0 + count]
+                    window["wb"], window["loads"] = e0, window["loads"] + 1
+
+                def block_of(e, ok, tab=tab, window=window):  # the table entries the copies read
+                    if not variant.table:
+                        return np.where(ok, p.table[np.where(ok, e, 0)], 0)
+                    at = np.where(ok, e - window["wb"], 0)
+                    assert ((at >= 0) & (at < TC))[ok].all(), "a copy reads outside the table window"
+                    block = np.where(ok, tab[at], 0)
+                    assert (block >= 0).all(), "a copy reads a table window entry never loaded"
+                    return block
+
+                if variant.table and n_tiles > 0:
+                    load_window(start // BS)
+
+                def copy_tile(it, start=start, end=end, ks=ks, vs=vs, kvh=kvh, window=window):
+                    stage, t0 = it % STAGES, start + it * BN
+                    if variant.table and (min(t0 + BN, end) - 1) // BS >= window["wb"] + TC:
+                        load_window(t0 // BS)
                     tid = np.arange(threads)
                     for c in range(copies):
                         piece = tid + threads * c
                         tok, chunk = piece // CH, piece % CH
                         t = t0 + tok
                         ok = t < end
-                        slot = np.where(ok, p.table[np.where(ok, t, 0) // BS] * BS + t % BS, 0)
+                        slot = np.where(ok, block_of(t // BS, ok) * BS + t % BS, 0)
                         dims = chunk[:, None] * 8 + np.arange(8)
                         dst = (stage * TILE + at(tok, chunk))[:, None] + np.arange(8)
                         ks[dst] = np.where(ok[:, None], p.pool_keys[slot[:, None], kvh, dims], 0.0)
@@ -366,13 +406,13 @@ def emulate_kernel(p: Problem, splits: int, warps: int = 4) -> np.ndarray:
                         "wmax": warp_reduce(np.maximum(lim[0], lim[1]), np.maximum)[0],
                     })  # fmt: skip
 
-                for it in range(min(PIPE - 1, n_tiles)):  # pipe_start
+                for it in range(min(STAGES - 1, n_tiles)):  # pipe_start
                     copy_tile(it)
                 for it in range(n_tiles):
-                    if it + PIPE - 1 < n_tiles:  # pipe_next: past the barrier, refill the last tile's stage
-                        copy_tile(it + PIPE - 1)
+                    if it + STAGES - 1 < n_tiles:  # pipe_next: past the barrier, refill the last tile's stage
+                        copy_tile(it + STAGES - 1)
                     t0 = start + it * BN
-                    stage_k, stage_v = ks[(it % PIPE) * TILE :], vs[(it % PIPE) * TILE :]
+                    stage_k, stage_v = ks[(it % STAGES) * TILE :], vs[(it % STAGES) * TILE :]
                     for w in states:
                         if t0 >= w["wmax"]:
                             continue
@@ -419,69 +459,135 @@ def emulate_kernel(p: Problem, splits: int, warps: int = 4) -> np.ndarray:
                                 dims = 8 * nd + 2 * TIG[lane] + np.arange(2)
                                 o_part[split, head, row, dims] = w["o"][nd, lane, 2 * h : 2 * h + 2]
                             ml_part[split, head, row] = (w["m"][h][lane] * sl2, total[lane])
+                window_loads.append(window["loads"])
     # the merge (with one split: the kernel's own normalisation, the same arithmetic)
     mmax = ml_part[..., 0].max(axis=0)
     shifted = ml_part[..., 0] - np.where(mmax == -np.inf, 0.0, mmax)
     c = np.where(ml_part[..., 0] == -np.inf, 0.0, np.exp2(shifted))
     total = (c * ml_part[..., 1]).sum(axis=0)
     out = (c[..., None] * o_part).sum(axis=0) / np.where(total > 0, total, 1.0)[..., None]
-    return _bf16(np.where(total[..., None] > 0, out, 0.0))[None]
+    return _bf16(np.where(total[..., None] > 0, out, 0.0))[None], max(window_loads, default=0)
 
 
-# rows, history, heads, kv_heads, head_dim, block_size, query_rows, table_tokens, splits, warps
+# rows, history, heads, kv_heads, head_dim, block_size, query_rows, table_tokens, splits, variant
+# (`Variant.parse`)
 EMULATED_CASES = [
-    (20, 70, 4, 2, 64, 16, 24, 128, 1, 4),  # G = 2, padded rows and table, a tile straddling the rows' limits
-    (20, 70, 4, 2, 64, 16, 24, 128, 3, 4),  # the same split three ways
-    (3, 40, 8, 1, 64, 32, None, None, 2, 4),  # G = 8: 24 score rows, warps past them
-    (70, 5, 2, 2, 64, 16, None, 96, 1, 4),  # G = 1: two query tiles (the second mostly pad score rows)
-    (9, 25, 4, 1, 128, 16, 16, 64, 4, 4),  # G = 4, heads of 128, more splits than the history has tiles
-    (40, 30, 4, 2, 64, 16, 48, 96, 2, 8),  # blocks of 8 warps
+    # G = 2, padded rows and table, a tile straddling the rows' limits; the same split three ways (the first
+    # version's build)
+    (20, 70, 4, 2, 64, 16, 24, 128, 1, "BN=64,STAGES=3"),
+    (20, 70, 4, 2, 64, 16, 24, 128, 3, "old"),
+    (3, 40, 8, 1, 64, 32, None, None, 2, "BN=32,STAGES=4"),  # G = 8: 24 score rows, warps past them
+    (70, 5, 2, 2, 64, 16, None, 96, 1, "BN=32,STAGES=3"),  # G = 1: two query tiles (the second mostly pad)
+    (9, 25, 4, 1, 128, 16, 16, 64, 4, "BN=64,STAGES=2,TABLE=0"),  # G = 4, D = 128, splits past the tiles
+    (40, 30, 4, 2, 64, 16, 48, 96, 2, "BN=64,STAGES=4,WARPS=8"),  # blocks of 8 warps
+    # table windows smaller than a split's entries: refilled in the prologue and in the loop (blocks of 1
+    # token: a 64-token tile spans 64 entries of a 65-entry window), tiles straddling blocks of 3 tokens
+    (6, 300, 2, 1, 64, 1, None, None, 1, "BN=64,STAGES=4,TC=65"),
+    (10, 300, 4, 2, 64, 3, 16, 384, 2, "BN=32,STAGES=3,TC=40"),
+    (20, 400, 4, 2, 64, 3, None, None, 1, "BN=64,STAGES=3,TC=65"),
+    # windows of exactly 3 tiles (every entry read), and one entry short of that (the third tile reloads)
+    (8, 250, 4, 2, 64, 2, None, None, 1, "BN=32,STAGES=2,TC=48"),
+    (8, 250, 4, 2, 64, 2, None, None, 1, "BN=32,STAGES=3,TC=47"),
 ]
 
 
-@pytest.mark.parametrize("case", EMULATED_CASES)
+@pytest.mark.parametrize("case", EMULATED_CASES, ids=lambda case: f"{case[0]}x{case[1]}-{case[-1]}")
 def test_numpy_model_of_the_kernel_matches_float64_attention(case) -> None:
     """The kernel's fragment layouts (S from ldmatrix'd K, P reused from S's accumulators, V through
-    ldmatrix.trans, the output's columns), block ranges, splits and masks, checked without a GPU."""
-    rows, history, heads, kv_heads, head_dim, block_size, query_rows, table_tokens, splits, warps = case
+    ldmatrix.trans, the output's columns), block ranges, splits, masks, pipeline stages and table windows,
+    checked without a GPU."""
+    rows, history, heads, kv_heads, head_dim, block_size, query_rows, table_tokens, splits, spec = case
+    variant = Variant.parse(spec)
     p = make_problem(rows, history, heads, kv_heads, head_dim, block_size, query_rows=query_rows,
                      table_tokens=table_tokens, seed=7 + rows)  # fmt: skip
-    assert_close(emulate_kernel(p, splits, warps), p, f"emulated {case}")
+    out, window_loads = emulate_kernel(p, splits, variant)
+    assert_close(out, p, f"emulated {case}")
+    if variant.table and variant.table_entries < 100:
+        assert window_loads >= 2, "the case meant to refill the table window does not"
+
+
+def test_variants() -> None:
+    assert Variant.parse("old") == OLD and OLD.smem_bytes(128) == 2 * 2 * 32 * 136 * 2 and not OLD.dynamic
+    assert Variant.parse("BN=32,STAGES=4,TC=128") == dataclasses.replace(
+        default_variant(), bn=32, stages=4, table_entries=128
+    )
+    assert Variant.parse("BN=64,STAGES=3").smem_bytes(128) == 3 * 2 * 64 * 136 * 2 + 4 * 1024
+    assert Variant.parse("BN=64,STAGES=3,TABLE=0,SMEM=static").name == "bn64s3_gtable_static"
+    assert Variant.parse("WARPS=8,TC=96").name.endswith("_w8_tc96")
+    assert Variant.parse("BN=64,STAGES=2,MINB=3").name == "bn64s2_mb3"
+    # blocks a SM: three of 32-token tiles (168 registers), two of 64 (175), one past 113 KB of shared memory
+    blocks = {variant.name: variant.blocks_per_sm() for variant in chunk_attention.VARIANTS}
+    assert blocks == {"bn32s2_gtable_static": 3, "bn32s2": 3, "bn32s3": 3, "bn32s4": 3, "bn64s2": 2,
+                      "bn64s3": 2, "bn64s4": 1, "bn64s4_w8": 1}  # fmt: skip
+    assert Variant.parse("BN=64,STAGES=2,MINB=3").blocks_per_sm() == 3
+    assert {variant.name for variant in chunk_attention.VARIANTS} >= {
+        f"bn{bn}s{s}" for bn in (32, 64) for s in (2, 3, 4)
+    }
+    for bad in ("BN=16", "STAGES=5", "WARPS=2", "TC=64", "SMEM=huge", "PIPE=2", "MINB=17", "WARPS=8,MINB=9"):
+        with pytest.raises(ValueError):
+            Variant.parse(bad)
+    p = make_problem(4, 12, 8, 2, 128, 16)
+    with pytest.raises(ValueError, match="static"):  # 4 stages of 64 tokens: past 48 KB of static memory
+        paged_chunk_attention(*p.inputs(), variant=Variant.parse("BN=64,STAGES=4,SMEM=static"))
 
 
 # --- nvcc
 # --------------------------------------------------------------------------------------------------------
 
 # every template combination and output form the launcher can produce, in a handful of units: (rows, history,
-# heads, kv_heads, head_dim, block_size, table_tokens, splits, warps, after)
+# heads, kv_heads, head_dim, block_size, table_tokens, splits, warps, after, variant: None for the default)
 COMPILE_UNITS = [
-    (128, 16000, 32, 8, 128, 16, 16384, None, None, False),  # 8B: split (partial + merge)
-    (1024, 8000, 16, 8, 128, 16, 9216, None, None, True),  # 0.6B, many rows: one pass, after a pool writer
-    (64, 100, 32, 4, 128, 32, 1024, 1, 8, False),  # 30B-A3B's G = 8, blocks of 32 tokens, of 8 warps
-    (16, 1000, 8, 8, 64, 16, 2048, 3, None, True),  # G = 1, heads of 64: split and ordered
+    (128, 16000, 32, 8, 128, 16, 16384, None, None, False, None),  # 8B: split (partial + merge)
+    (
+        1024,
+        8000,
+        16,
+        8,
+        128,
+        16,
+        9216,
+        None,
+        None,
+        True,
+        None,
+    ),  # 0.6B, many rows: one pass, after a pool writer
+    (64, 100, 32, 4, 128, 32, 1024, 1, 8, False, None),  # 30B-A3B's G = 8, blocks of 32 tokens, of 8 warps
+    (16, 1000, 8, 8, 64, 16, 2048, 3, None, True, None),  # G = 1, heads of 64: split and ordered
+    (16, 1000, 8, 8, 64, 16, 2048, 3, 8, False, "BN=32,STAGES=4"),  # heads of 64, 8 warps: one copy a thread
+    (128, 16000, 32, 8, 128, 16, 16384, None, None, False, "old"),  # static shared memory
+    (1024, 8000, 16, 8, 128, 16, 9216, None, None, False, "old"),
 ]
 
 
-@pytest.fixture
-def kernels(monkeypatch):
-    """The recorded launches (the builders' caches cleared around the test, so none bypasses the recorder)."""
+def _launch(unit) -> None:
+    rows, history, heads, kv_heads, head_dim, block_size, table_tokens, splits, warps, after, spec = unit
+    q = mx.zeros((1, heads, rows, head_dim), mx.bfloat16)
+    pool = mx.zeros((table_tokens, kv_heads, head_dim), mx.bfloat16)
+    table = mx.zeros((table_tokens // block_size,), mx.int32)
+    length = mx.array([history + rows, table_tokens], mx.int32)
+    positions = mx.arange(history, history + rows, dtype=mx.int32)
+    after = mx.zeros((1,)) if after else None
+    variant = Variant.parse(spec) if isinstance(spec, str) else spec
+    out = paged_chunk_attention(q, pool, pool, table, length, positions, head_dim**-0.5, block_size, after,
+                                splits=splits, warps=warps, variant=variant)  # fmt: skip
+    assert out.shape == q.shape and out.dtype == mx.bfloat16
+
+
+@contextlib.contextmanager
+def _recording(monkeypatch):
+    """The recorded launches (the builders' caches cleared around them, so none bypasses the recorder)."""
     for builder in (chunk_attention._kernel, chunk_attention._merge_kernel):
         builder.cache_clear()
-    with recorded_kernels(monkeypatch) as recorded:
-        for unit in COMPILE_UNITS:
-            rows, history, heads, kv_heads, head_dim, block_size, table_tokens, splits, warps, after = unit
-            q = mx.zeros((1, heads, rows, head_dim), mx.bfloat16)
-            pool = mx.zeros((table_tokens, kv_heads, head_dim), mx.bfloat16)
-            table = mx.zeros((table_tokens // block_size,), mx.int32)
-            length = mx.array([history + rows, table_tokens], mx.int32)
-            positions = mx.arange(history, history + rows, dtype=mx.int32)
-            after = mx.zeros((1,)) if after else None
-            out = paged_chunk_attention(q, pool, pool, table, length, positions, head_dim**-0.5, block_size,
-                                        after, splits=splits, warps=warps)  # fmt: skip
-            assert out.shape == q.shape and out.dtype == mx.bfloat16
-        yield list({kernel.source: kernel for kernel in recorded}.values())  # each distinct unit once
-    for builder in (chunk_attention._kernel, chunk_attention._merge_kernel):
-        builder.cache_clear()
+    try:
+        with recorded_kernels(monkeypatch) as recorded:
+            yield recorded
+    finally:
+        for builder in (chunk_attention._kernel, chunk_attention._merge_kernel):
+            builder.cache_clear()
+
+
+def _distinct(recorded) -> list:
+    return list({kernel.source: kernel for kernel in recorded}.values())  # each distinct unit once
 
 
 def _ptxas(kernel) -> subprocess.CompletedProcess:
@@ -495,11 +601,16 @@ def _ptxas(kernel) -> subprocess.CompletedProcess:
 
 
 @_needs_nvcc
-def test_kernels_compile(kernels) -> None:
+def test_kernels_compile(monkeypatch) -> None:
+    with _recording(monkeypatch) as recorded:
+        for unit in COMPILE_UNITS:
+            _launch(unit)
+        kernels = _distinct(recorded)
     names = {kernel.name.removesuffix(f"_{chunk_attention.SOURCE_DIGEST}") for kernel in kernels}
     assert names == {
-        "mlx_serve_chunk_attention", "mlx_serve_chunk_attention_after", "mlx_serve_chunk_attention_partial",
-        "mlx_serve_chunk_attention_partial_after", "mlx_serve_chunk_attention_merge",
+        "mlx_serve_chunk_attention", "mlx_serve_chunk_attention_partial", "mlx_serve_chunk_attention_dyn",
+        "mlx_serve_chunk_attention_after_dyn", "mlx_serve_chunk_attention_partial_dyn",
+        "mlx_serve_chunk_attention_partial_after_dyn", "mlx_serve_chunk_attention_merge",
     }  # fmt: skip
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # nvcc is one process per unit
         results = list(pool.map(compile_source, kernels))
@@ -507,26 +618,63 @@ def test_kernels_compile(kernels) -> None:
         assert result.returncode == 0, f"{kernel.name}:\n{result.stderr[-4000:]}"
 
 
-@_needs_nvcc
-def test_attention_kernel_fits_three_blocks_a_sm_without_spills(kernels) -> None:
-    """Heads of 128: no spills, at most 168 registers (three 128-thread blocks in a SM's 64K) and 34 KB of
-    shared memory (two stages of 32 padded tokens of K and V)."""
-    unit = next(k for k in kernels if "attention_partial_" in k.name and "constexpr int D = 128" in k.source)
-    result = _ptxas(unit)
-    assert result.returncode == 0, result.stderr[-4000:]
-    report = result.stderr
-    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+def _resources(report: str) -> tuple[int, int, bool]:
+    """ptxas -v's registers, static shared memory and whether it spilled."""
     registers = int(report.split("Used ")[-1].split(" registers")[0])
-    assert registers <= 168, report
-    assert f"{2 * PIPE * BN * (128 + 8) * 2} bytes smem" in report, report
+    static = int(report.split(" bytes smem")[0].rsplit(" ", 1)[-1]) if " bytes smem" in report else 0
+    return registers, static, "0 bytes spill stores, 0 bytes spill loads" not in report
+
+
+@_needs_nvcc
+def test_every_variant_compiles_without_spills(monkeypatch) -> None:
+    """Each build of `VARIANTS` at heads of 128 (the most registers), split (partial outputs) and one pass: no
+    spills; shared memory as `Variant.smem_bytes` says (static builds: ptxas's count; dynamic ones: none
+    static); registers within `REGISTERS`, so that `Variant.blocks_per_sm` (which the split policy may use)
+    holds: three blocks a SM of 32-token tiles, two of 64 (but one of 64 x 4 stages: 140 KB), one of 8 warps.
+    And a build with launch bounds (`MINB`, the `__global__` redefinition) keeps to them. The resources print
+    with `pytest -s`."""
+    units = []
+    bounded = Variant.parse("BN=64,STAGES=2,MINB=3")
+    with _recording(monkeypatch) as recorded:
+        for variant in (*chunk_attention.VARIANTS, bounded):
+            for splits in (4, 1) if variant != bounded else (4,):
+                _launch((128, 16000, 32, 8, 128, 16, 16384, splits, None, False, variant))
+                units.append((variant, splits, next(k for k in reversed(recorded) if "merge" not in k.name)))
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        results = list(pool.map(_ptxas, [kernel for *_, kernel in units]))
+    lines = []
+    for (variant, splits, _), result in zip(units, results, strict=True):
+        label = f"{variant.name} ({'split' if splits > 1 else 'one pass'})"
+        assert result.returncode == 0, f"{label}:\n{result.stderr[-4000:]}"
+        registers, static, spilled = _resources(result.stderr)
+        smem = variant.smem_bytes(128)
+        lines.append(f"{label:26} {registers} registers, {smem} bytes of shared memory, spills: {spilled}, "
+                     f"{variant.blocks_per_sm()} blocks a SM")  # fmt: skip
+        assert static == (0 if variant.dynamic else smem), f"{label}: {result.stderr}"
+        if variant == bounded:
+            assert registers <= 65536 // (3 * 128), (
+                f"{label}: the launch bounds did not hold: {result.stderr}"
+            )
+            continue
+        assert not spilled, f"{label}: {result.stderr}"
+        assert registers <= chunk_attention.REGISTERS[variant.bn, variant.table], f"{label}: {result.stderr}"
+    print("\n" + "\n".join(lines))
 
 
 # --- on the GPU (run on the lent H200: see benchmarks/gpu/README.md)
 # ---------------------------------------------
+# ~55 tests; each kernel build is compiled (NVRTC) on its first use, so the builds a run takes drive its time:
+# CHUNK_ATTENTION_VARIANTS="old;BN=64,STAGES=3" (`Variant.parse` specs) narrows the variant test to those.
 
-GRID_ROWS = [1, 16, 64, 100, 192, 512, 1024]
-GRID_HISTORIES = [0, 1, 37, 1000, 4096, 16384]
-GRID_HEADS = [(32, 8), (16, 8), (32, 4), (8, 8)]
+
+def _device_variants() -> tuple[Variant, ...]:
+    specs = os.environ.get("CHUNK_ATTENTION_VARIANTS", "")
+    return tuple(Variant.parse(spec) for spec in specs.split(";") if spec.strip()) or chunk_attention.VARIANTS
+
+
+VARIANT_ROWS = [1, 64, 100, 512]
+VARIANT_HISTORIES = [0, 37, 1000, 16384]
+VARIANT_HEADS = [(32, 8), (16, 8)]
 
 
 def _run(p: Problem, **kwargs) -> np.ndarray:
@@ -536,47 +684,94 @@ def _run(p: Problem, **kwargs) -> np.ndarray:
     return np.array(out.astype(mx.float32))
 
 
+def _seed() -> int:
+    return int(np.random.default_rng().integers(1 << 30))  # fresh inputs on every run
+
+
 @on_cuda
-@pytest.mark.parametrize("heads", GRID_HEADS, ids=lambda h: f"{h[0]}x{h[1]}")
-@pytest.mark.parametrize("history", GRID_HISTORIES)
-@pytest.mark.parametrize("rows", GRID_ROWS)
-def test_kernel_matches_float64_attention(rows, history, heads) -> None:
-    """The launcher's own choice of splits; the table padded to the engine's history bucket with a scratch
-    block (NaN, as is every slot past the chunk's end), blocks of 16."""
-    seed = int(np.random.default_rng().integers(1 << 30))  # fresh inputs on every run
+@pytest.mark.parametrize("heads", VARIANT_HEADS, ids=lambda h: f"{h[0]}x{h[1]}")
+@pytest.mark.parametrize("history", VARIANT_HISTORIES)
+@pytest.mark.parametrize("rows", VARIANT_ROWS)
+def test_variants_match_float64_attention(rows, history, heads) -> None:
+    """Every build (`VARIANTS`: the first version's, 32 or 64-token tiles in 2-4 stages, 8 warps) with the
+    launcher's choice of splits (512 rows of 32 heads: one pass, whose 16.9k-token range refills the
+    1024-entry table window), against one float32 reference, and again bit for bit (no race). The table padded
+    to the engine's history bucket with a scratch block (NaN, as is every slot past the chunk's end), blocks
+    of 16."""
+    seed = _seed()
     p = make_problem(rows, history, *heads, table_tokens=history_bucket(history + rows, 1024), seed=seed)
-    assert_close(_run(p), p, f"seed {seed}", np.float32)
+    reference = numpy_attention(p, np.float32)
+    failures = []
+    for variant in _device_variants():
+        try:
+            out = _run(p, variant=variant)
+            assert_close(out, p, f"seed {seed}", np.float32, reference)
+            np.testing.assert_array_equal(_run(p, variant=variant), out, err_msg="a race")
+        except AssertionError as error:
+            failures.append(f"{variant.name}: {error}")
+    assert not failures, "\n".join(failures)
+
+
+# rows, history, heads, block size: rows padded to the engine's query bucket; G = 4, 2, 8 (30B-A3B), 1
+PADDED_CASES = [
+    (1, 0, (32, 8), 16), (37, 1000, (32, 8), 16), (100, 4096, (16, 8), 16), (192, 16384, (32, 8), 16),
+    (700, 2000, (16, 8), 16), (37, 1000, (32, 4), 32), (192, 16384, (32, 4), 16), (100, 4096, (8, 8), 32),
+    (700, 2000, (8, 8), 16),
+]  # fmt: skip
 
 
 @on_cuda
-@pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("heads", GRID_HEADS, ids=lambda h: f"{h[0]}x{h[1]}")
-@pytest.mark.parametrize("rows,history", [(1, 0), (37, 1000), (100, 4096), (192, 16384), (700, 2000)])
+@pytest.mark.parametrize("rows,history,heads,block_size", PADDED_CASES)
 def test_kernel_with_padded_rows(rows, history, heads, block_size) -> None:
-    """Rows padded to the engine's query bucket (pad rows repeat the last position), blocks of 16 and 32."""
-    seed = int(np.random.default_rng().integers(1 << 30))
+    """The default build, rows padded to the engine's query bucket (pad rows repeat the last position), blocks
+    of 16 and 32, every group size the models have."""
+    seed = _seed()
     p = make_problem(rows, history, *heads, block_size=block_size, query_rows=query_bucket(rows),
                      table_tokens=history_bucket(history + rows, 1024), seed=seed)  # fmt: skip
     assert_close(_run(p), p, f"seed {seed}", np.float32)
 
 
+# rows, history, head dim, heads
+SPLIT_CASES = [
+    (1, 5000, 128, (32, 8)), (64, 37, 128, (16, 2)), (128, 12000, 128, (32, 8)), (300, 3000, 128, (16, 2)),
+    (1, 5000, 64, (16, 8)), (64, 37, 64, (8, 8)), (128, 12000, 64, (16, 8)), (300, 3000, 64, (8, 8)),
+]  # fmt: skip
+
+
 @on_cuda
-@pytest.mark.parametrize("head_dim,heads", [(128, (32, 8)), (128, (16, 2)), (64, (16, 8)), (64, (8, 8))])
-@pytest.mark.parametrize("rows,history", [(1, 5000), (64, 37), (128, 12000), (300, 3000)])
+@pytest.mark.parametrize("rows,history,head_dim,heads", SPLIT_CASES)
 def test_split_and_single_pass_agree(rows, history, head_dim, heads) -> None:
     """One pass, the launcher's splits and odd split counts (some empty) all meet the bound, agree with each
     other, and repeat bit for bit (no race); heads of 64 too."""
-    seed = int(np.random.default_rng().integers(1 << 30))
+    seed = _seed()
     p = make_problem(rows, history, *heads, head_dim, table_tokens=history_bucket(history + rows, 1024),
                      seed=seed, sharpness=2.0)  # fmt: skip
+    reference = numpy_attention(p, np.float32)
     outputs = {}
     for splits in (1, None, 3, 16):
         outputs[splits] = _run(p, splits=splits)
-        assert_close(outputs[splits], p, f"seed {seed}, splits {splits}", np.float32)
+        assert_close(outputs[splits], p, f"seed {seed}, splits {splits}", np.float32, reference)
         again = _run(p, splits=splits)
         np.testing.assert_array_equal(outputs[splits], again, err_msg=f"splits {splits}: a race")
     for splits, out in outputs.items():
         np.testing.assert_allclose(out, outputs[1], rtol=2**-6, atol=2**-7, err_msg=f"{splits} splits, 1")
+
+
+@on_cuda
+@pytest.mark.parametrize("rows,history", [(64, 3000), (5, 700)])
+def test_table_windows_refill(rows, history) -> None:
+    """Table windows far smaller than a split's entries (65 or 40 entries of blocks of one token: a window a
+    tile), one pass and split: reloaded between tiles behind their barriers, never racing a copy's read. (The
+    default window's refill: 512 rows over 16k in `test_variants_match_float64_attention`.)"""
+    seed = _seed()
+    p = make_problem(rows, history, 32, 8, block_size=1, seed=seed)
+    reference = numpy_attention(p, np.float32)
+    for spec in ("BN=64,STAGES=3,TC=65", "BN=32,STAGES=4,TC=40"):
+        for splits in (1, 3):
+            out = _run(p, splits=splits, variant=Variant.parse(spec))
+            assert_close(out, p, f"seed {seed}, {spec}, splits {splits}", np.float32, reference)
+            again = _run(p, splits=splits, variant=Variant.parse(spec))
+            np.testing.assert_array_equal(out, again, err_msg=f"{spec}, splits {splits}: a race")
 
 
 @on_cuda
