@@ -232,6 +232,8 @@ class Engine:
             products = self.runner.warm_quantized_products(self.config.row_ceiling) if cuda_available() else 0
             # and the MoE blocks' kernels (expert tiles, their layout), which compile on first use
             blocks = self.runner.warm_moe_blocks(self.config.row_ceiling) if cuda_available() else 0
+            # and the paged chunk-attention kernel's forms, which compile on first use
+            self.runner.warm_paged_chunk_attention()
             # and the compiled shapes of a short prompt over a cached prefix, which deferral would first run eager
             traces = self.runner.warm_continuation_traces(self.context_length)
         except Exception:  # a warm-up failure costs first-use time later, never the engine

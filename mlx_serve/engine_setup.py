@@ -274,10 +274,11 @@ def split_quantized_k(kind: str, fused_mixed: bool) -> str:
     return "standalone" if kind == "on" else "off"
 
 
-# H200 (bench_chunk_attention, gathered history + cuDNN or matmuls against the kernel, ms a layer at 4k / 16k): the
-# kernel won to 384 score rows (0.6B 192 rows 0.128 / 0.299 against 0.153 / 0.393) and lost from 768 (8B 192 rows
-# 0.188 / 0.506 against 0.166 / 0.457)
-CUDA_PAGED_SCORE_ROWS = 512
+# H200 (bench_chunk_attention, the gathered history + the faster of cuDNN and matmuls against the kernel's default
+# build, ms a layer at 4k / 16k): the kernel won to 384 score rows (0.6B 192 rows 0.135 / 0.211 against 0.157 /
+# 0.378), was even at 768 (8B 192 rows 0.178 / 0.416 against 0.166 / 0.446) and lost from 1,024 (0.6B 512 rows
+# 0.192 / 0.484 against 0.166 / 0.449), with the gathered history padded less than the engine pads it
+CUDA_PAGED_SCORE_ROWS = 768
 
 
 def chunk_attention(kind: str) -> Any:

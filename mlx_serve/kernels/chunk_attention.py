@@ -52,15 +52,18 @@ from mlx_serve.kernels.paged_gather import table_gather
 from mlx_serve.ragged import LaneRows
 
 # a block's warps, 16 score rows each (32 a warp would double O's 64 registers a thread). 8 warps halve the L2
-# reads of K/V (every query tile reads the whole history) but leave one block a SM: to be measured (`--warps`)
-WARPS = 4
+# reads of K/V (every query tile reads the whole history) and leave one block a SM
+WARPS = 8
 # The default build (see `Variant`), read at each call so that a benchmark may set them: tokens a staged K/V
 # tile (32 or 64), shared-memory stages (2-4: STAGES - 1 tiles in flight behind the one in use), whether a
 # block stages its table entries in shared memory (TABLE_ENTRIES of them at a time), and dynamic shared memory
 # (needed past 48 KB; MLX opts the kernel in). At D = 128 a stage of K and V takes 17 KB a 32-token tile, 34
-# KB a 64-token one.
+# KB a 64-token one. H200 (bench_chunk_attention --variants, ms a layer over 36 layers): every build within 10% of
+# the first (32-token tiles, 2 static stages, 4 warps) but 64-token tiles in 4 stages with 8 warps, 8-30% faster at
+# 16k (8B 64 rows 0.167 against 0.212, 192 rows 0.416 / 0.501; 0.6B 192 rows 0.211 / 0.296): load latency was not
+# what bounds the kernel
 BN = 64
-STAGES = 3
+STAGES = 4
 TABLE = True
 TABLE_ENTRIES = 1024  # 4 KB: 16k tokens of blocks of 16 before a split refills its window
 DYNAMIC_SMEM = True

@@ -128,3 +128,30 @@ def test_paged_chunk_attention_takes_lanes_with_a_table_positions_and_few_enough
                                                                         lane(192, 192), 16)  # fmt: skip
     assert not chunk.takes(q, keys, lane(128, 127), 16)  # positions of other rows
     assert not chunk.takes(q, keys, lane(128, None), 16) and not chunk.takes(q, keys, lane(128, 128, False), 16)
+
+
+def test_warm_up_runs_the_paged_kernel_in_each_form_a_step_may_launch(tiny_qwen3):
+    """One pass and split histories, each with and without the in-place ordering input: every form compiles at
+    first use on CUDA (a contended run's streams stalled 4.1 s on it), so the warm-up runs each once."""
+    from dataclasses import replace
+
+    from mlx_serve.kernels import chunk_attention as paged
+
+    engine = Engine.load(EngineConfig(model=str(tiny_qwen3), chunk_attention="paged", warm_up=False))
+    try:
+        calls = []
+
+        def attend(q, keys, values, table, length, positions, scale, block_size, after=None):
+            calls.append((table.shape[0] * block_size, after is not None))
+            return paged.reference_chunk_attention(q, keys, values, table, length, positions, scale, block_size)
+
+        runner = engine.runner
+        runner.kv_bucket, runner.prefill_gather = 32, table_gather
+        runner.chunk_attention = replace(runner.chunk_attention, attend=attend)
+        assert runner.warm_paged_chunk_attention() == 4
+        size = engine.pool.block_size
+        assert sorted(calls) == [(size, False), (size, True), (1024, False), (1024, True)]
+        runner.chunk_attention = sdpa_chunk_attention
+        assert runner.warm_paged_chunk_attention() == 0
+    finally:
+        engine.shutdown()
