@@ -78,11 +78,16 @@ def choose_row_budget(
     contended: bool,
     target_ms: float,
     traced: Callable[[Sequence[PrefillChunk]], bool] | None = None,
+    allowance_ms: float | None = None,
 ) -> BudgetDecision:
     """The prefill row budget for a step whose ordered prefill demand is `demand`, against `target_ms` (the
-    scheduler's `StepTarget`: fixed, or a multiple of the measured decode step) less `config.plan_headroom`.
+    scheduler's `StepTarget`: fixed, or a multiple of the measured decode step) or, where the floor slack allows
+    more, `allowance_ms` (`slack_allowance_ms`; None: worked out here), less `config.plan_headroom`.
     `traced`: whether a step of these chunks would run compiled now (None: the engine compiles no prefill)."""
-    target_ms *= config.plan_headroom
+    if allowance_ms is None and contended and not in_debt:
+        allowance_ms = slack_allowance_ms(config, model, demand, decode_lanes, target_ms, traced)
+    slack = allowance_ms is not None and allowance_ms > target_ms
+    target_ms = (allowance_ms if slack else target_ms) * config.plan_headroom
     wanted: tuple[PrefillChunk, ...] = ()
 
     def predict(budget: int) -> float | None:
@@ -103,8 +108,6 @@ def choose_row_budget(
         return BudgetDecision(budget, "uncontended", 0, predict(budget))  # no target: nothing wanted
     if in_debt:
         return BudgetDecision(0, "decode-debt", 0, None)
-    allowance = slack_allowance_ms(config, model, demand, decode_lanes, target_ms, traced)
-    slack, target_ms = allowance > target_ms, allowance
     halvings = 0
     predicted = predict(budget)
     while predicted is not None and predicted > target_ms and budget > config.row_floor:
@@ -164,12 +167,13 @@ def slack_allowance_ms(
     prompt (H200, 8B 4-bit: 77 debt steps beside 74 mixed ones, 0.4 s of a 2.1 s TTFT)."""
     if config.floor_slack <= 1 or not demand:
         return target_ms
+    planned = target_ms * config.plan_headroom  # what budgets are planned to: the floor is compared with it
     chunks = fill_shortest_first(demand, paid_rows(config.row_floor, decode_lanes, config))
     compiled = traced is not None and traced(chunks)
     floor_ms = model.predict(StepShape(chunks, decode_lanes, compiled=compiled)) if chunks else None
-    if floor_ms is None or not 0 < floor_ms <= SLACK_WITHIN * target_ms:
+    if floor_ms is None or not 0 < floor_ms <= SLACK_WITHIN * planned:
         return target_ms
-    return max(target_ms, config.floor_slack * floor_ms)
+    return max(target_ms, config.floor_slack * floor_ms / config.plan_headroom)
 
 
 def stream_in_debt(waited_s: float, last_gap_s: float | None, target_ms: float) -> bool:

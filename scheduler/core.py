@@ -228,17 +228,22 @@ class Scheduler:
         shapes = self.traced_shapes
         traced = None if shapes is None else lambda chunks: shapes.traced(chunks, decode_lanes)
         demand = planner.demand()
+        contended = bool(decode_lanes) or bool(self.decoding_streams())  # a stream in flight still streams
+        # what a contended step may take: the budget plans to it and decode debt counts from it
+        allowance = (
+            slack_allowance_ms(self.config, self.cost_model, demand, len(decode_lanes), target, traced)
+            if contended
+            else target
+        )
         if self.config.decode_debt and decode_lanes and not self._last_step_was_debt:
-            limit = slack_allowance_ms(self.config, self.cost_model, demand, len(decode_lanes), target, traced)
             in_debt = any(
                 stream_in_debt(now - r.last_token_time, r.last_token_gap if self._last_update_had_prefill else None,
-                               limit)
+                               allowance)
                 for r in self.decoding_streams()
                 if r.last_token_time is not None
             )
-        contended = bool(decode_lanes) or bool(self.decoding_streams())  # a stream in flight still streams
         decision = choose_row_budget(
-            self.config, self.cost_model, demand, len(decode_lanes), in_debt, contended, target, traced
+            self.config, self.cost_model, demand, len(decode_lanes), in_debt, contended, target, traced, allowance
         )
         if decision.wanted and shapes is not None:
             shapes.want(decision.wanted, decode_lanes)
