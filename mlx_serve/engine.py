@@ -233,16 +233,17 @@ class Engine:
             # and the MoE blocks' kernels (expert tiles, their layout), which compile on first use
             blocks = self.runner.warm_moe_blocks(self.config.row_ceiling) if cuda_available() else 0
             # and the paged chunk-attention kernel's forms, which compile on first use
-            self.runner.warm_paged_chunk_attention()
+            paged = self.runner.warm_paged_chunk_attention()
             # and the compiled shapes of a short prompt over a cached prefix, which deferral would first run eager
             traces = self.runner.warm_continuation_traces(self.context_length)
         except Exception:  # a warm-up failure costs first-use time later, never the engine
             log.exception("warm-up failed")
             return
         self.warmed = (shapes, time.perf_counter() - t0)
-        if shapes or products or blocks or traces:
-            log.info("warmed %d prefill attention shapes, %d quantized products, %d MoE block forms and %d "
-                     "continuation traces in %.1f s", shapes, products, blocks, traces, self.warmed[1])  # fmt: skip
+        if shapes or products or blocks or paged or traces:
+            log.info("warmed %d prefill attention shapes, %d quantized products, %d MoE block forms, %d paged "
+                     "chunk-attention forms and %d continuation traces in %.1f s", shapes, products, blocks, paged,
+                     traces, self.warmed[1])  # fmt: skip
 
     def _loop(self) -> None:
         while True:

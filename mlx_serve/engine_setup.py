@@ -299,9 +299,7 @@ def chunk_attention(kind: str) -> Any:
         if cuda_available():
             return PagedChunkAttention(paged.paged_chunk_attention, paged.supports, CUDA_CHUNK_ATTENTION, CUDA_PAGED_SCORE_ROWS)
         return PagedChunkAttention(paged.reference_chunk_attention, _any_chunk)
-    if kind == "auto":
-        return sdpa_chunk_attention
-    if kind == "sdpa":
+    if kind in ("auto", "sdpa"):
         return sdpa_chunk_attention
     if kind == "matmul":
         return MatmulChunkAttention()
