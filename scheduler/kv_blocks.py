@@ -13,11 +13,14 @@ Pure Python; the engine's MLX KV pool holds the arrays and indexes them with the
 from __future__ import annotations
 
 import hashlib
-import struct
+import sys
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 from scheduler.request import Request
+
+_blake2b = hashlib.blake2b
 
 BlockHash = bytes
 
@@ -26,29 +29,32 @@ def _salt_bytes(salt: str | None) -> bytes:
     return b"\x00" if salt is None else b"\x01" + salt.encode("utf-8") + b"\x00"
 
 
-def chain_hash(parent: BlockHash | None, packed: bytes, salt: bytes) -> BlockHash:
-    """Hash of one full block (its tokens packed as int64) chained from its parent's hash; the salt separates
-    tenants' caches."""
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(parent or b"root")
-    digest.update(salt)
-    digest.update(packed)
-    return digest.digest()
-
-
 def extend_hash_chain(hashes: list[BlockHash], request: Request, num_blocks: int, block_size: int) -> list[BlockHash]:
     """Grow `hashes` (the request's chain, kept on it) to cover its first `num_blocks` full blocks.
 
-    The new blocks' tokens are packed in one call (this runs on the engine thread, between two steps)."""
+    The new blocks' tokens are packed in one call and hashed in a tight loop: this runs on the engine thread,
+    between two steps (a continuation of a cached 8k prefix hashes 512 blocks before its one step is planned)."""
     first = len(hashes)
     if num_blocks <= first:
         return hashes
-    tokens = request.tokens(first * block_size, num_blocks * block_size)
-    packed = struct.pack(f"<{len(tokens)}q", *tokens)
-    salt, width = _salt_bytes(request.cache_salt), 8 * block_size
-    for index in range(num_blocks - first):
-        hashes.append(chain_hash(hashes[-1] if hashes else None, packed[index * width : (index + 1) * width], salt))
+    packed = _pack_int64(request.tokens(first * block_size, num_blocks * block_size))
+    width = 8 * block_size
+    parent = hashes[-1] if hashes else b"root" + _salt_bytes(request.cache_salt)
+    blake2b = _blake2b
+    for offset in range(0, len(packed), width):
+        parent = blake2b(parent + packed[offset : offset + width], digest_size=16).digest()
+        hashes.append(parent)
     return hashes
+
+
+def _pack_int64(tokens: Sequence[int]) -> bytes:
+    """Little-endian int64s (the hash's input format whatever the host's byte order)."""
+    packed = array("q", tokens)
+    if packed.itemsize != 8:
+        raise RuntimeError("this platform has no 8-byte array('q')")
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
 
 
 class BlockManager:
@@ -88,12 +94,13 @@ class BlockManager:
         return self._hash_of[block_id]
 
     # ---- prefix cache
-    def match_prefix(self, hashes: Sequence[BlockHash]) -> list[int]:
-        """Cached blocks for the longest run of leading hashes (read-only)."""
+    def match_prefix(self, hashes: Sequence[BlockHash], hits: list[int] | None = None) -> list[int]:
+        """Cached blocks for the longest run of leading hashes (read-only). `hits`: the blocks already matched
+        for `hashes[:len(hits)]`; matching goes on from there (and extends that list)."""
         if not self.enable_prefix_cache:
             return []
-        hits: list[int] = []
-        for block_hash in hashes:
+        hits = [] if hits is None else hits
+        for block_hash in hashes[len(hits):]:
             block_id = self._block_of.get(block_hash)
             if block_id is None:
                 break

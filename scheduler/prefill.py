@@ -51,8 +51,9 @@ class PrefillPlanner:
             return []
         max_blocks = (request.num_tokens - 1) // self.config.block_size
         want = min(max_blocks, PREFIX_PROBE_BLOCKS)
-        while True:
-            hits = self.scheduler.blocks.match_prefix(self.scheduler.block_hashes(request, want)[:want])
+        hits: list[int] = []
+        while True:  # each round matches only the blocks past the last one's hits
+            hits = self.scheduler.blocks.match_prefix(self.scheduler.block_hashes(request, want)[:want], hits)
             if len(hits) < want or want == max_blocks:
                 return hits
             want = min(max_blocks, 2 * want)
