@@ -12,7 +12,7 @@ from benchmarks.gpu.models import DummyModel
 from benchmarks.gpu.workloads import WARM_STEPS, BenchParams, Prompts, gap_summary, steady_rate
 from mlx_serve.engine import Engine, EngineConfig
 from mlx_serve.types import GenerationRequest
-from tracing.events import Span, StepExecuted
+from tracing.events import Span, StepExecuted, StepPlanned
 from tracing.sink import MemorySink
 
 HOST_PHASES = ("planning", "preparation", "submission", "consumption", "application")
@@ -183,6 +183,7 @@ class OurSide:
     def _contended_steps(self) -> dict:
         """What the scheduler did while the long prompt ran: prefill rows per step, measured against predicted."""
         steps = [e for e in self.sink.events if isinstance(e, StepExecuted)]
+        planned = {e.step_id: e for e in self.sink.events if isinstance(e, StepPlanned)}
         mixed = [e for e in steps if e.prefill_rows and e.decode_lanes]
         alone = [e for e in steps if not e.prefill_rows]
 
@@ -208,6 +209,11 @@ class OurSide:
                  None if e.predicted_ms is None else round(e.predicted_ms, 2), e.prefill_width, e.auxiliary, e.compiled]
                 for e in steps if e.prefill_rows
             ],  # fmt: skip
+            # the budget each of those steps was planned with, and why ("halved:2+half", "contended+slack", ...):
+            # a step smaller than the target allows says which rule held it back
+            "prefill_budgets": [[planned[e.step_id].row_budget, planned[e.step_id].budget_reason]
+                                if e.step_id in planned else None for e in steps if e.prefill_rows],  # fmt: skip
+            "decode_debt_steps": sum(p.budget_reason == "decode-debt" for p in planned.values()),
             # where the longest gaps come from
             "slowest": [
                 {"step": e.step_id, "prefill_rows": e.prefill_rows, "decode_lanes": e.decode_lanes,

@@ -34,6 +34,8 @@ def test_full_run_writes_every_figure_and_the_table(tmp_path):
         assert phases == pytest.approx(contended["gap_max_ms"])
     assert result["ours"]["shared_prefix"]["warm_cached_tokens"] > 0
     assert result["ours"]["shared_prefix"]["warm_steps"], "the warm request's steps are recorded"
+    again = result["ours"]["shared_prefix"]
+    assert again["again_cached_tokens"] > 0 and again["again_steps"] and again["again_ratio"] > 0
     assert "1" in result["ours"]["decode_unfused"]
     table = (tmp_path / "gpu_bench.md").read_text()
     for row in ("decode tok/s, 1 stream vs generate_step", "prefill tok/s", "contended: max gap / median gap",
@@ -61,6 +63,12 @@ def test_contended_only_run_and_its_refusal(tmp_path):
     recorded = steps["prefill_steps"]
     assert recorded and all(len(step) == 8 and step[0] > 0 and step[5] >= 1 for step in recorded)
     assert not any(step[6] or step[7] for step in recorded)  # on the CPU no compiled mixed shape is traced
+    # each step's planned budget and why: at least its rows (a cut may make it fewer), a contended reason
+    budgets = steps["prefill_budgets"]
+    assert len(budgets) == len(recorded)
+    assert all(budget[0] >= step[0] for budget, step in zip(budgets, recorded, strict=True) if step[1])
+    assert all(budget[1].startswith(("contended", "halved")) for budget, step in zip(budgets, recorded) if step[1])
+    assert isinstance(steps["decode_debt_steps"], int)
     assert len(result["ours"]["settled_traces"]) == 2  # two warm passes by default, each settled
     table = (tmp_path / "gpu_bench.md").read_text()
     assert "TTFT / its solo TTFT" in table and "mlx-lm |" in table
