@@ -47,7 +47,7 @@ from mlx_serve.ragged import (
 )
 from mlx_serve.sampling import RequestSampler, SampledRows, sample_rows, top_logprobs
 from mlx_serve.types import SamplingParams, TokenLogprob
-from scheduler import Lane, LaneKind, StepOutcome, StepPlan
+from scheduler import Lane, StepOutcome, StepPlan
 from scheduler.buckets import KV_BUCKET, history_bucket, query_bucket, query_buckets
 from scheduler.plan import PENDING_TOKEN
 
@@ -239,26 +239,13 @@ class ModelRunner:
         mixed = self.compiled_mixed
         if not self._mixed_on or not mixed.defer_traces:
             return 0
-        shapes = [(count, padded) for padded in self._history_buckets(max_len)
-                  for count in (query_bucket(r) for r in rows) if count <= padded]  # fmt: skip
-        for count, padded in shapes:
-            mixed.want((0, 1, count, padded), self.prefill_gather, self.kv_bucket)
+        for padded in self._history_buckets(max_len):
+            for count in (query_bucket(r) for r in rows if query_bucket(r) <= padded):
+                mixed.want((0, 1, count, padded), self.prefill_gather, self.kv_bucket)
         traced = 0
         while mixed.deferred and mixed.trace_deferred():
             traced += 1
-        for count, padded in shapes:
-            self._run_scratch_continuation(count, padded)
         return traced
-
-    def _run_scratch_continuation(self, rows: int, padded: int) -> None:
-        """Run a traced continuation shape once, on the device, over the scratch block only (nothing any request
-        reads). A trace alone leaves work for the first real step (H200: a 32-row 0.6B continuation of a cached
-        8k prefix spent 8 of its 11 ms in submission), which this pays before serving."""
-        scratch = self.pool.scratch_block
-        lane = Lane("warm-up", LaneKind.PREFILL, (0,) * rows, padded - rows, (scratch,) * (padded // self.pool.block_size),
-                    True)  # fmt: skip
-        logits = self.compiled_mixed([], lane, mx.zeros((rows,), dtype=mx.int32), self.kv_bucket, self.prefill_gather)
-        mx.eval(logits, self.pool.state())
 
     def warm_quantized_products(self, max_rows: int) -> int:
         """Run every distinct quantized projection of the step (the fused ones too) once at each power-of-two row

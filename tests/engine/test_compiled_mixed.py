@@ -197,10 +197,6 @@ def test_continuation_shapes_are_traced_before_serving(tiny_qwen3):
     runner = _runner(model, compile_mixed=True, defer=True)
     assert runner.warm_continuation_traces(128) == 3
     assert runner.compiled_mixed.shapes == {(0, 1, 64, 64), (0, 1, 64, 128), (0, 1, 128, 128)}
-    # each shape also ran once on the device, writing the scratch block only: no request's block was touched
-    pool, used = runner.pool, runner.pool.scratch_block * runner.pool.block_size
-    assert all(not mx.any(k[:used]).item() and not mx.any(v[:used]).item() for k, v in zip(pool.keys, pool.values))
-    assert all(mx.any(k[used:]).item() and mx.any(v[used:]).item() for k, v in zip(pool.keys, pool.values))
     outcomes: list[StepOutcome] = []
     _steps(runner, outcomes)
     assert [o.compiled for o in outcomes] == [False, False, False, False, True]  # only the lone 40-row chunk
