@@ -12,7 +12,7 @@ from benchmarks.gpu.models import DummyModel
 from benchmarks.gpu.workloads import WARM_STEPS, BenchParams, Prompts, gap_summary, steady_rate
 from mlx_serve.engine import Engine, EngineConfig
 from mlx_serve.types import GenerationRequest
-from tracing.events import Span, StepExecuted, StepPlanned
+from tracing.events import Span, StepExecuted, StepPlanned, TokenCommitted
 from tracing.sink import MemorySink
 
 HOST_PHASES = ("planning", "preparation", "submission", "consumption", "application")
@@ -178,7 +178,31 @@ class OurSide:
             "long_ttft_s": rec.first[n],
             **gap_summary(gaps, gaps[:before], gaps[before:]),
             "steps": self._contended_steps(),
+            "longest_gap": self._longest_gap(),
         }
+
+    def _longest_gap(self) -> dict | None:
+        """The engine thread during the pass's longest inter-token gap: every span (planning, submission, ...) and
+        step that overlaps it, in ms from the gap's start. A gap longer than any step is host time between steps."""
+        commits: dict[str, list[float]] = {}
+        for e in self.sink.events:
+            if isinstance(e, TokenCommitted):
+                commits.setdefault(e.request_id, []).append(e.t)
+        gaps = [(b - a, a, b, rid) for rid, times in commits.items() for a, b in zip(times, times[1:])]
+        if not gaps:
+            return None
+        gap, start, end, request_id = max(gaps)
+
+        def ms(t: float) -> float:
+            return round((t - start) * 1e3, 2)
+
+        spans = [[e.name, e.step_id, ms(e.start), ms(e.end)] for e in self.sink.events
+                 if isinstance(e, Span) and e.end >= start and e.start <= end]  # fmt: skip
+        steps = [{"step": e.step_id, "end": ms(e.t), "ms": round(e.measured_ms, 2), "prefill_rows": e.prefill_rows,
+                  "decode_lanes": e.decode_lanes, "compiled": e.compiled}
+                 for e in self.sink.events
+                 if isinstance(e, StepExecuted) and e.t >= start and e.t - e.measured_ms / 1e3 <= end]  # fmt: skip
+        return {"ms": round(gap * 1e3, 2), "request_id": request_id, "spans": spans, "steps": steps}
 
     def _contended_steps(self) -> dict:
         """What the scheduler did while the long prompt ran: prefill rows per step, measured against predicted."""

@@ -69,6 +69,10 @@ def test_contended_only_run_and_its_refusal(tmp_path):
     assert all(budget[0] >= step[0] for budget, step in zip(budgets, recorded, strict=True) if step[1])
     assert all(budget[1].startswith(("contended", "halved")) for budget, step in zip(budgets, recorded) if step[1])
     assert isinstance(steps["decode_debt_steps"], int)
+    # the engine thread during the longest gap: what ran between the two tokens
+    longest = result["ours"]["contended"]["longest_gap"]
+    assert longest["ms"] == pytest.approx(result["ours"]["contended"]["gap_max_ms"], abs=1.0)  # the same gap
+    assert longest["spans"] and all(span[3] >= 0 and span[2] <= longest["ms"] for span in longest["spans"])
     assert len(result["ours"]["settled_traces"]) == 2  # two warm passes by default, each settled
     table = (tmp_path / "gpu_bench.md").read_text()
     assert "TTFT / its solo TTFT" in table and "mlx-lm |" in table
