@@ -38,6 +38,15 @@ ran 32. So a fitted prediction has a trust region (`TrustRegion`): a step of mor
 rows of the largest step recently trained on at a KV reach at least as long (where none reached as far: of those
 that reached farthest) is priced at least at that step's cost per row. Growing one query bucket at a time (512 ->
 768 -> 1,024) stays inside it.
+
+The region has a floor too (`TrustRegion.floor_ms`): a step is priced at least at what the cheapest of the largest
+remembered steps that did no more work took (no more rows, exact KV reach, decode lanes or chunks; a compiled step
+against compiled ones only). A fit trained on steps over long histories puts their cost in the attention pairs and
+prices a large chunk over no history at almost nothing: on the H200, 0.6B's first chunks of a long prompt, 1,024 to
+2,040 rows beside 8 streams, were priced at 0.2-9 ms and ran 12-37 ms, the pass's longest gaps (twenty-third run).
+The cheapest, not the dearest, so a stall among them sets nothing. Replayed over the twentieth to twenty-third runs'
+steps: 8B 4-bit predictions more than 30% under the measured time 113 -> 54 (over: 153 -> 160), 0.6B 31 -> 30
+(85 -> 95), 8B and 30B-A3B unchanged.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
+from typing import NamedTuple
 
 from scheduler.buckets import history_bucket, query_bucket
 from scheduler.cost_models import EmaCostModel, StepShape, is_trainable
@@ -126,23 +136,34 @@ def extent(shape: StepShape, kv_bucket: int = 0) -> tuple[int, int]:
     return shape.prefill_rows, max(c.history + c.rows for c in shape.chunks)
 
 
+def exact_reach(shape: StepShape) -> int:
+    """The longest KV a chunk of the step reaches, unpadded."""
+    return max((c.history + c.rows for c in shape.chunks), default=0)
+
+
 class TrustRegion:
-    """How far past its recent steps a fit is believed: see the module docstring. Fixed memory (`TRUST_MEMORY`
-    steps); the references by reach are rebuilt at the first prediction after a trained step (~0.1 ms for 200
-    steps), so each prediction is a binary search."""
+    """How far a fit is believed, both ways: see the module docstring. Fixed memory (`TRUST_MEMORY` steps); the
+    references by reach are rebuilt at the first prediction after a trained step (~0.1 ms for 200 steps), so each
+    ceiling look-up is a binary search; floors are worked out once per shape between two trained steps."""
 
     def __init__(self, factor: float, memory: int = TRUST_MEMORY) -> None:
         self.factor = factor  # 0: off
-        self.steps: deque[tuple[int, int, float]] = deque(maxlen=memory)  # (reach, rows, ms per row)
+        self.steps: deque[Remembered] = deque(maxlen=memory)
         # by reach, ascending: (reach, rows of the largest step reaching at least that far, its least ms per row)
         self.references: list[tuple[int, int, float]] = []
         self._reaches: list[int] = []
         self._stale = False
+        self._floors: dict[tuple[int, int, int, bool, int], float | None] = {}
 
-    def record(self, rows: int, reach: int, elapsed_ms: float) -> None:
+    def record(
+        self, rows: int, reach: int, elapsed_ms: float, lanes: int = 0, compiled: bool = False, width: int = 1,
+        exact_reach: int | None = None,
+    ) -> None:
         if self.factor:
-            self.steps.append((reach, rows, elapsed_ms / rows))
+            exact = reach if exact_reach is None else exact_reach
+            self.steps.append(Remembered(reach, rows, elapsed_ms / rows, lanes, compiled, width, elapsed_ms, exact))
             self._stale = True
+            self._floors.clear()
 
     def least_ms(self, rows: int, reach: int) -> float | None:
         """The least a step of `rows` reaching `reach` may be priced; None inside the region (or nothing known)."""
@@ -156,10 +177,29 @@ class TrustRegion:
         _, largest, ms_per_row = self.references[index]
         return None if rows <= self.factor * largest else rows * ms_per_row
 
+    def floor_ms(self, rows: int, exact_reach: int, lanes: int, compiled: bool, width: int) -> float | None:
+        """The least a step may be priced from below: what the cheapest of the largest remembered steps that did no
+        more work (no more rows, exact KV reach, decode lanes or chunks) took. The cheapest, so a stall among them
+        sets nothing. A compiled step is compared with compiled ones only (an eager one with either: a trace is
+        never dearer than the graph it replays)."""
+        key = (rows, exact_reach, lanes, compiled, width)
+        if key not in self._floors:
+            largest, cheapest = 0, math.inf
+            for _, s_rows, _, s_lanes, s_compiled, s_width, s_ms, s_reach in self.steps:
+                if (largest <= s_rows <= rows and s_reach <= exact_reach and s_lanes <= lanes and s_width <= width
+                        and (s_compiled or not compiled)):  # fmt: skip
+                    if s_rows > largest:
+                        largest, cheapest = s_rows, s_ms
+                    elif s_ms < cheapest:
+                        cheapest = s_ms
+            self._floors[key] = cheapest if largest else None
+        return self._floors[key]
+
     def _rebuild(self) -> None:
         references: list[tuple[int, int, float]] = []
         largest, least = 0, math.inf
-        for reach, rows, ms_per_row in sorted(self.steps, reverse=True):  # longest reach first: a running maximum
+        for step in sorted(self.steps, reverse=True):  # longest reach first: a running maximum
+            reach, rows, ms_per_row = step.reach, step.rows, step.ms_per_row
             if rows > largest:
                 largest, least = rows, ms_per_row
             elif rows == largest:
@@ -171,6 +211,19 @@ class TrustRegion:
         self.references = references[::-1]
         self._reaches = [reference[0] for reference in self.references]
         self._stale = False
+
+
+class Remembered(NamedTuple):
+    """A trained step as the trust region keeps it (its extent padded as the engine pads; `ms` as trained)."""
+
+    reach: int
+    rows: int
+    ms_per_row: float
+    lanes: int
+    compiled: bool
+    width: int
+    ms: float
+    exact_reach: int  # the longest KV a chunk reached, unpadded (what a kernel reading the pool pays for)
 
 
 class AffineCostModel:
@@ -188,8 +241,10 @@ class AffineCostModel:
         if fit.samples >= MIN_SAMPLES:
             predicted = fit.predict(features(shape, self.kv_bucket, self.pads_history))
             if math.isfinite(predicted) and predicted > 0:
-                least = self.trust[shape.path].least_ms(*extent(shape, self.kv_bucket))
-                return predicted if least is None else max(predicted, least)
+                trust, (rows, reach) = self.trust[shape.path], extent(shape, self.kv_bucket)
+                least = trust.least_ms(rows, reach)
+                floor = trust.floor_ms(rows, exact_reach(shape), shape.decode_lanes, shape.compiled, shape.width)
+                return max(predicted, least or 0.0, floor or 0.0)
         return self.baseline.predict(shape)
 
     def observe(self, shape: StepShape, elapsed_ms: float) -> None:
@@ -200,7 +255,8 @@ class AffineCostModel:
         bounded = _bounded(fit, x, elapsed_ms, baseline)
         self.baseline.observe(shape, bounded)
         fit.observe(x, bounded)
-        self.trust[shape.path].record(*extent(shape, self.kv_bucket), bounded)
+        self.trust[shape.path].record(*extent(shape, self.kv_bucket), bounded, shape.decode_lanes, shape.compiled,
+                                      shape.width, exact_reach(shape))  # fmt: skip
 
 
 def _bounded(fit: RecursiveLeastSquares, x: tuple[float, ...], elapsed_ms: float, baseline: float | None) -> float:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from scheduler import SchedulerConfig
-from scheduler.affine_cost import TRUST_MEMORY, AffineCostModel, TrustRegion
+from scheduler.affine_cost import TRUST_MEMORY, AffineCostModel, TrustRegion, features
 from scheduler.cost_models import PrefillChunk, StepShape, make_cost_model
 
 
@@ -73,3 +73,37 @@ def test_the_factor_is_configured_and_checked() -> None:
     for bad in (0.5, -1.0):
         with pytest.raises(ValueError, match="cost_trust_factor"):
             SchedulerConfig(num_blocks=8, cost_trust_factor=bad)
+
+
+def test_the_floor_is_the_cheapest_of_the_largest_steps_that_did_no_more_work() -> None:
+    region = TrustRegion(1.5)
+    region.record(1024, 2048, 12.0, lanes=8, compiled=True, exact_reach=1024)
+    region.record(1024, 2048, 30.0, lanes=8, compiled=True, exact_reach=1024)  # a stall: the cheaper one counts
+    region.record(512, 1024, 9.0, lanes=8, compiled=True, exact_reach=512)
+    region.record(1024, 1024, 16.0, lanes=8, compiled=False, exact_reach=1024)  # eager: dearer on the host
+    assert region.floor_ms(2048, 2048, 8, True, 1) == 12.0  # compiled: compiled steps only
+    assert region.floor_ms(2048, 2048, 8, False, 1) == 12.0  # eager: any form (a trace is never dearer)
+    assert region.floor_ms(768, 2048, 8, True, 1) == 9.0  # the 1,024-row steps did more work
+    assert region.floor_ms(2048, 800, 8, True, 1) == 9.0  # ... and reached farther
+    assert region.floor_ms(2048, 2048, 4, True, 1) is None  # every remembered step had more decode lanes
+    assert region.floor_ms(256, 2048, 8, True, 1) is None
+    assert TrustRegion(0).floor_ms(1 << 20, 1 << 20, 64, False, 8) is None  # off with the region
+
+
+def test_a_fit_of_long_histories_is_floored_at_a_large_step_over_a_short_one() -> None:
+    """H200, 0.6B: a fit trained on steps over long histories (their cost in the attention pairs) priced the first
+    chunks of the next long prompt, 1,024-2,040 rows over no history, at 0.2-9 ms; they ran 12-37 ms, over the
+    target. The same rows over no history measured before set the floor."""
+
+    def cost(rows: int, history: int) -> float:
+        return 14.0 if history == 0 else 2.0 + 0.002 * rows + 4e-7 * rows * history
+
+    model = AffineCostModel(kv_bucket=1024, pads_history=False)
+    first = StepShape((PrefillChunk(2040, 0),), 8, compiled=True)
+    model.observe(first, 14.0)
+    for index in range(150):
+        rows, history = (384, 512, 768)[index % 3], 4096 + (index * 613) % 12_000
+        model.observe(StepShape((PrefillChunk(rows, history),), 8, compiled=True), cost(rows, history))
+    fitted = model.fits[first.path].predict(features(first, 1024, pads_history=False))
+    assert fitted < 0.75 * 14.0  # the fit alone prices it under what it took
+    assert model.predict(first) >= 14.0
