@@ -59,20 +59,24 @@ def observations(events: list[object]) -> tuple[list[Observation], int]:
     return found, skipped
 
 
-def available_models(names: tuple[str, ...], kv_bucket: int = 0) -> list:
+def available_models(names: tuple[str, ...], kv_bucket: int = 0, pads_history: bool = True) -> list:
     models = []
     for name in names:
         try:
-            models.append(make_cost_model(name, kv_bucket))
+            models.append(make_cost_model(name, kv_bucket, pads_history=pads_history))
         except (ValueError, ImportError) as exc:  # a newer model that this checkout does not have yet
             print(f"note: skipping cost model {name!r}: {exc}", file=sys.stderr)
     return models
 
 
-def replay(found: list[Observation], model_names: tuple[str, ...], kv_bucket: int = 0) -> dict:
+def replay(
+    found: list[Observation], model_names: tuple[str, ...], kv_bucket: int = 0, pads_history: bool = True
+) -> dict:
     """Prequential errors: {model: {"all"|"path=gpu"|"width=2"...: [abs rel errors]}}, the signed errors of "all"
-    (positive: over-predicted) and of the contended observations, plus prediction coverage. `kv_bucket`: count chunks as the engine pads them."""
-    models = available_models(model_names, kv_bucket)
+    (positive: over-predicted) and of the contended observations, plus prediction coverage. `kv_bucket`: count chunks
+    as the engine pads them; `pads_history`: whether its chunk attention computed over the padded history
+    (`SchedulerConfig.pads_history`)."""
+    models = available_models(model_names, kv_bucket, pads_history)
     errors: dict[str, dict[str, list[float]]] = {m.name: defaultdict(list) for m in models}
     signed: dict[str, list[float]] = {m.name: [] for m in models}
     signed_contended: dict[str, list[float]] = {m.name: [] for m in models}

@@ -1,5 +1,6 @@
 """`python -m benchmarks.gpu.replay_cost_model RESULT.json...`: the contended steps of recorded GPU bench runs, replayed
-through the affine cost model counted exactly and counted as the engine pads (`SchedulerConfig.kv_bucket`).
+through the affine cost model counted exactly and counted as the engine pads (`SchedulerConfig.kv_bucket`, and the
+run's `pads_history`: whether its chunk attention computed over the padded history).
 
 Each run's steps with prefill (warm pass, then the measured pass, as `run_gpu_bench` records them) go through
 `tracing.prefill_prediction.replay`: predicted from the earlier ones only, then observed, as the scheduler does live;
@@ -18,6 +19,7 @@ import json
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import NamedTuple
 
 from scheduler.buckets import KV_BUCKET
 from scheduler.cost_models import PrefillChunk, StepShape
@@ -28,8 +30,16 @@ from tracing.prefill_prediction import Observation, replay
 Step = tuple[int, int, float, float, int, bool, bool]
 
 
-def recorded_runs(paths: list[Path]) -> list[tuple[str, list[Step]]]:
-    """(shape, steps with prefill in order) of every run in the bench result files that recorded its steps."""
+class RecordedRun(NamedTuple):
+    shape: str
+    steps: list[Step]  # with prefill, in order
+    # whether the run's chunk attention computed over the padded history (recorded since the twenty-third run;
+    # before it, runs of the paged kernel, from the twenty-second, were recorded without saying so)
+    pads_history: bool
+
+
+def recorded_runs(paths: list[Path]) -> list[RecordedRun]:
+    """Every run in the bench result files that recorded its steps."""
     runs = []
     for path in paths:
         for result in json.loads(path.read_text()).get("results", []):
@@ -42,7 +52,7 @@ def recorded_runs(paths: list[Path]) -> list[tuple[str, list[Step]]]:
                     compiled = bool(step[7]) if len(step) > 7 else False  # since the twentieth
                     steps.append((step[0], step[1], step[2], step[3], lanes, auxiliary, compiled))
             if steps:
-                runs.append((result["shape"], steps))
+                runs.append(RecordedRun(result["shape"], steps, bool(ours.get("pads_history", True))))
     return runs
 
 
@@ -58,9 +68,9 @@ def observations(steps: list[Step]) -> list[Observation]:
     return found
 
 
-def signed_errors(steps: list[Step], kv_bucket: int) -> list[float]:
+def signed_errors(steps: list[Step], kv_bucket: int, pads_history: bool = True) -> list[float]:
     """The affine model's prequential signed relative errors over one run's contended steps."""
-    return replay(observations(steps), ("affine",), kv_bucket)["signed_contended"]["affine"]
+    return replay(observations(steps), ("affine",), kv_bucket, pads_history)["signed_contended"]["affine"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,13 +83,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print("| shape | runs | steps scored | exact: mean abs / signed error | padded: mean abs / signed error |")
     print("|---|---|---|---|---|")
-    by_shape: dict[str, list[list[Step]]] = defaultdict(list)
-    for shape, steps in runs:
-        by_shape[shape].append(steps)
+    by_shape: dict[str, list[RecordedRun]] = defaultdict(list)
+    for run in runs:
+        by_shape[run.shape].append(run)
     for shape, shape_runs in sorted(by_shape.items()):
         cells = []
         for kv_bucket in (0, KV_BUCKET):
-            errors = [e for steps in shape_runs for e in signed_errors(steps, kv_bucket)]
+            errors = [e for run in shape_runs for e in signed_errors(run.steps, kv_bucket, run.pads_history)]
             cells.append(f"{sum(map(abs, errors)) / len(errors):.1%} / {sum(errors) / len(errors):+.1%}" if errors else "-")
         print(f"| {shape} | {len(shape_runs)} | {len(errors)} | {cells[0]} | {cells[1]} |")
     return 0

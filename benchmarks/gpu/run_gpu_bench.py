@@ -192,6 +192,7 @@ def measure_ours(
         out["cost_trust_factor"] = side.engine.scheduler.config.cost_trust_factor
         out["floor_slack"] = side.engine.scheduler.config.floor_slack
         out["plan_kv_bucket"] = side.engine.scheduler.config.kv_bucket  # 0: planned with exact counts
+        out["pads_history"] = side.engine.scheduler.config.pads_history  # False: the attention read the pool
         out["step_target_floor_ms"] = side.engine.scheduler.config.step_target_floor_ms
         note(f"{dummy.name} ours warm-up", out["warm_up"])
         # warm-up with the same long prompt: the chunk shapes it meets are compiled (cuDNN graphs) before the run

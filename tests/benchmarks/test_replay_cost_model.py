@@ -23,8 +23,8 @@ def test_padded_counts_predict_padded_steps_better_and_the_table_prints(tmp_path
     result = {"results": [{"shape": "0.6b", "ours": {"contended": {"steps": {"prefill_steps": steps}}}}]}
     path = tmp_path / "gpu_bench.json"
     path.write_text(json.dumps(result))
-    ((shape, recorded),) = recorded_runs([path])
-    assert shape == "0.6b" and len(recorded) == 122
+    ((shape, recorded, pads_history),) = recorded_runs([path])
+    assert shape == "0.6b" and len(recorded) == 122 and pads_history  # not recorded: padded, as before the paged kernel
     found = observations(recorded)
     assert len(found) == 122 and [c.rows for c in found[-1].shape.chunks] == [480] * 4
     assert not found[0].contended and all(o.contended for o in found[1:])
@@ -53,7 +53,7 @@ def test_steps_that_traced_a_shape_teach_the_replay_nothing(tmp_path) -> None:
     result = {"results": [{"shape": "0.6b", "ours": {"contended": {"steps": {"prefill_steps": steps[:30] + [traced] + steps[30:]}}}}]}
     path = tmp_path / "gpu_bench.json"
     path.write_text(json.dumps(result))
-    ((_, recorded),) = recorded_runs([path])
+    ((_, recorded, _),) = recorded_runs([path])
     assert recorded[30][5] is True and observations(recorded)[30].shape.auxiliary
     with_trace = signed_errors(recorded, 1024)
     unflagged = signed_errors([(*step[:5], False, step[6]) for step in recorded], 1024)
@@ -67,5 +67,26 @@ def test_steps_that_replayed_a_trace_are_replayed_as_compiled(tmp_path) -> None:
     steps = [[512, 8, 1000 * i, 20.0, None, 1, False, i % 2 == 1] for i in range(4)] + [[512, 8, 0, 20.0, None, 1, False]]
     path = tmp_path / "gpu_bench.json"
     path.write_text(json.dumps({"results": [{"shape": "8b", "ours": {"contended": {"steps": {"prefill_steps": steps}}}}]}))
-    ((_, recorded),) = recorded_runs([path])
+    ((_, recorded, _),) = recorded_runs([path])
     assert [o.shape.compiled for o in observations(recorded)] == [False, True, False, True, False]
+
+
+def test_a_run_whose_attention_read_the_pool_is_replayed_with_exact_history(tmp_path) -> None:
+    """Runs record `pads_history` (False where the paged chunk kernel read the pool): their steps cost the exact
+    history, and the replay counts them so, as the live model did."""
+
+    def exact_ms(rows: int, history: int) -> float:
+        padded = query_bucket(rows)
+        return 4 + 0.01 * padded + 1e-6 * padded * (history + rows / 2)
+
+    steps = []
+    for index in range(120):
+        rows, history = (200, 312, 700, 1100)[index % 4], (index * 733) % 15_000
+        steps.append([rows, 8, history, round(exact_ms(rows, history), 3), None, 1, False, False])
+    result = {"results": [{"shape": "8b", "ours": {"pads_history": False, "contended": {"steps": {"prefill_steps": steps}}}}]}
+    path = tmp_path / "gpu_bench.json"
+    path.write_text(json.dumps(result))
+    ((_, recorded, pads_history),) = recorded_runs([path])
+    assert pads_history is False
+    as_recorded, as_padded = (signed_errors(recorded, 1024, pads)[40:] for pads in (False, True))
+    assert sum(map(abs, as_recorded)) < 0.5 * sum(map(abs, as_padded))
