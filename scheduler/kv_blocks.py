@@ -49,9 +49,7 @@ def extend_hash_chain(hashes: list[BlockHash], request: Request, num_blocks: int
 
 def _pack_int64(tokens: Sequence[int]) -> bytes:
     """Little-endian int64s (the hash's input format whatever the host's byte order)."""
-    packed = array("q", tokens)
-    if packed.itemsize != 8:
-        raise RuntimeError("this platform has no 8-byte array('q')")
+    packed = array("q", tokens)  # C long long: 8 bytes wherever CPython runs
     if sys.byteorder == "big":
         packed.byteswap()
     return packed.tobytes()
