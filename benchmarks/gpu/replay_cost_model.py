@@ -21,9 +21,15 @@ from collections import defaultdict
 from pathlib import Path
 from typing import NamedTuple
 
+from scheduler.affine_cost import AffineCostModel
 from scheduler.buckets import KV_BUCKET
 from scheduler.cost_models import PrefillChunk, StepShape
+from scheduler.plan import Path as LanePath
 from tracing.prefill_prediction import Observation, replay
+
+# the affine fit's features, in order (`affine_cost.features`): ms, ms a thousand rows, ms a million pairs, ms a
+# decode lane, ms an extra prefill lane, ms for replaying a trace
+COEFFICIENTS = ("fixed", "rows_k", "pairs_m", "decode_lane", "extra_lane", "compiled")
 
 # prefill rows, decode lanes, row-weighted history, measured ms, prefill lanes, auxiliary (never trained live),
 # compiled (replayed a trace)
@@ -73,14 +79,26 @@ def signed_errors(steps: list[Step], kv_bucket: int, pads_history: bool = True) 
     return replay(observations(steps), ("affine",), kv_bucket, pads_history)["signed_contended"]["affine"]
 
 
+def final_coefficients(run: RecordedRun) -> dict[str, float]:
+    """The GPU fit's coefficients once the run's steps are replayed through it, counted as its engine padded them:
+    where a pass never excites a direction (every step 8 lanes, one chunk), these say how far the fit drifted."""
+    model = AffineCostModel(KV_BUCKET, pads_history=run.pads_history)
+    for found in observations(run.steps):
+        model.observe(found.shape, found.measured_ms)
+    return dict(zip(COEFFICIENTS, (round(t, 3) for t in model.fits[LanePath.GPU].theta), strict=True))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", nargs="+", type=Path, help="gpu_bench.json files")
+    parser.add_argument("--coefficients", action="store_true", help="also print each run's fit at its end")
     args = parser.parse_args(argv)
     runs = recorded_runs(args.results)
     if not runs:
         print("no recorded contended steps in these files", file=sys.stderr)
         return 1
+    for run in runs if args.coefficients else ():
+        print(json.dumps({"shape": run.shape, "coefficients": final_coefficients(run)}))
     print("| shape | runs | steps scored | exact: mean abs / signed error | padded: mean abs / signed error |")
     print("|---|---|---|---|---|")
     by_shape: dict[str, list[RecordedRun]] = defaultdict(list)

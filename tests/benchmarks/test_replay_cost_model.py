@@ -90,3 +90,26 @@ def test_a_run_whose_attention_read_the_pool_is_replayed_with_exact_history(tmp_
     assert pads_history is False
     as_recorded, as_padded = (signed_errors(recorded, 1024, pads)[40:] for pads in (False, True))
     assert sum(map(abs, as_recorded)) < 0.5 * sum(map(abs, as_padded))
+
+
+def test_the_fit_at_a_run_end_is_printed_with_its_coefficients(tmp_path, capsys) -> None:
+    """`--coefficients`: the GPU fit once a run is replayed, by feature; a run whose costs are affine in the features
+    (every direction excited) gives its coefficients back."""
+
+    def cost(rows: int, lanes: int, history: int) -> float:
+        padded = query_bucket(rows)
+        return 4 + 10 * padded / 1e3 + 1.0 * padded * (history + rows / 2) / 1e6 + 0.5 * lanes
+
+    steps = []
+    for index in range(300):
+        rows, lanes, history = (200, 312, 700, 1100)[index % 4], (2, 4, 8, 16, 32)[index % 5], (index * 733) % 15_000
+        steps.append([rows, lanes, history, cost(rows, lanes, history), None, 1, False, False])
+    result = {"results": [{"shape": "8b", "ours": {"pads_history": False, "contended": {"steps": {"prefill_steps": steps}}}}]}
+    path = tmp_path / "gpu_bench.json"
+    path.write_text(json.dumps(result))
+    assert main([str(path), "--coefficients"]) == 0
+    printed = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert printed["shape"] == "8b"
+    fitted = printed["coefficients"]
+    for name, value in {"fixed": 4.0, "rows_k": 10.0, "pairs_m": 1.0, "decode_lane": 0.5}.items():
+        assert abs(fitted[name] - value) < 0.05 * max(value, 1.0), (name, fitted)
