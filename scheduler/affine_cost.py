@@ -128,17 +128,17 @@ class RecursiveLeastSquares:
         self.samples += 1
 
 
+def exact_reach(shape: StepShape) -> int:
+    """The longest KV a chunk of the step reaches, unpadded."""
+    return max((c.history + c.rows for c in shape.chunks), default=0)
+
+
 def extent(shape: StepShape, kv_bucket: int = 0) -> tuple[int, int]:
     """(prefill rows, longest KV a chunk reaches), padded as the engine pads: what the trust region compares."""
     if _padded(shape, kv_bucket):
         rows = sum(query_bucket(c.rows) for c in shape.chunks)
         return rows, max(history_bucket(c.history + c.rows, kv_bucket) for c in shape.chunks)
-    return shape.prefill_rows, max(c.history + c.rows for c in shape.chunks)
-
-
-def exact_reach(shape: StepShape) -> int:
-    """The longest KV a chunk of the step reaches, unpadded."""
-    return max((c.history + c.rows for c in shape.chunks), default=0)
+    return shape.prefill_rows, exact_reach(shape)
 
 
 class TrustRegion:
