@@ -183,7 +183,8 @@ class OurSide:
 
     def _longest_gap(self) -> dict | None:
         """The engine thread during the pass's longest inter-token gap: every span (planning, submission, ...) and
-        step that overlaps it, in ms from the gap's start. A gap longer than any step is host time between steps."""
+        step that overlaps it, in ms from the gap's start. On the H200 it was one submission span each time, the
+        next step queued while the finished one's tokens waited (twenty-third run)."""
         commits: dict[str, list[float]] = {}
         for e in self.sink.events:
             if isinstance(e, TokenCommitted):
