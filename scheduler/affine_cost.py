@@ -62,7 +62,10 @@ from scheduler.plan import Path
 
 FORGETTING = 0.995
 MIN_SAMPLES = 8
-INITIAL_COVARIANCE = 1e6
+# on the Gram matrix's diagonal: small against any excited direction's sum (features of order one, ~200 remembered
+# steps), so it decides only the directions the samples never excited, and keeps those at 0
+RIDGE = 1e-6
+TOLERANCE = 1e-12
 # rows in thousands, pairs in millions: features of order one. Where a direction is never excited (every step of one
 # size), the fit splits the cost by the features' magnitudes; counted in single rows it put a fixed cost on the rows
 # slope, priced twice the rows at twice the cost and never tried them (`tests/scheduler/test_traced_shapes.py`)
@@ -74,6 +77,8 @@ TRUST_MEMORY = 200  # trained steps the trust region remembers per path (about w
 
 
 FEATURES = 6
+# each coefficient's sign: every feature is work that costs time, except that a trace saves the graph's building
+SIGNS = (1, 1, 1, 1, 1, -1)
 
 
 def _padded(shape: StepShape, kv_bucket: int) -> bool:
@@ -99,33 +104,88 @@ def features(
     return (1.0, rows * ROW_SCALE, pairs * PAIR_SCALE, lanes, float(extra_lanes), compiled)
 
 
-class RecursiveLeastSquares:
-    """theta minimising the exponentially forgotten squared error of y ~ theta . x."""
+class SignedLeastSquares:
+    """theta minimising the exponentially forgotten squared error of y ~ theta . x, each coefficient held to its
+    sign (`signs`: +1 at least 0, -1 at most 0, 0 free). The forgotten normal equations (x x' and x y, fixed
+    memory) are kept and solved by an active set (Lawson-Hanson) when a prediction first needs the new theta."""
 
-    def __init__(self, size: int, forgetting: float = FORGETTING) -> None:
+    def __init__(self, signs: tuple[int, ...], forgetting: float = FORGETTING) -> None:
+        self.signs = signs
         self.forgetting = forgetting
-        self.theta = [0.0] * size
-        self.covariance = [[INITIAL_COVARIANCE if i == j else 0.0 for j in range(size)] for i in range(size)]
+        size = len(signs)
+        self.gram = [[0.0] * size for _ in range(size)]
+        self.moment = [0.0] * size
+        self._theta = [0.0] * size
+        self._stale = False
         self.samples = 0
+
+    @property
+    def theta(self) -> list[float]:
+        if self._stale:
+            self._theta = self._solve()
+            self._stale = False
+        return self._theta
 
     def predict(self, x: tuple[float, ...]) -> float:
         return sum(t * v for t, v in zip(self.theta, x, strict=True))
 
     def observe(self, x: tuple[float, ...], y: float) -> None:
-        size = len(self.theta)
-        px = [sum(self.covariance[i][j] * x[j] for j in range(size)) for i in range(size)]
-        denominator = self.forgetting + sum(x[i] * px[i] for i in range(size))
-        gain = [value / denominator for value in px]
-        error = y - self.predict(x)
-        self.theta = [t + g * error for t, g in zip(self.theta, gain, strict=True)]
-        self.covariance = [
-            [(self.covariance[i][j] - gain[i] * px[j]) / self.forgetting for j in range(size)] for i in range(size)
-        ]
-        trace = sum(self.covariance[i][i] for i in range(size))
-        if trace > INITIAL_COVARIANCE * size:  # forgetting inflates unexcited directions: hold the total
-            scale = INITIAL_COVARIANCE * size / trace
-            self.covariance = [[value * scale for value in row] for row in self.covariance]
+        keep = self.forgetting
+        for i, xi in enumerate(x):
+            self.moment[i] = keep * self.moment[i] + xi * y
+            row = self.gram[i]
+            for j, xj in enumerate(x):
+                row[j] = keep * row[j] + xi * xj
         self.samples += 1
+        self._stale = True
+
+    def _solve(self) -> list[float]:
+        """Lawson-Hanson on the normal equations, in coordinates where every constrained coefficient is >= 0 (a
+        free one is never pinned). `RIDGE` on the diagonal: a direction the samples never excited stays at 0."""
+        size = len(self.signs)
+        flip = [-1.0 if sign < 0 else 1.0 for sign in self.signs]
+        gram = [[flip[i] * flip[j] * self.gram[i][j] + (RIDGE if i == j else 0.0) for j in range(size)]
+                for i in range(size)]  # fmt: skip
+        moment = [flip[i] * self.moment[i] for i in range(size)]
+        free = [i for i in range(size) if self.signs[i] == 0]
+        theta = _solve_on(gram, moment, free, size) if free else [0.0] * size
+        for _ in range(4 * size):  # Lawson-Hanson ends in at most a few passes of 6 unknowns; a bound all the same
+            gradient = [moment[i] - sum(gram[i][j] * theta[j] for j in range(size)) for i in range(size)]
+            pinned = [i for i in range(size) if i not in free]
+            best = max(pinned, key=lambda i: gradient[i], default=None)
+            if best is None or gradient[best] <= TOLERANCE * (1.0 + abs(moment[best])):
+                break
+            free.append(best)
+            while True:
+                trial = _solve_on(gram, moment, free, size)
+                blocked = [i for i in free if self.signs[i] and trial[i] <= 0.0]
+                if not blocked:
+                    theta = trial
+                    break
+                step = min(theta[i] / (theta[i] - trial[i]) for i in blocked)
+                theta = [t + step * (s - t) for t, s in zip(theta, trial, strict=True)]
+                free = [i for i in free if not self.signs[i] or theta[i] > TOLERANCE]
+                theta = [t if i in free else 0.0 for i, t in enumerate(theta)]
+        return [flip[i] * theta[i] for i in range(size)]
+
+
+def _solve_on(gram: list[list[float]], moment: list[float], free: list[int], size: int) -> list[float]:
+    """The unconstrained least-squares solution over the `free` coefficients, the others 0 (Gaussian elimination
+    with partial pivoting; a ridge-regularised Gram matrix is positive definite)."""
+    n = len(free)
+    system = [[gram[i][j] for j in free] + [moment[i]] for i in free]
+    for column in range(n):
+        pivot = max(range(column, n), key=lambda r: abs(system[r][column]))
+        system[column], system[pivot] = system[pivot], system[column]
+        for r in range(n):
+            if r != column and system[r][column]:
+                factor = system[r][column] / system[column][column]
+                for k in range(column, n + 1):
+                    system[r][k] -= factor * system[column][k]
+    theta = [0.0] * size
+    for k, i in enumerate(free):
+        theta[i] = system[k][n] / system[k][k]
+    return theta
 
 
 def exact_reach(shape: StepShape) -> int:
@@ -233,7 +293,7 @@ class AffineCostModel:
         self.kv_bucket = kv_bucket  # the engine's KV bucket unit (`SchedulerConfig.kv_bucket`); 0: exact shapes
         self.pads_history = pads_history  # `SchedulerConfig.pads_history`
         self.baseline = EmaCostModel()
-        self.fits = {path: RecursiveLeastSquares(FEATURES) for path in (Path.GPU, Path.ANE)}
+        self.fits = {path: SignedLeastSquares(SIGNS) for path in (Path.GPU, Path.ANE)}
         self.trust = {path: TrustRegion(trust_factor) for path in (Path.GPU, Path.ANE)}
 
     def predict(self, shape: StepShape) -> float | None:
@@ -259,7 +319,7 @@ class AffineCostModel:
                                       shape.width, exact_reach(shape))  # fmt: skip
 
 
-def _bounded(fit: RecursiveLeastSquares, x: tuple[float, ...], elapsed_ms: float, baseline: float | None) -> float:
+def _bounded(fit: SignedLeastSquares, x: tuple[float, ...], elapsed_ms: float, baseline: float | None) -> float:
     """`elapsed_ms` within `OUTLIER_FACTOR` of the fit's prediction (once it answers) or of the `ema` baseline's,
     whichever allows more; as measured before either predicts. The baseline bounds the first steps (H200 4-bit runs
     met first-use kernel builds of 1.3-2.5 s among them, which an unbounded fit of 8 samples learned as the cost of
