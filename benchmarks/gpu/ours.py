@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 import time
@@ -73,6 +74,23 @@ class OurSide:
             **engine,
         )
         self.engine = Engine.from_model(dummy.model, dummy.tokenizer, dummy.config, config)
+        self.cost_observations: list[list] = []
+        self._record_cost_observations()
+
+    def _record_cost_observations(self) -> None:
+        """Every step the cost model is shown, as it is shown (the engine thread appends): [[[rows, history] per
+        chunk], decode lanes, path, auxiliary, compiled, ms]. A replay of these is the live fit, warm passes and
+        all (`replay_cost_model`); the per-pass `prefill_steps` hold only the last warm pass and one history a step."""
+        model = self.engine.scheduler.cost_model
+        observe = model.observe
+
+        def recorded(shape, elapsed_ms: float) -> None:
+            if math.isfinite(elapsed_ms):  # a step left in flight is first updated with no time (NaN): ignored
+                self.cost_observations.append([[[c.rows, c.history] for c in shape.chunks], shape.decode_lanes,
+                                               shape.path.value, shape.auxiliary, shape.compiled, round(elapsed_ms, 3)])  # fmt: skip
+            observe(shape, elapsed_ms)
+
+        model.observe = recorded
 
     def close(self) -> None:
         self.engine.shutdown()
@@ -153,6 +171,7 @@ class OurSide:
         rec, n = self.recorder, p.contended_streams
         rec.reset()
         self.sink.events.clear()
+        first_observation = len(self.cost_observations)
         capacity = self.engine.pool.num_blocks * self.engine.pool.block_size // (n + 2)
         budget = (
             min(2048, self.engine.context_length, capacity) - p.contended_prompt
@@ -175,6 +194,7 @@ class OurSide:
             list(handle)
         gaps = list(rec.gaps)
         return {
+            "cost_observations_from": first_observation,  # this pass's first entry in `cost_observations`
             "long_ttft_s": rec.first[n],
             **gap_summary(gaps, gaps[:before], gaps[before:]),
             "steps": self._contended_steps(),

@@ -38,10 +38,11 @@ Step = tuple[int, int, float, float, int, bool, bool]
 
 class RecordedRun(NamedTuple):
     shape: str
-    steps: list[Step]  # with prefill, in order
+    observations: list[Observation]  # in order; the scored ones are `contended`
     # whether the run's chunk attention computed over the padded history (recorded since the twenty-third run;
     # before it, runs of the paged kernel, from the twenty-second, were recorded without saying so)
     pads_history: bool
+    live: bool  # from the engine's own `cost_observations` (since the twenty-fourth run), not `prefill_steps`
 
 
 def recorded_runs(paths: list[Path]) -> list[RecordedRun]:
@@ -50,6 +51,12 @@ def recorded_runs(paths: list[Path]) -> list[RecordedRun]:
     for path in paths:
         for result in json.loads(path.read_text()).get("results", []):
             ours = result.get("ours", {})
+            pads_history = bool(ours.get("pads_history", True))
+            if ours.get("cost_observations"):
+                scored_from = ours.get("contended", {}).get("cost_observations_from", 0)
+                runs.append(RecordedRun(result["shape"], live_observations(ours["cost_observations"], scored_from),
+                                        pads_history, True))  # fmt: skip
+                continue
             steps = []
             for phase in ("contended_warm", "contended"):
                 for step in ours.get(phase, {}).get("steps", {}).get("prefill_steps", []):
@@ -58,8 +65,19 @@ def recorded_runs(paths: list[Path]) -> list[RecordedRun]:
                     compiled = bool(step[7]) if len(step) > 7 else False  # since the twentieth
                     steps.append((step[0], step[1], step[2], step[3], lanes, auxiliary, compiled))
             if steps:
-                runs.append(RecordedRun(result["shape"], steps, bool(ours.get("pads_history", True))))
+                runs.append(RecordedRun(result["shape"], observations(steps), pads_history, False))
     return runs
+
+
+def live_observations(recorded: list[list], scored_from: int) -> list[Observation]:
+    """The steps the live cost model was shown, as shown (`ours.py`: `cost_observations`); scored: the measured
+    pass's (from `scored_from`), with decode lanes."""
+    found = []
+    for index, (chunks, decode_lanes, path, auxiliary, compiled, measured_ms) in enumerate(recorded):
+        shape = StepShape(tuple(PrefillChunk(rows, history) for rows, history in chunks), decode_lanes,
+                          LanePath(path), auxiliary, compiled)  # fmt: skip
+        found.append(Observation(shape, measured_ms, contended=index >= scored_from and bool(decode_lanes)))
+    return found
 
 
 def observations(steps: list[Step]) -> list[Observation]:
@@ -74,16 +92,16 @@ def observations(steps: list[Step]) -> list[Observation]:
     return found
 
 
-def signed_errors(steps: list[Step], kv_bucket: int, pads_history: bool = True) -> list[float]:
-    """The affine model's prequential signed relative errors over one run's contended steps."""
-    return replay(observations(steps), ("affine",), kv_bucket, pads_history)["signed_contended"]["affine"]
+def signed_errors(found: list[Observation], kv_bucket: int, pads_history: bool = True) -> list[float]:
+    """The affine model's prequential signed relative errors over one run's scored steps."""
+    return replay(found, ("affine",), kv_bucket, pads_history)["signed_contended"]["affine"]
 
 
 def final_coefficients(run: RecordedRun) -> dict[str, float]:
     """The GPU fit's coefficients once the run's steps are replayed through it, counted as its engine padded them:
     where a pass never excites a direction (every step 8 lanes, one chunk), these say how far the fit drifted."""
     model = AffineCostModel(KV_BUCKET, pads_history=run.pads_history)
-    for found in observations(run.steps):
+    for found in run.observations:
         model.observe(found.shape, found.measured_ms)
     return dict(zip(COEFFICIENTS, (round(t, 3) for t in model.fits[LanePath.GPU].theta), strict=True))
 
@@ -107,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     for shape, shape_runs in sorted(by_shape.items()):
         cells = []
         for kv_bucket in (0, KV_BUCKET):
-            errors = [e for run in shape_runs for e in signed_errors(run.steps, kv_bucket, run.pads_history)]
+            errors = [e for run in shape_runs for e in signed_errors(run.observations, kv_bucket, run.pads_history)]
             cells.append(f"{sum(map(abs, errors)) / len(errors):.1%} / {sum(errors) / len(errors):+.1%}" if errors else "-")
         print(f"| {shape} | {len(shape_runs)} | {len(errors)} | {cells[0]} | {cells[1]} |")
     return 0

@@ -210,6 +210,7 @@ def measure_ours(
         status = side.engine.status()
         out["scheduler"] = status["counters"]
         out["step_target_ms"] = status["step_target_ms"]  # with auto: the one it had learned by the end
+        out["cost_observations"] = side.cost_observations  # what the contended engine's cost model was shown
         note(f"{dummy.name} ours shared prefix", out["shared_prefix"])
     finally:
         side.close()

@@ -74,6 +74,11 @@ def test_contended_only_run_and_its_refusal(tmp_path):
     assert longest["ms"] == pytest.approx(result["ours"]["contended"]["gap_max_ms"], abs=1.0)  # the same gap
     assert longest["spans"] and all(span[3] >= 0 and span[2] <= longest["ms"] for span in longest["spans"])
     assert len(result["ours"]["settled_traces"]) == 2  # two warm passes by default, each settled
+    # what the live cost model was shown, every pass: the measured pass's contended steps with prefill among them
+    shown, scored_from = result["ours"]["cost_observations"], result["ours"]["contended"]["cost_observations_from"]
+    contended_steps = [step for step in recorded if step[1] and not step[6]]
+    assert 0 < scored_from < len(shown) and len(shown) - scored_from == len(contended_steps)
+    assert [sum(rows for rows, _ in chunks) for chunks, *_ in shown[scored_from:]] == [s[0] for s in contended_steps]
     table = (tmp_path / "gpu_bench.md").read_text()
     assert "TTFT / its solo TTFT" in table and "mlx-lm |" in table
     assert "host ms of a step with prefill" in table

@@ -6,6 +6,7 @@ import json
 
 from benchmarks.gpu.replay_cost_model import main, observations, recorded_runs, signed_errors
 from scheduler.buckets import history_bucket, query_bucket
+from scheduler.plan import Path
 
 
 def padded_ms(rows: int, decode_lanes: int, history: int) -> float:
@@ -23,12 +24,11 @@ def test_padded_counts_predict_padded_steps_better_and_the_table_prints(tmp_path
     result = {"results": [{"shape": "0.6b", "ours": {"contended": {"steps": {"prefill_steps": steps}}}}]}
     path = tmp_path / "gpu_bench.json"
     path.write_text(json.dumps(result))
-    ((shape, recorded, pads_history),) = recorded_runs([path])
-    assert shape == "0.6b" and len(recorded) == 122 and pads_history  # not recorded: padded, as before the paged kernel
-    found = observations(recorded)
+    ((shape, found, pads_history, live),) = recorded_runs([path])
+    assert shape == "0.6b" and pads_history and not live  # not recorded: padded, as before the paged kernel
     assert len(found) == 122 and [c.rows for c in found[-1].shape.chunks] == [480] * 4
     assert not found[0].contended and all(o.contended for o in found[1:])
-    exact, padded = (signed_errors(recorded[:-1], bucket)[20:] for bucket in (0, 1024))
+    exact, padded = (signed_errors(found[:-1], bucket)[20:] for bucket in (0, 1024))
     assert len(exact) == len(padded) == 100  # 120 contended steps, each predicted (the solo step came first)
     assert sum(map(abs, padded)) < 0.2 * sum(map(abs, exact))
     assert main([str(path)]) == 0
@@ -53,11 +53,11 @@ def test_steps_that_traced_a_shape_teach_the_replay_nothing(tmp_path) -> None:
     result = {"results": [{"shape": "0.6b", "ours": {"contended": {"steps": {"prefill_steps": steps[:30] + [traced] + steps[30:]}}}}]}
     path = tmp_path / "gpu_bench.json"
     path.write_text(json.dumps(result))
-    ((_, recorded, _),) = recorded_runs([path])
-    assert recorded[30][5] is True and observations(recorded)[30].shape.auxiliary
-    with_trace = signed_errors(recorded, 1024)
-    unflagged = signed_errors([(*step[:5], False, step[6]) for step in recorded], 1024)
-    assert with_trace == signed_errors(recorded[:30] + recorded[31:], 1024)  # as if it had not run
+    ((_, found, _, _),) = recorded_runs([path])
+    assert found[30].shape.auxiliary
+    with_trace = signed_errors(found, 1024)
+    unflagged = signed_errors(observations([(*step[:4], 1, False, step[6]) for step in steps[:30] + [traced] + steps[30:]]), 1024)
+    assert with_trace == signed_errors(found[:30] + found[31:], 1024)  # as if it had not run
     assert max(map(abs, unflagged[31:])) > 2 * max(map(abs, with_trace[30:]))  # learned, the trace would mislead
 
 
@@ -67,8 +67,8 @@ def test_steps_that_replayed_a_trace_are_replayed_as_compiled(tmp_path) -> None:
     steps = [[512, 8, 1000 * i, 20.0, None, 1, False, i % 2 == 1] for i in range(4)] + [[512, 8, 0, 20.0, None, 1, False]]
     path = tmp_path / "gpu_bench.json"
     path.write_text(json.dumps({"results": [{"shape": "8b", "ours": {"contended": {"steps": {"prefill_steps": steps}}}}]}))
-    ((_, recorded, _),) = recorded_runs([path])
-    assert [o.shape.compiled for o in observations(recorded)] == [False, True, False, True, False]
+    ((_, found, _, _),) = recorded_runs([path])
+    assert [o.shape.compiled for o in found] == [False, True, False, True, False]
 
 
 def test_a_run_whose_attention_read_the_pool_is_replayed_with_exact_history(tmp_path) -> None:
@@ -86,9 +86,9 @@ def test_a_run_whose_attention_read_the_pool_is_replayed_with_exact_history(tmp_
     result = {"results": [{"shape": "8b", "ours": {"pads_history": False, "contended": {"steps": {"prefill_steps": steps}}}}]}
     path = tmp_path / "gpu_bench.json"
     path.write_text(json.dumps(result))
-    ((_, recorded, pads_history),) = recorded_runs([path])
+    ((_, found, pads_history, _),) = recorded_runs([path])
     assert pads_history is False
-    as_recorded, as_padded = (signed_errors(recorded, 1024, pads)[40:] for pads in (False, True))
+    as_recorded, as_padded = (signed_errors(found, 1024, pads)[40:] for pads in (False, True))
     assert sum(map(abs, as_recorded)) < 0.5 * sum(map(abs, as_padded))
 
 
@@ -113,3 +113,23 @@ def test_the_fit_at_a_run_end_is_printed_with_its_coefficients(tmp_path, capsys)
     fitted = printed["coefficients"]
     for name, value in {"fixed": 4.0, "rows_k": 10.0, "pairs_m": 1.0, "decode_lane": 0.5}.items():
         assert abs(fitted[name] - value) < 0.05 * max(value, 1.0), (name, fitted)
+
+
+def test_a_run_that_recorded_its_cost_observations_is_replayed_from_them(tmp_path) -> None:
+    """Since the twenty-fourth run the bench records every step the live cost model was shown (both warm passes,
+    each chunk at its own history): the replay trains on all of them, as live, and scores the measured pass's."""
+    shown = []
+    for index in range(90):
+        rows, history = (256, 512, 768)[index % 3], (index * 733) % 15_000
+        chunks = [[rows, history]] if index % 10 else [[rows // 2, 0], [rows // 2, history]]
+        shown.append([chunks, 8, "gpu", index == 5, index % 2 == 1, 20.0 + rows / 100])
+    result = {"results": [{"shape": "8b", "ours": {"pads_history": False, "cost_observations": shown,
+                                                   "contended": {"cost_observations_from": 60, "steps": {}}}}]}
+    path = tmp_path / "gpu_bench.json"
+    path.write_text(json.dumps(result))
+    ((shape, found, pads_history, live),) = recorded_runs([path])
+    assert (shape, pads_history, live, len(found)) == ("8b", False, True, 90)
+    assert [o.contended for o in found] == [i >= 60 for i in range(90)]
+    assert found[10].shape.width == 2 and found[10].shape.chunks[1].history == 7330 and found[5].shape.auxiliary
+    assert found[1].shape.compiled and found[1].shape.path is Path.GPU
+    assert len(signed_errors(found, 1024, pads_history)) == 30
