@@ -16,12 +16,15 @@ tried first (twentieth run): where every compiled step had 64 rows, the compiled
 slope, priced 1,024 compiled rows far over the target and never asked for their trace (0.6B stuck at 64-row steps,
 TTFT 9.1x); shared slopes are learned from every step of either form.
 
-One fit per path, by recursive least squares with forgetting (0.995: roughly the last 200 steps matter), so it
-tracks drift without storing samples. A direction the samples never excite (the width, while every step has one
-chunk) would see its covariance grow by 1/0.995 a step without bound; the trace is held at its initial value.
-Until a path's fit has 8 samples, or if its prediction is not a positive finite number, it answers exactly as
-the `ema` baseline it trains alongside (until a compiled step is seen, a compiled one is predicted as eager). Same
-training filter as the other models; fixed memory.
+One fit per path: least squares with forgetting (0.995: roughly the last 200 steps matter), so it tracks drift,
+from the forgotten normal equations (fixed memory), with each coefficient held to its sign (`SIGNS`): rows, pairs
+and lanes cost time, a trace saves some. Unconstrained (recursive least squares until the twenty-fourth run), a fit
+of 0.6B's contended steps, all with 8 decode lanes and 384-768 rows, put 66 ms on the fixed cost, -7.5 ms on a
+thousand rows and -6.4 ms on a lane: fixed cost, lanes and rows were one direction it split at will, and it priced
+2,040 rows over no history at 6-8 ms (they ran 32-37). A direction the samples never excite (the width, while every
+step has one chunk) stays at 0. Until a path's fit has 8 samples, or if its prediction is not a positive finite
+number, it answers exactly as the `ema` baseline it trains alongside (until a compiled step is seen, a compiled one
+is predicted as eager). Same training filter as the other models.
 
 A least-squares fit has no defence against one wild sample, such as a step that stalled on a first-use compile
 (H200, 8B 4-bit: a skewed fit predicted 120-row steps of 15 ms at 40-130 ms for a hundred steps, while a fresh fit
