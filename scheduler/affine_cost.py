@@ -150,6 +150,9 @@ class SignedLeastSquares:
         gram = [[flip[i] * flip[j] * self.gram[i][j] + (RIDGE if i == j else 0.0) for j in range(size)]
                 for i in range(size)]  # fmt: skip
         moment = [flip[i] * self.moment[i] for i in range(size)]
+        unconstrained = _solve_on(gram, moment, list(range(size)), size)
+        if all(not sign or t >= 0.0 for sign, t in zip(self.signs, unconstrained, strict=True)):
+            return [flip[i] * unconstrained[i] for i in range(size)]  # the optimum already: one elimination
         free = [i for i in range(size) if self.signs[i] == 0]
         theta = _solve_on(gram, moment, free, size) if free else [0.0] * size
         for _ in range(4 * size):  # Lawson-Hanson ends in at most a few passes of 6 unknowns; a bound all the same
