@@ -115,6 +115,10 @@ class CompiledMixed:
         self.neighbour_traces = neighbour_traces
         self._neighbours: dict[MixedShape, tuple[PrefillGather, int]] = {}  # traced after every met shape
         self._most_rows = 0  # the largest query bucket met: neighbours never grow past it
+        self._ran: set[MixedShape] = set()  # shapes run at least once on real inputs
+        # whether the last call was its shape's first run: a trace made on zero inputs evaluates nothing, so the
+        # first real step of a shape may pay one-off work (its time does not train the scheduler)
+        self.first_run = False
 
     @property
     def deferred(self) -> int:
@@ -232,6 +236,8 @@ class CompiledMixed:
         self.shapes.add(shape)
         self._deferred.pop(shape, None)
         self._neighbours.pop(shape, None)
+        self.first_run = shape not in self._ran
+        self._ran.add(shape)
         logits, keys, values = self._step(count > 0, gather)(
             inputs,
             mx.array(np.concatenate([meta.positions[:count], chunk_positions])),

@@ -340,7 +340,8 @@ class ModelRunner:
         phases = {"preparation": (t1 - t0) * 1e3, "submission": (t2 - t1) * 1e3}
         rows = {rid: i for i, rid in enumerate(sample_ids)}
         samplers = [self.samplers[rid] for rid in sample_ids]
-        one_off = self._traced_shapes() != traced or (not (compiled or mixed) and self._first_eager_shape(gpu_lanes))
+        one_off = (self._traced_shapes() != traced or (mixed and self.compiled_mixed.first_run)
+                   or (not (compiled or mixed) and self._first_eager_shape(gpu_lanes)))  # fmt: skip
         return InFlightStep(
             plan, sample_ids, samplers, sampled, rows, t0, phases, tuple(chunks), stamp, one_off, compiled or mixed
         )

@@ -60,7 +60,7 @@ class StepShape:
     chunks: tuple[PrefillChunk, ...]
     decode_lanes: int = 0
     path: Path = Path.GPU
-    auxiliary: bool = False  # restore/prefix-copy/image work or a compiled shape's trace rode along: never trains
+    auxiliary: bool = False  # restore/prefix-copy/image work or a shape's first trace or run rode along: never trains
     # the GPU lanes run (or ran) through a compiled trace: on a host-bound GPU the same rows cost a fraction of an
     # eager step, so the affine model prices the two apart (`traced_shapes.TracedShapes` says which a plan gets)
     compiled: bool = False

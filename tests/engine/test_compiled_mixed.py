@@ -131,7 +131,7 @@ def test_compiled_mixed_steps_equal_the_eager_steps(fixture, request):
     assert (4, 2, 64, 32) in shapes and (4, 2, 64, 128) in shapes and (0, 1, 64, 64) in shapes
     assert len(shapes) < 6  # four chunk steps and the lone chunk: shapes repeat
     one_offs = [o.auxiliary for o in outcomes]
-    assert sum(one_offs) == len(shapes) and one_offs[0]  # the steps that traced a shape, and only those, say so
+    assert sum(one_offs) == len(shapes) and one_offs[0]  # the steps that traced (and first ran) a shape say so
     assert all(o.compiled for o in outcomes)  # traced at first use: every chunk step ran compiled
 
 
@@ -139,7 +139,8 @@ def test_deferred_shapes_run_eager_until_traced_then_replay(tiny_qwen3):
     """With traces deferred, a shape's steps take the eager forward until `trace_deferred` traces each shape met,
     without evaluating anything; the same steps then replay the traces with the eager steps' tokens. An eager step
     on a padded shape met for the first time is one-off (its time holds first-use builds: the cost model does not
-    learn it); the next of that shape is an ordinary step."""
+    learn it); the next of that shape is an ordinary step. So is a traced shape's first real run: the trace
+    evaluated nothing, so the first step that replays it may pay first-use work."""
     model, _ = load(str(tiny_qwen3))
     runner = _runner(model, compile_mixed=True, defer=True)
     eager_outcomes: list[StepOutcome] = []
@@ -159,7 +160,11 @@ def test_deferred_shapes_run_eager_until_traced_then_replay(tiny_qwen3):
     replayed_outcomes: list[StepOutcome] = []
     replayed = _steps(runner, replayed_outcomes)
     assert len(replays) == 5 and len(mixed.shapes) == traced  # every chunk step found its trace
-    assert all(o.compiled and not o.auxiliary for o in replayed_outcomes)
+    assert all(o.compiled for o in replayed_outcomes)
+    assert [o.auxiliary for o in replayed_outcomes] == [True, True, True, False, True]  # each shape's first run
+    again: list[StepOutcome] = []
+    _steps(runner, again)
+    assert all(o.compiled and not o.auxiliary for o in again)
     assert [s[:2] for s in replayed] == [s[:2] for s in eager]
     for a, b in zip(replayed, eager):
         assert abs(a[2] - b[2]) < 1e-4, (a, b)
