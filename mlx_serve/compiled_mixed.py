@@ -33,7 +33,7 @@ from mlx_serve.ragged import (
     StepLayout,
     sdpa_chunk_attention,
 )
-from scheduler import Lane
+from scheduler import Lane, LaneKind
 from scheduler.buckets import history_bucket, query_bucket, query_buckets
 from scheduler.cost_models import PrefillChunk
 
@@ -97,6 +97,7 @@ class CompiledMixed:
         chunk_attention: ChunkAttention = sdpa_chunk_attention,
         defer_traces: bool = False,
         neighbour_traces: int = 0,
+        run_traces: bool = False,
     ) -> None:
         self.pool = pool
         self.chunk_attention = chunk_attention
@@ -115,7 +116,8 @@ class CompiledMixed:
         self.neighbour_traces = neighbour_traces
         self._neighbours: dict[MixedShape, tuple[PrefillGather, int]] = {}  # traced after every met shape
         self._most_rows = 0  # the largest query bucket met: neighbours never grow past it
-        self._ran: set[MixedShape] = set()  # shapes run at least once on real inputs
+        self._ran: set[MixedShape] = set()  # shapes run at least once (on real inputs, or on scratch ones when idle)
+        self.run_traces = run_traces  # `trace_deferred` also runs each shape once over the scratch block
         # whether the last call was its shape's first run: a trace made on zero inputs evaluates nothing, so the
         # first real step of a shape may pay one-off work (its time does not train the scheduler)
         self.first_run = False
@@ -176,12 +178,28 @@ class CompiledMixed:
                         self._neighbours.setdefault(near, (gather, unit))
         elif self._neighbours and self.neighbour_traces:
             shape = next(iter(self._neighbours))
-            gather, _ = self._neighbours.pop(shape)
+            gather, unit = self._neighbours.pop(shape)
             self.neighbour_traces -= 1
         else:
             return False
         self._trace(shape, gather)
+        if self.run_traces:
+            self._run_on_scratch(shape, gather, unit)
         return True
+
+    def _run_on_scratch(self, shape: MixedShape, gather: PrefillGather, unit: int) -> None:
+        """Run a traced shape once on the device with every lane over the pool's scratch block (written by pad rows
+        only, read by no request), so that its first real step pays no first-run work."""
+        count, width, rows, padded = shape
+        size, scratch = self.pool.block_size, self.pool.scratch_block
+        end = (width - 1) * size + 1  # a decode lane whose table needs `width` blocks
+        decode = [Lane("scratch", LaneKind.DECODE, (0,), end - 1, (scratch,) * width, True) for _ in range(count)]
+        real = min(rows, padded)  # a chunk's rows pad up to their query bucket, which may pass its history bucket
+        chunk = Lane("scratch", LaneKind.PREFILL, (0,) * real, padded - real, (scratch,) * (padded // size), True)
+        if self.shape(decode, chunk, unit) != shape:
+            return  # a shape no lanes of these sizes make (the pad lanes of a chunk alone): left to its first step
+        logits = self(decode, chunk, mx.zeros((count + real,), dtype=mx.int32), unit, gather)
+        mx.eval(logits, self.pool.state())
 
     def _trace(self, shape: MixedShape, gather: PrefillGather) -> None:
         count, width, rows, padded = shape

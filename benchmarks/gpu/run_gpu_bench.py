@@ -136,7 +136,7 @@ def measure_ours(
               "fuse_mixed": args.fuse_mixed, "compile_mixed": args.compile_mixed,
               "row_quantum": args.row_quantum, "step_target_factor": args.target_factor,
               "step_target_floor_ms": args.target_floor_ms, "defer_mixed_traces": args.defer_mixed_traces == "on",
-              "trace_neighbour_shapes": args.trace_neighbour_shapes,
+              "trace_neighbour_shapes": args.trace_neighbour_shapes, "run_idle_traces": args.run_idle_traces == "on",
               "budget_midpoints": args.budget_midpoints == "on", "plan_headroom": args.plan_headroom,
               "cost_trust_factor": args.cost_trust_factor, "floor_slack": args.floor_slack, "plan_padding": args.plan_padding == "on"}  # fmt: skip
     # only the contended engine meets long prompts' chunk shapes: the others skip the warm-up
@@ -290,6 +290,8 @@ def main() -> None:
                         help="contended warm passes before the measured one, the idle engine tracing after each: a "
                              "server that has read such a prompt before (the second pass's budgets want traces the "
                              "first pass's compiled steps taught; 1: the nineteenth run's setting)")
+    parser.add_argument("--run-idle-traces", choices=["on", "off"], default="off",
+                        help="EngineConfig.run_idle_traces: each shape traced idle also runs once there (scratch block)")
     parser.add_argument("--trace-neighbour-shapes", type=int, default=0,
                         help="EngineConfig.trace_neighbour_shapes: shapes next to met ones traced ahead when idle")
     parser.add_argument(

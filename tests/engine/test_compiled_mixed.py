@@ -309,3 +309,29 @@ def test_compile_mixed_settings(tiny_qwen3):
     assert engine_setup.compile_mixed("auto", True) is mx.cuda.is_available()  # on with MLX's CUDA backend
     assert engine_setup.compile_mixed("auto", False) is False  # it replays the fused forward
     assert engine_setup.compile_mixed("on", True) is True
+
+
+def test_shapes_traced_idle_can_also_run_there_over_the_scratch_block_only(tiny_qwen3):
+    """`run_idle_traces`: each shape `trace_deferred` traces also runs once on the device, every lane over the
+    pool's scratch block: no request's KV changes, and the real steps that replay those shapes are not first runs
+    (none is one-off) and sample what the eager steps sampled."""
+    model, _ = load(str(tiny_qwen3))
+    runner = _runner(model, compile_mixed=True, defer=True)
+    runner.compiled_mixed.run_traces = True
+    eager = _steps(runner)
+    pool = runner.pool
+    used = pool.scratch_block * pool.block_size
+    before = [(mx.array(k[:used]), mx.array(v[:used])) for k, v in zip(pool.keys, pool.values)]
+    scratch_before = [mx.array(k[used:]) for k in pool.keys]
+    mx.eval(before, scratch_before)
+    traced = 0
+    while runner.trace_deferred():
+        traced += 1
+    assert traced == 4
+    assert all(mx.array_equal(k[:used], kb).item() and mx.array_equal(v[:used], vb).item()
+               for (k, v), (kb, vb) in zip(zip(pool.keys, pool.values), before))  # fmt: skip
+    assert any(not mx.array_equal(k[used:], kb).item() for k, kb in zip(pool.keys, scratch_before))  # they ran
+    outcomes: list[StepOutcome] = []
+    replayed = _steps(runner, outcomes)
+    assert all(o.compiled and not o.auxiliary for o in outcomes)
+    assert [s[:2] for s in replayed] == [s[:2] for s in eager]
