@@ -10,7 +10,10 @@ Shapes repeat because every dimension is a bucket: decode lanes as `compiled_ste
 Measured in the same call (eighth run): host submission 13.4 -> 7.6 ms, but the step stays 20.5 ms queued back to
 back: such steps are bound by the GPU there. A new shape's trace costs 15-50 ms at first use, which a contended
 step would pay inside a stream's gap; with `defer_traces` a shape's first steps run eager and the engine traces it
-when it next has nothing to run (`trace_deferred`, on zero inputs: nothing is evaluated).
+when it next has nothing to run (`trace_deferred`, on zero inputs: nothing is evaluated). A trace's first real run
+still paid first-use work (H200, 0.6B: a long prompt's first 2,040-row chunk beside 8 streams 29.9 ms, 13.7-16.0
+once run before; twenty-fourth run), so with `run_traces` the idle engine also runs each new trace once over the
+pool's scratch block.
 """
 
 from __future__ import annotations
@@ -165,10 +168,10 @@ class CompiledMixed:
         self.want(shape, gather, kv_bucket)
         return False
 
-    def trace_deferred(self) -> bool:
+    def trace_deferred(self, run: bool = True) -> bool:
         """Trace the first shape `ready` turned away, else (within `neighbour_traces`) one next to a met shape, on
-        zero inputs of its shapes (the outputs are dropped unevaluated: the device does nothing). Returns whether
-        there was one."""
+        zero inputs of its shapes (the outputs are dropped unevaluated), then, with `run_traces` and `run`, run it
+        once over the scratch block (`_run_on_scratch`). Returns whether there was one."""
         if self._deferred:
             shape = next(iter(self._deferred))
             gather, unit = self._deferred.pop(shape)
@@ -183,7 +186,7 @@ class CompiledMixed:
         else:
             return False
         self._trace(shape, gather)
-        if self.run_traces:
+        if self.run_traces and run:
             self._run_on_scratch(shape, gather, unit)
         return True
 

@@ -39,8 +39,8 @@ class EngineConfig:
     compile_mixed: str = "auto"  # "auto" (on with CUDA) | "on" | "off": decode lanes + one chunk replay a compiled trace
     defer_mixed_traces: bool = True  # a compiled mixed shape runs eager until the engine, idle, has traced it
     # deferred: each shape traced idle also runs once there, over the pool's scratch block, so that its first real
-    # step pays no first-run work (an experiment, off: `benchmarks/gpu/NOTES.md`, session 22)
-    run_idle_traces: bool = False
+    # step pays no first-run work (H200, 0.6B: a long prompt's first chunk beside 8 streams 29.9 -> 13.7-16.0 ms)
+    run_idle_traces: bool = True
     trace_neighbour_shapes: int = 0  # deferred: at most this many shapes next to met ones traced ahead, when idle
     expert_tiles: str = "auto"  # "auto" (the CUDA kernel with CUDA) | "on" | "off": MoE steps of many rows in expert tiles
     dense_experts: str = "auto"  # "auto" (on with CUDA) | "on" | "off": MoE steps of enough rows use every expert

@@ -290,7 +290,7 @@ def main() -> None:
                         help="contended warm passes before the measured one, the idle engine tracing after each: a "
                              "server that has read such a prompt before (the second pass's budgets want traces the "
                              "first pass's compiled steps taught; 1: the nineteenth run's setting)")
-    parser.add_argument("--run-idle-traces", choices=["on", "off"], default="off",
+    parser.add_argument("--run-idle-traces", choices=["on", "off"], default="on",
                         help="EngineConfig.run_idle_traces: each shape traced idle also runs once there (scratch block)")
     parser.add_argument("--trace-neighbour-shapes", type=int, default=0,
                         help="EngineConfig.trace_neighbour_shapes: shapes next to met ones traced ahead when idle")
