@@ -244,8 +244,8 @@ class ModelRunner:
             for count in (query_bucket(r) for r in rows if query_bucket(r) <= padded):
                 mixed.want((0, 1, count, padded), self.prefill_gather, self.kv_bucket)
         traced = 0
-        # not run on the scratch block: at start-up that cost 21 s more for 8B 4-bit's 130 shapes (H200), and
-        # running them there did not move a continuation's TTFT (twenty-third run)
+        # not run on the scratch block (`run_idle_traces` runs only the shapes traced while serving): running them at
+        # start-up did not move a continuation's TTFT on the H200 (twenty-third run) and costs start-up time
         while mixed.deferred and mixed.trace_deferred(run=False):
             traced += 1
         return traced
