@@ -257,3 +257,36 @@ def test_affine_bounds_a_stall_among_its_first_steps_by_the_baseline() -> None:
             raw.observe(shape, elapsed)
     assert sum(errors["bounded"]) / len(errors["bounded"]) < 0.75
     assert sum(errors["raw"]) / len(errors["raw"]) > 2.0
+
+
+samples = st.lists(
+    st.tuples(st.tuples(st.just(1.0), *[st.floats(0.0, 8.0) for _ in range(FEATURES - 1)]), st.floats(-50.0, 200.0)),
+    min_size=1,
+    max_size=30,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(observed=samples, probes=st.lists(st.lists(st.floats(-3.0, 3.0), min_size=FEATURES, max_size=FEATURES), max_size=8))
+def test_the_signed_fit_is_the_least_squares_optimum_within_its_signs(observed, probes) -> None:
+    """Whatever it is shown (noisy, negative times included), `SignedLeastSquares` keeps every coefficient to its
+    sign, and no other coefficients with those signs fit the forgotten samples better (the constrained optimum)."""
+    from scheduler.affine_cost import RIDGE, SIGNS, SignedLeastSquares
+
+    fit = SignedLeastSquares(SIGNS)
+    for x, y in observed:
+        fit.observe(x, y)
+    theta = fit.theta
+    assert all(sign * t >= 0 for sign, t in zip(SIGNS, theta, strict=True))
+
+    def loss(coefficients: list[float]) -> float:  # what the fit minimises: forgotten squared error + the ridge
+        n = len(observed)
+        error = sum(fit.forgetting ** (n - 1 - i) * (y - sum(c * v for c, v in zip(coefficients, x))) ** 2
+                    for i, (x, y) in enumerate(observed))  # fmt: skip
+        return error + RIDGE * sum(c * c for c in coefficients)
+
+    best = loss(theta)
+    for step in probes:  # feasible points near the optimum are never better
+        other = [t + s for t, s in zip(theta, step, strict=True)]
+        other = [max(o, 0.0) if sign > 0 else min(o, 0.0) if sign < 0 else o for sign, o in zip(SIGNS, other, strict=True)]
+        assert loss(other) >= best - 1e-6 * (1.0 + best)
