@@ -200,7 +200,7 @@ class CompiledMixed:
         real = min(rows, padded)  # a chunk's rows pad up to their query bucket, which may pass its history bucket
         chunk = Lane("scratch", LaneKind.PREFILL, (0,) * real, padded - real, (scratch,) * (padded // size), True)
         if self.shape(decode, chunk, unit) != shape:
-            return  # a shape no lanes of these sizes make (the pad lanes of a chunk alone): left to its first step
+            return  # not expected (these lanes make every traced shape); if so, its first real step pays
         logits = self(decode, chunk, mx.zeros((count + real,), dtype=mx.int32), unit, gather)
         mx.eval(logits, self.pool.state())
 
