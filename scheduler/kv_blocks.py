@@ -20,8 +20,6 @@ from collections.abc import Sequence
 
 from scheduler.request import Request
 
-_blake2b = hashlib.blake2b
-
 BlockHash = bytes
 
 
@@ -40,7 +38,7 @@ def extend_hash_chain(hashes: list[BlockHash], request: Request, num_blocks: int
     packed = _pack_int64(request.tokens(first * block_size, num_blocks * block_size))
     width = 8 * block_size
     parent = hashes[-1] if hashes else b"root" + _salt_bytes(request.cache_salt)
-    blake2b = _blake2b
+    blake2b = hashlib.blake2b  # a local name: looked up once, not per block
     for offset in range(0, len(packed), width):
         parent = blake2b(parent + packed[offset : offset + width], digest_size=16).digest()
         hashes.append(parent)
