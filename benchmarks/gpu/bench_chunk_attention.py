@@ -15,7 +15,7 @@ default build, and `paged_err`: the kernel's largest difference from SDPA on one
 output. `--variants` times other builds of the kernel (`Variant.parse` specs, `;`-separated, or `all` for
 `VARIANTS`) with the launcher's splits: `paged_<name>_ms` and `paged_<name>_err` each (`old`: the first
 version, 32-token tiles in two static stages, a global table load per copy). `--target-blocks`,
-`--min-split-tokens`, `--max-splits`, `--wave-splits` (and `--split-overhead-tokens`) set the split policy's
+`--min-split-tokens`, `--max-splits`, `--wave-splits on|off` (and `--split-overhead-tokens`) set the split policy's
 constants for the whole run; a variant's splits follow its blocks a SM (`Variant.blocks_per_sm`) where the
 policy looks at them.
 
@@ -186,12 +186,13 @@ def main() -> None:
         "--min-split-tokens", type=int, help=f"split policy: {chunk_attention.MIN_SPLIT_TOKENS}"
     )
     parser.add_argument("--max-splits", type=int, help=f"split policy: {chunk_attention.MAX_SPLITS}")
-    parser.add_argument("--wave-splits", action="store_true", help="split policy: whole waves (WAVE_SPLITS)")
+    parser.add_argument("--wave-splits", choices=("on", "off"), help="split policy: whole waves (WAVE_SPLITS: on)")
     parser.add_argument(
         "--split-overhead-tokens", type=int, help=f"--wave-splits: {chunk_attention.SPLIT_OVERHEAD_TOKENS}"
     )
     args = parser.parse_args()
-    chunk_attention.WAVE_SPLITS = args.wave_splits or chunk_attention.WAVE_SPLITS
+    if args.wave_splits is not None:
+        chunk_attention.WAVE_SPLITS = args.wave_splits == "on"
     for name in ("target_blocks", "min_split_tokens", "max_splits", "split_overhead_tokens"):
         if getattr(args, name) is not None:
             setattr(chunk_attention, name.upper(), getattr(args, name))

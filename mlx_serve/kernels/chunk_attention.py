@@ -72,17 +72,18 @@ HEAD_DIMS = (64, 128)
 LOG2E = 1.4426950408889634
 STATIC_SMEM_LIMIT = 48 * 1024
 DYNAMIC_SMEM_LIMIT = 227 * 1024  # the H100 / H200's most a block may opt in to
-# splits of the history: enough blocks for two a SM on the H200's 132 (a block of 4 warps holds ~1/3 of a SM's
-# registers) once the query tiles leave SMs idle, each split at least MIN_SPLIT_TOKENS of the padded history.
-# To be tuned with `benchmarks/gpu/bench_chunk_attention.py --splits` (or its --target-blocks and friends).
+# splits of the history, each at least MIN_SPLIT_TOKENS of the padded history and at most MAX_SPLITS of them.
+# WAVE_SPLITS (the default): whole waves of the build's resident blocks (SMS x `Variant.blocks_per_sm`), even
+# past SMS blocks: the fewest that minimise waves x (split tokens + SPLIT_OVERHEAD_TOKENS, a block's fixed cost:
+# its first loads). Else (the first policy): none once the query tiles fill the SMs, else enough blocks for
+# TARGET_BLOCKS. H200, default build (one block a SM), `bench_chunk_attention --wave-splits on|off`, ms a layer
+# at 16k: 8B 128 rows 0.243 / 0.319, 256 rows 0.394 / 0.479, 768 rows 1.015 / 1.280; 0.6B 256 rows 0.237 /
+# 0.289: the first policy's 5 splits of 64 blocks made 2.4 waves of one a SM, so 3 (of which one a third full)
 SMS = 132
 TARGET_BLOCKS = 2 * SMS
 MIN_SPLIT_TOKENS = 512
 MAX_SPLITS = 16
-# an experiment (off: the policy above): splits for whole waves of the build's resident blocks (SMS x
-# `Variant.blocks_per_sm`), even past SMS blocks (1024 rows of 8B: 512 blocks, 1.3 waves of three a SM): the
-# fewest that minimise waves x (split tokens + SPLIT_OVERHEAD_TOKENS, a block's fixed cost: its first loads)
-WAVE_SPLITS = False
+WAVE_SPLITS = True
 SPLIT_OVERHEAD_TOKENS = 256
 
 
@@ -177,7 +178,7 @@ class Variant:
 
 # ptxas's registers a thread at heads of 128 (CUDA 13, sm_90), by (tile tokens, table staged): the most of the
 # split and one-pass builds at any stage count or warps. 168 is the most for three 4-warp blocks a SM.
-REGISTERS = {(32, True): 168, (32, False): 166, (64, True): 175, (64, False): 213}
+REGISTERS = {(32, True): 168, (32, False): 168, (64, True): 175, (64, False): 213}
 
 # the first version's build: two static stages of 32-token tiles, a global table load per copy
 OLD = Variant(bn=32, stages=2, warps=4, table=False, dynamic=False)
@@ -206,6 +207,14 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const __nv_b
 // unlike an XOR swizzle, every fragment's address is the lane's base plus a constant (fewer registers)
 template <int D>
 __device__ __forceinline__ int ca_at(int row, int chunk) { return row * (D + 8) + chunk * 8; }
+
+// 2^x in one MUFU.EX2 (exp2f adds three instructions an element to keep denormal results): results below
+// 2^-126 flush to zero, a probability too small to change any sum it joins
+__device__ __forceinline__ float ca_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 
 __device__ __forceinline__ unsigned ca_pack(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (the lower column) in the low half, as mma wants
@@ -415,7 +424,7 @@ SOURCE = r"""
       tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 2));
       const float m_new = fmaxf(m[h], tmax[h]);
       const float m_use = m_new == CA_NEG_INF ? 0.f : m_new;  // a row with nothing visible yet: p = 0, no NaN
-      corr[h] = exp2f((m[h] - m_use) * sl2);                 // m = -inf gives 0
+      corr[h] = m_new == m[h] ? 1.f : ca_exp2((m[h] - m_use) * sl2);  // m = -inf gives 0
       ms[h] = m_use * sl2;
       m[h] = m_new;
     }
@@ -424,15 +433,18 @@ SOURCE = r"""
     for (int j = 0; j < ST; ++j)
       #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        s[j][e] = exp2f(fmaf(s[j][e], sl2, -ms[e >> 1]));  // masked: 2^-inf = 0
+        s[j][e] = ca_exp2(fmaf(s[j][e], sl2, -ms[e >> 1]));  // masked: 2^-inf = 0
         psum[e >> 1] += s[j][e];
       }
     l[0] = l[0] * corr[0] + psum[0];
     l[1] = l[1] * corr[1] + psum[1];
-    #pragma unroll
-    for (int nd = 0; nd < OT; ++nd) {
-      o[nd][0] *= corr[0]; o[nd][1] *= corr[0];
-      o[nd][2] *= corr[1]; o[nd][3] *= corr[1];
+    // O is rescaled only when a row of the warp met a larger max: past the first tiles most tiles raise none
+    if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
+      #pragma unroll
+      for (int nd = 0; nd < OT; ++nd) {
+        o[nd][0] *= corr[0]; o[nd][1] *= corr[0];
+        o[nd][2] *= corr[1]; o[nd][3] *= corr[1];
+      }
     }
 
     // O += P V, k16 step t over tokens 16 t..16 t + 15: P's A fragment is S's n8 tiles 2 t and 2 t + 1
