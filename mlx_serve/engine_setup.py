@@ -277,8 +277,11 @@ def split_quantized_k(kind: str, fused_mixed: bool) -> str:
 # H200 (bench_chunk_attention, the gathered history + the faster of cuDNN and matmuls against the kernel's default
 # build, ms a layer at 4k / 16k): the kernel won to 384 score rows (0.6B 192 rows 0.135 / 0.211 against 0.157 /
 # 0.378), was even at 768 (8B 192 rows 0.178 / 0.416 against 0.166 / 0.446) and lost from 1,024 (0.6B 512 rows
-# 0.192 / 0.484 against 0.166 / 0.449), with the gathered history padded less than the engine pads it
+# 0.192 / 0.484 against 0.166 / 0.449), with the gathered history padded less than the engine pads it. With splits
+# for whole waves (8B, ms a layer at 4k / 8k / 16k): 192 rows 0.149 / 0.224 / 0.337 against 0.157 / 0.254 / 0.438;
+# 256 rows 0.166 / 0.249 / 0.394 against 0.158 / 0.252 / 0.450 (0.6B 512 rows alike); 384 rows lost everywhere
 CUDA_PAGED_SCORE_ROWS = 768
+CUDA_PAGED_LONG_SCORE_ROWS, CUDA_PAGED_LONG_HISTORY = 1024, 8192
 
 
 def chunk_attention(kind: str) -> Any:
@@ -297,7 +300,10 @@ def chunk_attention(kind: str) -> Any:
 
     if kind == "paged" or (kind == "auto" and cuda_available()):
         if cuda_available():
-            return PagedChunkAttention(paged.paged_chunk_attention, paged.supports, CUDA_CHUNK_ATTENTION, CUDA_PAGED_SCORE_ROWS)
+            return PagedChunkAttention(
+                paged.paged_chunk_attention, paged.supports, CUDA_CHUNK_ATTENTION, CUDA_PAGED_SCORE_ROWS,
+                CUDA_PAGED_LONG_SCORE_ROWS, CUDA_PAGED_LONG_HISTORY,
+            )  # fmt: skip
         return PagedChunkAttention(paged.reference_chunk_attention, _any_chunk)
     if kind in ("auto", "sdpa"):
         return sdpa_chunk_attention

@@ -117,13 +117,19 @@ class PagedChunkAttention:
     fallback: ChunkAttention = sdpa_chunk_attention
     # most score rows (chunk rows x query heads a kv head) the kernel takes; more go to `fallback` (0: no limit)
     max_score_rows: int = 0
+    # and up to `long_score_rows` over a table of at least `long_history` tokens (0: none), where the fallback's
+    # blocks are few and long
+    long_score_rows: int = 0
+    long_history: int = 0
     after: mx.array | None = None  # read the pool once this array's producer has run (KV written in place)
 
     def takes(self, q: mx.array, pool_keys: mx.array, lane: LaneRows, block_size: int) -> bool:
         if lane.table is None or lane.positions is None or lane.positions.shape[0] != q.shape[2]:
             return False
         score_rows = q.shape[2] * (q.shape[1] // pool_keys.shape[1])
-        return (not self.max_score_rows or score_rows <= self.max_score_rows) and self.supports(q, pool_keys, block_size)
+        few = not self.max_score_rows or score_rows <= self.max_score_rows
+        long = score_rows <= self.long_score_rows and lane.table.shape[0] * block_size >= self.long_history
+        return (few or long) and self.supports(q, pool_keys, block_size)
 
     def paged(self, q: mx.array, pool_keys: mx.array, pool_values: mx.array, lane: LaneRows, scale: float,
               block_size: int) -> mx.array:  # fmt: skip

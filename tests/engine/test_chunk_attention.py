@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -112,7 +114,8 @@ def test_engine_with_paged_chunk_attention_matches_mlx_lm(tiny_qwen3):
 
 def test_paged_chunk_attention_takes_lanes_with_a_table_positions_and_few_enough_score_rows():
     """The kernel takes a lane read through its block table whose positions match its query rows, up to
-    `max_score_rows` (rows x query heads a kv head); any other lane attends through the fallback."""
+    `max_score_rows` (rows x query heads a kv head), or `long_score_rows` over a long enough table; any other
+    lane attends through the fallback."""
     chunk = ragged.PagedChunkAttention(lambda *a, **k: None, lambda q, keys, size: True, max_score_rows=512)
     keys = mx.zeros((64, 8, 64))
     table, length = mx.zeros((4,), dtype=mx.int32), mx.array([40, 64], dtype=mx.int32)
@@ -128,6 +131,12 @@ def test_paged_chunk_attention_takes_lanes_with_a_table_positions_and_few_enough
                                                                         lane(192, 192), 16)  # fmt: skip
     assert not chunk.takes(q, keys, lane(128, 127), 16)  # positions of other rows
     assert not chunk.takes(q, keys, lane(128, None), 16) and not chunk.takes(q, keys, lane(128, 128, False), 16)
+    # up to `long_score_rows` where the table holds at least `long_history` tokens (4 blocks of 16 here)
+    wide = ragged.PagedChunkAttention(chunk.attend, chunk.supports, max_score_rows=512, long_score_rows=768,
+                                      long_history=64)  # fmt: skip
+    assert wide.takes(mx.zeros((1, 32, 192, 64)), keys, lane(192, 192), 16)
+    assert not wide.takes(mx.zeros((1, 32, 256, 64)), keys, lane(256, 256), 16)  # 1,024 score rows
+    assert not replace(wide, long_history=80).takes(mx.zeros((1, 32, 192, 64)), keys, lane(192, 192), 16)
 
 
 def test_warm_up_runs_the_paged_kernel_in_each_form_a_step_may_launch(tiny_qwen3):
