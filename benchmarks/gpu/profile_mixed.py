@@ -3,7 +3,7 @@
 The contended steps of issue 7 cost ~18 ms of host submission on the 8B shape against a 7.7 ms decode step, and
 that fixed cost is what keeps a 16k prompt's chunks small. This splits it:
 - `step`: 8 decode lanes plus one chunk of `--rows` rows over a `--history`-token history, through the runner as the
-  engine runs it (`--variants`: mlx-lm's modules, the fused forward, its compiled trace), each step synchronous:
+  engine runs it (with the engine's auto choices of MoE and quantized products) (`--variants`: mlx-lm's modules, the fused forward, its compiled trace), each step synchronous:
   submission (host metadata, graph build, MLX's encode and launch) and wait (the device finishing after that), the
   first step's whole time (a trace's cost), then the step queued `--repeats` times with one in flight (ms a step).
 - `op`: each kind of op such a step is made of, `layers` independent instances in one graph: host microseconds a
@@ -24,7 +24,15 @@ import mlx.core as mx
 
 from benchmarks.gpu.models import build_dummy_model
 from benchmarks.gpu.profile_step import cuda_profiled
-from mlx_serve.engine_setup import chunk_attention, prefill_gather, split_quantized_k
+from mlx_serve.engine_setup import (
+    chunk_attention,
+    dense_experts,
+    expert_tiles,
+    prefill_gather,
+    quantized_gemv,
+    quantized_tiles,
+    split_quantized_k,
+)
 from mlx_serve.kernels.paged_attention import cuda_available, select_decode_attention
 from mlx_serve.kv_pool import KVLayout, KVPool
 from mlx_serve.runner import KV_BUCKET, ModelRunner, history_bucket, query_bucket
@@ -60,7 +68,8 @@ def step_phases(
     runner = ModelRunner(
         model, pool, select_decode_attention("auto"), compile_decode=True, fuse_decode=True, fuse_mixed=fuse_mixed,
         compile_mixed=compile_mixed, prefill_gather=prefill_gather(pool), split_k=split_quantized_k(split, fuse_mixed),
-        chunk_attention=chunk_attention(attention),
+        chunk_attention=chunk_attention(attention), dense_moe=dense_experts("auto"), expert_tiles=expert_tiles("auto"),
+        quantized_tiles=quantized_tiles("auto"), quantized_gemv=quantized_gemv("auto"),
     )  # fmt: skip
     for rid in [f"d{i}" for i in range(lanes)] + ["p"]:
         runner.add_request(rid, SamplingParams(temperature=0.0))
