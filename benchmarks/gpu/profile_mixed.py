@@ -3,7 +3,8 @@
 The contended steps of issue 7 cost ~18 ms of host submission on the 8B shape against a 7.7 ms decode step, and
 that fixed cost is what keeps a 16k prompt's chunks small. This splits it:
 - `step`: 8 decode lanes plus one chunk of `--rows` rows over a `--history`-token history, through the runner as the
-  engine runs it (with the engine's auto choices of MoE and quantized products) (`--variants`: mlx-lm's modules, the fused forward, its compiled trace), each step synchronous:
+  engine runs it, its MoE and quantized products as the engine picks them (`--variants`: mlx-lm's modules, the fused
+  forward, its compiled trace), each step synchronous:
   submission (host metadata, graph build, MLX's encode and launch) and wait (the device finishing after that), the
   first step's whole time (a trace's cost), then the step queued `--repeats` times with one in flight (ms a step).
 - `op`: each kind of op such a step is made of, `layers` independent instances in one graph: host microseconds a
