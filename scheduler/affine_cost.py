@@ -227,7 +227,7 @@ class TrustRegion:
     ) -> None:
         if self.factor:
             exact = reach if exact_reach is None else exact_reach
-            self.steps.append(Remembered(reach, rows, elapsed_ms / rows, lanes, compiled, width, elapsed_ms, exact))
+            self.steps.append(Remembered(reach, rows, lanes, compiled, width, elapsed_ms, exact))
             self._stale = True
             self._floors.clear()
 
@@ -251,20 +251,21 @@ class TrustRegion:
         key = (rows, exact_reach, lanes, compiled, width)
         if key not in self._floors:
             largest, cheapest = 0, math.inf
-            for _, s_rows, _, s_lanes, s_compiled, s_width, s_ms, s_reach in self.steps:
-                if (largest <= s_rows <= rows and s_reach <= exact_reach and s_lanes <= lanes and s_width <= width
-                        and (s_compiled or not compiled)):  # fmt: skip
-                    if s_rows > largest:
-                        largest, cheapest = s_rows, s_ms
-                    elif s_ms < cheapest:
-                        cheapest = s_ms
+            for step in self.steps:
+                if (largest <= step.rows <= rows and step.exact_reach <= exact_reach and step.lanes <= lanes
+                        and step.width <= width and (step.compiled or not compiled)):  # fmt: skip
+                    if step.rows > largest:
+                        largest, cheapest = step.rows, step.ms
+                    elif step.ms < cheapest:
+                        cheapest = step.ms
             self._floors[key] = cheapest if largest else None
         return self._floors[key]
 
     def _rebuild(self) -> None:
         references: list[tuple[int, int, float]] = []
         largest, least = 0, math.inf
-        for step in sorted(self.steps, reverse=True):  # longest reach first: a running maximum
+        # longest reach first (the most rows first within one): a running maximum
+        for step in sorted(self.steps, key=lambda step: (step.reach, step.rows), reverse=True):
             reach, rows, ms_per_row = step.reach, step.rows, step.ms_per_row
             if rows > largest:
                 largest, least = rows, ms_per_row
@@ -284,12 +285,15 @@ class Remembered(NamedTuple):
 
     reach: int
     rows: int
-    ms_per_row: float
     lanes: int
     compiled: bool
     width: int
     ms: float
     exact_reach: int  # the longest KV a chunk reached, unpadded (what a kernel reading the pool pays for)
+
+    @property
+    def ms_per_row(self) -> float:
+        return self.ms / self.rows
 
 
 class AffineCostModel:
