@@ -241,7 +241,7 @@ class ModelRunner:
         if not self._mixed_on or not mixed.defer_traces:
             return 0
         for padded in self._history_buckets(max_len):
-            for count in (query_bucket(r) for r in rows if query_bucket(r) <= padded):
+            for count in (bucket for bucket in map(query_bucket, rows) if bucket <= padded):
                 mixed.want((0, 1, count, padded), self.prefill_gather, self.kv_bucket)
         traced = 0
         # not run on the scratch block (`run_idle_traces` runs only the shapes traced while serving): running them at
