@@ -9,8 +9,11 @@ score rows, and never touches a key past the rows' causal limit: no copy, no pad
 
 Layout (FA2 forward on tensor cores, `mma.sync m16n8k16`, bf16 in, fp32 sums):
 - score rows: the G = heads / kv_heads query heads of a kv head are stacked as rows `s = i * G + g` (query
-  row i, head kvh * G + g), so one K/V tile serves all of them. A thread block is (64 score rows, kv head,
-  history split); its 4 warps own 16 rows each and hold their Q fragments in registers.
+  row i, head kvh * G + g), so one K/V tile serves all of them. A thread block is (16 x `MT` x warps score
+  rows, kv head, history split). With one m16 row tile a warp (`MT` = 1) a warp holds its Q fragments in
+  registers; with two (the default), each K and V fragment a warp loads from shared memory feeds twice the
+  MMAs (shared-memory loads, not the tensor cores, bounded the one-tile build), and Q, which no longer fits in
+  registers beside two tiles of O, is staged in shared memory and loaded by `ldmatrix` at each k step.
 - K/V tiles: `BN` (32 or 64) tokens, `cp.async` into `STAGES` (2-4) shared-memory stages, `STAGES - 1` tiles
   in flight ahead of the one in use behind one barrier a tile; token rows padded to an odd number of 16-byte
   chunks so that `ldmatrix` (K, the B operand of S = Q K^T) and `ldmatrix.trans` (V, the B operand of
@@ -51,8 +54,8 @@ from mlx_serve.kernels.mma import MMA_HEADER
 from mlx_serve.kernels.paged_gather import table_gather
 from mlx_serve.ragged import LaneRows
 
-# a block's warps, 16 score rows each (32 a warp would double O's 64 registers a thread). 8 warps halve the L2
-# reads of K/V (every query tile reads the whole history) and leave one block a SM
+# a block's warps, 16 score rows each a row tile. 8 warps halve the L2 reads of K/V (every query tile reads the
+# whole history) and leave one block a SM
 WARPS = 8
 # The default build (see `Variant`), read at each call so that a benchmark may set them: tokens a staged K/V
 # tile (32 or 64), shared-memory stages (2-4: STAGES - 1 tiles in flight behind the one in use), whether a
@@ -67,6 +70,11 @@ STAGES = 4
 TABLE = True
 TABLE_ENTRIES = 1024  # 4 KB: 16k tokens of blocks of 16 before a split refills its window
 DYNAMIC_SMEM = True
+# m16 row tiles a warp: 2 doubles the MMAs per K / V fragment loaded from shared memory (O takes 128 registers a
+# thread, Q moves to shared memory). H200, ms a layer (bench_chunk_attention, twenty-sixth run), 1 -> 2 tiles:
+# 8B 256 rows at 16k 0.405 -> 0.304, 768 rows 0.997 -> 0.762; 0.6B 1,024 rows at 4k 0.226 -> 0.192: 1.15-1.36x
+# at every size measured (192-2,048 rows over 4-16k)
+ROW_TILES = 2
 MERGE_THREADS = 128
 HEAD_DIMS = (64, 128)
 LOG2E = 1.4426950408889634
@@ -93,7 +101,8 @@ class Variant:
     (2-4), `warps` a block (4 or 8, 16 score rows each), `table`: the block's table entries staged in shared
     memory (`table_entries` at a time) rather than read from global memory by each copy, `dynamic`: dynamic
     shared memory (else static, at most 48 KB), `min_blocks` > 0: `__launch_bounds__(threads, min_blocks)`,
-    which caps the registers (ptxas spills what does not fit: an experiment, outside `VARIANTS`)."""
+    which caps the registers (ptxas spills what does not fit: an experiment, outside `VARIANTS`), `row_tiles`:
+    m16 tiles of score rows a warp (2: each K / V fragment feeds twice the MMAs, Q from shared memory)."""
 
     bn: int = 64
     stages: int = 3
@@ -102,12 +111,15 @@ class Variant:
     table_entries: int = 1024
     dynamic: bool = True
     min_blocks: int = 0
+    row_tiles: int = 1
 
     def __post_init__(self) -> None:
         if self.bn not in (32, 64) or self.stages not in (2, 3, 4):
             raise ValueError(f"tiles of 32 or 64 tokens in 2-4 stages, not {self.bn} in {self.stages}")
         if self.warps not in (4, 8):
             raise ValueError(f"blocks of 4 or 8 warps, not {self.warps}")
+        if self.row_tiles not in (1, 2):
+            raise ValueError(f"one or two m16 row tiles a warp, not {self.row_tiles}")
         if not 0 <= self.min_blocks <= 64 // self.warps:
             raise ValueError(
                 f"at most {64 // self.warps} blocks of {self.warps} warps a SM, not {self.min_blocks}"
@@ -118,9 +130,16 @@ class Variant:
             )
 
     def smem_bytes(self, head_dim: int) -> int:
-        """Shared memory a block takes: the stages of K and V (rows padded to D + 8 bf16), the table
-        window."""
-        return 2 * self.stages * self.bn * (head_dim + 8) * 2 + (4 * self.table_entries if self.table else 0)
+        """Shared memory a block takes: the stages of K and V (rows padded to D + 8 bf16), Q's rows where
+        staged (two row tiles a warp), the table window."""
+        kv = 2 * self.stages * self.bn * (head_dim + 8) * 2
+        q = self.score_rows * (head_dim + 8) * 2 if self.row_tiles > 1 else 0
+        return kv + q + (4 * self.table_entries if self.table else 0)
+
+    @property
+    def score_rows(self) -> int:
+        """Score rows a block: 16 a row tile, `row_tiles` a warp."""
+        return 16 * self.row_tiles * self.warps
 
     def blocks_per_sm(self, head_dim: int = 128) -> int:
         """Blocks a H100 / H200 SM holds (64K registers, 228 KB of shared memory and 1 KB more a block),
@@ -129,7 +148,7 @@ class Variant:
         if self.min_blocks:
             registers = 65536 // (32 * self.warps * self.min_blocks) // 8 * 8
         else:
-            registers = REGISTERS[self.bn, self.table]
+            registers = REGISTERS[self.bn, self.table, self.row_tiles]
         by_registers = 65536 // (-(-registers // 8) * 8 * 32 * self.warps)
         return max(1, min(by_registers, 228 * 1024 // (self.smem_bytes(head_dim) + 1024), 64 // self.warps))
 
@@ -142,6 +161,7 @@ class Variant:
         if self.table and self.table_entries != Variant.table_entries:
             name += f"_tc{self.table_entries}"
         name += "" if self.table else "_gtable"
+        name += f"_rt{self.row_tiles}" if self.row_tiles > 1 else ""
         return (
             name + ("" if self.dynamic else "_static") + (f"_mb{self.min_blocks}" if self.min_blocks else "")
         )
@@ -159,6 +179,7 @@ class Variant:
             "WARPS": "warps",
             "TC": "table_entries",
             "MINB": "min_blocks",
+            "RT": "row_tiles",
         }
         fields = {}
         for item in filter(None, (part.strip() for part in spec.split(","))):
@@ -171,26 +192,38 @@ class Variant:
             elif key == "SMEM" and value in ("static", "dynamic"):
                 fields["dynamic"] = value == "dynamic"
             else:
-                expected = "BN=, STAGES=, WARPS=, TC=, MINB=, TABLE=0|1, SMEM=static|dynamic"
+                expected = "BN=, STAGES=, WARPS=, TC=, MINB=, RT=, TABLE=0|1, SMEM=static|dynamic"
                 raise ValueError(f"variant setting {item!r}: {expected}")
         return dataclasses.replace(default_variant(), **fields)
 
 
-# ptxas's registers a thread at heads of 128 (CUDA 13, sm_90), by (tile tokens, table staged): the most of the
-# split and one-pass builds at any stage count or warps. 168 is the most for three 4-warp blocks a SM.
-REGISTERS = {(32, True): 168, (32, False): 168, (64, True): 175, (64, False): 213}
+# ptxas's registers a thread at heads of 128 (CUDA 13, sm_90), by (tile tokens, table staged, row tiles): the most
+# of the split and one-pass builds at any stage count or warps. 168 is the most for three 4-warp blocks a SM. Two
+# row tiles take all 255
+REGISTERS = {(32, True, 1): 168, (32, False, 1): 168, (64, True, 1): 175, (64, False, 1): 213,
+             (32, True, 2): 255, (64, True, 2): 255}
+# bytes of spill stores ptxas reports, by the same key (none elsewhere): two row tiles of 64-token tiles spill a few
+# scalars, ~6 local loads and stores a tile beside its 256 MMAs, and still ran 2-5% faster than 32-token tiles at 16k
+SPILL_BYTES = {(64, True, 2): 32}
 
 # the first version's build: two static stages of 32-token tiles, a global table load per copy
 OLD = Variant(bn=32, stages=2, warps=4, table=False, dynamic=False)
 # the builds worth a sweep (`bench_chunk_attention.py --variants all`; the nvcc and device tests take them
 # all): the first version, tiles of 32 or 64 tokens in 2-4 stages (4 warps: three blocks a SM at 32 tokens,
-# two at 64 but one at 64 x 4 stages), and 64 x 4 stages for one block of 8 warps
-VARIANTS = (OLD, *(Variant(bn, stages) for bn in (32, 64) for stages in (2, 3, 4)), Variant(64, 4, warps=8))
+# two at 64 but one at 64 x 4 stages), 64 x 4 stages for one block of 8 warps, and two row tiles a warp: 8 warps
+# of 32 or 64-token tiles in 4 stages, 4 warps of 32-token tiles in 3
+VARIANTS = (
+    OLD,
+    *(Variant(bn, stages) for bn in (32, 64) for stages in (2, 3, 4)),
+    Variant(64, 4, warps=8),
+    *(Variant(bn, 4, warps=8, row_tiles=2) for bn in (32, 64)),
+    Variant(32, 3, row_tiles=2),
+)
 
 
 def default_variant() -> Variant:
     """The build the module constants name (read now: a benchmark may have changed them)."""
-    return Variant(BN, STAGES, WARPS, TABLE, TABLE_ENTRIES, DYNAMIC_SMEM)
+    return Variant(BN, STAGES, WARPS, TABLE, TABLE_ENTRIES, DYNAMIC_SMEM, row_tiles=ROW_TILES)
 
 
 HEADER = r"""
@@ -236,9 +269,12 @@ SOURCE = r"""
   static_assert(BN % 16 == 0 && BN >= 16, "tiles of whole k16 steps of P V");
   static_assert(STAGES >= 2, "a stage in use and at least one in flight");
   static_assert(WARPS == 4 || WARPS == 8, "blocks of 4 or 8 warps");
+  static_assert(MT == 1 || MT == 2, "one or two m16 row tiles a warp");
   static_assert(!TABLE || TC >= BN + 1, "a table window holds a tile's entries (BN + 1 of them with BS = 1)");
   constexpr int THREADS = 32 * WARPS;
-  constexpr int BM = 16 * WARPS;     // score rows a block
+  constexpr int WM = 16 * MT;        // score rows a warp
+  constexpr int BM = WM * WARPS;     // score rows a block
+  constexpr bool QS = MT > 1;        // Q staged in shared memory (ldmatrix'd each k step), else in registers
   constexpr int CH = D / 8;          // 16-byte chunks of a token's head
   constexpr int KT = D / 16;         // k16 steps of S = Q K^T
   constexpr int ST = BN / 8;         // n8 tiles of S (tokens)
@@ -246,8 +282,9 @@ SOURCE = r"""
   constexpr int TILE = BN * (D + 8); // bf16 of one staged K or V tile (rows padded, see ca_at)
   constexpr int COPIES = BN * CH / THREADS;  // 16-byte copies a thread issues per tile, each of K and V
   static_assert(COPIES * THREADS == BN * CH, "a tile's chunks spread evenly over the threads");
-  // shared memory: STAGES tiles of K, then of V, then the table window (TC int32 entries)
-  static_assert(2 * STAGES * TILE * 2 + (TABLE ? 4 * TC : 0) <= SMEM, "the launcher's shared memory fits");
+  constexpr int QTILE = QS ? BM * (D + 8) : 0;  // bf16 of the block's staged Q rows (padded as K's)
+  // shared memory: STAGES tiles of K, then of V, then Q's rows, then the table window (TC int32 entries)
+  static_assert(2 * STAGES * TILE * 2 + QTILE * 2 + (TABLE ? 4 * TC : 0) <= SMEM, "the launcher's shared memory fits");
 #if CA_DYNAMIC
   extern __shared__ __align__(16) unsigned char ca_smem[];
 #else
@@ -256,7 +293,8 @@ SOURCE = r"""
 #endif
   __nv_bfloat16* const Ks = reinterpret_cast<__nv_bfloat16*>(ca_smem);
   __nv_bfloat16* const Vs = Ks + STAGES * TILE;
-  int* const tab = reinterpret_cast<int*>(Vs + STAGES * TILE);
+  __nv_bfloat16* const Qs = Vs + STAGES * TILE;
+  int* const tab = reinterpret_cast<int*>(Qs + QTILE);
 
   const int H = q_shape[1];
   const int R = q_shape[2];
@@ -293,34 +331,53 @@ SOURCE = r"""
   const int end = min(start + per, block_lim);
   const int n_tiles = end > start ? (end - start + BN - 1) / BN : 0;
 
-  // this thread's two score rows, their limits within the split, and the warp's least and greatest limit
-  const int s0 = s_block + warp * 16 + gid, s1 = s0 + 8;
-  const int lim[2] = {min(row_limit(s0), end), min(row_limit(s1), end)};
-  int wmin = min(lim[0], lim[1]), wmax = max(lim[0], lim[1]);
+  // this thread's score rows: two of each of the warp's m16 tiles (gid and gid + 8), their limits within the
+  // split, and the warp's least and greatest limit
+  auto score_row = [&](int mt, int h) { return s_block + warp * WM + mt * 16 + gid + 8 * h; };
+  int lim[MT][2];
+  int wmin = end, wmax = 0;
+  #pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      lim[mt][h] = min(row_limit(score_row(mt, h)), end);
+      wmin = min(wmin, lim[mt][h]);
+      wmax = max(wmax, lim[mt][h]);
+    }
   #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     wmin = min(wmin, __shfl_xor_sync(0xffffffffu, wmin, o));
     wmax = max(wmax, __shfl_xor_sync(0xffffffffu, wmax, o));
   }
 
-  // Q's A fragments, held for the whole history: a0 (row gid, dims 2 tig..+1), a1 (row gid + 8), a2 / a3 the
-  // same at dims + 8, for each k16 step of the head
-  unsigned qa[KT][4];
-  {
-    auto q_row = [&](int s) {  // score row s: query head kvh * G + s % G, row s / G (none past the rows)
-      const __nv_bfloat16* row = q + ((size_t)(kvh * G + s % G) * R + s / G) * D;
-      return s < rows ? reinterpret_cast<const unsigned*>(row) : nullptr;
-    };
-    const unsigned* q0 = q_row(s0);
-    const unsigned* q1 = q_row(s1);
+  auto q_row = [&](int s) {  // score row s: query head kvh * G + s % G, row s / G (none past the rows)
+    const __nv_bfloat16* row = q + ((size_t)(kvh * G + s % G) * R + s / G) * D;
+    return s < rows ? row : nullptr;
+  };
+  // Q's A fragments: with one m16 tile a warp, held in registers for the whole history: a0 (row gid, dims
+  // 2 tig..+1), a1 (row gid + 8), a2 / a3 the same at dims + 8, for each k16 step of the head. With two, the
+  // block's Q rows are copied to shared memory with the first tile (its cp.async group) and ldmatrix'd at
+  // each k step: 64 more registers a thread would not fit beside O
+  unsigned qa[QS ? 1 : KT][4];
+  if constexpr (QS) {
+    for (int piece = tid; piece < BM * CH; piece += THREADS) {
+      const int r = piece / CH, chunk = piece % CH;
+      const __nv_bfloat16* row = q_row(s_block + r);
+      cp_async16(Qs + ca_at<D>(r, chunk), row ? row + chunk * 8 : q, row != nullptr);
+    }
+  } else {
+    const unsigned* q0 = reinterpret_cast<const unsigned*>(q_row(score_row(0, 0)));
+    const unsigned* q1 = reinterpret_cast<const unsigned*>(q_row(score_row(0, 1)));
     #pragma unroll
-    for (int kk = 0; kk < KT; ++kk) {
+    for (int kk = 0; kk < (QS ? 1 : KT); ++kk) {
       qa[kk][0] = q0 ? q0[8 * kk + tig] : 0u;
       qa[kk][1] = q1 ? q1[8 * kk + tig] : 0u;
       qa[kk][2] = q0 ? q0[8 * kk + 4 + tig] : 0u;
       qa[kk][3] = q1 ? q1[8 * kk + 4 + tig] : 0u;
     }
   }
+  // ldmatrix lanes of Q (A, non-trans): lanes 0-15 rows 0-15 of an m16 tile at chunk k, 16-31 at k + 1
+  const int q_lrow = warp * WM + (lane & 15), q_lchunk = lane >> 4;
 
   // the table window: tab[e - wb] = table[e] for the split's entries e in [wb, wb + TC). Loaded once before
   // the first tile and reloaded (from the first entry of the tile about to be copied) only when a split spans
@@ -366,11 +423,16 @@ SOURCE = r"""
     }
   };
 
-  float o[OT][4];
+  float o[MT][OT][4];
   #pragma unroll
-  for (int nd = 0; nd < OT; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
-  float m[2] = {CA_NEG_INF, CA_NEG_INF};  // rows gid, gid + 8: running max of the raw scores (quad-uniform)
-  float l[2] = {0.f, 0.f};                // and this thread's share of the running sum
+  for (int mt = 0; mt < MT; ++mt)
+    #pragma unroll
+    for (int nd = 0; nd < OT; ++nd) o[mt][nd][0] = o[mt][nd][1] = o[mt][nd][2] = o[mt][nd][3] = 0.f;
+  // rows gid, gid + 8 of each m16 tile: running max of the raw scores (quad-uniform), this thread's share of
+  // the running sum
+  float m[MT][2], l[MT][2];
+  #pragma unroll
+  for (int mt = 0; mt < MT; ++mt) m[mt][0] = m[mt][1] = CA_NEG_INF, l[mt][0] = l[mt][1] = 0.f;
 
   // ldmatrix lanes. K (non-trans): lanes 0-7 tokens 0-7 at chunk k, 8-15 the same at k + 1, 16-23 tokens
   // 8-15 at k, 24-31 those at k + 1: b0 / b1 of two n8 token tiles. V (trans): lanes 0-7 tokens 0-7 at dim
@@ -387,114 +449,154 @@ SOURCE = r"""
     const __nv_bfloat16* ks = Ks + (it % STAGES) * TILE;
     const __nv_bfloat16* vs = Vs + (it % STAGES) * TILE;
 
-    // S = Q K^T: s[j] is the n8 tile of tokens 8 j..8 j + 7; [0], [1] row gid, [2], [3] row gid + 8
-    float s[ST][4];
+    // S = Q K^T: s[mt][j] is the n8 tile of tokens 8 j..8 j + 7 of m16 tile mt; [0], [1] row gid, [2], [3]
+    // row gid + 8. Each K fragment serves the warp's MT tiles
+    float s[MT][ST][4];
     #pragma unroll
-    for (int j = 0; j < ST; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+    for (int mt = 0; mt < MT; ++mt)
+      #pragma unroll
+      for (int j = 0; j < ST; ++j) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.f;
     #pragma unroll
     for (int kk = 0; kk < KT; ++kk) {
+      unsigned qf[MT][4];
+      #pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        if constexpr (QS) {
+          ldmatrix_x4(qf[mt], Qs + ca_at<D>(q_lrow + 16 * mt, 2 * kk + q_lchunk));
+        } else {
+          #pragma unroll
+          for (int c = 0; c < 4; ++c) qf[mt][c] = qa[QS ? 0 : kk][c];
+        }
+      }
       #pragma unroll
       for (int j = 0; j < ST; j += 2) {
         unsigned r[4];
         ldmatrix_x4(r, ks + ca_at<D>(8 * j + k_row, 2 * kk + k_chunk));
         const unsigned b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
-        mma_bf16(s[j], qa[kk], b0);
-        mma_bf16(s[j + 1], qa[kk], b1);
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_bf16(s[mt][j], qf[mt], b0);
+          mma_bf16(s[mt][j + 1], qf[mt], b1);
+        }
       }
     }
     if (t0 + BN > wmin) {  // some row of the warp stops inside this tile: mask per element
       #pragma unroll
-      for (int j = 0; j < ST; ++j)
+      for (int mt = 0; mt < MT; ++mt)
         #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (t0 + 8 * j + 2 * tig + (e & 1) >= lim[e >> 1]) s[j][e] = CA_NEG_INF;
+        for (int j = 0; j < ST; ++j)
+          #pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (t0 + 8 * j + 2 * tig + (e & 1) >= lim[mt][e >> 1]) s[mt][j][e] = CA_NEG_INF;
     }
 
     // online softmax of the tile, in the log2 domain: p = 2^(s sl2 - m sl2)
-    float tmax[2] = {CA_NEG_INF, CA_NEG_INF};
+    float corr[MT][2];
+    bool rescale = false;
     #pragma unroll
-    for (int j = 0; j < ST; ++j) {
-      tmax[0] = fmaxf(tmax[0], fmaxf(s[j][0], s[j][1]));
-      tmax[1] = fmaxf(tmax[1], fmaxf(s[j][2], s[j][3]));
-    }
-    float corr[2], ms[2];
-    #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 1));
-      tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 2));
-      const float m_new = fmaxf(m[h], tmax[h]);
-      const float m_use = m_new == CA_NEG_INF ? 0.f : m_new;  // a row with nothing visible yet: p = 0, no NaN
-      corr[h] = m_new == m[h] ? 1.f : ca_exp2((m[h] - m_use) * sl2);  // m = -inf gives 0
-      ms[h] = m_use * sl2;
-      m[h] = m_new;
-    }
-    float psum[2] = {0.f, 0.f};
-    #pragma unroll
-    for (int j = 0; j < ST; ++j)
+    for (int mt = 0; mt < MT; ++mt) {
+      float tmax[2] = {CA_NEG_INF, CA_NEG_INF};
       #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s[j][e] = ca_exp2(fmaf(s[j][e], sl2, -ms[e >> 1]));  // masked: 2^-inf = 0
-        psum[e >> 1] += s[j][e];
+      for (int j = 0; j < ST; ++j) {
+        tmax[0] = fmaxf(tmax[0], fmaxf(s[mt][j][0], s[mt][j][1]));
+        tmax[1] = fmaxf(tmax[1], fmaxf(s[mt][j][2], s[mt][j][3]));
       }
-    l[0] = l[0] * corr[0] + psum[0];
-    l[1] = l[1] * corr[1] + psum[1];
+      float ms[2];
+      #pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 1));
+        tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 2));
+        const float m_new = fmaxf(m[mt][h], tmax[h]);
+        const float m_use = m_new == CA_NEG_INF ? 0.f : m_new;  // a row with nothing visible yet: p = 0, no NaN
+        corr[mt][h] = m_new == m[mt][h] ? 1.f : ca_exp2((m[mt][h] - m_use) * sl2);  // m = -inf gives 0
+        rescale |= corr[mt][h] != 1.f;
+        ms[h] = m_use * sl2;
+        m[mt][h] = m_new;
+      }
+      float psum[2] = {0.f, 0.f};
+      #pragma unroll
+      for (int j = 0; j < ST; ++j)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[mt][j][e] = ca_exp2(fmaf(s[mt][j][e], sl2, -ms[e >> 1]));  // masked: 2^-inf = 0
+          psum[e >> 1] += s[mt][j][e];
+        }
+      l[mt][0] = l[mt][0] * corr[mt][0] + psum[0];
+      l[mt][1] = l[mt][1] * corr[mt][1] + psum[1];
+    }
     // O is rescaled only when a row of the warp met a larger max: past the first tiles most tiles raise none
-    if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
+    if (__any_sync(0xffffffffu, rescale)) {
       #pragma unroll
-      for (int nd = 0; nd < OT; ++nd) {
-        o[nd][0] *= corr[0]; o[nd][1] *= corr[0];
-        o[nd][2] *= corr[1]; o[nd][3] *= corr[1];
-      }
+      for (int mt = 0; mt < MT; ++mt)
+        #pragma unroll
+        for (int nd = 0; nd < OT; ++nd) {
+          o[mt][nd][0] *= corr[mt][0]; o[mt][nd][1] *= corr[mt][0];
+          o[mt][nd][2] *= corr[mt][1]; o[mt][nd][3] *= corr[mt][1];
+        }
     }
 
-    // O += P V, k16 step t over tokens 16 t..16 t + 15: P's A fragment is S's n8 tiles 2 t and 2 t + 1
+    // O += P V, k16 step t over tokens 16 t..16 t + 15: P's A fragment is S's n8 tiles 2 t and 2 t + 1; each
+    // V fragment serves the warp's MT tiles
     #pragma unroll
     for (int t = 0; t < BN / 16; ++t) {
-      const float* lo = s[2 * t];
-      const float* hi = s[2 * t + 1];
-      const unsigned pa[4] = {ca_pack(lo[0], lo[1]), ca_pack(lo[2], lo[3]), ca_pack(hi[0], hi[1]),
-                              ca_pack(hi[2], hi[3])};
+      unsigned pa[MT][4];
+      #pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const float* lo = s[mt][2 * t];
+        const float* hi = s[mt][2 * t + 1];
+        pa[mt][0] = ca_pack(lo[0], lo[1]);
+        pa[mt][1] = ca_pack(lo[2], lo[3]);
+        pa[mt][2] = ca_pack(hi[0], hi[1]);
+        pa[mt][3] = ca_pack(hi[2], hi[3]);
+      }
       #pragma unroll
       for (int nd = 0; nd < OT; nd += 2) {
         unsigned r[4];
         ldmatrix_x4_trans(r, vs + ca_at<D>(16 * t + v_row, nd + v_chunk));
         const unsigned b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
-        mma_bf16(o[nd], pa, b0);
-        mma_bf16(o[nd + 1], pa, b1);
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_bf16(o[mt][nd], pa[mt], b0);
+          mma_bf16(o[mt][nd + 1], pa[mt], b1);
+        }
       }
     }
   }
 
-  // the rows' sums over their quads; then rows gid and gid + 8 out (rows past R * G are dropped)
+  // the rows' sums over their quads; then rows gid and gid + 8 of each m16 tile out (rows past R * G are dropped)
   #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
-    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
-  }
-  #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int sr = h ? s1 : s0;
-    if (sr >= rows) continue;
-    const size_t row = (size_t)(kvh * G + sr % G) * R + sr / G;  // (head, query row) in [H, R]
-#if CA_PARTIAL
-    float* op = o_part + ((size_t)split * H * R + row) * D + 2 * tig;
+  for (int mt = 0; mt < MT; ++mt)
     #pragma unroll
-    for (int nd = 0; nd < OT; ++nd)
-      *reinterpret_cast<float2*>(op + 8 * nd) = make_float2(o[nd][2 * h], o[nd][2 * h + 1]);
-    if (tig == 0) {
-      float* mlp = ml_part + ((size_t)split * H * R + row) * 2;
-      mlp[0] = m[h] * sl2;  // -inf stays -inf: a split this row sees nothing of, which the merge skips
-      mlp[1] = l[h];
+    for (int h = 0; h < 2; ++h) {
+      l[mt][h] += __shfl_xor_sync(0xffffffffu, l[mt][h], 1);
+      l[mt][h] += __shfl_xor_sync(0xffffffffu, l[mt][h], 2);
     }
-#else
-    const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
-    __nv_bfloat16* op = out + row * D + 2 * tig;
+  #pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
     #pragma unroll
-    for (int nd = 0; nd < OT; ++nd)
-      *reinterpret_cast<__nv_bfloat162*>(op + 8 * nd) =
-          __floats2bfloat162_rn(o[nd][2 * h] * inv, o[nd][2 * h + 1] * inv);
+    for (int h = 0; h < 2; ++h) {
+      const int srow = score_row(mt, h);
+      if (srow >= rows) continue;
+      const size_t row = (size_t)(kvh * G + srow % G) * R + srow / G;  // (head, query row) in [H, R]
+#if CA_PARTIAL
+      float* op = o_part + ((size_t)split * H * R + row) * D + 2 * tig;
+      #pragma unroll
+      for (int nd = 0; nd < OT; ++nd)
+        *reinterpret_cast<float2*>(op + 8 * nd) = make_float2(o[mt][nd][2 * h], o[mt][nd][2 * h + 1]);
+      if (tig == 0) {
+        float* mlp = ml_part + ((size_t)split * H * R + row) * 2;
+        mlp[0] = m[mt][h] * sl2;  // -inf stays -inf: a split this row sees nothing of, which the merge skips
+        mlp[1] = l[mt][h];
+      }
+#else
+      const float inv = l[mt][h] > 0.f ? 1.f / l[mt][h] : 0.f;
+      __nv_bfloat16* op = out + row * D + 2 * tig;
+      #pragma unroll
+      for (int nd = 0; nd < OT; ++nd)
+        *reinterpret_cast<__nv_bfloat162*>(op + 8 * nd) =
+            __floats2bfloat162_rn(o[mt][nd][2 * h] * inv, o[mt][nd][2 * h + 1] * inv);
 #endif
-  }
+    }
 """
 
 # Template: D. Inputs: o_part [splits, H, R, D] fp32, ml_part [splits, H, R, 2] fp32. Output: out [1, H, R, D]
@@ -670,7 +772,7 @@ def paged_chunk_attention(
         kind = "dynamic" if variant.dynamic else "static"
         raise ValueError(f"{variant.name} takes {smem} bytes of shared memory, past the {kind} limit")
     threads = 32 * warps
-    tiles = -(-rows * group // (16 * warps))
+    tiles = -(-rows * group // variant.score_rows)
     padded = table.shape[0] * block_size
     per_sm = variant.blocks_per_sm(head_dim)
     count = max(1, int(splits)) if splits else split_count(tiles * kv_heads, padded, per_sm)
@@ -679,7 +781,7 @@ def paged_chunk_attention(
     inputs += [_scalar(float(scale) * LOG2E)] + ([after] if ordered else [])
     launch = {
         "template": [("D", head_dim), ("G", group), ("BS", block_size), ("BN", variant.bn)]
-        + [("STAGES", variant.stages), ("WARPS", warps), ("TABLE", int(variant.table))]
+        + [("STAGES", variant.stages), ("WARPS", warps), ("MT", variant.row_tiles), ("TABLE", int(variant.table))]
         + [
             ("TC", variant.table_entries if variant.table else 0),
             ("SMEM", smem),

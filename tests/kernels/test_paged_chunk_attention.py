@@ -324,12 +324,13 @@ def emulate_kernel(p: Problem, splits: int, variant: Variant) -> tuple[np.ndarra
     output): the same block ranges, table window (loads and refills), copies into the pipeline's padded stages
     (issued in the kernel's order: a stage is refilled only once its tile is done), fragment addresses, masks,
     online softmax and merge. Returns the output and the most table window loads one block made."""
-    BN, STAGES, warps, TC = variant.bn, variant.stages, variant.warps, variant.table_entries
+    BN, STAGES, warps, TC, MT = variant.bn, variant.stages, variant.warps, variant.table_entries, variant.row_tiles
     _, heads, rows_q, D = p.q.shape
     kv_heads = p.pool_keys.shape[1]
     G, BS, NB = heads // kv_heads, p.block_size, len(p.table)
     CH, KT, ST, OT, TILE = D // 8, D // 16, BN // 8, D // 8, BN * (D + 8)
-    BM, threads = 16 * warps, 32 * warps
+    WM, threads = 16 * MT, 32 * warps
+    BM = WM * warps
     copies = BN * CH // threads
     rows = rows_q * G
     tiles = -(-rows // BM)
@@ -353,6 +354,7 @@ def emulate_kernel(p: Problem, splits: int, variant: Variant) -> tuple[np.ndarra
 
     k_row, k_chunk = (LANE & 7) + ((LANE >> 4) << 3), (LANE >> 3) & 1
     v_row, v_chunk = (LANE & 7) + (((LANE >> 3) & 1) << 3), LANE >> 4
+    q_lrow, q_lchunk = LANE & 15, LANE >> 4  # Q's ldmatrix lanes (two row tiles: Q in shared memory)
     for block_x in range(tiles):
         tile = tiles - 1 - block_x
         for kvh in range(kv_heads):
@@ -402,24 +404,38 @@ def emulate_kernel(p: Problem, splits: int, variant: Variant) -> tuple[np.ndarra
                         ks[dst] = np.where(ok[:, None], p.pool_keys[slot[:, None], kvh, dims], 0.0)
                         vs[dst] = np.where(ok[:, None], p.pool_values[slot[:, None], kvh, dims], 0.0)
 
+                qs = np.full(BM * (D + 8), np.nan)  # Q's rows in shared memory (two row tiles), zero past the rows
+                for r in range(BM):
+                    dims = np.arange(D)
+                    qs[at(r, dims // 8) + dims % 8] = q_value(kvh, np.full(D, s_block + r), dims)
                 states = []
                 for warp in range(warps):
-                    s0 = s_block + warp * 16 + GID
-                    s1 = s0 + 8
-                    lim = [np.minimum(row_limit(s0), end), np.minimum(row_limit(s1), end)]
-                    qa = np.empty((KT, 32, 4, 2))
-                    for kk in range(KT):
-                        for e in range(2):
-                            qa[kk, :, 0, e] = q_value(kvh, s0, 16 * kk + 2 * TIG + e)
-                            qa[kk, :, 1, e] = q_value(kvh, s1, 16 * kk + 2 * TIG + e)
-                            qa[kk, :, 2, e] = q_value(kvh, s0, 16 * kk + 8 + 2 * TIG + e)
-                            qa[kk, :, 3, e] = q_value(kvh, s1, 16 * kk + 8 + 2 * TIG + e)
-                    states.append({
-                        "s": (s0, s1), "lim": lim, "qa": qa, "o": np.zeros((OT, 32, 4)),
-                        "m": [np.full(32, -np.inf), np.full(32, -np.inf)], "l": [np.zeros(32), np.zeros(32)],
-                        "wmin": warp_reduce(np.minimum(lim[0], lim[1]), np.minimum)[0],
-                        "wmax": warp_reduce(np.maximum(lim[0], lim[1]), np.maximum)[0],
-                    })  # fmt: skip
+                    tiles_of_warp = []
+                    for mt in range(MT):
+                        s0 = s_block + warp * WM + mt * 16 + GID
+                        s1 = s0 + 8
+                        lim = [np.minimum(row_limit(s0), end), np.minimum(row_limit(s1), end)]
+                        qa = np.empty((KT, 32, 4, 2))
+                        for kk in range(KT):
+                            if MT > 1:  # ldmatrix from the staged rows at each k step
+                                address = at(warp * WM + 16 * mt + q_lrow, 2 * kk + q_lchunk)
+                                qa[kk] = ldmatrix_x4(qs, address, trans=False).transpose(1, 0, 2)
+                                continue
+                            for e in range(2):
+                                qa[kk, :, 0, e] = q_value(kvh, s0, 16 * kk + 2 * TIG + e)
+                                qa[kk, :, 1, e] = q_value(kvh, s1, 16 * kk + 2 * TIG + e)
+                                qa[kk, :, 2, e] = q_value(kvh, s0, 16 * kk + 8 + 2 * TIG + e)
+                                qa[kk, :, 3, e] = q_value(kvh, s1, 16 * kk + 8 + 2 * TIG + e)
+                        tiles_of_warp.append({
+                            "s": (s0, s1), "lim": lim, "qa": qa, "o": np.zeros((OT, 32, 4)),
+                            "m": [np.full(32, -np.inf), np.full(32, -np.inf)], "l": [np.zeros(32), np.zeros(32)],
+                        })  # fmt: skip
+                    lims = [lim for t in tiles_of_warp for lim in t["lim"]]
+                    wmin = warp_reduce(np.minimum.reduce(lims), np.minimum)[0]
+                    wmax = warp_reduce(np.maximum.reduce(lims), np.maximum)[0]
+                    for t in tiles_of_warp:  # a warp's row tiles skip and mask by the warp's limits
+                        t["wmin"], t["wmax"] = wmin, wmax
+                    states.extend(tiles_of_warp)
 
                 for it in range(min(STAGES - 1, n_tiles)):  # pipe_start
                     copy_tile(it)
@@ -495,6 +511,9 @@ EMULATED_CASES = [
     (70, 5, 2, 2, 64, 16, None, 96, 1, "BN=32,STAGES=3"),  # G = 1: two query tiles (the second mostly pad)
     (9, 25, 4, 1, 128, 16, 16, 64, 4, "BN=64,STAGES=2,TABLE=0"),  # G = 4, D = 128, splits past the tiles
     (40, 30, 4, 2, 64, 16, 48, 96, 2, "BN=64,STAGES=4,WARPS=8"),  # blocks of 8 warps
+    # two row tiles a warp (Q through shared memory): G = 4, D = 128, a row tile past the rows, splits
+    (12, 90, 8, 2, 128, 16, None, 128, 2, "BN=64,STAGES=4,WARPS=8,RT=2"),
+    (33, 20, 2, 2, 64, 16, 40, None, 1, "BN=32,STAGES=3,WARPS=4,RT=2"),  # G = 1: rows straddle the row tiles
     # table windows smaller than a split's entries: refilled in the prologue and in the loop (blocks of 1
     # token: a 64-token tile spans 64 entries of a 65-entry window), tiles straddling blocks of 3 tokens
     (6, 300, 2, 1, 64, 1, None, None, 1, "BN=64,STAGES=4,TC=65"),
@@ -526,19 +545,23 @@ def test_variants() -> None:
     assert Variant.parse("BN=32,STAGES=4,TC=128") == dataclasses.replace(
         default_variant(), bn=32, stages=4, table_entries=128
     )
-    assert Variant.parse("BN=64,STAGES=3").smem_bytes(128) == 3 * 2 * 64 * 136 * 2 + 4 * 1024
-    assert Variant.parse("BN=64,STAGES=3,WARPS=4,TABLE=0,SMEM=static").name == "bn64s3_gtable_static"
-    assert Variant.parse("WARPS=8,TC=96").name.endswith("_w8_tc96")
-    assert Variant.parse("BN=64,STAGES=2,WARPS=4,MINB=3").name == "bn64s2_mb3"
+    assert Variant.parse("BN=64,STAGES=3,RT=1").smem_bytes(128) == 3 * 2 * 64 * 136 * 2 + 4 * 1024
+    rt2 = Variant.parse("BN=64,STAGES=3,WARPS=8,RT=2")  # Q's 256 rows staged too
+    assert rt2.score_rows == 256 and rt2.smem_bytes(128) == 3 * 2 * 64 * 136 * 2 + 256 * 136 * 2 + 4 * 1024
+    assert Variant.parse("BN=64,STAGES=3,WARPS=4,TABLE=0,SMEM=static,RT=1").name == "bn64s3_gtable_static"
+    assert Variant.parse("WARPS=8,TC=96,RT=1").name.endswith("_w8_tc96")
+    assert Variant.parse("BN=64,STAGES=2,WARPS=4,RT=1,MINB=3").name == "bn64s2_mb3"
+    assert Variant.parse("WARPS=8,RT=2").name.endswith("_w8_rt2")
     # blocks a SM: three of 32-token tiles (168 registers), two of 64 (175), one past 113 KB of shared memory
     blocks = {variant.name: variant.blocks_per_sm() for variant in chunk_attention.VARIANTS}
     assert blocks == {"bn32s2_gtable_static": 3, "bn32s2": 3, "bn32s3": 3, "bn32s4": 3, "bn64s2": 2,
-                      "bn64s3": 2, "bn64s4": 1, "bn64s4_w8": 1}  # fmt: skip
-    assert Variant.parse("BN=64,STAGES=2,WARPS=4,MINB=3").blocks_per_sm() == 3
+                      "bn64s3": 2, "bn64s4": 1, "bn64s4_w8": 1, "bn32s4_w8_rt2": 1, "bn64s4_w8_rt2": 1,
+                      "bn32s3_rt2": 2}  # fmt: skip
+    assert Variant.parse("BN=64,STAGES=2,WARPS=4,RT=1,MINB=3").blocks_per_sm() == 3
     assert {variant.name for variant in chunk_attention.VARIANTS} >= {
         f"bn{bn}s{s}" for bn in (32, 64) for s in (2, 3, 4)
     }
-    for bad in ("BN=16", "STAGES=5", "WARPS=2", "TC=64", "SMEM=huge", "PIPE=2", "MINB=17", "WARPS=8,MINB=9"):
+    for bad in ("BN=16", "STAGES=5", "WARPS=2", "TC=64", "SMEM=huge", "PIPE=2", "MINB=17", "WARPS=8,MINB=9", "RT=3"):
         with pytest.raises(ValueError):
             Variant.parse(bad)
     p = make_problem(4, 12, 8, 2, 128, 16)
@@ -621,23 +644,23 @@ def test_kernels_compile(monkeypatch) -> None:
         assert result.returncode == 0, f"{kernel.name}:\n{result.stderr[-4000:]}"
 
 
-def _resources(report: str) -> tuple[int, int, bool]:
-    """ptxas -v's registers, static shared memory and whether it spilled."""
+def _resources(report: str) -> tuple[int, int, int]:
+    """ptxas -v's registers, static shared memory and bytes of spill stores."""
     registers = int(report.split("Used ")[-1].split(" registers")[0])
     static = int(report.split(" bytes smem")[0].rsplit(" ", 1)[-1]) if " bytes smem" in report else 0
-    return registers, static, "0 bytes spill stores, 0 bytes spill loads" not in report
+    return registers, static, int(report.split(" bytes spill stores")[0].rsplit(" ", 1)[-1])
 
 
 @_needs_nvcc
-def test_every_variant_compiles_without_spills(monkeypatch) -> None:
+def test_every_variant_compiles_within_its_registers(monkeypatch) -> None:
     """Each build of `VARIANTS` at heads of 128 (the most registers), split (partial outputs) and one pass: no
-    spills; shared memory as `Variant.smem_bytes` says (static builds: ptxas's count; dynamic ones: none
+    spills but those `SPILL_BYTES` allows; shared memory as `Variant.smem_bytes` says (static builds: ptxas's count; dynamic ones: none
     static); registers within `REGISTERS`, so that `Variant.blocks_per_sm` (which the split policy may use)
     holds: three blocks a SM of 32-token tiles, two of 64 (but one of 64 x 4 stages: 140 KB), one of 8 warps.
     And a build with launch bounds (`MINB`, the `__global__` redefinition) keeps to them. The resources print
     with `pytest -s`."""
     units = []
-    bounded = Variant.parse("BN=64,STAGES=2,MINB=3")
+    bounded = Variant.parse("BN=64,STAGES=2,WARPS=4,RT=1,MINB=3")
     with _recording(monkeypatch) as recorded:
         for variant in (*chunk_attention.VARIANTS, bounded):
             for splits in (4, 1) if variant != bounded else (4,):
@@ -659,8 +682,9 @@ def test_every_variant_compiles_without_spills(monkeypatch) -> None:
                 f"{label}: the launch bounds did not hold: {result.stderr}"
             )
             continue
-        assert not spilled, f"{label}: {result.stderr}"
-        assert registers <= chunk_attention.REGISTERS[variant.bn, variant.table], f"{label}: {result.stderr}"
+        key = variant.bn, variant.table, variant.row_tiles
+        assert spilled <= chunk_attention.SPILL_BYTES.get(key, 0), f"{label}: {result.stderr}"
+        assert registers <= chunk_attention.REGISTERS[key], f"{label}: {result.stderr}"
     print("\n" + "\n".join(lines))
 
 
