@@ -16,7 +16,7 @@ class EngineConfig:
     queue_limit: int = 1024
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     step_target_ms: float | str = 500.0  # or "auto": step_target_factor measured decode-only steps (engine_setup)
-    step_target_factor: float = 4.0  # with auto: decode steps a contended step may take (AUTO_STEP_FACTOR)
+    step_target_factor: float = 3.0  # with auto: decode steps a contended step may take (AUTO_STEP_FACTOR)
     step_target_floor_ms: float = 20.0  # with auto: the least target (a tiny model's decode step is mostly noise)
     row_ceiling: int = 2048  # most rows one step carries (SCHEDULER.md)
     row_floor: int = 64  # fewest prefill rows a contended step is cut to

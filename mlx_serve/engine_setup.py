@@ -14,7 +14,10 @@ if TYPE_CHECKING:  # the module stays importable without MLX
     from mlx_serve.grouped_experts import TileMatmul
     from mlx_serve.quantized_rows import QuantizedGemv, QuantizedTiles
 
-AUTO_STEP_FACTOR = 4.0  # `step_target_ms="auto"`: a contended step may take 4 decode steps (scheduler/step_target.py)
+# `step_target_ms="auto"`: a contended step may take 3 decode steps (scheduler/step_target.py). 4 until the chunk
+# kernel's two row tiles (twenty-sixth run): at 3, 8B's 16k TTFT under 8 streams went from 1.57x solo to 1.32x and
+# 8B 4-bit's to 1.45x, and 30B-A3B, whose decode step is long, keeps its gaps near 3x the median (3.0-3.1, 4.2 at 4)
+AUTO_STEP_FACTOR = 3.0
 
 
 def step_target(value: float | str, factor: float = AUTO_STEP_FACTOR) -> tuple[float, float]:
@@ -279,9 +282,12 @@ def split_quantized_k(kind: str, fused_mixed: bool) -> str:
 # 0.378), was even at 768 (8B 192 rows 0.178 / 0.416 against 0.166 / 0.446) and lost from 1,024 (0.6B 512 rows
 # 0.192 / 0.484 against 0.166 / 0.449), with the gathered history padded less than the engine pads it. With splits
 # for whole waves (8B, ms a layer at 4k / 8k / 16k): 192 rows 0.149 / 0.224 / 0.337 against 0.157 / 0.254 / 0.438;
-# 256 rows 0.166 / 0.249 / 0.394 against 0.158 / 0.252 / 0.450 (0.6B 512 rows alike); 384 rows lost everywhere
-CUDA_PAGED_SCORE_ROWS = 768
-CUDA_PAGED_LONG_SCORE_ROWS, CUDA_PAGED_LONG_HISTORY = 1024, 8192
+# 256 rows 0.166 / 0.249 / 0.394 against 0.158 / 0.252 / 0.450 (0.6B 512 rows alike); 384 rows lost everywhere.
+# With two row tiles a warp (twenty-sixth run, 4k / 16k): 8B 256 rows 0.140 / 0.304 against 0.156 / 0.446, 768
+# rows 0.272 / 0.762 against 0.317 / 1.040, 384 rows 0.191 / 0.448 against 0.152 / 0.450; 0.6B 768 rows 0.174 /
+# 0.437 against 0.151 / 0.454, 1,024 rows (2,048 score rows) 0.192 / 0.526 against 0.166 / 0.511
+CUDA_PAGED_SCORE_ROWS = 1024
+CUDA_PAGED_LONG_SCORE_ROWS, CUDA_PAGED_LONG_HISTORY = 3072, 8192
 
 
 def chunk_attention(kind: str) -> Any:

@@ -2,8 +2,8 @@
 
 A fixed target suits one machine and one model: 500 ms is the seed's Apple-GPU value, while an H200 decodes an
 8B model's 8 streams in ~10 ms a step, where 500 ms of prefill beside them would freeze the streams for half a
-second. With a factor (`--step-target-ms auto`: 4 by default, `--step-target-factor`), a contended step may take
-that many decode steps, whatever the hardware, the model and the load: live streams keep at least a quarter of
+second. With a factor (`--step-target-ms auto`: 3 by default, `--step-target-factor`), a contended step may take
+that many decode steps, whatever the hardware, the model and the load: live streams keep at least a third of
 their calm speed while a long prompt is read. Until a decode-only step has been measured, the fixed target holds.
 """
 

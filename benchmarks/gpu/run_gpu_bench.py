@@ -262,7 +262,7 @@ def main() -> None:
         "--step-target-ms", type=step_target_arg, default=None,
         help="default: target-factor x 8-stream step; auto: the engine's own (target-factor x its measured decode step)"
     )
-    parser.add_argument("--target-factor", type=float, default=4.0)
+    parser.add_argument("--target-factor", type=float, default=3.0)
     parser.add_argument("--target-floor-ms", type=float, default=20.0,
                         help="EngineConfig.step_target_floor_ms: the least auto target")
     parser.add_argument(

@@ -37,7 +37,7 @@ def test_serve_help_explains_the_engine_flags(capsys):
     ("flag", "parsed", "bad"),
     [
         ("--step-target-ms", {None: 500.0, "auto": "auto", "40": 40.0}, ("fast", "0", "-5")),
-        ("--step-target-factor", {None: 4.0, "2.5": 2.5}, ("many", "0", "-1")),
+        ("--step-target-factor", {None: 3.0, "2.5": 2.5}, ("many", "0", "-1")),
         ("--step-target-floor-ms", {None: 20.0, "0": 0.0, "8.5": 8.5}, ("low", "-1", "nan")),
         ("--row-quantum", {None: "auto", "auto": "auto", "64": 64}, ("tile", "0", "-64", "1.5")),
         ("--budget-midpoints", {None: "on", "off": "off"}, ("yes", "")),
