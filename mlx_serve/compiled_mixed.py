@@ -14,6 +14,12 @@ when it next has nothing to run (`trace_deferred`, on zero inputs: nothing is ev
 still paid first-use work (H200, 0.6B: a long prompt's first 2,040-row chunk beside 8 streams 29.9 ms, 13.7-16.0
 once run before; twenty-fourth run), so with `run_traces` the idle engine also runs each new trace once over the
 pool's scratch block.
+
+An eager step's host build delays the tokens of the step before it (H200, 0.6B beside 8 streams: a long prompt's
+last 16 rows built for 27 ms, the window's longest gap, where a traced 768-row step of the same lanes and history
+bucket ran in 14.9 ms; twenty-sixth run). With `stand_ins`, a step whose shape has no trace replays the fewest-rows
+trace of the same lanes and history bucket with its chunk padded, where that trace's measured runs took no longer
+than eager steps' builds do (`stand_in`).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from scheduler.buckets import history_bucket, query_bucket, query_buckets
 from scheduler.cost_models import PrefillChunk
 
 MixedShape = tuple[int, int, int, int]  # padded (decode lanes, their table width, chunk rows, chunk history)
+EAGER_BUILD_WEIGHT = 0.25  # weight of each new eager build in `CompiledMixed.eager_build_ms`
 
 
 def neighbour_shapes(shape: MixedShape, unit: int, max_rows: int) -> list[MixedShape]:
@@ -101,6 +108,7 @@ class CompiledMixed:
         defer_traces: bool = False,
         neighbour_traces: int = 0,
         run_traces: bool = False,
+        stand_ins: bool = False,
     ) -> None:
         self.pool = pool
         self.chunk_attention = chunk_attention
@@ -124,6 +132,11 @@ class CompiledMixed:
         # whether the last call was its shape's first run: a trace made on zero inputs evaluates nothing, so the
         # first real step of a shape may pay one-off work (its time does not train the scheduler)
         self.first_run = False
+        self.stand_ins = stand_ins  # with deferred traces: an untraced step may replay a larger trace (`stand_in`)
+        self.eager_build_ms: float | None = None  # host ms of eager steps of compilable shapes (a moving average)
+        self._measured_ms: dict[MixedShape, float] = {}  # each traced shape's last ordinary run (device ms)
+        self.stand_ins_run = 0
+        self.stood_in = False
 
     @property
     def deferred(self) -> int:
@@ -156,17 +169,40 @@ class CompiledMixed:
             self._deferred.setdefault(shape, (gather, kv_bucket))
             self._neighbours.pop(shape, None)
 
-    def ready(self, decode: Sequence[Lane], chunk: Lane, kv_bucket: int, gather: PrefillGather) -> bool:
-        """Whether the step may take the compiled forward now: always, unless traces are deferred and its shape
-        has none yet (then the shape waits for `trace_deferred`)."""
-        if not self.defer_traces:
-            return True
+    def ready(self, decode: Sequence[Lane], chunk: Lane, kv_bucket: int, gather: PrefillGather) -> MixedShape | None:
+        """The shape the step replays now: its own, always unless traces are deferred and it has none yet (then it
+        waits for `trace_deferred`), else a `stand_in`; None: the step runs eager."""
         shape = self.shape(decode, chunk, kv_bucket)
+        if not self.defer_traces:
+            return shape
         self._most_rows = max(self._most_rows, shape[2])
         if shape in self.shapes:
-            return True
+            return shape
         self.want(shape, gather, kv_bucket)
-        return False
+        return self.stand_in(shape) if self.stand_ins else None
+
+    def stand_in(self, shape: MixedShape) -> MixedShape | None:
+        """The traced shape of the same lanes, table width and history bucket with the fewest rows past `shape`'s
+        whose last ordinary run took no longer than an eager step's build (the moving average): the eager step's
+        build would hold the previous step's tokens at least that long. None where there is none, or no eager build
+        has been timed yet."""
+        if self.eager_build_ms is None:
+            return None
+        count, width, rows, padded = shape
+        fits = [
+            near for near, ms in self._measured_ms.items()
+            if near[:2] == (count, width) and near[3] == padded and near[2] > rows and ms <= self.eager_build_ms
+        ]  # fmt: skip
+        return min(fits, key=lambda near: near[2], default=None)
+
+    def record_eager_build(self, ms: float) -> None:
+        """An eager step of a compilable shape took `ms` of host time to build and submit."""
+        last = self.eager_build_ms
+        self.eager_build_ms = ms if last is None else last + EAGER_BUILD_WEIGHT * (ms - last)
+
+    def record_run(self, shape: MixedShape, ms: float) -> None:
+        """A compiled step of `shape`, neither its first run nor a stand-in, took `ms` on the device."""
+        self._measured_ms[shape] = ms
 
     def trace_deferred(self, run: bool = True) -> bool:
         """Trace the first shape `ready` turned away, else (within `neighbour_traces`) one next to a met shape, on
@@ -226,13 +262,26 @@ class CompiledMixed:
         return self._steps[key]
 
     def __call__(
-        self, decode: Sequence[Lane], chunk: Lane, tokens: mx.array, kv_bucket: int, gather: PrefillGather
+        self,
+        decode: Sequence[Lane],
+        chunk: Lane,
+        tokens: mx.array,
+        kv_bucket: int,
+        gather: PrefillGather,
+        shape: MixedShape | None = None,
     ) -> mx.array:
         """`tokens` `[len(decode) + chunk.rows]`: the decode lanes' inputs, then the chunk's, whose history is
-        padded to a `history_bucket` of `kv_bucket` and read through `gather`."""
+        padded to a `history_bucket` of `kv_bucket` and read through `gather`. `shape`: the trace to replay (a
+        `stand_in` with more rows; default: the step's own)."""
         size, scratch = self.pool.block_size, self.pool.scratch_block
         n = len(decode)
-        shape = count, _, rows, padded = self.shape(decode, chunk, kv_bucket)
+        own = self.shape(decode, chunk, kv_bucket)
+        shape = own if shape is None else shape
+        count, _, rows, padded = shape
+        if shape[:2] != own[:2] or shape[3] != own[3] or rows < chunk.rows:
+            raise ValueError(f"a step of shape {own} cannot replay {shape}")
+        self.stood_in = shape != own  # whether the last call replayed a stand-in
+        self.stand_ins_run += self.stood_in
         # a step without decode lanes still passes a (one pad lane) table: the traced function leaves it unread
         meta = decode_tables(decode, max(count, 1), self.pool)
         pad = rows - chunk.rows
@@ -254,9 +303,10 @@ class CompiledMixed:
             parts.append(mx.zeros((pad,), dtype=tokens.dtype))
         inputs = mx.concatenate(parts) if len(parts) > 1 else parts[0]
         sample_rows = np.append(np.arange(count), count + chunk.rows - 1).astype(np.int32)
-        self.shapes.add(shape)
-        self._deferred.pop(shape, None)
-        self._neighbours.pop(shape, None)
+        if shape == own:  # a stand-in leaves the step's own shape waiting for its trace
+            self.shapes.add(shape)
+            self._deferred.pop(shape, None)
+            self._neighbours.pop(shape, None)
         self.first_run = shape not in self._ran
         self._ran.add(shape)
         logits, keys, values = self._step(count > 0, gather)(

@@ -8,6 +8,7 @@ own parameters, and reports the tokens and the step's wall time.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -94,6 +95,7 @@ class InFlightStep:
     # the next step of its shape; a step run eager while its shape's trace is deferred is an ordinary step
     one_off: bool = False
     compiled: bool = False  # it replays a compiled trace (the scheduler's cost model prices the two forms apart)
+    timed_shape: tuple | None = None  # an ordinary run of this compiled mixed shape: its time goes to `stand_in`
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +128,7 @@ class ModelRunner:
         defer_mixed_traces: bool = False,
         neighbour_traces: int = 0,
         run_idle_traces: bool = False,
+        stand_in_traces: bool = False,
         split_k: str = "off",
         chunk_attention: ChunkAttention | None = None,
         clock: StepClock | None | str = "auto",
@@ -180,7 +183,7 @@ class ModelRunner:
         # a decode batch with one prefill chunk replays a compiled trace per shape (where the history is bucketed)
         self.compiled_mixed = (
             CompiledMixed(pool, fused, self.decode_attention, self._logits, min_lanes, self.chunk_attention,
-                          defer_mixed_traces, neighbour_traces, run_idle_traces)
+                          defer_mixed_traces, neighbour_traces, run_idle_traces, stand_in_traces)
             if compile_mixed and self.fused_mixed is not None
             else None
         )
@@ -328,14 +331,15 @@ class ModelRunner:
         chunks = ane_chunks.submit(self.prefill_lane, ane_lanes, self.pool) if ane_lanes else []
         compiled = self.compiled is not None and bool(gpu_lanes) and all(lane.rows == 1 for lane in gpu_lanes)
         mixable = not compiled and self._mixed_on and compilable(gpu_lanes)
-        mixed = mixable and self._mixed_ready(gpu_lanes)
+        mixed_shape = self._mixed_ready(gpu_lanes) if mixable else None
+        mixed = mixed_shape is not None
         prepared = None if compiled or mixed else self._prepare(gpu_lanes, previous)
         traced = self._traced_shapes()
         t1 = time.perf_counter()
         if compiled:
             sample_ids, sampled = self._submit_compiled(gpu_lanes, previous)
         elif mixed:
-            sample_ids, sampled = self._submit_compiled_mixed(gpu_lanes, previous)
+            sample_ids, sampled = self._submit_compiled_mixed(gpu_lanes, previous, mixed_shape)
         else:
             sample_ids, sampled = prepared.sample_ids, self._submit_eager(prepared)
         stamp = self._stamp(sampled) if gpu_lanes else None
@@ -343,13 +347,20 @@ class ModelRunner:
         phases = {"preparation": (t1 - t0) * 1e3, "submission": (t2 - t1) * 1e3}
         rows = {rid: i for i, rid in enumerate(sample_ids)}
         samplers = [self.samplers[rid] for rid in sample_ids]
-        one_off = (self._traced_shapes() != traced or (mixed and self.compiled_mixed.first_run)
+        # a stand-in's time is its padded shape's: the scheduler planned the step's own
+        one_off = (self._traced_shapes() != traced
+                   or (mixed and (self.compiled_mixed.first_run or self.compiled_mixed.stood_in))
                    or (not (compiled or mixed) and self._first_eager_shape(gpu_lanes)))  # fmt: skip
+        if mixable and not mixed and not one_off:
+            self.compiled_mixed.record_eager_build(phases["submission"])
+        timed = mixed_shape if mixed and not one_off else None
         return InFlightStep(
-            plan, sample_ids, samplers, sampled, rows, t0, phases, tuple(chunks), stamp, one_off, compiled or mixed
+            plan, sample_ids, samplers, sampled, rows, t0, phases, tuple(chunks), stamp, one_off, compiled or mixed,
+            timed,
         )
 
-    def _mixed_ready(self, lanes: list[Lane]) -> bool:
+    def _mixed_ready(self, lanes: list[Lane]) -> tuple | None:
+        """The compiled shape the step replays (its own or a stand-in), or None: it runs eager."""
         chunk = next(lane for lane in lanes if lane.rows > 1)
         decode = [lane for lane in lanes if lane.rows == 1]
         return self.compiled_mixed.ready(decode, chunk, self.kv_bucket, self.prefill_gather)
@@ -381,6 +392,7 @@ class ModelRunner:
             "decode": len(self.compiled.shapes) if self.compiled is not None else 0,
             "mixed": len(mixed.shapes) if mixed is not None else 0,
             "mixed_waiting": mixed.deferred if mixed is not None else 0,
+            "stand_ins": mixed.stand_ins_run if mixed is not None else 0,
         }
 
     @property
@@ -425,12 +437,12 @@ class ModelRunner:
         return sample_ids, self._queue(logits if sample_ids else None, sample_ids)
 
     def _submit_compiled_mixed(
-        self, lanes: list[Lane], previous: InFlightStep | None
+        self, lanes: list[Lane], previous: InFlightStep | None, shape: tuple
     ) -> tuple[tuple[str, ...], SampledRows | None]:
         ordered = sorted(lanes, key=lambda lane: lane.rows != 1)  # the decode lanes, then the chunk
         tokens = self._input_tokens(ordered, previous)
         self._observe(ordered, tokens, list(range(len(ordered))))
-        logits = self.compiled_mixed(ordered[:-1], ordered[-1], tokens, self.kv_bucket, self.prefill_gather)
+        logits = self.compiled_mixed(ordered[:-1], ordered[-1], tokens, self.kv_bucket, self.prefill_gather, shape)
         sampling = [i for i, lane in enumerate(ordered) if lane.samples]
         sample_ids = tuple(ordered[i].request_id for i in sampling)
         if 0 < len(sampling) < len(ordered):
@@ -473,6 +485,8 @@ class ModelRunner:
         t3 = time.perf_counter()
         elapsed_ms = self._elapsed_ms(step)
         ane_ms = max((span.end - span.start) * 1e3 for span in spans) if spans else None
+        if step.timed_shape is not None and math.isfinite(elapsed_ms):
+            self.compiled_mixed.record_run(step.timed_shape, elapsed_ms)
         outcome = StepOutcome({rid: s.token_id for rid, s in samples.items()}, elapsed_ms, ane_elapsed_ms=ane_ms,
                               auxiliary=step.one_off, compiled=step.compiled)  # fmt: skip
         return RunnerOutput(outcome, samples, {**step.phases, "consumption": (t3 - t2) * 1e3}, spans)

@@ -137,6 +137,7 @@ def measure_ours(
               "row_quantum": args.row_quantum, "step_target_factor": args.target_factor,
               "step_target_floor_ms": args.target_floor_ms, "defer_mixed_traces": args.defer_mixed_traces == "on",
               "trace_neighbour_shapes": args.trace_neighbour_shapes, "run_idle_traces": args.run_idle_traces == "on",
+              "stand_in_traces": args.stand_in_traces == "on",
               "budget_midpoints": args.budget_midpoints == "on", "plan_headroom": args.plan_headroom,
               "cost_trust_factor": args.cost_trust_factor, "floor_slack": args.floor_slack, "plan_padding": args.plan_padding == "on"}  # fmt: skip
     # only the contended engine meets long prompts' chunk shapes: the others skip the warm-up
@@ -206,7 +207,8 @@ def measure_ours(
         note(f"{dummy.name} ours contended", out["contended"])
         out["shared_prefix"] = side.shared_prefix(prompts, p)
         mixed = side.engine.runner.compiled_mixed  # shapes traced, and met but still waiting (run eager)
-        out["compiled_mixed"] = None if mixed is None else {"traced": len(mixed.shapes), "waiting": mixed.deferred}
+        out["compiled_mixed"] = None if mixed is None else {"traced": len(mixed.shapes), "waiting": mixed.deferred,
+                                                            "stand_ins": mixed.stand_ins_run}
         status = side.engine.status()
         out["scheduler"] = status["counters"]
         out["step_target_ms"] = status["step_target_ms"]  # with auto: the one it had learned by the end
@@ -292,6 +294,8 @@ def main() -> None:
                              "first pass's compiled steps taught; 1: the nineteenth run's setting)")
     parser.add_argument("--run-idle-traces", choices=["on", "off"], default="on",
                         help="EngineConfig.run_idle_traces: each shape traced idle also runs once there (scratch block)")
+    parser.add_argument("--stand-in-traces", choices=["on", "off"], default="off",
+                        help="EngineConfig.stand_in_traces: an untraced step may replay a larger traced shape, padded")
     parser.add_argument("--trace-neighbour-shapes", type=int, default=0,
                         help="EngineConfig.trace_neighbour_shapes: shapes next to met ones traced ahead when idle")
     parser.add_argument(

@@ -181,6 +181,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--defer-mixed-traces", choices=["on", "off"], default="on",
                    help="a new compiled mixed shape runs eager until the idle engine has traced it (off: traced at "
                         "first use, a 25-50 ms stall of that step on the H200; default: %(default)s)")
+    g.add_argument("--stand-in-traces", choices=["on", "off"], default="off",
+                   help="with deferred traces: a step whose shape has no trace yet replays the traced shape of its "
+                        "lanes and history with the fewest more rows, its chunk padded, where that shape ran no "
+                        "longer than eager steps take to build; unmeasured on a GPU yet (default: %(default)s)")
     g.add_argument("--trace-neighbour-shapes", type=whole_number_arg(0), default=0, metavar="N",
                    help="with deferred traces: also trace up to N shapes next to met ones (a query bucket either "
                         "side, the next history bucket, a cached prefix's continuation) while the engine is quiet, "
@@ -243,7 +247,7 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
         enable_prefix_cache=not args.no_prefix_cache, decode_debt=not args.no_decode_debt,
         ane_lane=args.ane_lane, ane_package=args.ane_package, ane_timeout_s=args.ane_timeout_s,
         decode_attention=args.decode_attention, compile_decode=args.compile_decode, fuse_decode=args.fuse_decode,
-        dense_experts=args.dense_experts, expert_tiles=args.expert_tiles, fuse_mixed=args.fuse_mixed, compile_mixed=args.compile_mixed, defer_mixed_traces=args.defer_mixed_traces == "on", trace_neighbour_shapes=args.trace_neighbour_shapes, split_quantized_k=args.split_quantized_k, chunk_attention=args.chunk_attention, dequantize_rows=args.dequantize_rows, quantized_tiles=args.quantized_tiles, quantized_gemv=args.quantized_gemv, warm_up=not args.no_warm_up,
+        dense_experts=args.dense_experts, expert_tiles=args.expert_tiles, fuse_mixed=args.fuse_mixed, compile_mixed=args.compile_mixed, defer_mixed_traces=args.defer_mixed_traces == "on", stand_in_traces=args.stand_in_traces == "on", trace_neighbour_shapes=args.trace_neighbour_shapes, split_quantized_k=args.split_quantized_k, chunk_attention=args.chunk_attention, dequantize_rows=args.dequantize_rows, quantized_tiles=args.quantized_tiles, quantized_gemv=args.quantized_gemv, warm_up=not args.no_warm_up,
         pipeline=not args.no_pipeline,
         trace=sink_from_env(args.trace), observer=observer,
         progress=not args.no_progress,

@@ -13,7 +13,7 @@ import pytest
 from mlx_lm import load
 
 from mlx_serve import engine_setup
-from mlx_serve.compiled_mixed import neighbour_shapes
+from mlx_serve.compiled_mixed import CompiledMixed, neighbour_shapes
 from mlx_serve.engine import Engine, EngineConfig
 from mlx_serve.errors import InvalidRequest
 from mlx_serve.kernels.paged_attention import select_decode_attention
@@ -84,10 +84,12 @@ def _steps(runner: ModelRunner, outcomes: list[StepOutcome] | None = None) -> li
     return samples
 
 
-def _runner(model, compile_mixed: bool, fuse_mixed: bool = True, defer: bool = False, chunk=None) -> ModelRunner:
+def _runner(
+    model, compile_mixed: bool, fuse_mixed: bool = True, defer: bool = False, chunk=None, blocks: int = 48
+) -> ModelRunner:
     args = model.args
     layout = KVLayout(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, mx.float32)
-    return ModelRunner(model, KVPool(layout, 48, 16), select_decode_attention("auto"), kv_bucket=32,
+    return ModelRunner(model, KVPool(layout, blocks, 16), select_decode_attention("auto"), kv_bucket=32,
                        compile_decode=True, fuse_decode=True, fuse_mixed=fuse_mixed, compile_mixed=compile_mixed,
                        defer_mixed_traces=defer, prefill_gather=table_gather, chunk_attention=chunk)  # fmt: skip
 
@@ -244,6 +246,87 @@ def test_neighbours_of_met_shapes_trace_after_them_within_the_budget(tiny_qwen3)
     assert mixed.shapes - met == {(4, 2, 64, 256), (0, 1, 64, 128)}
     alone = Lane("q", LaneKind.PREFILL, tuple(range(30)), 70, _blocks(5), True)  # rows 70-100: history 128
     assert mixed.ready([], alone, 32, table_gather) and not mixed.deferred
+
+
+def _chunks_beside_decode(runner: ModelRunner, chunks: list[tuple[str, int, int, int]], before=None) -> tuple:
+    """Prefill the decode lanes, then one step each of decode lanes and a chunk `(request, block index, start,
+    rows)` of that request's 128-token prompt, every step waited for (`before(step)` runs before each). Returns
+    every sample in order and the chunk steps' outcomes."""
+    prompts = {rid: prompt_of(9 + 4 * i, seed=160 + i) for i, rid in enumerate(DECODE)}
+    long_prompts = {rid: prompt_of(128, seed=180 + index) for rid, index, *_ in chunks}
+    for rid in (*DECODE, *long_prompts):
+        runner.add_request(rid, SamplingParams(temperature=0.0, logprobs=2))
+    first = StepPlan(0, tuple(Lane(rid, LaneKind.PREFILL, tuple(p), 0, _blocks(i), True)
+                              for i, (rid, p) in enumerate(prompts.items())), 40, "t", None, False)  # fmt: skip
+    out = runner.execute(first)
+    samples = [(rid, s.token_id, s.logprob) for rid, s in sorted(out.samples.items())]
+    tokens = {rid: out.samples[rid].token_id for rid in DECODE}
+    ends = {rid: len(p) for rid, p in prompts.items()}
+    outcomes = []
+    for step, (rid, index, start, rows) in enumerate(chunks, start=1):
+        if before is not None:
+            before(step)
+        lanes = tuple(Lane(d, LaneKind.DECODE, (tokens[d],), ends[d], _blocks(i), True) for i, d in enumerate(DECODE))
+        chunk = Lane(rid, LaneKind.PREFILL, tuple(long_prompts[rid][start : start + rows]), start, _blocks(index), True)
+        out = runner.execute(StepPlan(step, (*lanes, chunk), rows, "t", None, True))
+        samples += [(r, s.token_id, s.logprob) for r, s in sorted(out.samples.items())]
+        outcomes.append(out.outcome)
+        tokens.update({d: out.samples[d].token_id for d in DECODE})
+        ends = {d: end + 1 for d, end in ends.items()}
+    return samples, outcomes
+
+
+def test_an_untraced_step_replays_a_larger_traced_shape_padded(tiny_qwen3):
+    """With stand-ins, a step whose shape has no trace replays the traced shape of its lanes and history bucket
+    with the fewest rows past its own, its chunk padded (pad rows write the scratch block), once that shape's last
+    ordinary run took no longer than eager steps' builds: the eager step's tokens and log-probabilities, the KV
+    it wrote read back by the next step of its request, and a one-off outcome (the scheduler planned the step's
+    own shape, whose trace is still wanted). With eager builds timed faster, the same step runs eager."""
+    model, _ = load(str(tiny_qwen3))
+    # 80 rows (query bucket 96 at history bucket 128) three times: eager (deferred), a first run, an ordinary run;
+    # then 30 rows over 80 (query bucket 64, history bucket 128: no trace), then its last 18 rows (the same shape)
+    chunks = [("p", 3, 0, 80), ("p2", 4, 0, 80), ("p3", 5, 0, 80), ("p3", 5, 80, 30), ("p3", 5, 110, 18)]
+    eager, _ = _chunks_beside_decode(_runner(model, compile_mixed=False, blocks=64), chunks)
+    for build_ms, stands_in in ((1e9, True), (0.0, False)):
+        runner = _runner(model, compile_mixed=True, defer=True, blocks=64)
+        runner.compiled_mixed.stand_ins = True
+        mixed = runner.compiled_mixed
+
+        def before(step: int, runner=runner, mixed=mixed, build_ms=build_ms) -> None:
+            if step == 2:
+                assert runner.trace_deferred() and mixed.shapes == {(4, 2, 96, 128)}
+            if step == 4:
+                mixed.eager_build_ms = build_ms  # as if eager steps had been timed building this long
+
+        samples, outcomes = _chunks_beside_decode(runner, chunks, before)
+        assert [s[:2] for s in samples] == [s[:2] for s in eager]
+        for a, b in zip(samples, eager):
+            assert abs(a[2] - b[2]) < 1e-4, (stands_in, a, b)
+        # the last two steps meet the same untraced shape: both stand in, or both run eager (the first one-off)
+        assert [o.compiled for o in outcomes] == [False, True, True, stands_in, stands_in]
+        assert [o.auxiliary for o in outcomes] == [True, True, False, True, stands_in]
+        assert mixed.stand_ins_run == 2 * stands_in and (4, 2, 64, 128) not in mixed.shapes
+        assert mixed.deferred == 1  # the stood-in shape still waits for its own trace
+    assert mixed.stand_in((4, 2, 128, 128)) is None and mixed.stand_in((4, 2, 64, 64)) is None  # none past them
+
+
+def test_stand_ins_need_a_timed_eager_build_and_a_measured_run():
+    """`stand_in`: only traced shapes of the same lanes, width and history bucket with more rows, whose last
+    ordinary run took no longer than the moving average of eager builds; the fewest rows among them."""
+    mixed = CompiledMixed.__new__(CompiledMixed)
+    mixed.eager_build_ms, mixed._measured_ms = None, {(8, 4, 768, 16384): 14.9}
+    assert mixed.stand_in((8, 4, 64, 16384)) is None  # no eager build timed yet
+    for ms in (30.0, 26.0):
+        mixed.record_eager_build(ms)
+    assert mixed.eager_build_ms == 29.0
+    mixed.record_run((8, 4, 1024, 16384), 18.0)
+    mixed.record_run((8, 4, 256, 16384), 40.0)  # slower than a build: never
+    mixed.record_run((8, 4, 128, 12288), 5.0)  # another history bucket
+    mixed.record_run((16, 4, 128, 16384), 5.0)  # other lanes
+    assert mixed.stand_in((8, 4, 64, 16384)) == (8, 4, 768, 16384)
+    assert mixed.stand_in((8, 4, 768, 16384)) == (8, 4, 1024, 16384) and mixed.stand_in((8, 4, 1024, 16384)) is None
+    mixed.record_run((8, 4, 768, 16384), 31.0)  # its last run: now slower than a build
+    assert mixed.stand_in((8, 4, 64, 16384)) == (8, 4, 1024, 16384)
 
 
 @pytest.mark.parametrize("defer", [True, False])
