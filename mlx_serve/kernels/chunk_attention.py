@@ -72,7 +72,7 @@ TABLE_ENTRIES = 1024  # 4 KB: 16k tokens of blocks of 16 before a split refills 
 DYNAMIC_SMEM = True
 # m16 row tiles a warp: 2 doubles the MMAs per K / V fragment loaded from shared memory (O takes 128 registers a
 # thread, Q moves to shared memory). H200, ms a layer (bench_chunk_attention, twenty-sixth run), 1 -> 2 tiles:
-# 8B 256 rows at 16k 0.405 -> 0.304, 768 rows 0.997 -> 0.762; 0.6B 1,024 rows at 4k 0.226 -> 0.192: 1.15-1.36x
+# 8B 256 rows at 16k 0.405 -> 0.304, 768 rows 0.997 -> 0.762; 0.6B 1,024 rows at 4k 0.226 -> 0.192: 1.11-1.36x
 # at every size measured (192-2,048 rows over 4-16k)
 ROW_TILES = 2
 MERGE_THREADS = 128
