@@ -19,7 +19,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlx_serve import ane_chunks, dense_experts
-from mlx_serve.compiled_mixed import CompiledMixed, TracedMixedShapes, compilable
+from mlx_serve.compiled_mixed import CompiledMixed, MixedShape, TracedMixedShapes, compilable
 from mlx_serve.compiled_step import CompiledDecode, lane_bucket
 from mlx_serve.fused_decode import FusedDecode, split_fused_projections, viewed_projections
 from mlx_serve.grouped_experts import TileMatmul
@@ -95,7 +95,7 @@ class InFlightStep:
     # the next step of its shape; a step run eager while its shape's trace is deferred is an ordinary step
     one_off: bool = False
     compiled: bool = False  # it replays a compiled trace (the scheduler's cost model prices the two forms apart)
-    timed_shape: tuple | None = None  # an ordinary run of this compiled mixed shape: its time goes to `stand_in`
+    timed_shape: MixedShape | None = None  # an ordinary run of this compiled mixed shape: its time goes to `stand_in`
 
 
 @dataclass(frozen=True, slots=True)
@@ -359,7 +359,7 @@ class ModelRunner:
             timed,
         )
 
-    def _mixed_ready(self, lanes: list[Lane]) -> tuple | None:
+    def _mixed_ready(self, lanes: list[Lane]) -> MixedShape | None:
         """The compiled shape the step replays (its own or a stand-in), or None: it runs eager."""
         chunk = next(lane for lane in lanes if lane.rows > 1)
         decode = [lane for lane in lanes if lane.rows == 1]
@@ -437,7 +437,7 @@ class ModelRunner:
         return sample_ids, self._queue(logits if sample_ids else None, sample_ids)
 
     def _submit_compiled_mixed(
-        self, lanes: list[Lane], previous: InFlightStep | None, shape: tuple
+        self, lanes: list[Lane], previous: InFlightStep | None, shape: MixedShape
     ) -> tuple[tuple[str, ...], SampledRows | None]:
         ordered = sorted(lanes, key=lambda lane: lane.rows != 1)  # the decode lanes, then the chunk
         tokens = self._input_tokens(ordered, previous)

@@ -256,12 +256,12 @@ __device__ __forceinline__ unsigned ca_pack(float lo, float hi) {
 """
 
 # Template: D (64 or 128), G (query heads a kv head), BS (block size), BN (tokens a tile), STAGES
-# (shared-memory stages), WARPS (4 or 8, 16 score rows each), TABLE (1: table entries staged in shared memory,
-# TC at a time), SMEM (the bytes of shared memory the launcher gives a block); the macros CA_PARTIAL (partial
+# (shared-memory stages), WARPS (4 or 8), MT (m16 row tiles a warp: 1 or 2), TABLE (1: table entries staged in
+# shared memory, TC at a time), SMEM (the bytes of shared memory the launcher gives a block); the macros CA_PARTIAL (partial
 # outputs) and CA_DYNAMIC (dynamic shared memory) come in the header. Inputs: q [1, H, R, D] bf16,
 # k_pool/v_pool [slots, KVH, D] bf16, table [NB] int32, length [2] int32 (tokens; the padded length is not
 # read), positions [R] int32, scale_log2 [1] fp32 (scale * log2 e), and optionally `after` (never read). Grid:
-# (ceil(R * G / (16 * WARPS)), KVH, splits) blocks of WARPS * 32 threads. Outputs: out [1, H, R, D] bf16; or
+# (ceil(R * G / (16 * MT * WARPS)), KVH, splits) blocks of WARPS * 32 threads. Outputs: out [1, H, R, D] bf16; or
 # o_part [splits, H, R, D] fp32 (unnormalised) and ml_part [splits, H, R, 2] fp32 (row max in the log2 domain,
 # row sum).
 SOURCE = r"""
