@@ -85,7 +85,7 @@ class StepOutcome:
     failed: Mapping[str, str] = field(default_factory=dict)  # request_id -> error; those requests finish ERROR
     # added after the first contract: measured time of the ANE lanes (None: not measured, so no training),
     # and whether auxiliary work (KV restore/prefix copy, images, a compiled shape's first trace or first run, a padded
-    # eager shape's first run) rode along (then no cost model trains)
+    # eager shape's first run, a larger trace standing in for the step's own) rode along (then no cost model trains)
     ane_elapsed_ms: float | None = None
     auxiliary: bool = False
     compiled: bool = False  # the GPU lanes ran through a compiled trace (the affine model prices the two forms apart)

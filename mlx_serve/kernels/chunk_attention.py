@@ -358,6 +358,8 @@ SOURCE = r"""
   // 2 tig..+1), a1 (row gid + 8), a2 / a3 the same at dims + 8, for each k16 step of the head. With two, the
   // block's Q rows are copied to shared memory with the first tile (its cp.async group) and ldmatrix'd at
   // each k step: 64 more registers a thread would not fit beside O
+  // (MLX emits the template values as constexpr locals, not template parameters: `if constexpr` discards no
+  // branch here, so the register path's indices stay in bounds when Q is staged)
   unsigned qa[QS ? 1 : KT][4];
   if constexpr (QS) {
     for (int piece = tid; piece < BM * CH; piece += THREADS) {

@@ -34,6 +34,17 @@ def _blocks(index: int) -> tuple[int, ...]:
     return tuple(range(8 * index, 8 * index + 8))  # 128 tokens a request
 
 
+def _prefill_decode_lanes(runner: ModelRunner, others: tuple[str, ...]):
+    """Add the decode lanes' requests and `others` (greedy, 2 log-probabilities) and prefill the decode lanes' short
+    prompts in one step: its output, and each decode lane's end."""
+    prompts = {rid: prompt_of(9 + 4 * i, seed=160 + i) for i, rid in enumerate(DECODE)}
+    for rid in (*DECODE, *others):
+        runner.add_request(rid, SamplingParams(temperature=0.0, logprobs=2))
+    first = StepPlan(0, tuple(Lane(rid, LaneKind.PREFILL, tuple(p), 0, _blocks(i), True)
+                              for i, (rid, p) in enumerate(prompts.items())), 40, "t", None, False)  # fmt: skip
+    return runner.execute(first), {rid: len(p) for rid, p in prompts.items()}
+
+
 def _steps(runner: ModelRunner, outcomes: list[StepOutcome] | None = None) -> list[tuple[str, int, float]]:
     """Prefill the decode lanes, then a 100-token prompt in chunks of 30 (the last one samples) beside them, a step
     queued while the previous one is in flight (pending tokens), then a chunk alone; every sample, in order.
@@ -47,16 +58,11 @@ def _steps(runner: ModelRunner, outcomes: list[StepOutcome] | None = None) -> li
 
     first_out = None
 
-    prompts = {rid: prompt_of(9 + 4 * i, seed=160 + i) for i, rid in enumerate(DECODE)}
     long_prompt, alone = prompt_of(100, seed=170), prompt_of(40, seed=171)
-    for rid in (*DECODE, "p", "q"):
-        runner.add_request(rid, SamplingParams(temperature=0.0, logprobs=2))
-    first = StepPlan(0, tuple(Lane(rid, LaneKind.PREFILL, tuple(p), 0, _blocks(i), True)
-                              for i, (rid, p) in enumerate(prompts.items())), 40, "t", None, False)  # fmt: skip
-    out = first_out = runner.execute(first)
+    out, ends = _prefill_decode_lanes(runner, ("p", "q"))
+    first_out = out
     record(out)
     tokens = {rid: out.samples[rid].token_id for rid in DECODE}
-    ends = {rid: len(p) for rid, p in prompts.items()}
     in_flight = None
     for step, start in enumerate(range(0, 100, 30), start=1):
         chunk = tuple(long_prompt[start : start + 30])
@@ -252,16 +258,10 @@ def _chunks_beside_decode(runner: ModelRunner, chunks: list[tuple[str, int, int,
     """Prefill the decode lanes, then one step each of decode lanes and a chunk `(request, block index, start,
     rows)` of that request's 128-token prompt, every step waited for (`before(step)` runs before each). Returns
     every sample in order and the chunk steps' outcomes."""
-    prompts = {rid: prompt_of(9 + 4 * i, seed=160 + i) for i, rid in enumerate(DECODE)}
     long_prompts = {rid: prompt_of(128, seed=180 + index) for rid, index, *_ in chunks}
-    for rid in (*DECODE, *long_prompts):
-        runner.add_request(rid, SamplingParams(temperature=0.0, logprobs=2))
-    first = StepPlan(0, tuple(Lane(rid, LaneKind.PREFILL, tuple(p), 0, _blocks(i), True)
-                              for i, (rid, p) in enumerate(prompts.items())), 40, "t", None, False)  # fmt: skip
-    out = runner.execute(first)
+    out, ends = _prefill_decode_lanes(runner, tuple(long_prompts))
     samples = [(rid, s.token_id, s.logprob) for rid, s in sorted(out.samples.items())]
     tokens = {rid: out.samples[rid].token_id for rid in DECODE}
-    ends = {rid: len(p) for rid, p in prompts.items()}
     outcomes = []
     for step, (rid, index, start, rows) in enumerate(chunks, start=1):
         if before is not None:
