@@ -655,8 +655,8 @@ def _resources(report: str) -> tuple[int, int, int]:
 def test_every_variant_compiles_within_its_registers(monkeypatch) -> None:
     """Each build of `VARIANTS` at heads of 128 (the most registers), split (partial outputs) and one pass: no
     spills but those `SPILL_BYTES` allows; shared memory as `Variant.smem_bytes` says (static builds: ptxas's
-    count; dynamic ones: none static); registers within `REGISTERS`, so that `Variant.blocks_per_sm` (which the split policy may use)
-    holds: three blocks a SM of 32-token tiles, two of 64 (but one of 64 x 4 stages: 140 KB), one of 8 warps.
+    count; dynamic ones: none static); registers within `REGISTERS`, so that `Variant.blocks_per_sm` (which the
+    split policy may use) holds: three blocks a SM of 32-token tiles, two of 64 (but one of 64 x 4 stages: 140 KB), one of 8 warps.
     And a build with launch bounds (`MINB`, the `__global__` redefinition) keeps to them. The resources print
     with `pytest -s`."""
     units = []
