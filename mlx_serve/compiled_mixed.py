@@ -25,6 +25,7 @@ than eager steps' builds do (`stand_in`).
 from __future__ import annotations
 
 import functools
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import mlx.core as mx
@@ -47,7 +48,9 @@ from scheduler.buckets import history_bucket, query_bucket, query_buckets
 from scheduler.cost_models import PrefillChunk
 
 MixedShape = tuple[int, int, int, int]  # padded (decode lanes, their table width, chunk rows, chunk history)
-EAGER_BUILD_WEIGHT = 0.25  # weight of each new eager build in `CompiledMixed.eager_build_ms`
+# `CompiledMixed.eager_build_ms` is the median of this many latest eager builds: a first build of a shape may hold
+# one-off NVRTC or cuDNN work (seconds), which a mean would carry for many steps
+EAGER_BUILDS_KEPT = 9
 
 
 def neighbour_shapes(shape: MixedShape, unit: int, max_rows: int) -> list[MixedShape]:
@@ -133,7 +136,7 @@ class CompiledMixed:
         # first real step of a shape may pay one-off work (its time does not train the scheduler)
         self.first_run = False
         self.stand_ins = stand_ins  # with deferred traces: an untraced step may replay a larger trace (`stand_in`)
-        self.eager_build_ms: float | None = None  # host ms of eager steps of compilable shapes (a moving average)
+        self._eager_builds: deque[float] = deque(maxlen=EAGER_BUILDS_KEPT)  # host ms of eager compilable steps
         self._measured_ms: dict[MixedShape, float] = {}  # each traced shape's last ordinary run (device ms)
         self.stand_ins_run = 0
         self.stood_in = False
@@ -183,7 +186,7 @@ class CompiledMixed:
 
     def stand_in(self, shape: MixedShape) -> MixedShape | None:
         """The traced shape of the same lanes, table width and history bucket with the fewest rows past `shape`'s
-        whose last ordinary run took no longer than an eager step's build (the moving average): the eager step's
+        whose last ordinary run took no longer than an eager step's build (`eager_build_ms`): the eager step's
         build would hold the previous step's tokens at least that long. None where there is none, or no eager build
         has been timed yet."""
         if self.eager_build_ms is None:
@@ -197,8 +200,12 @@ class CompiledMixed:
 
     def record_eager_build(self, ms: float) -> None:
         """An eager step of a compilable shape took `ms` of host time to build and submit."""
-        last = self.eager_build_ms
-        self.eager_build_ms = ms if last is None else last + EAGER_BUILD_WEIGHT * (ms - last)
+        self._eager_builds.append(ms)
+
+    @property
+    def eager_build_ms(self) -> float | None:
+        """The median host time of the latest eager steps' builds; None before the first."""
+        return float(np.median(self._eager_builds)) if self._eager_builds else None
 
     def record_run(self, shape: MixedShape, ms: float) -> None:
         """A compiled step of `shape`, neither its first run nor a stand-in, took `ms` on the device."""

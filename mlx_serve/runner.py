@@ -351,7 +351,7 @@ class ModelRunner:
         one_off = (self._traced_shapes() != traced
                    or (mixed and (self.compiled_mixed.first_run or self.compiled_mixed.stood_in))
                    or (not (compiled or mixed) and self._first_eager_shape(gpu_lanes)))  # fmt: skip
-        if mixable and not mixed and not one_off:
+        if mixable and not mixed:  # a first shape's build counts too: eager steps are mostly first of a shape
             self.compiled_mixed.record_eager_build(phases["submission"])
         timed = mixed_shape if mixed and not one_off else None
         return InFlightStep(

@@ -6,6 +6,7 @@ through the engine."""
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import replace
 
 import mlx.core as mx
@@ -13,7 +14,7 @@ import pytest
 from mlx_lm import load
 
 from mlx_serve import engine_setup
-from mlx_serve.compiled_mixed import CompiledMixed, neighbour_shapes
+from mlx_serve.compiled_mixed import EAGER_BUILDS_KEPT, CompiledMixed, neighbour_shapes
 from mlx_serve.engine import Engine, EngineConfig
 from mlx_serve.errors import InvalidRequest
 from mlx_serve.kernels.paged_attention import select_decode_attention
@@ -295,8 +296,9 @@ def test_an_untraced_step_replays_a_larger_traced_shape_padded(tiny_qwen3):
         def before(step: int, runner=runner, mixed=mixed, build_ms=build_ms) -> None:
             if step == 2:
                 assert runner.trace_deferred() and mixed.shapes == {(4, 2, 96, 128)}
-            if step == 4:
-                mixed.eager_build_ms = build_ms  # as if eager steps had been timed building this long
+            if step >= 4:  # as if eager steps had been timed building this long
+                mixed._eager_builds.clear()
+                mixed.record_eager_build(build_ms)
 
         samples, outcomes = _chunks_beside_decode(runner, chunks, before)
         assert [s[:2] for s in samples] == [s[:2] for s in eager]
@@ -312,11 +314,14 @@ def test_an_untraced_step_replays_a_larger_traced_shape_padded(tiny_qwen3):
 
 def test_stand_ins_need_a_timed_eager_build_and_a_measured_run():
     """`stand_in`: only traced shapes of the same lanes, width and history bucket with more rows, whose last
-    ordinary run took no longer than the moving average of eager builds; the fewest rows among them."""
+    ordinary run took no longer than the median of recent eager builds; the fewest rows among them."""
     mixed = CompiledMixed.__new__(CompiledMixed)
-    mixed.eager_build_ms, mixed._measured_ms = None, {(8, 4, 768, 16384): 14.9}
+    mixed._eager_builds, mixed._measured_ms = deque(maxlen=EAGER_BUILDS_KEPT), {(8, 4, 768, 16384): 14.9}
     assert mixed.stand_in((8, 4, 64, 16384)) is None  # no eager build timed yet
-    for ms in (30.0, 26.0):
+    for ms in (2400.0, 30.0, 26.0):  # a first build with one-off kernel builds does not hold the median up
+        mixed.record_eager_build(ms)
+    assert mixed.eager_build_ms == 30.0
+    for ms in (29.0,) * EAGER_BUILDS_KEPT:  # only the latest count
         mixed.record_eager_build(ms)
     assert mixed.eager_build_ms == 29.0
     mixed.record_run((8, 4, 1024, 16384), 18.0)
