@@ -48,8 +48,8 @@ from scheduler.buckets import history_bucket, query_bucket, query_buckets
 from scheduler.cost_models import PrefillChunk
 
 MixedShape = tuple[int, int, int, int]  # padded (decode lanes, their table width, chunk rows, chunk history)
-# `CompiledMixed.eager_build_ms` is the median of this many latest eager builds: a first build of a shape may hold
-# one-off NVRTC or cuDNN work (seconds), which a mean would carry for many steps
+# `CompiledMixed.eager_build_ms` is the median of this many latest eager builds of the kind (a shape's first or a
+# later one): a first build may also hold one-off NVRTC or cuDNN work (seconds), which a mean would carry for long
 EAGER_BUILDS_KEPT = 9
 
 
@@ -136,7 +136,10 @@ class CompiledMixed:
         # first real step of a shape may pay one-off work (its time does not train the scheduler)
         self.first_run = False
         self.stand_ins = stand_ins  # with deferred traces: an untraced step may replay a larger trace (`stand_in`)
-        self._eager_builds: deque[float] = deque(maxlen=EAGER_BUILDS_KEPT)  # host ms of eager compilable steps
+        # host ms of eager steps of compilable shapes, by whether the step was its shape's first eager one (H200,
+        # 0.6B beside 8 streams: 20-33 ms first, ~15 ms later; twenty-seventh run)
+        self._eager_builds = {first: deque(maxlen=EAGER_BUILDS_KEPT) for first in (True, False)}
+        self._ran_eager: set[MixedShape] = set()
         self._measured_ms: dict[MixedShape, float] = {}  # each traced shape's last ordinary run (device ms)
         self.stand_ins_run = 0
         self.stood_in = False
@@ -186,26 +189,30 @@ class CompiledMixed:
 
     def stand_in(self, shape: MixedShape) -> MixedShape | None:
         """The traced shape of the same lanes, table width and history bucket with the fewest rows past `shape`'s
-        whose last ordinary run took no longer than an eager step's build (`eager_build_ms`): the eager step's
-        build would hold the previous step's tokens at least that long. None where there is none, or no eager build
-        has been timed yet."""
-        if self.eager_build_ms is None:
+        whose last ordinary run took no longer than an eager step of `shape` takes to build (`eager_build_ms`): the
+        eager step's build would hold the previous step's tokens at least that long. None where there is none, or
+        no eager build has been timed yet."""
+        build_ms = self.eager_build_ms(shape)
+        if build_ms is None:
             return None
         count, width, rows, padded = shape
         fits = [
             near for near, ms in self._measured_ms.items()
-            if near[:2] == (count, width) and near[3] == padded and near[2] > rows and ms <= self.eager_build_ms
+            if near[:2] == (count, width) and near[3] == padded and near[2] > rows and ms <= build_ms
         ]  # fmt: skip
         return min(fits, key=lambda near: near[2], default=None)
 
-    def record_eager_build(self, ms: float) -> None:
-        """An eager step of a compilable shape took `ms` of host time to build and submit."""
-        self._eager_builds.append(ms)
+    def record_eager_build(self, shape: MixedShape, ms: float) -> None:
+        """An eager step of compilable `shape` took `ms` of host time to build and submit."""
+        self._eager_builds[shape not in self._ran_eager].append(ms)
+        self._ran_eager.add(shape)
 
-    @property
-    def eager_build_ms(self) -> float | None:
-        """The median host time of the latest eager steps' builds; None before the first."""
-        return float(np.median(self._eager_builds)) if self._eager_builds else None
+    def eager_build_ms(self, shape: MixedShape) -> float | None:
+        """The median host time of the latest eager builds like a step of `shape` would be (its shape's first, or
+        a later one; the other kind where none is timed yet); None before the first."""
+        first = shape not in self._ran_eager
+        builds = self._eager_builds[first] or self._eager_builds[not first]
+        return float(np.median(builds)) if builds else None
 
     def record_run(self, shape: MixedShape, ms: float) -> None:
         """A compiled step of `shape`, neither its first run nor a stand-in, took `ms` on the device."""

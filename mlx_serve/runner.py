@@ -351,8 +351,8 @@ class ModelRunner:
         one_off = (self._traced_shapes() != traced
                    or (mixed and (self.compiled_mixed.first_run or self.compiled_mixed.stood_in))
                    or (not (compiled or mixed) and self._first_eager_shape(gpu_lanes)))  # fmt: skip
-        if mixable and not mixed:  # a first shape's build counts too: eager steps are mostly first of a shape
-            self.compiled_mixed.record_eager_build(phases["submission"])
+        if mixable and not mixed:
+            self.compiled_mixed.record_eager_build(self._mixed_shape(gpu_lanes), phases["submission"])
         timed = mixed_shape if mixed and not one_off else None
         return InFlightStep(
             plan, sample_ids, samplers, sampled, rows, t0, phases, tuple(chunks), stamp, one_off, compiled or mixed,
@@ -361,9 +361,18 @@ class ModelRunner:
 
     def _mixed_ready(self, lanes: list[Lane]) -> MixedShape | None:
         """The compiled shape the step replays (its own or a stand-in), or None: it runs eager."""
-        chunk = next(lane for lane in lanes if lane.rows > 1)
-        decode = [lane for lane in lanes if lane.rows == 1]
+        decode, chunk = self._decode_and_chunk(lanes)
         return self.compiled_mixed.ready(decode, chunk, self.kv_bucket, self.prefill_gather)
+
+    def _mixed_shape(self, lanes: list[Lane]) -> MixedShape:
+        """The step's own compiled shape."""
+        decode, chunk = self._decode_and_chunk(lanes)
+        return self.compiled_mixed.shape(decode, chunk, self.kv_bucket)
+
+    @staticmethod
+    def _decode_and_chunk(lanes: list[Lane]) -> tuple[list[Lane], Lane]:
+        """A compilable step's decode lanes and its one prefill chunk."""
+        return [lane for lane in lanes if lane.rows == 1], next(lane for lane in lanes if lane.rows > 1)
 
     def _first_eager_shape(self, lanes: Sequence[Lane]) -> bool:
         """Whether an eager step with prefill meets its padded shape for the first time (CUDA): its time holds

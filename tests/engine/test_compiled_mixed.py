@@ -6,7 +6,6 @@ through the engine."""
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import replace
 
 import mlx.core as mx
@@ -296,9 +295,10 @@ def test_an_untraced_step_replays_a_larger_traced_shape_padded(tiny_qwen3):
         def before(step: int, runner=runner, mixed=mixed, build_ms=build_ms) -> None:
             if step == 2:
                 assert runner.trace_deferred() and mixed.shapes == {(4, 2, 96, 128)}
-            if step >= 4:  # as if eager steps had been timed building this long
-                mixed._eager_builds.clear()
-                mixed.record_eager_build(build_ms)
+            if step >= 4:  # as if eager steps (first of their shape or not) had been timed building this long
+                for builds in mixed._eager_builds.values():
+                    builds.clear()
+                    builds.append(build_ms)
 
         samples, outcomes = _chunks_beside_decode(runner, chunks, before)
         assert [s[:2] for s in samples] == [s[:2] for s in eager]
@@ -314,24 +314,31 @@ def test_an_untraced_step_replays_a_larger_traced_shape_padded(tiny_qwen3):
 
 def test_stand_ins_need_a_timed_eager_build_and_a_measured_run():
     """`stand_in`: only traced shapes of the same lanes, width and history bucket with more rows, whose last
-    ordinary run took no longer than the median of recent eager builds; the fewest rows among them."""
-    mixed = CompiledMixed.__new__(CompiledMixed)
-    mixed._eager_builds, mixed._measured_ms = deque(maxlen=EAGER_BUILDS_KEPT), {(8, 4, 768, 16384): 14.9}
-    assert mixed.stand_in((8, 4, 64, 16384)) is None  # no eager build timed yet
-    for ms in (2400.0, 30.0, 26.0):  # a first build with one-off kernel builds does not hold the median up
-        mixed.record_eager_build(ms)
-    assert mixed.eager_build_ms == 30.0
-    for ms in (29.0,) * EAGER_BUILDS_KEPT:  # only the latest count
-        mixed.record_eager_build(ms)
-    assert mixed.eager_build_ms == 29.0
+    ordinary run took no longer than eager steps like this one take to build (the median of recent builds, first
+    of their shape or not); the fewest rows among them."""
+    mixed = CompiledMixed(None, None, None, None, defer_traces=True, stand_ins=True)
+    mixed.record_run((8, 4, 768, 16384), 14.9)
+    tail, other = (8, 4, 64, 16384), (8, 4, 128, 16384)
+    assert mixed.stand_in(tail) is None  # no eager build timed yet
+    for shape, ms in ((other, 2400.0), ((8, 4, 64, 8192), 26.0), ((8, 4, 96, 8192), 30.0)):
+        mixed.record_eager_build(shape, ms)  # first builds: one with one-off kernel builds does not hold them up
+    assert mixed.eager_build_ms(tail) == 30.0
+    assert mixed.eager_build_ms(other) == 30.0  # none later than its first timed: the first builds stand for them
+    for ms in (12.0, 13.0, 11.0):  # `other` again: builds of seen shapes are cheaper
+        mixed.record_eager_build(other, ms)
+    assert mixed.eager_build_ms(other) == 12.0 and mixed.eager_build_ms(tail) == 30.0
+    assert mixed.stand_in(tail) == (8, 4, 768, 16384) and mixed.stand_in(other) is None  # 14.9 ms > 12
+    for i in range(EAGER_BUILDS_KEPT):  # only the latest count
+        mixed.record_eager_build((8, 4, 64, 1024 * i), 29.0)
+    assert mixed.eager_build_ms(tail) == 29.0
     mixed.record_run((8, 4, 1024, 16384), 18.0)
     mixed.record_run((8, 4, 256, 16384), 40.0)  # slower than a build: never
     mixed.record_run((8, 4, 128, 12288), 5.0)  # another history bucket
     mixed.record_run((16, 4, 128, 16384), 5.0)  # other lanes
-    assert mixed.stand_in((8, 4, 64, 16384)) == (8, 4, 768, 16384)
+    assert mixed.stand_in(tail) == (8, 4, 768, 16384)
     assert mixed.stand_in((8, 4, 768, 16384)) == (8, 4, 1024, 16384) and mixed.stand_in((8, 4, 1024, 16384)) is None
     mixed.record_run((8, 4, 768, 16384), 31.0)  # its last run: now slower than a build
-    assert mixed.stand_in((8, 4, 64, 16384)) == (8, 4, 1024, 16384)
+    assert mixed.stand_in(tail) == (8, 4, 1024, 16384)
 
 
 @pytest.mark.parametrize("defer", [True, False])
