@@ -294,7 +294,7 @@ def main() -> None:
                              "first pass's compiled steps taught; 1: the nineteenth run's setting)")
     parser.add_argument("--run-idle-traces", choices=["on", "off"], default="on",
                         help="EngineConfig.run_idle_traces: each shape traced idle also runs once there (scratch block)")
-    parser.add_argument("--stand-in-traces", choices=["on", "off"], default="off",
+    parser.add_argument("--stand-in-traces", choices=["on", "off"], default="on",
                         help="EngineConfig.stand_in_traces: an untraced step may replay a larger traced shape, padded")
     parser.add_argument("--trace-neighbour-shapes", type=int, default=0,
                         help="EngineConfig.trace_neighbour_shapes: shapes next to met ones traced ahead when idle")

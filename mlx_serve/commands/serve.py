@@ -181,10 +181,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--defer-mixed-traces", choices=["on", "off"], default="on",
                    help="a new compiled mixed shape runs eager until the idle engine has traced it (off: traced at "
                         "first use, a 25-50 ms stall of that step on the H200; default: %(default)s)")
-    g.add_argument("--stand-in-traces", choices=["on", "off"], default="off",
+    g.add_argument("--stand-in-traces", choices=["on", "off"], default="on",
                    help="with deferred traces: a step whose shape has no trace yet replays the traced shape of its "
                         "lanes and history with the fewest more rows, its chunk padded, where that shape ran no "
-                        "longer than eager steps take to build; unmeasured on a GPU yet (default: %(default)s)")
+                        "longer than eager steps take to build (default: %(default)s)")
     g.add_argument("--trace-neighbour-shapes", type=whole_number_arg(0), default=0, metavar="N",
                    help="with deferred traces: also trace up to N shapes next to met ones (a query bucket either "
                         "side, the next history bucket, a cached prefix's continuation) while the engine is quiet, "

@@ -408,10 +408,10 @@ def test_compile_mixed_settings(tiny_qwen3):
     assert engine_setup.compile_mixed("auto", True) is mx.cuda.is_available()  # on with MLX's CUDA backend
     assert engine_setup.compile_mixed("auto", False) is False  # it replays the fused forward
     assert engine_setup.compile_mixed("on", True) is True
-    for stand_in in (False, True):  # stand-ins reach the engine's compiled steps (off by default)
+    for stand_in in (False, True):  # stand-ins reach the engine's compiled steps (on by default)
         config = EngineConfig(model=str(tiny_qwen3), compile_decode="on", fuse_decode="on", fuse_mixed="on",
                               compile_mixed="on", warm_up=False,
-                              **({"stand_in_traces": True} if stand_in else {}))  # fmt: skip
+                              **({} if stand_in else {"stand_in_traces": False}))  # fmt: skip
         engine = Engine.load(config)
         try:
             assert engine.runner.compiled_mixed.stand_ins is stand_in

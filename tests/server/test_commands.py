@@ -43,7 +43,7 @@ def test_serve_help_explains_the_engine_flags(capsys):
         ("--budget-midpoints", {None: "on", "off": "off"}, ("yes", "")),
         ("--plan-padding", {None: "on", "off": "off"}, ("exact",)),
         ("--defer-mixed-traces", {None: "on", "off": "off"}, ("later",)),
-        ("--stand-in-traces", {None: "off", "on": "on"}, ("padded",)),
+        ("--stand-in-traces", {None: "on", "off": "off"}, ("padded",)),
         ("--trace-neighbour-shapes", {None: 0, "64": 64}, ("-1", "many", "1.5")),
         ("--expert-tiles", {None: "auto", "on": "on", "off": "off"}, ("kernel",)),
         ("--quantized-tiles", {None: "auto", "on": "on", "off": "off"}, ("kernel",)),
