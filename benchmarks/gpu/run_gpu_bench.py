@@ -18,6 +18,7 @@ import argparse
 import gc
 import json
 import math
+import os
 import platform
 import time
 import traceback
@@ -238,6 +239,16 @@ def bench_shape(name: str, p: BenchParams, args: argparse.Namespace, result: dic
     result["wall_s"] = time.perf_counter() - t0
 
 
+def mlx_settings(environ: dict[str, str]) -> dict[str, str]:
+    """MLX's own tuning variables set for the run (MLX_MAX_OPS_PER_BUFFER, MLX_MAX_MB_PER_BUFFER: how much work one
+    CUDA graph takes). They change what a run measures, so the recorded command carries them; the kernel cache's
+    location and our engine's variables do not."""
+    return {
+        k: v for k, v in sorted(environ.items())
+        if k.startswith("MLX_") and not k.startswith("MLX_SERVE_") and k != "MLX_PTX_CACHE_DIR"
+    }  # fmt: skip
+
+
 def write(results: list[dict], out: Path, header: str, meta: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_bench.json").write_text(json.dumps({**meta, "results": results}, indent=1))
@@ -391,9 +402,12 @@ def main() -> None:
         paged_attention.ONE_PASS_BLOCKS = args.one_pass_blocks
     if args.attention_mma is not None:
         paged_attention.MMA = args.attention_mma == "on"
+    settings = mlx_settings(os.environ)
     meta = {
-        "command": "python -m benchmarks.gpu.run_gpu_bench "
+        "command": "".join(f"{k}={v} " for k, v in settings.items())
+        + "python -m benchmarks.gpu.run_gpu_bench "
         + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v not in (None, False)),
+        "mlx_settings": settings,
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": mx.device_info().get("device_name", platform.processor()),
         "mlx": mx.__version__,

@@ -7,6 +7,7 @@ table is built from them, so a device call is never spent finding a broken harne
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,10 +15,10 @@ from pathlib import Path
 import pytest
 
 
-def run_bench(out: Path, *args: str) -> subprocess.CompletedProcess:
+def run_bench(out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     argv = [sys.executable, "-m", "benchmarks.gpu.run_gpu_bench", "--device", "cpu", "--dtype", "float32",
             "--quick", "--out", str(out), *args]  # fmt: skip
-    return subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
 
 
 def test_full_run_writes_every_figure_and_the_table(tmp_path):
@@ -49,10 +50,16 @@ def test_contended_only_run_and_its_refusal(tmp_path):
     assert refused.returncode == 2 and "--contended-only needs --step-target-ms" in refused.stderr
     # with the fused forward for steps with prefill, the engine's own step target (a factor of its decode step)
     # and an explicit row tile
+    # MLX's own tuning variables travel in the recorded command (the cache's location does not)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_")}
+    env.update(MLX_MAX_OPS_PER_BUFFER="400", MLX_PTX_CACHE_DIR=str(tmp_path / "ptx"))
     done = run_bench(tmp_path, "--shapes", "tiny", "--contended-only", "--step-target-ms", "auto", "--compile-decode",
-                     "on", "--fuse-decode", "on", "--fuse-mixed", "on", "--row-quantum", "16")  # fmt: skip
+                     "on", "--fuse-decode", "on", "--fuse-mixed", "on", "--row-quantum", "16", env=env)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    (result,) = json.loads((tmp_path / "gpu_bench.json").read_text())["results"]
+    written = json.loads((tmp_path / "gpu_bench.json").read_text())
+    assert written["mlx_settings"] == {"MLX_MAX_OPS_PER_BUFFER": "400"}
+    assert written["command"].startswith("MLX_MAX_OPS_PER_BUFFER=400 python -m benchmarks.gpu.run_gpu_bench ")
+    (result,) = written["results"]
     assert result["peer"] == {} and "decode" not in result["ours"]
     assert result["step_target_ms"] >= 20.0  # learned by the end of the run, never under the floor
     assert result["ours"]["step_target_ms"] == result["step_target_ms"]
