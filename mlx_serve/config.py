@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+# `step_target_ms="auto"`: a contended step may take 3 decode steps (scheduler/step_target.py). 4 until the chunk
+# kernel's two row tiles (twenty-sixth run): at 3, 8B's 16k TTFT under 8 streams went from 1.57x solo to 1.32x and
+# 8B 4-bit's to 1.45x, and 30B-A3B, whose decode step is long, keeps its gaps near 3x the median (3.0-3.1, 4.2 at 4)
+AUTO_STEP_FACTOR = 3.0
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -16,7 +21,7 @@ class EngineConfig:
     queue_limit: int = 1024
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     step_target_ms: float | str = 500.0  # or "auto": step_target_factor measured decode-only steps (engine_setup)
-    step_target_factor: float = 3.0  # with auto: decode steps a contended step may take (AUTO_STEP_FACTOR)
+    step_target_factor: float = AUTO_STEP_FACTOR  # with auto: decode steps a contended step may take
     step_target_floor_ms: float = 20.0  # with auto: the least target (a tiny model's decode step is mostly noise)
     row_ceiling: int = 2048  # most rows one step carries (SCHEDULER.md)
     row_floor: int = 64  # fewest prefill rows a contended step is cut to

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from mlx_serve.config import EngineConfig
+from mlx_serve.config import AUTO_STEP_FACTOR, EngineConfig
 from mlx_serve.errors import ContextLengthExceeded, InvalidRequest
 from mlx_serve.types import GenerationRequest
 from scheduler import SchedulerConfig
@@ -13,12 +13,6 @@ from scheduler import SchedulerConfig
 if TYPE_CHECKING:  # the module stays importable without MLX
     from mlx_serve.grouped_experts import TileMatmul
     from mlx_serve.quantized_rows import QuantizedGemv, QuantizedTiles
-
-# `step_target_ms="auto"`: a contended step may take 3 decode steps (scheduler/step_target.py). 4 until the chunk
-# kernel's two row tiles (twenty-sixth run): at 3, 8B's 16k TTFT under 8 streams went from 1.57x solo to 1.32x and
-# 8B 4-bit's to 1.45x, and 30B-A3B, whose decode step is long, keeps its gaps near 3x the median (3.0-3.1, 4.2 at 4)
-AUTO_STEP_FACTOR = 3.0
-
 
 def step_target(value: float | str, factor: float = AUTO_STEP_FACTOR) -> tuple[float, float]:
     """(fixed target in ms, factor over the measured decode step; 0: fixed) for `EngineConfig.step_target_ms` and

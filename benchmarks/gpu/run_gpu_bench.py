@@ -34,6 +34,7 @@ from benchmarks.gpu.ours import OurSide
 from benchmarks.gpu.report import markdown
 from benchmarks.gpu.workloads import FULL, QUICK, TINY, BenchParams, Prompts
 from mlx_serve.commands.serve import row_quantum_arg, step_target_arg
+from mlx_serve.config import AUTO_STEP_FACTOR
 from mlx_serve.kernels import paged_attention
 
 
@@ -275,7 +276,7 @@ def main() -> None:
         "--step-target-ms", type=step_target_arg, default=None,
         help="default: target-factor x 8-stream step; auto: the engine's own (target-factor x its measured decode step)"
     )
-    parser.add_argument("--target-factor", type=float, default=3.0)
+    parser.add_argument("--target-factor", type=float, default=AUTO_STEP_FACTOR)
     parser.add_argument("--target-floor-ms", type=float, default=20.0,
                         help="EngineConfig.step_target_floor_ms: the least auto target")
     parser.add_argument(

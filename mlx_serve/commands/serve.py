@@ -7,6 +7,8 @@ import socket
 import sys
 from typing import Any
 
+from mlx_serve.config import AUTO_STEP_FACTOR
+
 HELP = "Serve a model over an OpenAI- and Anthropic-compatible HTTP API."
 
 
@@ -116,7 +118,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="a contended step's row budget is halved while its predicted time exceeds this; 500 suits "
                         "Apple GPUs, fast datacenter GPUs want far less; auto: --step-target-factor x the measured "
                         "decode step, at least --step-target-floor-ms (default: %(default)s)")
-    s.add_argument("--step-target-factor", type=positive_float_arg, default=3.0, metavar="F",
+    s.add_argument("--step-target-factor", type=positive_float_arg, default=AUTO_STEP_FACTOR, metavar="F",
                    help="with --step-target-ms auto: how many measured decode steps a contended step may take "
                         "(default: %(default)s)")
     s.add_argument("--step-target-floor-ms", type=nonnegative_float_arg, default=20.0, metavar="MS",
