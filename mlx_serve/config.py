@@ -29,6 +29,7 @@ class EngineConfig:
     budget_midpoints: bool = True  # a halved budget grows by half again where still predicted within the target
     plan_headroom: float = 1.0  # contended steps are planned to this fraction of the step target
     floor_slack: float = 1.5  # a contended step may take this x the floor step's time where that exceeds the target
+    max_prefill_slowdown: float = 0.0  # contended chunks grow until a long prompt runs >= 1/x its solo speed; 0: off
     plan_padding: bool = True  # budgets and the affine cost model see chunks padded as the runner pads them (CUDA)
     cost_model: str = "ema"
     cost_trust_factor: float = 1.5  # affine: steps past this many times the largest recent one priced by its cost per row

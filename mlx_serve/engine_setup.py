@@ -104,6 +104,7 @@ def scheduler_config(
         budget_midpoints=c.budget_midpoints,
         plan_headroom=c.plan_headroom,
         floor_slack=c.floor_slack,
+        max_prefill_slowdown=c.max_prefill_slowdown,
         cost_model=c.cost_model,
         cost_trust_factor=c.cost_trust_factor,
         max_overtakes=c.max_overtakes,

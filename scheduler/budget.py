@@ -25,12 +25,20 @@ Where the engine runs some shapes through compiled traces (`traced_shapes.py`), 
 the form it would run now, and the largest candidate turned down only for want of a trace (over the target eager,
 within it compiled) is the decision's `wanted`: the scheduler asks the engine to trace it.
 
+A budget planned only to the target can leave a long prompt's prefill far slower than it runs alone: a step's fixed
+cost (its decode lanes' GEMVs, weight reads, launches) is spread over few rows. With `max_prefill_slowdown` a
+contended chunk grows one query bucket at a time while its predicted cost a row is over that multiple of a
+ceiling-sized uncontended chunk's at the same history (`grow_for_rate`, reason `+rate`), never to a step predicted
+over `RATE_GROWTH_CAP` x what it may take. That bounds the 16k prompt's TTFT beside 8 streams (issue 7's <= 1.5x
+solo) by the planner's own rule instead of by a target tuned per shape.
+
 The prediction changes only which budget is chosen: the order of the lanes and who is admitted are decided
 elsewhere and never look at it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -42,13 +50,17 @@ from scheduler.cost_models import CostModel, PrefillChunk, StepShape
 # fit is more likely still wrong (H200, 8B 4-bit: a first contended step planned by a fresh fit grew to 1,536 rows,
 # 62 ms against a 30 ms target)
 SLACK_WITHIN = 1.5
+# a chunk grown for its prefill rate (`grow_for_rate`) is predicted at most this multiple of what the step may take:
+# past it, the streams' gaps, not the prompt's rate, are what users see
+RATE_GROWTH_CAP = 2.0
 
 
 @dataclass(frozen=True, slots=True)
 class BudgetDecision:
     row_budget: int  # prefill rows the step may carry
     # "uncontended", "contended", "contended-untrained", "halved:<n>[+half]" (contended ones end in "+slack" where
-    # the floor slack raised the target: `slack_allowance_ms`), "decode-debt"
+    # the floor slack raised the target: `slack_allowance_ms`, then "+rate" where `grow_for_rate` grew it),
+    # "decode-debt"
     reason: str
     halvings: int
     predicted_ms: float | None  # the cost model's prediction for the planned prefill at this budget
@@ -123,14 +135,46 @@ def choose_row_budget(
         wider_predicted = predict(wider) if wider > budget else None
         if wider_predicted is not None and wider_predicted <= target_ms:
             budget, predicted, widened = wider, wider_predicted, True
+    grown = False
+    if config.max_prefill_slowdown:
+        budget, predicted, grown = grow_for_rate(config, model, demand, budget, predicted, target_ms, predict)
     if halvings:
         reason = f"halved:{halvings}" + ("+half" if widened else "")
     else:
         reason = "contended-untrained" if predicted is None and demand else "contended"
-    reason += "+slack" if slack else ""
+    reason += ("+slack" if slack else "") + ("+rate" if grown else "")
     if sum(chunk.rows for chunk in wanted) <= budget:
         wanted = ()  # the step got as many rows anyway (a tile or bucket grew it back)
     return BudgetDecision(budget, reason, halvings, predicted, wanted)
+
+
+def grow_for_rate(
+    config: SchedulerConfig,
+    model: CostModel,
+    demand: Sequence[PrefillChunk],
+    budget: int,
+    predicted: float | None,
+    limit_ms: float,
+    predict: Callable[[int], float | None],
+) -> tuple[int, float | None, bool]:
+    """`budget` grown to the next query bucket while the step is predicted at more than
+    `config.max_prefill_slowdown` x a ceiling-sized uncontended chunk's cost a row at the same history for the rows
+    it carries, each larger step predicted within `RATE_GROWTH_CAP` x `limit_ms` (what the step may take).
+    Returns the budget, its prediction and whether it grew."""
+    reference = fill_shortest_first(demand, config.row_ceiling)
+    solo_ms = model.predict(StepShape(reference, 0)) if reference else None
+    if predicted is None or solo_ms is None or not 0 < solo_ms < math.inf:
+        return budget, predicted, False
+    per_row_ms = config.max_prefill_slowdown * solo_ms / sum(chunk.rows for chunk in reference)
+    wanted_rows = sum(chunk.rows for chunk in demand)
+    grown = False
+    while budget < min(config.row_ceiling, wanted_rows) and predicted > per_row_ms * budget:
+        bigger = min(query_bucket(budget + 1), config.row_ceiling)
+        bigger_predicted = predict(bigger)
+        if bigger_predicted is None or bigger_predicted > RATE_GROWTH_CAP * limit_ms:
+            break
+        budget, predicted, grown = bigger, bigger_predicted, True
+    return budget, predicted, grown
 
 
 def paid_rows(budget: int, decode_lanes: int, config: SchedulerConfig) -> int:

@@ -41,6 +41,10 @@ class SchedulerConfig:
     # (a step whose fixed cost fills the target: H200 8B 4-bit, ~21 ms at 128 rows against a 20.4 ms target; TTFT
     # 2.98x solo at 1.25, 1.65x at 1.5), decode debt counting from it too (`budget.slack_allowance_ms`). 1: off
     floor_slack: float = 1.5
+    # a contended chunk grows, one query bucket at a time and to at most `budget.RATE_GROWTH_CAP` x what the step
+    # may take, until its predicted cost a row is within this multiple of a ceiling-sized uncontended chunk's at the
+    # same history: a long prompt's prefill then runs at least 1/x of its solo speed (`budget.grow_for_rate`). 0: off
+    max_prefill_slowdown: float = 0.0
     # 500 ms is the seed's Apple-GPU value; a fast GPU (H200) wants tens of ms. With a factor > 0 the target is
     # that many measured decode-only steps (at least step_target_floor_ms), this value only until one is measured
     step_target_ms: float = 500.0
@@ -72,6 +76,8 @@ class SchedulerConfig:
             raise ValueError("step_target_factor and step_target_floor_ms must be >= 0")
         if not self.floor_slack >= 1:
             raise ValueError(f"floor_slack must be >= 1, got {self.floor_slack}")
+        if not (self.max_prefill_slowdown == 0 or self.max_prefill_slowdown >= 1):
+            raise ValueError(f"max_prefill_slowdown must be 0 (off) or >= 1, got {self.max_prefill_slowdown}")
         if not 0 < self.plan_headroom <= 1:
             raise ValueError(f"plan_headroom must be in (0, 1], got {self.plan_headroom}")
         if not (self.cost_trust_factor == 0 or self.cost_trust_factor >= 1):

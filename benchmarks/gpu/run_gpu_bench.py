@@ -141,7 +141,8 @@ def measure_ours(
               "trace_neighbour_shapes": args.trace_neighbour_shapes, "run_idle_traces": args.run_idle_traces == "on",
               "stand_in_traces": args.stand_in_traces == "on",
               "budget_midpoints": args.budget_midpoints == "on", "plan_headroom": args.plan_headroom,
-              "cost_trust_factor": args.cost_trust_factor, "floor_slack": args.floor_slack, "plan_padding": args.plan_padding == "on"}  # fmt: skip
+              "cost_trust_factor": args.cost_trust_factor, "floor_slack": args.floor_slack,
+              "max_prefill_slowdown": args.max_prefill_slowdown, "plan_padding": args.plan_padding == "on"}  # fmt: skip
     # only the contended engine meets long prompts' chunk shapes: the others skip the warm-up
     side = OurSide(dummy, kv_blocks, 500.0, args.attention, **engine, warm_up=False)
     try:
@@ -194,6 +195,7 @@ def measure_ours(
         out["plan_headroom"] = side.engine.scheduler.config.plan_headroom
         out["cost_trust_factor"] = side.engine.scheduler.config.cost_trust_factor
         out["floor_slack"] = side.engine.scheduler.config.floor_slack
+        out["max_prefill_slowdown"] = side.engine.scheduler.config.max_prefill_slowdown
         out["plan_kv_bucket"] = side.engine.scheduler.config.kv_bucket  # 0: planned with exact counts
         out["pads_history"] = side.engine.scheduler.config.pads_history  # False: the attention read the pool
         out["step_target_floor_ms"] = side.engine.scheduler.config.step_target_floor_ms
@@ -330,6 +332,9 @@ def main() -> None:
                         help="EngineConfig.cost_trust_factor: the affine fit's trust region in rows (0: off)")
     parser.add_argument("--floor-slack", type=float, default=1.5,
                         help="EngineConfig.floor_slack: a step may take this x the floor step's time over the target")
+    parser.add_argument("--max-prefill-slowdown", type=float, default=0.0,
+                        help="EngineConfig.max_prefill_slowdown: contended chunks grow until a long prompt runs at "
+                             "least 1/x its solo speed (0: off)")
     parser.add_argument("--plan-padding", choices=["on", "off"], default="on",
                         help="EngineConfig.plan_padding: plan chunks as the engine pads them (off: exact counts)")
     parser.add_argument("--row-quantum", default="auto", type=row_quantum_arg,

@@ -68,6 +68,12 @@ def _floor_slack(text: str) -> float:
     return value
 
 
+def _slowdown(text: str) -> float:
+    if not ((value := _number(text, "a factor")) == 0 or value >= 1):
+        raise argparse.ArgumentTypeError(f"must be 0 (off) or at least 1, not {text}")
+    return value
+
+
 def _trust_factor(text: str) -> float:
     if not ((value := _number(text, "a factor")) == 0 or value >= 1):
         raise argparse.ArgumentTypeError(f"must be 0 (off) or at least 1, not {text}")
@@ -141,6 +147,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="a contended step may take X times the smallest contended step's (--row-floor rows) "
                         "predicted time where that is more than the step target: a fixed cost that fills the "
                         "target buys nothing by halving (X >= 1; 1: off; default: %(default)s)")
+    s.add_argument("--max-prefill-slowdown", type=_slowdown, default=0.0, metavar="X",
+                   help="a contended chunk grows (to at most twice what a step may take) until a long prompt's "
+                        "prefill runs at least 1/X of its speed alone, by the cost model (X >= 1; 0: off; "
+                        "default: %(default)s)")
     s.add_argument("--plan-padding", choices=["on", "off"], default="on",
                    help="contended budgets land on the query buckets the engine pads chunks to (CUDA) and the "
                         "affine cost model counts the padded work; off: exact counts (default: %(default)s)")
@@ -245,7 +255,7 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
         max_model_len=args.max_model_len, step_target_ms=args.step_target_ms,
         step_target_factor=args.step_target_factor, step_target_floor_ms=args.step_target_floor_ms,
         row_ceiling=args.row_ceiling, row_floor=args.row_floor,
-        row_quantum=args.row_quantum, budget_midpoints=args.budget_midpoints == "on", plan_headroom=args.plan_headroom, floor_slack=args.floor_slack, plan_padding=args.plan_padding == "on", cost_model=args.prefill_cost_model, cost_trust_factor=args.cost_trust_factor, max_overtakes=args.max_overtakes,
+        row_quantum=args.row_quantum, budget_midpoints=args.budget_midpoints == "on", plan_headroom=args.plan_headroom, floor_slack=args.floor_slack, max_prefill_slowdown=args.max_prefill_slowdown, plan_padding=args.plan_padding == "on", cost_model=args.prefill_cost_model, cost_trust_factor=args.cost_trust_factor, max_overtakes=args.max_overtakes,
         enable_prefix_cache=not args.no_prefix_cache, decode_debt=not args.no_decode_debt,
         ane_lane=args.ane_lane, ane_package=args.ane_package, ane_timeout_s=args.ane_timeout_s,
         decode_attention=args.decode_attention, compile_decode=args.compile_decode, fuse_decode=args.fuse_decode,

@@ -26,6 +26,7 @@ MISSING = "/nonexistent/model-dir"
         ({"cost_model": "oracle"}, "cost_model must be one of"),
         ({"cost_trust_factor": 0.5}, "cost_trust_factor must be 0"),
         ({"floor_slack": 0.5}, "floor_slack must be >= 1"),
+        ({"max_prefill_slowdown": 0.5}, "max_prefill_slowdown must be 0"),
         ({"trace_neighbour_shapes": -1}, "trace_neighbour_shapes must be a whole number"),
     ],
 )

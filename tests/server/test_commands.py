@@ -50,6 +50,7 @@ def test_serve_help_explains_the_engine_flags(capsys):
         ("--plan-headroom", {None: 1.0, "0.9": 0.9, "0.75": 0.75}, ("most", "0", "1.5", "-0.5")),
         ("--cost-trust-factor", {None: 1.5, "0": 0.0, "2": 2.0}, ("wide", "0.5", "-1")),
         ("--floor-slack", {None: 1.5, "1": 1.0, "1.25": 1.25}, ("some", "0.9", "-1")),
+        ("--max-prefill-slowdown", {None: 0.0, "0": 0.0, "1.3": 1.3}, ("fast", "0.5", "-1")),
         ("--port", {None: 8080, "0": 0, "65535": 65535}, ("http", "-5", "70000", "80.5")),
         ("--block-size", {None: 16, "32": 32}, ("0", "-16", "big")),
         ("--kv-blocks", {None: None, "100": 100}, ("0", "-1")),
@@ -176,3 +177,11 @@ def test_chat_streams_replies_until_exit(tiny_qwen3: Path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("model> ") == 2
     assert done.stdout.count("you> ") == 4
+
+
+def test_scheduling_flags_reach_the_engine_config():
+    from mlx_serve.commands.serve import engine_config
+
+    args = build_parser().parse_args(["serve", "--floor-slack", "1.25", "--max-prefill-slowdown", "1.3"])
+    config = engine_config(args)
+    assert (config.floor_slack, config.max_prefill_slowdown) == (1.25, 1.3)
