@@ -9,7 +9,13 @@ Requests at the pool's edge finish LENGTH: a request never grows past the whole 
 
 from __future__ import annotations
 
-from scheduler.budget import BudgetDecision, choose_row_budget, slack_allowance_ms, stream_in_debt
+from scheduler.budget import (
+    RATE_GROWTH_CAP,
+    BudgetDecision,
+    choose_row_budget,
+    slack_allowance_ms,
+    stream_in_debt,
+)
 from scheduler.config import SchedulerConfig
 from scheduler.cost_models import make_cost_model
 from scheduler.errors import QueueFull, RequestTooLarge
@@ -49,6 +55,9 @@ class Scheduler:
         self._step_id = 0
         self._last_step_was_debt = False
         self._last_update_had_prefill = False  # a slow last gap is prefill's fault only if it carried some
+        # whether the last planned / the last reported step was grown for its prefill rate (`grow_for_rate`)
+        self._planned_rate_grown = False
+        self._reported_rate_grown = False
 
     # ---- queries
     @property
@@ -113,6 +122,7 @@ class Scheduler:
                 break
             preempted.append(self._preempt(self._running[-1]).request_id)
         self._last_step_was_debt = decision.reason == "decode-debt"
+        self._planned_rate_grown = decision.reason.endswith("+rate")
         self.stats.decode_debt_steps += self._last_step_was_debt
         self.stats.budget_halvings += decision.halvings
         self.stats.overtakes += len(overtaken)
@@ -167,6 +177,7 @@ class Scheduler:
         if plan.lanes:
             self.stats.steps += 1
             self._last_update_had_prefill = plan.prefill_rows > 0
+            self._reported_rate_grown = plan.budget_reason.endswith("+rate")
         if plan.contended:
             train_cost_model(self.cost_model, plan, outcome)
         self.step_target.observe(plan, outcome)
@@ -236,9 +247,12 @@ class Scheduler:
             else target
         )
         if self.config.decode_debt and decode_lanes and not self._last_step_was_debt:
+            # a step grown for its prefill rate may be predicted at up to RATE_GROWTH_CAP x the allowance: a gap
+            # that long is the plan, not a debt (else every grown step is followed by a decode-only one)
+            debt_ms = allowance * (RATE_GROWTH_CAP if self._planned_rate_grown or self._reported_rate_grown else 1.0)
             in_debt = any(
                 stream_in_debt(now - r.last_token_time, r.last_token_gap if self._last_update_had_prefill else None,
-                               allowance)
+                               debt_ms)
                 for r in self.decoding_streams()
                 if r.last_token_time is not None
             )

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from scheduler_helpers import make_request, run_step
+from scheduler_helpers import fake_outcome, make_request, run_step
 
 from scheduler import Scheduler, SchedulerConfig
 from scheduler.buckets import query_bucket
@@ -51,6 +51,25 @@ def test_a_contended_chunk_grows_until_the_prompt_runs_within_the_slowdown(limit
     scheduler.add(make_request("prompt", 5000, base=7000))
     plan = scheduler.schedule(0.011)  # within the target of the stream's last token: no decode debt
     assert (plan.row_budget, plan.prefill_rows, plan.budget_reason) == (budget, budget, reason)
+
+
+@pytest.mark.parametrize("limit,elapsed_ms,debt", [(1.5, 37.0, False), (1.5, 45.0, True), (0.0, 37.0, True)])
+def test_a_grown_step_within_its_cap_puts_no_stream_in_decode_debt(limit, elapsed_ms, debt):
+    """No slack, a 20 ms target: the grown step (768 rows, 37.4 ms predicted) may take up to twice the target before
+    its streams are in debt; without the limit a 37 ms step is followed by a decode-only step."""
+    config = SchedulerConfig(num_blocks=4096, step_target_ms=20.0, floor_slack=1.0, max_prefill_slowdown=limit)
+    scheduler = Scheduler(config)
+    scheduler.add(make_request("stream", 10, max_tokens=100))
+    run_step(scheduler, 0.0, elapsed_ms=10.0)
+    scheduler.cost_model = LinearCostModel()
+    scheduler.add(make_request("prompt", 5000, base=7000))
+    mixed = scheduler.schedule(0.011)
+    assert mixed.prefill_rows == (768 if limit else 64)
+    now = 0.011 + elapsed_ms / 1000.0
+    scheduler.update(mixed, fake_outcome(mixed, elapsed_ms=elapsed_ms), now)
+    after = scheduler.schedule(now)
+    assert (after.budget_reason == "decode-debt") is debt
+    assert (after.prefill_rows == 0) is debt
 
 
 def test_a_prompt_shorter_than_the_budget_grows_nothing():
