@@ -29,8 +29,10 @@ A budget planned only to the target can leave a long prompt's prefill far slower
 cost (its decode lanes' GEMVs, weight reads, launches) is spread over few rows. With `max_prefill_slowdown` a
 contended chunk grows one query bucket at a time while its predicted cost a row is over that multiple of a
 ceiling-sized uncontended chunk's at the same history (`grow_for_rate`, reason `+rate`), never to a step predicted
-over `RATE_GROWTH_CAP` x what it may take. That bounds the 16k prompt's TTFT beside 8 streams (issue 7's <= 1.5x
-solo) by the planner's own rule instead of by a target tuned per shape.
+over `RATE_GROWTH_CAP` x what it may take; such a step's streams are not in decode debt within that cap. Off by
+default: on the H200 at 1.3 (twenty-eighth run) the 16k prompt's TTFT beside 8 streams fell from 1.57x solo to 1.15x
+(8B 4-bit), 1.41x to 1.30x (8B) and ~1.47x to 1.32x (30B-A3B), but with fewer, larger mixed steps the streams'
+median gap became a decode step's, and the max gap / median rose to 9.4 (8B 4-bit) and 4.2 (30B-A3B) against 3.
 
 The prediction changes only which budget is chosen: the order of the lanes and who is admitted are decided
 elsewhere and never look at it.
