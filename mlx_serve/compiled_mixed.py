@@ -18,8 +18,8 @@ pool's scratch block.
 An eager step's host build delays the tokens of the step before it (H200, 0.6B beside 8 streams: a long prompt's
 last 16 rows built for 27 ms, the window's longest gap, where a traced 768-row step of the same lanes and history
 bucket ran in 14.9 ms; twenty-sixth run). With `stand_ins`, a step whose shape has no trace replays the fewest-rows
-trace of the same lanes and history bucket with its chunk padded, where that trace's measured runs took no longer
-than eager steps' builds do (`stand_in`).
+trace of the same lanes with at least its rows and history bucket, its chunk and table padded, where that trace's
+last run took no longer than eager steps' builds do or than the step was planned to take (`stand_in`).
 """
 
 from __future__ import annotations
@@ -175,9 +175,12 @@ class CompiledMixed:
             self._deferred.setdefault(shape, (gather, kv_bucket))
             self._neighbours.pop(shape, None)
 
-    def ready(self, decode: Sequence[Lane], chunk: Lane, kv_bucket: int, gather: PrefillGather) -> MixedShape | None:
+    def ready(
+        self, decode: Sequence[Lane], chunk: Lane, kv_bucket: int, gather: PrefillGather, limit_ms: float | None = None
+    ) -> MixedShape | None:
         """The shape the step replays now: its own, always unless traces are deferred and it has none yet (then it
-        waits for `trace_deferred`), else a `stand_in`; None: the step runs eager."""
+        waits for `trace_deferred`), else a `stand_in` (`limit_ms`: what the step was planned to take at most);
+        None: the step runs eager."""
         shape = self.shape(decode, chunk, kv_bucket)
         if not self.defer_traces:
             return shape
@@ -185,22 +188,24 @@ class CompiledMixed:
         if shape in self.shapes:
             return shape
         self.want(shape, gather, kv_bucket)
-        return self.stand_in(shape) if self.stand_ins else None
+        return self.stand_in(shape, limit_ms) if self.stand_ins else None
 
-    def stand_in(self, shape: MixedShape) -> MixedShape | None:
-        """The traced shape of the same lanes, table width and history bucket with the fewest rows past `shape`'s
-        whose last ordinary run took no longer than an eager step of `shape` takes to build (`eager_build_ms`): the
-        eager step's build would hold the previous step's tokens at least that long. None where there is none, or
-        no eager build has been timed yet."""
-        build_ms = self.eager_build_ms(shape)
-        if build_ms is None:
+    def stand_in(self, shape: MixedShape, limit_ms: float | None = None) -> MixedShape | None:
+        """The traced shape of the same lanes and table width with at least `shape`'s rows and history bucket, more
+        of either, whose last ordinary run took no longer than an eager step of `shape` takes to build
+        (`eager_build_ms`: the eager step's build would hold the previous step's tokens at least that long) or than
+        `limit_ms` (what the step was planned to take: such a trace is a step the planner accepts); the fewest rows,
+        then the nearest history bucket. None where there is none, or neither bound is known."""
+        bounds = [ms for ms in (self.eager_build_ms(shape), limit_ms) if ms is not None]
+        if not bounds:
             return None
         count, width, rows, padded = shape
         fits = [
             near for near, ms in self._measured_ms.items()
-            if near[:2] == (count, width) and near[3] == padded and near[2] > rows and ms <= build_ms
+            if near[:2] == (count, width) and near[2] >= rows and near[3] >= padded and near != shape
+            and ms <= max(bounds)
         ]  # fmt: skip
-        return min(fits, key=lambda near: near[2], default=None)
+        return min(fits, key=lambda near: (near[2], near[3]), default=None)
 
     def record_eager_build(self, shape: MixedShape, ms: float) -> None:
         """An eager step of compilable `shape` took `ms` of host time to build and submit."""
@@ -286,13 +291,13 @@ class CompiledMixed:
     ) -> mx.array:
         """`tokens` `[len(decode) + chunk.rows]`: the decode lanes' inputs, then the chunk's, whose history is
         padded to a `history_bucket` of `kv_bucket` and read through `gather`. `shape`: the trace to replay (a
-        `stand_in` with more rows; default: the step's own)."""
+        `stand_in` with more rows or a longer history bucket; default: the step's own)."""
         size, scratch = self.pool.block_size, self.pool.scratch_block
         n = len(decode)
         own = self.shape(decode, chunk, kv_bucket)
         shape = own if shape is None else shape
         count, _, rows, padded = shape
-        if shape[:2] != own[:2] or shape[3] != own[3] or rows < chunk.rows:
+        if shape[:2] != own[:2] or shape[3] < own[3] or rows < own[2]:
             raise ValueError(f"a step of shape {own} cannot replay {shape}")
         self.stood_in = shape != own  # whether the last call replayed a stand-in
         self.stand_ins_run += self.stood_in

@@ -331,7 +331,7 @@ class ModelRunner:
         chunks = ane_chunks.submit(self.prefill_lane, ane_lanes, self.pool) if ane_lanes else []
         compiled = self.compiled is not None and bool(gpu_lanes) and all(lane.rows == 1 for lane in gpu_lanes)
         mixable = not compiled and self._mixed_on and compilable(gpu_lanes)
-        mixed_shape = self._mixed_ready(gpu_lanes) if mixable else None
+        mixed_shape = self._mixed_ready(gpu_lanes, plan.limit_ms) if mixable else None
         mixed = mixed_shape is not None
         prepared = None if compiled or mixed else self._prepare(gpu_lanes, previous)
         traced = self._traced_shapes()
@@ -359,10 +359,10 @@ class ModelRunner:
             timed,
         )
 
-    def _mixed_ready(self, lanes: list[Lane]) -> MixedShape | None:
-        """The compiled shape the step replays (its own or a stand-in), or None: it runs eager."""
+    def _mixed_ready(self, lanes: list[Lane], limit_ms: float | None) -> MixedShape | None:
+        """The compiled shape the step replays (its own or a stand-in within `limit_ms`), or None: it runs eager."""
         decode, chunk = self._decode_and_chunk(lanes)
-        return self.compiled_mixed.ready(decode, chunk, self.kv_bucket, self.prefill_gather)
+        return self.compiled_mixed.ready(decode, chunk, self.kv_bucket, self.prefill_gather, limit_ms)
 
     def _mixed_shape(self, lanes: list[Lane]) -> MixedShape:
         """The step's own compiled shape."""

@@ -67,6 +67,7 @@ class BudgetDecision:
     halvings: int
     predicted_ms: float | None  # the cost model's prediction for the planned prefill at this budget
     wanted: tuple[PrefillChunk, ...] = ()  # a larger step's chunks that would fit the target with a compiled trace
+    limit_ms: float | None = None  # what a contended step was planned to take at most (None: uncontended, debt)
 
 
 def fill_shortest_first(demand: Sequence[PrefillChunk], budget: int) -> tuple[PrefillChunk, ...]:
@@ -147,7 +148,7 @@ def choose_row_budget(
     reason += ("+slack" if slack else "") + ("+rate" if grown else "")
     if sum(chunk.rows for chunk in wanted) <= budget:
         wanted = ()  # the step got as many rows anyway (a tile or bucket grew it back)
-    return BudgetDecision(budget, reason, halvings, predicted, wanted)
+    return BudgetDecision(budget, reason, halvings, predicted, wanted, target_ms)
 
 
 def grow_for_rate(

@@ -142,6 +142,7 @@ class Scheduler:
             contended=decision.reason != "uncontended",
             released_request_ids=tuple(self._released),
             preempted_request_ids=tuple(preempted),
+            limit_ms=decision.limit_ms,
         )
         self._released.clear()
         if self.trace.enabled:

@@ -62,6 +62,9 @@ class StepPlan:
     contended: bool  # at least one stream was decoding when planned
     released_request_ids: tuple[str, ...] = ()  # finished/cancelled/preempted since the last plan
     preempted_request_ids: tuple[str, ...] = ()
+    # what a contended step was planned to take at most: the step target, or the floor slack's allowance (None:
+    # uncontended). The runner may replay a larger compiled shape in its place that ran within it (a stand-in)
+    limit_ms: float | None = None
 
     @property
     def num_rows(self) -> int:

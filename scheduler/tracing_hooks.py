@@ -30,6 +30,7 @@ def emit_step_planned(
             halvings=decision.halvings,
             overtakes=tuple(request.request_id for request in overtaken),
             preempted=plan.preempted_request_ids,
+            limit_ms=plan.limit_ms,
         )
     )
 

@@ -52,6 +52,7 @@ class StepPlanned:
     halvings: int  # how many times the budget was halved for this step
     overtakes: tuple[str, ...] = ()  # request ids overtaken by this step's admissions
     preempted: tuple[str, ...] = ()
+    limit_ms: float | None = None  # what a contended step was planned to take at most
 
 
 @dataclass(frozen=True, slots=True)

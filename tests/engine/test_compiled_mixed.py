@@ -254,10 +254,12 @@ def test_neighbours_of_met_shapes_trace_after_them_within_the_budget(tiny_qwen3)
     assert mixed.ready([], alone, 32, table_gather) and not mixed.deferred
 
 
-def _chunks_beside_decode(runner: ModelRunner, chunks: list[tuple[str, int, int, int]], before=None) -> tuple:
+def _chunks_beside_decode(
+    runner: ModelRunner, chunks: list[tuple[str, int, int, int]], before=None, limit_ms: float | None = None
+) -> tuple:
     """Prefill the decode lanes, then one step each of decode lanes and a chunk `(request, block index, start,
-    rows)` of that request's 128-token prompt, every step waited for (`before(step)` runs before each). Returns
-    every sample in order and the chunk steps' outcomes."""
+    rows)` of that request's 128-token prompt, every step waited for (`before(step)` runs before each), each
+    planned to take at most `limit_ms`. Returns every sample in order and the chunk steps' outcomes."""
     long_prompts = {rid: prompt_of(128, seed=180 + index) for rid, index, *_ in chunks}
     out, ends = _prefill_decode_lanes(runner, tuple(long_prompts))
     samples = [(rid, s.token_id, s.logprob) for rid, s in sorted(out.samples.items())]
@@ -268,7 +270,7 @@ def _chunks_beside_decode(runner: ModelRunner, chunks: list[tuple[str, int, int,
             before(step)
         lanes = tuple(Lane(d, LaneKind.DECODE, (tokens[d],), ends[d], _blocks(i), True) for i, d in enumerate(DECODE))
         chunk = Lane(rid, LaneKind.PREFILL, tuple(long_prompts[rid][start : start + rows]), start, _blocks(index), True)
-        out = runner.execute(StepPlan(step, (*lanes, chunk), rows, "t", None, True))
+        out = runner.execute(StepPlan(step, (*lanes, chunk), rows, "t", None, True, limit_ms=limit_ms))
         samples += [(r, s.token_id, s.logprob) for r, s in sorted(out.samples.items())]
         outcomes.append(out.outcome)
         tokens.update({d: out.samples[d].token_id for d in DECODE})
@@ -312,6 +314,35 @@ def test_an_untraced_step_replays_a_larger_traced_shape_padded(tiny_qwen3):
     assert mixed.stand_in((4, 2, 128, 128)) is None and mixed.stand_in((4, 2, 64, 64)) is None  # none past them
 
 
+def test_a_step_stands_in_within_its_limit_with_a_longer_history_bucket(tiny_qwen3):
+    """A chunk of 40 rows over no history (query bucket 64, history bucket 64) replays the traced shape of 96 rows
+    at history bucket 128, its table padded with the scratch block, where that trace ran within the step's planned
+    limit (no eager build is counted); then its next 30 rows (history bucket 128) stand in too. Tokens,
+    log-probabilities and the KV the first wrote (read by the second) are the eager steps'; with a limit below the
+    trace's run, both run eager."""
+    model, _ = load(str(tiny_qwen3))
+    chunks = [("p", 3, 0, 80), ("p2", 4, 0, 80), ("p3", 5, 0, 80), ("p4", 6, 0, 40), ("p4", 6, 40, 30)]
+    eager, _ = _chunks_beside_decode(_runner(model, compile_mixed=False, blocks=64), chunks)
+    for limit_ms, stands_in in ((1e9, True), (0.0, False)):
+        runner = _runner(model, compile_mixed=True, defer=True, blocks=64)
+        runner.compiled_mixed.stand_ins = True
+        mixed = runner.compiled_mixed
+
+        def before(step: int, runner=runner, mixed=mixed) -> None:
+            if step == 2:
+                assert runner.trace_deferred() and mixed.shapes == {(4, 2, 96, 128)}
+            for builds in mixed._eager_builds.values():
+                builds.clear()  # only the limit decides
+
+        samples, outcomes = _chunks_beside_decode(runner, chunks, before, limit_ms)
+        assert [s[:2] for s in samples] == [s[:2] for s in eager]
+        for a, b in zip(samples, eager):
+            assert abs(a[2] - b[2]) < 1e-4, (stands_in, a, b)
+        assert [o.compiled for o in outcomes] == [False, True, True, stands_in, stands_in]
+        assert mixed.stand_ins_run == 2 * stands_in
+        assert not mixed.shapes & {(4, 2, 64, 64), (4, 2, 64, 128)}  # their own traces still wait
+
+
 def test_stand_ins_need_a_timed_eager_build_and_a_measured_run():
     """`stand_in`: only traced shapes of the same lanes, width and history bucket with more rows, whose last
     ordinary run took no longer than eager steps like this one take to build (the median of recent builds, first
@@ -339,6 +370,26 @@ def test_stand_ins_need_a_timed_eager_build_and_a_measured_run():
     assert mixed.stand_in((8, 4, 768, 16384)) == (8, 4, 1024, 16384) and mixed.stand_in((8, 4, 1024, 16384)) is None
     mixed.record_run((8, 4, 768, 16384), 31.0)  # its last run: now slower than a build
     assert mixed.stand_in(tail) == (8, 4, 1024, 16384)
+
+
+def test_a_stand_in_may_run_within_the_step_limit_and_over_a_longer_history():
+    """`stand_in` with `limit_ms`: a trace that ran within what the step was planned to take stands in with no
+    eager build timed; traces of a longer history bucket count (the fewest rows, then the nearest bucket), shorter
+    ones never, nor the shape itself."""
+    mixed = CompiledMixed(None, None, None, None, defer_traces=True, stand_ins=True)
+    tail = (8, 4, 64, 8192)
+    mixed.record_run((8, 4, 768, 16384), 19.0)
+    assert mixed.stand_in(tail) is None  # no build timed, no limit
+    assert mixed.stand_in(tail, limit_ms=20.0) == (8, 4, 768, 16384)
+    assert mixed.stand_in(tail, limit_ms=18.0) is None
+    mixed.record_run((8, 4, 64, 12288), 9.0)
+    mixed.record_run((8, 4, 64, 6144), 5.0)  # a shorter history bucket
+    mixed.record_run((8, 4, 64, 8192), 5.0)  # the shape itself (its own trace replays without a stand-in)
+    assert mixed.stand_in(tail, limit_ms=20.0) == (8, 4, 64, 12288)
+    mixed.record_run((8, 4, 64, 12288), 30.0)
+    assert mixed.stand_in(tail, limit_ms=20.0) == (8, 4, 768, 16384)
+    mixed.record_eager_build((8, 4, 96, 8192), 35.0)  # either bound: a first build's 35 ms
+    assert mixed.stand_in(tail, limit_ms=5.0) == (8, 4, 64, 12288)
 
 
 @pytest.mark.parametrize("defer", [True, False])
