@@ -278,6 +278,29 @@ def _chunks_beside_decode(
     return samples, outcomes
 
 
+def _stand_in_pass(model, chunks, eager, builds_ms: list[float], limit_ms: float | None) -> tuple:
+    """`chunks` beside the decode lanes with stand-ins on: the first 80-row shape traced after step 1 (ordinary from
+    step 3), eager builds timed at `builds_ms` from step 4 on (empty: none counted), each step planned to take at most
+    `limit_ms`. Asserts the eager pass's tokens and log-probabilities; returns the outcomes and `CompiledMixed`."""
+    runner = _runner(model, compile_mixed=True, defer=True, blocks=64)
+    runner.compiled_mixed.stand_ins = True
+    mixed = runner.compiled_mixed
+
+    def before(step: int) -> None:
+        if step == 2:
+            assert runner.trace_deferred() and mixed.shapes == {(4, 2, 96, 128)}
+        if step >= 4:  # as if eager steps (first of their shape or not) had been timed building this long
+            for builds in mixed._eager_builds.values():
+                builds.clear()
+                builds.extend(builds_ms)
+
+    samples, outcomes = _chunks_beside_decode(runner, chunks, before, limit_ms)
+    assert [s[:2] for s in samples] == [s[:2] for s in eager]
+    for a, b in zip(samples, eager):
+        assert abs(a[2] - b[2]) < 1e-4, (a, b)
+    return outcomes, mixed
+
+
 def test_an_untraced_step_replays_a_larger_traced_shape_padded(tiny_qwen3):
     """With stand-ins, a step whose shape has no trace replays the traced shape of its lanes and history bucket
     with the fewest rows past its own, its chunk padded (pad rows write the scratch block), once that shape's last
@@ -290,22 +313,7 @@ def test_an_untraced_step_replays_a_larger_traced_shape_padded(tiny_qwen3):
     chunks = [("p", 3, 0, 80), ("p2", 4, 0, 80), ("p3", 5, 0, 80), ("p3", 5, 80, 30), ("p3", 5, 110, 18)]
     eager, _ = _chunks_beside_decode(_runner(model, compile_mixed=False, blocks=64), chunks)
     for build_ms, stands_in in ((1e9, True), (0.0, False)):
-        runner = _runner(model, compile_mixed=True, defer=True, blocks=64)
-        runner.compiled_mixed.stand_ins = True
-        mixed = runner.compiled_mixed
-
-        def before(step: int, runner=runner, mixed=mixed, build_ms=build_ms) -> None:
-            if step == 2:
-                assert runner.trace_deferred() and mixed.shapes == {(4, 2, 96, 128)}
-            if step >= 4:  # as if eager steps (first of their shape or not) had been timed building this long
-                for builds in mixed._eager_builds.values():
-                    builds.clear()
-                    builds.append(build_ms)
-
-        samples, outcomes = _chunks_beside_decode(runner, chunks, before)
-        assert [s[:2] for s in samples] == [s[:2] for s in eager]
-        for a, b in zip(samples, eager):
-            assert abs(a[2] - b[2]) < 1e-4, (stands_in, a, b)
+        outcomes, mixed = _stand_in_pass(model, chunks, eager, [build_ms], None)
         # the last two steps meet the same untraced shape: both stand in, or both run eager (the first one-off)
         assert [o.compiled for o in outcomes] == [False, True, True, stands_in, stands_in]
         assert [o.auxiliary for o in outcomes] == [True, True, False, True, stands_in]
@@ -324,20 +332,7 @@ def test_a_step_stands_in_within_its_limit_with_a_longer_history_bucket(tiny_qwe
     chunks = [("p", 3, 0, 80), ("p2", 4, 0, 80), ("p3", 5, 0, 80), ("p4", 6, 0, 40), ("p4", 6, 40, 30)]
     eager, _ = _chunks_beside_decode(_runner(model, compile_mixed=False, blocks=64), chunks)
     for limit_ms, stands_in in ((1e9, True), (0.0, False)):
-        runner = _runner(model, compile_mixed=True, defer=True, blocks=64)
-        runner.compiled_mixed.stand_ins = True
-        mixed = runner.compiled_mixed
-
-        def before(step: int, runner=runner, mixed=mixed) -> None:
-            if step == 2:
-                assert runner.trace_deferred() and mixed.shapes == {(4, 2, 96, 128)}
-            for builds in mixed._eager_builds.values():
-                builds.clear()  # only the limit decides
-
-        samples, outcomes = _chunks_beside_decode(runner, chunks, before, limit_ms)
-        assert [s[:2] for s in samples] == [s[:2] for s in eager]
-        for a, b in zip(samples, eager):
-            assert abs(a[2] - b[2]) < 1e-4, (stands_in, a, b)
+        outcomes, mixed = _stand_in_pass(model, chunks, eager, [], limit_ms)
         assert [o.compiled for o in outcomes] == [False, True, True, stands_in, stands_in]
         assert mixed.stand_ins_run == 2 * stands_in
         assert not mixed.shapes & {(4, 2, 64, 64), (4, 2, 64, 128)}  # their own traces still wait

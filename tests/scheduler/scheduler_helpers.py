@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from scheduler import Request, Scheduler, StepOutcome, StepPlan
+from scheduler import Request, Scheduler, SchedulerConfig, StepOutcome, StepPlan
+from scheduler.cost_models import StepShape
 
 
 def make_request(request_id: str, prompt_len: int, max_tokens: int = 4, **kwargs) -> Request:
@@ -35,3 +36,37 @@ def drain(scheduler: Scheduler, max_steps: int = 10_000, elapsed_ms: float = 10.
         run_step(scheduler, now, elapsed_ms)
         now += elapsed_ms / 1000.0
     raise AssertionError(f"scheduler still has work after {max_steps} steps")
+
+
+class LinearCostModel:
+    """fixed + per prefill row + per decode lane milliseconds (default: a step of a large fixed cost, 22 ms, then
+    0.02 ms a row: the H200's 8B 4-bit beside 8 streams at 16k)."""
+
+    name = "linear"
+
+    def __init__(self, fixed_ms: float = 22.0, row_ms: float = 0.02, lane_ms: float = 0.0) -> None:
+        self.fixed_ms, self.row_ms, self.lane_ms = fixed_ms, row_ms, lane_ms
+
+    def predict(self, shape: StepShape) -> float:
+        return self.fixed_ms + self.row_ms * shape.prefill_rows + self.lane_ms * shape.decode_lanes
+
+    def observe(self, shape: StepShape, elapsed_ms: float) -> None:
+        pass
+
+
+def prompt_beside_a_stream(config: SchedulerConfig) -> tuple[Scheduler, StepPlan]:
+    """One stream decoding (its first step took 10 ms), then a 5,000-token prompt arrives, priced by a
+    `LinearCostModel`: the scheduler and its first plan, 1 ms after the stream's last token (no decode debt yet)."""
+    scheduler = Scheduler(config)
+    scheduler.add(make_request("stream", 10, max_tokens=100))
+    run_step(scheduler, 0.0, elapsed_ms=10.0)
+    scheduler.cost_model = LinearCostModel()
+    scheduler.add(make_request("prompt", 5000, base=7000))
+    return scheduler, scheduler.schedule(0.011)
+
+
+def plan_after(scheduler: Scheduler, plan: StepPlan, elapsed_ms: float) -> StepPlan:
+    """The next plan, once `plan` (made 11 ms in) has taken `elapsed_ms`."""
+    now = 0.011 + elapsed_ms / 1000.0
+    scheduler.update(plan, fake_outcome(plan, elapsed_ms=elapsed_ms), now)
+    return scheduler.schedule(now)

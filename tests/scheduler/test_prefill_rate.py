@@ -7,27 +7,12 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from scheduler_helpers import fake_outcome, make_request, run_step
+from scheduler_helpers import LinearCostModel, plan_after, prompt_beside_a_stream
 
-from scheduler import Scheduler, SchedulerConfig
+from scheduler import SchedulerConfig
 from scheduler.buckets import query_bucket
 from scheduler.budget import RATE_GROWTH_CAP, choose_row_budget, fill_shortest_first
 from scheduler.cost_models import PrefillChunk, StepShape
-
-
-class LinearCostModel:
-    """fixed + per prefill row + per decode lane milliseconds."""
-
-    name = "linear"
-
-    def __init__(self, fixed_ms: float = 22.0, row_ms: float = 0.02, lane_ms: float = 0.0) -> None:
-        self.fixed_ms, self.row_ms, self.lane_ms = fixed_ms, row_ms, lane_ms
-
-    def predict(self, shape: StepShape) -> float:
-        return self.fixed_ms + self.row_ms * shape.prefill_rows + self.lane_ms * shape.decode_lanes
-
-    def observe(self, shape: StepShape, elapsed_ms: float) -> None:
-        pass
 
 
 @pytest.mark.parametrize(
@@ -44,12 +29,7 @@ class LinearCostModel:
 def test_a_contended_chunk_grows_until_the_prompt_runs_within_the_slowdown(limit, slack, budget, reason):
     """A step of 22 ms + 0.02 ms a row beside one stream, against a 20 ms target."""
     config = SchedulerConfig(num_blocks=4096, step_target_ms=20.0, floor_slack=slack, max_prefill_slowdown=limit)
-    scheduler = Scheduler(config)
-    scheduler.add(make_request("stream", 10, max_tokens=100))
-    run_step(scheduler, 0.0, elapsed_ms=10.0)
-    scheduler.cost_model = LinearCostModel()
-    scheduler.add(make_request("prompt", 5000, base=7000))
-    plan = scheduler.schedule(0.011)  # within the target of the stream's last token: no decode debt
+    _, plan = prompt_beside_a_stream(config)
     assert (plan.row_budget, plan.prefill_rows, plan.budget_reason) == (budget, budget, reason)
 
 
@@ -58,16 +38,9 @@ def test_a_grown_step_within_its_cap_puts_no_stream_in_decode_debt(limit, elapse
     """No slack, a 20 ms target: the grown step (768 rows, 37.4 ms predicted) may take up to twice the target before
     its streams are in debt; without the limit a 37 ms step is followed by a decode-only step."""
     config = SchedulerConfig(num_blocks=4096, step_target_ms=20.0, floor_slack=1.0, max_prefill_slowdown=limit)
-    scheduler = Scheduler(config)
-    scheduler.add(make_request("stream", 10, max_tokens=100))
-    run_step(scheduler, 0.0, elapsed_ms=10.0)
-    scheduler.cost_model = LinearCostModel()
-    scheduler.add(make_request("prompt", 5000, base=7000))
-    mixed = scheduler.schedule(0.011)
+    scheduler, mixed = prompt_beside_a_stream(config)
     assert mixed.prefill_rows == (768 if limit else 64)
-    now = 0.011 + elapsed_ms / 1000.0
-    scheduler.update(mixed, fake_outcome(mixed, elapsed_ms=elapsed_ms), now)
-    after = scheduler.schedule(now)
+    after = plan_after(scheduler, mixed, elapsed_ms)
     assert (after.budget_reason == "decode-debt") is debt
     assert (after.prefill_rows == 0) is debt
 

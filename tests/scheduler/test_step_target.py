@@ -8,7 +8,7 @@ import math
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from scheduler_helpers import fake_outcome, make_request, run_step
+from scheduler_helpers import fake_outcome, make_request, plan_after, prompt_beside_a_stream, run_step
 
 from scheduler import Scheduler, SchedulerConfig
 from scheduler.cost_models import EmaCostModel
@@ -136,18 +136,6 @@ def test_a_headroom_outside_zero_to_one_is_refused(headroom):
         SchedulerConfig(num_blocks=16, plan_headroom=headroom)
 
 
-class FixedCostModel:
-    """A step of a large fixed cost: 22 ms, then 0.02 ms a row (the H200's 8B 4-bit beside 8 streams at 16k)."""
-
-    name = "fixed"
-
-    def predict(self, shape) -> float:
-        return 22.0 + 0.02 * shape.prefill_rows
-
-    def observe(self, shape, elapsed_ms: float) -> None:
-        pass
-
-
 @pytest.mark.parametrize(
     "slack,target,budget,reason",
     [
@@ -162,13 +150,7 @@ def test_a_step_may_take_the_slack_times_the_floor_step_where_that_is_more_than_
     """A step of 22 ms + 0.02 ms a row: the floor (64 rows) is 23.3 ms. Where `floor_slack` times that is more than
     the target, the budget plans to it; where the floor is over the target by more than `SLACK_WITHIN`, or the slack
     is 1, the target holds."""
-    config = SchedulerConfig(num_blocks=4096, step_target_ms=target, floor_slack=slack)
-    scheduler = Scheduler(config)
-    scheduler.add(make_request("stream", 10, max_tokens=100))
-    run_step(scheduler, 0.0, elapsed_ms=10.0)
-    scheduler.cost_model = FixedCostModel()
-    scheduler.add(make_request("prompt", 5000, base=7000))
-    plan = scheduler.schedule(0.011)  # within the target of the stream's last token: no decode debt
+    _, plan = prompt_beside_a_stream(SchedulerConfig(num_blocks=4096, step_target_ms=target, floor_slack=slack))
     assert (plan.row_budget, plan.prefill_rows, plan.budget_reason) == (budget, budget, reason)
     assert plan.predicted_ms <= max(target, slack * (22.0 + 0.02 * 64))
     with pytest.raises(ValueError, match="floor_slack"):
@@ -180,15 +162,8 @@ def test_a_step_within_the_floor_slack_puts_no_stream_in_decode_debt(slack, elap
     """Where even the floor step (23.3 ms) is over the 20 ms target, a debt step cannot bring the next contended step
     under it: a mixed step within the slack's allowance (1.25 x 23.3 = 29.1 ms) is followed by another mixed step,
     one past it (35 ms) by a decode-only step, and without slack any step over the target is debt."""
-    scheduler = Scheduler(SchedulerConfig(num_blocks=4096, step_target_ms=20.0, floor_slack=slack))
-    scheduler.add(make_request("stream", 10, max_tokens=100))
-    run_step(scheduler, 0.0, elapsed_ms=10.0)
-    scheduler.cost_model = FixedCostModel()
-    scheduler.add(make_request("prompt", 5000, base=7000))
-    mixed = scheduler.schedule(0.011)
+    scheduler, mixed = prompt_beside_a_stream(SchedulerConfig(num_blocks=4096, step_target_ms=20.0, floor_slack=slack))
     assert mixed.prefill_rows > 0
-    now = 0.011 + elapsed_ms / 1000.0
-    scheduler.update(mixed, fake_outcome(mixed, elapsed_ms=elapsed_ms), now)
-    after = scheduler.schedule(now)
+    after = plan_after(scheduler, mixed, elapsed_ms)
     assert (after.budget_reason == "decode-debt") is debt
     assert (after.prefill_rows == 0) is debt
