@@ -68,13 +68,7 @@ def _floor_slack(text: str) -> float:
     return value
 
 
-def _slowdown(text: str) -> float:
-    if not ((value := _number(text, "a factor")) == 0 or value >= 1):
-        raise argparse.ArgumentTypeError(f"must be 0 (off) or at least 1, not {text}")
-    return value
-
-
-def _trust_factor(text: str) -> float:
+def _factor_or_off(text: str) -> float:
     if not ((value := _number(text, "a factor")) == 0 or value >= 1):
         raise argparse.ArgumentTypeError(f"must be 0 (off) or at least 1, not {text}")
     return value
@@ -147,7 +141,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="a contended step may take X times the smallest contended step's (--row-floor rows) "
                         "predicted time where that is more than the step target: a fixed cost that fills the "
                         "target buys nothing by halving (X >= 1; 1: off; default: %(default)s)")
-    s.add_argument("--max-prefill-slowdown", type=_slowdown, default=0.0, metavar="X",
+    s.add_argument("--max-prefill-slowdown", type=_factor_or_off, default=0.0, metavar="X",
                    help="a contended chunk grows (to at most twice what a step may take) until a long prompt's "
                         "prefill runs at least 1/X of its speed alone, by the cost model (X >= 1; 0: off; "
                         "default: %(default)s)")
@@ -158,7 +152,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="step-time predictor for row budgets: one EMA ms-per-row, the 96-cell bucketed table, or "
                         "an affine fit (fixed + rows + attention pairs + decode lanes + extra prompt lanes) "
                         "(default: %(default)s; env MLX_SERVE_PREFILL_COST_MODEL overrides)")
-    s.add_argument("--cost-trust-factor", type=_trust_factor, default=1.5, metavar="X",
+    s.add_argument("--cost-trust-factor", type=_factor_or_off, default=1.5, metavar="X",
                    help="affine: a step of more than X times the rows of the largest recent step is priced at least "
                         "at that step's cost per row, not by the fit's extrapolation; 0: off (default: %(default)s)")
     s.add_argument("--max-overtakes", type=whole_number_arg(0), default=4,
