@@ -219,6 +219,15 @@ class CompiledMixed:
         builds = self._eager_builds[first] or self._eager_builds[not first]
         return float(np.median(builds)) if builds else None
 
+    def summary(self) -> dict:
+        """For a report: shapes traced and waiting, stand-ins run, each traced shape's last ordinary run `[decode
+        lanes, table width, rows, history bucket, ms]`, and the median eager build of each kind (ms; None: none)."""
+        runs = sorted(self._measured_ms.items())
+        builds = {kind: float(np.median(times)) if times else None for kind, times in
+                  (("first", list(self._eager_builds[True])), ("later", list(self._eager_builds[False])))}  # fmt: skip
+        return {"traced": len(self.shapes), "waiting": self.deferred, "stand_ins": self.stand_ins_run,
+                "runs_ms": [[*shape, round(ms, 2)] for shape, ms in runs], "eager_build_ms": builds}  # fmt: skip
+
     def record_run(self, shape: MixedShape, ms: float) -> None:
         """A compiled step of `shape`, neither its first run nor a stand-in, took `ms` on the device."""
         self._measured_ms[shape] = ms

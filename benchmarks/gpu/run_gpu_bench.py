@@ -210,9 +210,8 @@ def measure_ours(
         out["contended"] = side.contended(prompts, p)
         note(f"{dummy.name} ours contended", out["contended"])
         out["shared_prefix"] = side.shared_prefix(prompts, p)
-        mixed = side.engine.runner.compiled_mixed  # shapes traced, and met but still waiting (run eager)
-        out["compiled_mixed"] = None if mixed is None else {"traced": len(mixed.shapes), "waiting": mixed.deferred,
-                                                            "stand_ins": mixed.stand_ins_run}
+        mixed = side.engine.runner.compiled_mixed  # shapes traced and waiting, stand-ins, traces' runs, eager builds
+        out["compiled_mixed"] = None if mixed is None else mixed.summary()
         status = side.engine.status()
         out["scheduler"] = status["counters"]
         out["step_target_ms"] = status["step_target_ms"]  # with auto: the one it had learned by the end

@@ -385,6 +385,9 @@ def test_a_stand_in_may_run_within_the_step_limit_and_over_a_longer_history():
     assert mixed.stand_in(tail, limit_ms=20.0) == (8, 4, 768, 16384)
     mixed.record_eager_build((8, 4, 96, 8192), 35.0)  # either bound: a first build's 35 ms
     assert mixed.stand_in(tail, limit_ms=5.0) == (8, 4, 64, 12288)
+    summary = mixed.summary()  # what the GPU bench reports
+    assert summary["runs_ms"][:2] == [[8, 4, 64, 6144, 5.0], [8, 4, 64, 8192, 5.0]]
+    assert summary["eager_build_ms"] == {"first": 35.0, "later": None} and summary["stand_ins"] == 0
 
 
 @pytest.mark.parametrize("defer", [True, False])
