@@ -216,15 +216,19 @@ class CompiledMixed:
         """The median host time of the latest eager builds like a step of `shape` would be (its shape's first, or
         a later one; the other kind where none is timed yet); None before the first."""
         first = shape not in self._ran_eager
-        builds = self._eager_builds[first] or self._eager_builds[not first]
+        own = self._build_median(first)
+        return own if own is not None else self._build_median(not first)
+
+    def _build_median(self, first: bool) -> float | None:
+        """The median of the latest eager builds of one kind (a shape's first, or later); None: none timed."""
+        builds = self._eager_builds[first]
         return float(np.median(builds)) if builds else None
 
     def summary(self) -> dict:
         """For a report: shapes traced and waiting, stand-ins run, each traced shape's last ordinary run `[decode
         lanes, table width, rows, history bucket, ms]`, and the median eager build of each kind (ms; None: none)."""
         runs = sorted(self._measured_ms.items())
-        builds = {kind: float(np.median(times)) if times else None for kind, times in
-                  (("first", list(self._eager_builds[True])), ("later", list(self._eager_builds[False])))}  # fmt: skip
+        builds = {"first": self._build_median(True), "later": self._build_median(False)}
         return {"traced": len(self.shapes), "waiting": self.deferred, "stand_ins": self.stand_ins_run,
                 "runs_ms": [[*shape, round(ms, 2)] for shape, ms in runs], "eager_build_ms": builds}  # fmt: skip
 
