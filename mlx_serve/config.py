@@ -48,9 +48,10 @@ class EngineConfig:
     # step pays no first-run work (H200, 0.6B: a long prompt's first chunk beside 8 streams 29.9 -> 13.7-16.0 ms)
     run_idle_traces: bool = True
     trace_neighbour_shapes: int = 0  # deferred: at most this many shapes next to met ones traced ahead, when idle
-    # deferred: a step whose shape has no trace replays a larger traced one of its lanes and history, its chunk padded,
-    # where that ran no longer than eager steps take to build (CompiledMixed.stand_in). H200, 0.6B beside 8 streams: a
-    # long prompt's 16-272-row tails ran in 15-18 ms, where their eager builds held the streams 20-33 ms
+    # deferred: a step whose shape has no trace replays a traced one of its lanes with at least its rows and history
+    # bucket, padded, where that ran no longer than eager steps take to build or than the step was planned to take
+    # (CompiledMixed.stand_in). H200, 0.6B beside 8 streams: a long prompt's 16-272-row tails ran in 15-18 ms, where
+    # their eager builds held the streams 20-33 ms
     stand_in_traces: bool = True
     expert_tiles: str = "auto"  # "auto" (the CUDA kernel with CUDA) | "on" | "off": MoE steps of many rows in expert tiles
     dense_experts: str = "auto"  # "auto" (on with CUDA) | "on" | "off": MoE steps of enough rows use every expert

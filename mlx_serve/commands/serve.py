@@ -189,8 +189,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "first use, a 25-50 ms stall of that step on the H200; default: %(default)s)")
     g.add_argument("--stand-in-traces", choices=["on", "off"], default="on",
                    help="with deferred traces: a step whose shape has no trace yet replays the traced shape of its "
-                        "lanes and history with the fewest more rows, its chunk padded, where that shape ran no "
-                        "longer than eager steps take to build (default: %(default)s)")
+                        "lanes with the fewest rows, then the nearest history bucket, at or past its own, padded, "
+                        "where that shape ran no longer than eager steps take to build or than the step was "
+                        "planned to take (default: %(default)s)")
     g.add_argument("--trace-neighbour-shapes", type=whole_number_arg(0), default=0, metavar="N",
                    help="with deferred traces: also trace up to N shapes next to met ones (a query bucket either "
                         "side, the next history bucket, a cached prefix's continuation) while the engine is quiet, "
