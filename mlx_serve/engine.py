@@ -51,14 +51,6 @@ class _InFlight:
     t1: float
 
 
-@dataclass(frozen=True, slots=True)
-class _ReadBack:
-    in_flight: _InFlight
-    output: Any  # the runner's RunnerOutput
-    t2: float  # trace times of the read-back and of the end of publishing
-    t3: float
-
-
 @dataclass(slots=True)
 class _Submission:
     request: Request
@@ -329,21 +321,14 @@ class Engine:
             return self._complete_in_flight()
         t1 = trace.now()
         previous = self._in_flight
-        read_first = previous is not None and self._read_first(previous.step.plan, plan)
-        read: list[_ReadBack | None] = []
         try:
-            before_launch = (lambda: read.append(self._publish_in_flight())) if read_first else None
-            step = self.runner.submit(plan, previous.step if previous else None, before_launch)
+            step = self.runner.submit(plan, previous.step if previous else None)
         except Exception as exc:  # an MLX failure fails this step's requests, never the engine
             log.exception("step %d failed", plan.step_id)
-            self._learn_from(read)
             self._complete_in_flight()
             self._fail_plan(plan, exc)
             return True
-        if read_first:
-            self._learn_from(read)
-        else:
-            self._complete_in_flight()
+        self._complete_in_flight()
         if self.config.pipeline and self.runner.can_stay_in_flight(step):
             placeholders = StepOutcome({lane.request_id: PENDING_TOKEN for lane in plan.lanes}, math.nan)
             with self._lock:
@@ -359,45 +344,18 @@ class Engine:
             advanced = self.scheduler.update(plan, output.outcome, time.perf_counter())
         for request in advanced:
             self.delivery.publish(request, output.samples.get(request.request_id))
-        self._account(plan, output, (t0, t1, t2, trace.now()))
+        self._account(plan, output, t0, t1, t2)
         return True
-
-    def _read_first(self, previous: StepPlan, plan: StepPlan) -> bool:
-        """Whether the step in flight is read back and published before `plan` is queued rather than after.
-        Queueing a step returns only once the device is well into it (MLX waits while ten graphs are in flight),
-        so a token read after queueing a long step reaches its stream that much later (H200, 0.6B: a 29.5 ms gap
-        between two 15 ms steps). Around prefill steps it is read first, at the cost of the device idling while
-        the host reads, publishes and queues the step's first graph; decode-only steps keep the overlap."""
-        return self.config.read_before_prefill and (plan.prefill_rows > 0 or previous.prefill_rows > 0)
 
     def _complete_in_flight(self) -> bool:
-        """Read back the step left in flight, publish its tokens, and let the scheduler learn its time."""
-        if self._in_flight is None:
-            return False
-        self._learn_from([self._publish_in_flight()])
-        return True
-
-    def _learn_from(self, read: list[_ReadBack | None]) -> None:
-        """The scheduler's cost model and step target learn a published step's time (its time was unknown at the
-        update); the step is accounted and traced."""
-        for done in read:
-            if done is None:
-                continue
-            plan = done.in_flight.step.plan
-            with self._lock:
-                self.scheduler.observe(plan, done.output.outcome)
-            self._account(plan, done.output, (done.in_flight.t0, done.in_flight.t1, done.t2, done.t3))
-
-    def _publish_in_flight(self) -> _ReadBack | None:
-        """Read back the step left in flight: put its real tokens where the placeholders are, then publish.
-        None: nothing was in flight, or the step failed (its requests are failed)."""
+        """Read back the step left in flight: put its real tokens where the placeholders are, then publish."""
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is None:
-            return None
+            return False
         plan = in_flight.step.plan
         output = self._read_back(in_flight.step, plan)
         if output is None:
-            return None
+            return True
         t2 = self.trace.now()
         for request, index in in_flight.pending:
             sample = output.samples.get(request.request_id)
@@ -409,7 +367,10 @@ class Engine:
                     self.scheduler.cancel(request.request_id, FinishReason.STOP)
                 request.finish_reason = FinishReason.STOP
             self.delivery.publish(request, sample)
-        return _ReadBack(in_flight, output, t2, self.trace.now())
+        with self._lock:  # its time was unknown at the update: the cost model and the step target learn it now
+            self.scheduler.observe(plan, output.outcome)
+        self._account(plan, output, in_flight.t0, in_flight.t1, t2)
+        return True
 
     def _read_back(self, step: Any, plan: StepPlan) -> Any:
         try:
@@ -419,15 +380,14 @@ class Engine:
             self._fail_plan(plan, exc)
             return None
 
-    def _account(self, plan: StepPlan, output: Any, times: tuple[float, float, float, float]) -> None:
-        """`times`: trace times of planning, submission, the read-back and the end of publishing (`trace_step`)."""
+    def _account(self, plan: StepPlan, output: Any, t0: float, t1: float, t2: float) -> None:
         self._prompt_rows += plan.prefill_rows
         self.observer.on_step(
             output.outcome.elapsed_ms, plan.num_rows, plan.prefill_rows,
             sum(1 for lane in plan.lanes if lane.kind.value == "decode"), plan.budget_reason.count("halved"),
         )
         if self.trace.enabled:
-            trace_step(self.trace, plan, output, *times)
+            trace_step(self.trace, plan, output, t0, t1, t2)
 
     def _finish_on_stop_string(self, request_id: str) -> None:
         with self._lock:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -320,15 +320,11 @@ class ModelRunner:
         """Run one step and wait for it."""
         return self.collect(self.submit(plan))
 
-    def submit(
-        self, plan: StepPlan, previous: InFlightStep | None = None, before_launch: Callable[[], None] | None = None
-    ) -> InFlightStep:
+    def submit(self, plan: StepPlan, previous: InFlightStep | None = None) -> InFlightStep:
         """Queue the step's work on the device and return at once.
 
         Decode lanes whose input is `PENDING_TOKEN` read it from `previous`'s sampled tokens on the device, so
-        this step can be queued while the previous one still runs (one step in flight). `before_launch` runs once
-        the step's graph is built and before it is queued: MLX's queueing of a long step returns only once the
-        device is well into it, so a caller that must read `previous` back promptly does so there.
+        this step can be queued while the previous one still runs (one step in flight).
         """
         t0 = time.perf_counter()
         gpu_lanes, ane_lanes = ane_chunks.split_lanes(plan.lanes, self.prefill_lane)
@@ -346,12 +342,11 @@ class ModelRunner:
             sample_ids, sampled = self._submit_compiled_mixed(gpu_lanes, previous, mixed_shape)
         else:
             sample_ids, sampled = prepared.sample_ids, self._submit_eager(prepared)
-        samplers = [self.samplers[rid] for rid in sample_ids]  # the hook may finish a request (its sampler goes)
-        hook_s = self._launch(sampled, bool(gpu_lanes), before_launch)
         stamp = self._stamp(sampled) if gpu_lanes else None
         t2 = time.perf_counter()
-        phases = {"preparation": (t1 - t0) * 1e3, "submission": (t2 - t1 - hook_s) * 1e3}
+        phases = {"preparation": (t1 - t0) * 1e3, "submission": (t2 - t1) * 1e3}
         rows = {rid: i for i, rid in enumerate(sample_ids)}
+        samplers = [self.samplers[rid] for rid in sample_ids]
         # a stand-in's time is its padded shape's: the scheduler planned the step's own
         one_off = (self._traced_shapes() != traced
                    or (mixed and (self.compiled_mixed.first_run or self.compiled_mixed.stood_in))
@@ -435,8 +430,8 @@ class ModelRunner:
             return None
         hidden = self._forward(prepared)
         if not prepared.sample_ids:  # prefill only: only the KV writes are needed (MLX skips the unused last MLP)
-            return None
-        return self._sample(self._logits(hidden[prepared.sample_rows]), prepared.sample_ids)
+            return self._queue(None, ())
+        return self._queue(self._logits(hidden[prepared.sample_rows]), prepared.sample_ids)
 
     def _submit_compiled(
         self, lanes: list[Lane], previous: InFlightStep | None
@@ -448,7 +443,7 @@ class ModelRunner:
         sample_ids = tuple(lanes[i].request_id for i in sampling)
         if 0 < len(sampling) < len(lanes):
             logits = logits[mx.array(sampling, dtype=mx.int32)]
-        return sample_ids, self._sample(logits if sample_ids else None, sample_ids)
+        return sample_ids, self._queue(logits if sample_ids else None, sample_ids)
 
     def _submit_compiled_mixed(
         self, lanes: list[Lane], previous: InFlightStep | None, shape: MixedShape
@@ -461,25 +456,16 @@ class ModelRunner:
         sample_ids = tuple(ordered[i].request_id for i in sampling)
         if 0 < len(sampling) < len(ordered):
             logits = logits[mx.array(sampling, dtype=mx.int32)]
-        return sample_ids, self._sample(logits if sample_ids else None, sample_ids)
+        return sample_ids, self._queue(logits if sample_ids else None, sample_ids)
 
-    def _sample(self, logits: mx.array | None, sample_ids: tuple[str, ...]) -> SampledRows | None:
-        """The step's sampled rows, if any (built, not queued)."""
+    def _queue(self, logits: mx.array | None, sample_ids: tuple[str, ...]) -> SampledRows | None:
+        """Sample the step's rows (if any) and queue the step on the device with its KV writes."""
         if logits is None:
+            mx.async_eval(self.pool.state())
             return None
-        return sample_rows(logits, [self.samplers[rid] for rid in sample_ids])
-
-    def _launch(self, sampled: SampledRows | None, on_gpu: bool, before_launch: Callable[[], None] | None) -> float:
-        """Queue the step's tokens and KV writes on the device, after `before_launch`. Returns the hook's seconds
-        (not the step's submission)."""
-        hook_s = 0.0
-        if before_launch is not None:
-            start = time.perf_counter()
-            before_launch()
-            hook_s = time.perf_counter() - start
-        if on_gpu:
-            mx.async_eval(*((sampled.tokens,) if sampled is not None else ()), self.pool.state())
-        return hook_s
+        sampled = sample_rows(logits, [self.samplers[rid] for rid in sample_ids])
+        mx.async_eval(sampled.tokens, self.pool.state())
+        return sampled
 
     def _elapsed_ms(self, step: InFlightStep) -> float:
         """The step's time, now that it is read back (see kernels/step_clock.py)."""

@@ -8,15 +8,14 @@ from scheduler import LaneKind, StepPlan
 from tracing.events import Span, StepExecuted
 
 
-def trace_step(trace: Any, plan: StepPlan, output: Any, t0: float, t1: float, t2: float, t3: float) -> None:
-    """t0: planning began; t1: planning ended (submission began); t2: the outcome was read back; t3: its tokens
-    were published."""
+def trace_step(trace: Any, plan: StepPlan, output: Any, t0: float, t1: float, t2: float) -> None:
+    """t0: planning began; t1: planning ended (submission began); t2: the outcome was read back."""
     now = trace.now()
     trace.emit(Span("planning", t0, t1, plan.step_id))
     for name in ("preparation", "submission", "consumption"):
         trace.emit(Span(name, t1, t1 + output.phase_ms[name] / 1e3, plan.step_id))
         t1 += output.phase_ms[name] / 1e3
-    trace.emit(Span("application", t2, t3, plan.step_id))
+    trace.emit(Span("application", t2, now, plan.step_id))
     for span in output.lane_spans:
         trace.emit(span)
     prefill = [lane for lane in plan.lanes if lane.kind is LaneKind.PREFILL]

@@ -139,7 +139,7 @@ def measure_ours(
               "row_quantum": args.row_quantum, "step_target_factor": args.target_factor,
               "step_target_floor_ms": args.target_floor_ms, "defer_mixed_traces": args.defer_mixed_traces == "on",
               "trace_neighbour_shapes": args.trace_neighbour_shapes, "run_idle_traces": args.run_idle_traces == "on",
-              "stand_in_traces": args.stand_in_traces == "on", "read_before_prefill": args.read_before_prefill == "on",
+              "stand_in_traces": args.stand_in_traces == "on",
               "budget_midpoints": args.budget_midpoints == "on", "plan_headroom": args.plan_headroom,
               "cost_trust_factor": args.cost_trust_factor, "floor_slack": args.floor_slack,
               "max_prefill_slowdown": args.max_prefill_slowdown, "plan_padding": args.plan_padding == "on"}  # fmt: skip
@@ -307,8 +307,6 @@ def main() -> None:
                              "first pass's compiled steps taught; 1: the nineteenth run's setting)")
     parser.add_argument("--run-idle-traces", choices=["on", "off"], default="on",
                         help="EngineConfig.run_idle_traces: each shape traced idle also runs once there (scratch block)")
-    parser.add_argument("--read-before-prefill", choices=["on", "off"], default="on",
-                        help="EngineConfig.read_before_prefill: publish a step beside prefill before queueing the next")
     parser.add_argument("--stand-in-traces", choices=["on", "off"], default="on",
                         help="EngineConfig.stand_in_traces: an untraced step may replay a larger traced shape, padded")
     parser.add_argument("--trace-neighbour-shapes", type=int, default=0,

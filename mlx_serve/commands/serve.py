@@ -232,11 +232,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-warm-up", action="store_true",
                    help="skip building the prefill attention shapes at start (CUDA: the first chunk of each shape "
                         "then stalls the streams for tens of ms)")
-    g.add_argument("--read-before-prefill", choices=["on", "off"], default="on",
-                   help="with the pipeline: a step beside a prefill step is read back and its tokens published "
-                        "before that step is queued, since queueing a long step returns only once the device is "
-                        "well into it (off: streams wait for it; decode-only steps always overlap; default: "
-                        "%(default)s)")
     g.add_argument("--no-pipeline", action="store_true",
                    help="read every step back before planning the next (normally a step that samples stays in "
                         "flight while the next is queued)")
@@ -260,7 +255,7 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
         ane_lane=args.ane_lane, ane_package=args.ane_package, ane_timeout_s=args.ane_timeout_s,
         decode_attention=args.decode_attention, compile_decode=args.compile_decode, fuse_decode=args.fuse_decode,
         dense_experts=args.dense_experts, expert_tiles=args.expert_tiles, fuse_mixed=args.fuse_mixed, compile_mixed=args.compile_mixed, defer_mixed_traces=args.defer_mixed_traces == "on", stand_in_traces=args.stand_in_traces == "on", trace_neighbour_shapes=args.trace_neighbour_shapes, split_quantized_k=args.split_quantized_k, chunk_attention=args.chunk_attention, dequantize_rows=args.dequantize_rows, quantized_tiles=args.quantized_tiles, quantized_gemv=args.quantized_gemv, warm_up=not args.no_warm_up,
-        pipeline=not args.no_pipeline, read_before_prefill=args.read_before_prefill == "on",
+        pipeline=not args.no_pipeline,
         trace=sink_from_env(args.trace), observer=observer,
         progress=not args.no_progress,
     )

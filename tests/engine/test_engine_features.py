@@ -200,10 +200,10 @@ def test_a_failing_step_in_flight_fails_only_its_requests(tiny_qwen3, monkeypatc
         armed, waited = threading.Event(), []
         original_submit, original_collect = runner.submit, runner.collect
 
-        def submit(plan, previous=None, before_launch=None):
+        def submit(plan, previous=None):
             if armed.is_set() and not waited and previous is not None and plan.prefill_rows:
                 waited.append(previous)  # the step in flight when a prefill step is queued behind it
-            return original_submit(plan, previous, before_launch)
+            return original_submit(plan, previous)
 
         def collect(step):
             if waited and step is waited[0] and armed.is_set():
@@ -303,60 +303,3 @@ def test_prefill_chunks_riding_with_decode_lanes_stay_in_flight(tiny_qwen3, monk
         assert results[i] == reference_tokens(tiny_qwen3, prompt, 10), f"request {i}"
     assert left and all(left), "no mixed step was left in flight"
     assert learned and all(ms > 0 and ms == ms for ms in learned)  # finite, measured
-
-
-@pytest.mark.parametrize("read_first", [True, False], ids=["read-before-prefill", "read-after"])
-def test_the_step_ahead_of_a_prefill_step_is_published_before_that_step_is_queued(tiny_qwen3, monkeypatch, read_first):
-    """Queueing a long step returns only once the device is well into it, so with `read_before_prefill` the step in
-    flight ahead of (or holding) a prefill chunk is read back and its tokens published before the next step is
-    queued; between decode-only steps the next is queued first (the overlap). Off: always queued first. The tokens
-    equal mlx-lm's either way."""
-    from tests.engine.reference import run_staggered
-
-    engine = Engine.load(EngineConfig(model=str(tiny_qwen3), row_ceiling=16, row_floor=1,
-                                      read_before_prefill=read_first))  # fmt: skip
-    events: list[tuple] = []
-    try:
-        runner, delivery = engine.runner, engine.delivery
-        original_submit, original_collect, original_publish = runner.submit, runner.collect, delivery.publish
-
-        def submit(plan, previous=None, before_launch=None):
-            step = original_submit(plan, previous, before_launch)
-            events.append(("queued", plan, previous))
-            return step
-
-        def collect(step):
-            output = original_collect(step)
-            events.append(("read", step.plan, None))
-            return output
-
-        def publish(request, sample):
-            events.append(("published", request.request_id, None))
-            original_publish(request, sample)
-
-        monkeypatch.setattr(runner, "submit", submit)
-        monkeypatch.setattr(runner, "collect", collect)
-        monkeypatch.setattr(delivery, "publish", publish)
-        prompts = [prompt_of(n, seed=150 + n) for n in (9, 40, 23, 35)]
-        results = run_staggered(engine, prompts, first=1, max_tokens=10)
-    finally:
-        engine.shutdown()
-    for i, prompt in enumerate(prompts):
-        assert results[i] == reference_tokens(tiny_qwen3, prompt, 10), f"request {i}"
-    read_at = {id(plan): i for i, (kind, plan, _) in enumerate(events) if kind == "read"}
-    ahead, behind = 0, 0
-    for i, (kind, plan, previous) in enumerate(events):
-        if kind != "queued" or previous is None:
-            continue
-        beside_prefill = plan.prefill_rows > 0 or previous.plan.prefill_rows > 0
-        if read_first and beside_prefill:
-            read = read_at[id(previous.plan)]
-            assert read < i, f"step {previous.plan.step_id} was read after step {plan.step_id} was queued"
-            published = [e for e in events[read:i] if e[0] == "published"]
-            assert len(published) == len(previous.sample_ids)  # all its tokens went out before the queueing
-            ahead += 1
-        else:
-            assert read_at[id(previous.plan)] > i, f"step {previous.plan.step_id} was read before the next was queued"
-            behind += 1
-    assert behind, "no step was queued behind one in flight"
-    assert ahead or not read_first, "no step in flight was read ahead of a prefill step"

@@ -44,7 +44,6 @@ def test_serve_help_explains_the_engine_flags(capsys):
         ("--plan-padding", {None: "on", "off": "off"}, ("exact",)),
         ("--defer-mixed-traces", {None: "on", "off": "off"}, ("later",)),
         ("--stand-in-traces", {None: "on", "off": "off"}, ("padded",)),
-        ("--read-before-prefill", {None: "on", "off": "off"}, ("first",)),
         ("--trace-neighbour-shapes", {None: 0, "64": 64}, ("-1", "many", "1.5")),
         ("--expert-tiles", {None: "auto", "on": "on", "off": "off"}, ("kernel",)),
         ("--quantized-tiles", {None: "auto", "on": "on", "off": "off"}, ("kernel",)),
@@ -183,8 +182,6 @@ def test_chat_streams_replies_until_exit(tiny_qwen3: Path):
 def test_scheduling_flags_reach_the_engine_config():
     from mlx_serve.commands.serve import engine_config
 
-    args = build_parser().parse_args(["serve", "--floor-slack", "1.25", "--max-prefill-slowdown", "1.3",
-                                      "--read-before-prefill", "off"])
+    args = build_parser().parse_args(["serve", "--floor-slack", "1.25", "--max-prefill-slowdown", "1.3"])
     config = engine_config(args)
-    assert (config.floor_slack, config.max_prefill_slowdown, config.read_before_prefill) == (1.25, 1.3, False)
-    assert engine_config(build_parser().parse_args(["serve"])).read_before_prefill
+    assert (config.floor_slack, config.max_prefill_slowdown) == (1.25, 1.3)
