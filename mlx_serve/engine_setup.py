@@ -102,6 +102,7 @@ def scheduler_config(
         kv_bucket=kv_bucket,
         pads_history=pads_history,
         budget_midpoints=c.budget_midpoints,
+        checked_fill=c.checked_fill,
         plan_headroom=c.plan_headroom,
         floor_slack=c.floor_slack,
         max_prefill_slowdown=c.max_prefill_slowdown,

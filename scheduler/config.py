@@ -30,6 +30,9 @@ class SchedulerConfig:
     # matmuls under a mask) or reads exactly the KV each row sees (the paged chunk kernel); the affine model counts
     # the attention work either way
     pads_history: bool = True
+    # the row-tile fill (`row_quantum`) that carries a budget past its own query bucket is kept only where the grown
+    # step is predicted within what it may take (`budget.fill_paid_rows`); False: always kept (unmeasured on a GPU)
+    checked_fill: bool = False
     # a halved budget grows by half again (1,024 -> 1,536, 256 -> 384) where that is still predicted within the
     # target: halving alone leaves up to half of the target unused. False: the seed's plain halving
     budget_midpoints: bool = True

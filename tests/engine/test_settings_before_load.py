@@ -39,3 +39,11 @@ def test_good_settings_reach_the_loader():
     with pytest.raises(ModelNotFound, match="not found"):
         Engine.load(EngineConfig(model=MISSING, row_floor=64, row_ceiling=512, compile_mixed="off",
                                  step_target_ms="auto", step_target_floor_ms=0.0))  # fmt: skip
+
+
+def test_checked_fill_reaches_the_scheduler():
+    from mlx_serve.engine_setup import scheduler_config
+
+    for on in (False, True):
+        config = scheduler_config(EngineConfig(checked_fill=on), num_blocks=64, context_length=4096, kv_bucket=1024)
+        assert config.checked_fill is on

@@ -41,6 +41,7 @@ def test_serve_help_explains_the_engine_flags(capsys):
         ("--step-target-floor-ms", {None: 20.0, "0": 0.0, "8.5": 8.5}, ("low", "-1", "nan")),
         ("--row-quantum", {None: "auto", "auto": "auto", "64": 64}, ("tile", "0", "-64", "1.5")),
         ("--budget-midpoints", {None: "on", "off": "off"}, ("yes", "")),
+        ("--checked-fill", {None: "off", "on": "on"}, ("maybe",)),
         ("--plan-padding", {None: "on", "off": "off"}, ("exact",)),
         ("--defer-mixed-traces", {None: "on", "off": "off"}, ("later",)),
         ("--stand-in-traces", {None: "on", "off": "off"}, ("padded",)),
@@ -182,6 +183,8 @@ def test_chat_streams_replies_until_exit(tiny_qwen3: Path):
 def test_scheduling_flags_reach_the_engine_config():
     from mlx_serve.commands.serve import engine_config
 
-    args = build_parser().parse_args(["serve", "--floor-slack", "1.25", "--max-prefill-slowdown", "1.3"])
+    args = build_parser().parse_args(["serve", "--floor-slack", "1.25", "--max-prefill-slowdown", "1.3",
+                                      "--checked-fill", "on"])
     config = engine_config(args)
-    assert (config.floor_slack, config.max_prefill_slowdown) == (1.25, 1.3)
+    assert (config.floor_slack, config.max_prefill_slowdown, config.checked_fill) == (1.25, 1.3, True)
+    assert not engine_config(build_parser().parse_args(["serve"])).checked_fill

@@ -1,0 +1,79 @@
+"""`checked_fill`: a contended budget's row-tile fill that carries it past its own query bucket (8 decode lanes in
+64-row tiles: 256 -> 384 rows, 512 -> 768) is kept only where the grown step is predicted within what it may take."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scheduler_helpers import LinearCostModel
+
+from scheduler import SchedulerConfig
+from scheduler.buckets import query_bucket
+from scheduler.budget import choose_row_budget
+from scheduler.cost_models import PrefillChunk, StepShape
+
+LANES = 8
+
+
+def _config(checked: bool, **overrides) -> SchedulerConfig:
+    fields = {"num_blocks": 4096, "row_quantum": 64, "kv_bucket": 1024, "floor_slack": 1.0, "checked_fill": checked}
+    return SchedulerConfig(**(fields | overrides))
+
+
+def _decide(checked: bool, model: LinearCostModel, target_ms: float, prompt_rows: int = 16_000, **overrides):
+    demand = [PrefillChunk(rows=prompt_rows, history=4096)]
+    return choose_row_budget(_config(checked, **overrides), model, demand, LANES, False, True, target_ms)
+
+
+@pytest.mark.parametrize(
+    "target_ms,unchecked,checked",
+    [
+        # 22 ms + 0.02 a row: 256 rows 27.1 ms, 384 rows 29.7, 512 rows 32.2, 768 rows 37.4
+        (35.0, (768, "halved:2"), (512, "halved:2+bucket")),  # the fill to 768 is over the target: held at 512
+        (38.0, (768, "halved:2"), (768, "halved:2")),  # 768 fits: the fill is kept either way
+        (29.0, (384, "halved:3"), (256, "halved:3+bucket")),
+        (30.0, (384, "halved:3"), (384, "halved:3")),
+    ],
+)
+def test_a_fill_past_the_bucket_is_kept_only_where_it_fits(target_ms, unchecked, checked):
+    for on, expected in ((False, unchecked), (True, checked)):
+        decision = _decide(on, LinearCostModel(), target_ms)
+        assert (decision.row_budget, decision.reason) == expected, f"checked_fill={on}"
+
+
+def test_a_held_fill_still_fills_its_tile_within_the_bucket():
+    """A budget that is not a bucket (a 1,000-row ceiling halved twice: 250) is held at its bucket (256), not at
+    250: those rows run as padding anyway. 22 ms + 0.02 a row against 28 ms: 250 rows fit, 384 do not."""
+    decision = _decide(True, LinearCostModel(), 28.0, row_ceiling=1000)
+    assert (decision.row_budget, decision.reason) == (256, "halved:2+bucket")
+    assert _decide(False, LinearCostModel(), 28.0, row_ceiling=1000).row_budget == 384
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    fixed_ms=st.floats(1.0, 40.0),
+    row_ms=st.floats(0.001, 0.1),
+    target_ms=st.floats(5.0, 80.0),
+    prompt_rows=st.integers(1, 5000),
+    row_floor=st.sampled_from([16, 64, 128]),
+    midpoints=st.booleans(),
+)
+def test_checking_the_fill_only_ever_holds_a_step_within_the_target(
+    fixed_ms, row_ms, target_ms, prompt_rows, row_floor, midpoints
+):
+    """Against the unchecked decision: the checked budget is never larger; where they differ, the unchecked step was
+    predicted over the target and the checked one crossed no bucket to get there; where they agree nothing was held."""
+    model = LinearCostModel(fixed_ms=fixed_ms, row_ms=row_ms)
+    extra = {"row_floor": row_floor, "budget_midpoints": midpoints}
+    unchecked = _decide(False, model, target_ms, prompt_rows, **extra)
+    checked = _decide(True, model, target_ms, prompt_rows, **extra)
+    assert checked.row_budget <= unchecked.row_budget
+    if checked.row_budget == unchecked.row_budget:
+        assert checked.reason == unchecked.reason
+        return
+    assert "+bucket" in checked.reason
+    demand = PrefillChunk(rows=min(prompt_rows, unchecked.row_budget), history=4096)
+    assert model.predict(StepShape((demand,), LANES)) > target_ms
+    assert checked.row_budget < query_bucket(unchecked.row_budget)
+
