@@ -7,8 +7,16 @@ line: {"t": seconds, "prompt_tokens": n, "max_tokens": n, "priority": 0-2 option
 synthetic cost function (fixed + per row + per attention pair + per decode lane, with seeded log-normal noise;
 flags `--ms-*`), so no GPU is involved: it runs on the CPU in seconds and is how a policy change is argued
 before GPU time is spent. `--policies ema,bucketed,...` picks policies (see POLICIES); `--step-target-ms`,
-`--num-blocks` and the trace flags shape the scenario. Results are only as good as the cost function: confirm
-a winner with the serving A/B harness on real hardware.
+`--num-blocks` and the trace flags shape the scenario. `--kv-bucket N` runs steps as the engine runs them on CUDA
+(each chunk's rows padded to its query bucket, the step's rows to `--row-tile`) and lets the scheduler plan so
+(`SchedulerConfig.kv_bucket`, `row_quantum`); `--ms-prefill-fixed` adds a cost to every step with prefill (a 4-bit
+model's dequantized weights). Results are only as good as the cost function: confirm a winner with the serving A/B
+harness on real hardware.
+
+    # 8 streams, then a 16k prompt, at H200 8B 4-bit-like costs (twenty-ninth run's full run)
+    python benchmarks/scheduler_sim.py --trace benchmarks/traces/contended_16k.jsonl --policies \
+        affine-auto-target,affine-auto-target-checked-fill --kv-bucket 1024 --row-tile 64 --ms-fixed 5 \
+        --ms-decode-lane 0.19 --ms-prefill-fixed 6 --ms-row 0.024 --ms-pair 1.56e-6
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scheduler import LaneKind, Request, Scheduler, SchedulerConfig, StepOutcome, StepPlan  # noqa: E402
+from scheduler.buckets import query_bucket  # noqa: E402
 from scheduler.config import COST_MODEL_ENV  # noqa: E402
 
 # name -> overrides of the base SchedulerConfig
@@ -37,6 +46,7 @@ POLICIES: dict[str, dict] = {
     # the engine's `--step-target-ms auto`: 3 measured decode-only steps (at least 20 ms) instead of a fixed value
     "ema-auto-target": {"cost_model": "ema", "step_target_factor": 3.0},
     "affine-auto-target": {"cost_model": "affine", "step_target_factor": 3.0},
+    "affine-auto-target-checked-fill": {"cost_model": "affine", "step_target_factor": 3.0, "checked_fill": True},
 }
 
 
@@ -56,11 +66,19 @@ class CostFunction:
     pair_ms: float = 8e-6  # per attention pair: rows x (history + rows / 2)
     decode_lane_ms: float = 0.6
     noise: float = 0.08  # sigma of the log-normal multiplier
+    prefill_fixed_ms: float = 0.0  # added to a step with prefill rows (a 4-bit model dequantizing its weights)
+    kv_bucket: int = 0  # > 0: each chunk runs padded to its query bucket, as the engine pads on CUDA
+    row_tile: int = 1  # the step's rows run in GEMM tiles of this many
 
     def step_ms(self, plan: StepPlan, rng: random.Random) -> float:
-        pairs = sum(lane.rows * (lane.history + lane.rows / 2) for lane in plan.lanes)
         decode_lanes = sum(1 for lane in plan.lanes if lane.kind is LaneKind.DECODE)
-        base = self.fixed_ms + self.row_ms * plan.num_rows + self.pair_ms * pairs + self.decode_lane_ms * decode_lanes
+        chunks = [lane for lane in plan.lanes if lane.kind is not LaneKind.DECODE]
+        padded = [query_bucket(lane.rows) if self.kv_bucket else lane.rows for lane in chunks]
+        rows = -(-(decode_lanes + sum(padded)) // self.row_tile) * self.row_tile
+        pairs = sum(lane.history + 0.5 for lane in plan.lanes if lane.kind is LaneKind.DECODE) + sum(
+            padded_rows * (lane.history + lane.rows / 2) for padded_rows, lane in zip(padded, chunks))
+        base = (self.fixed_ms + self.row_ms * rows + self.pair_ms * pairs + self.decode_lane_ms * decode_lanes
+                + (self.prefill_fixed_ms if chunks else 0.0))
         return base * math.exp(rng.gauss(0.0, self.noise))
 
 
@@ -192,6 +210,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ms-pair", type=float, default=CostFunction.pair_ms)
     parser.add_argument("--ms-decode-lane", type=float, default=CostFunction.decode_lane_ms)
     parser.add_argument("--noise", type=float, default=CostFunction.noise)
+    parser.add_argument("--ms-prefill-fixed", type=float, default=CostFunction.prefill_fixed_ms)
+    parser.add_argument("--kv-bucket", type=int, default=0,
+                        help="> 0: chunks run padded to query buckets and the scheduler plans so (CUDA's engine)")
+    parser.add_argument("--row-tile", type=int, default=1, help="a step's rows run in tiles of this many")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return parser.parse_args(argv)
 
@@ -200,9 +222,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.pop(COST_MODEL_ENV, None)  # each policy names its own cost model
     arrivals = load_trace(args.trace) if args.trace else synthetic_trace(args)
-    cost = CostFunction(args.ms_fixed, args.ms_row, args.ms_pair, args.ms_decode_lane, args.noise)
+    cost = CostFunction(args.ms_fixed, args.ms_row, args.ms_pair, args.ms_decode_lane, args.noise,
+                        args.ms_prefill_fixed, args.kv_bucket, args.row_tile)
+    # with padding the engine's paged chunk kernel reads exactly the KV each row sees (pads_history False)
     base = SchedulerConfig(num_blocks=args.num_blocks, max_running=args.max_running,
-                           step_target_ms=args.step_target_ms, max_model_len=1 << 20)
+                           step_target_ms=args.step_target_ms, max_model_len=1 << 20, kv_bucket=args.kv_bucket,
+                           pads_history=False, row_quantum=args.row_tile)
     rows = {}
     for name in (p.strip() for p in args.policies.split(",") if p.strip()):
         if name not in POLICIES:

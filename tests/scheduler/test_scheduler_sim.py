@@ -37,3 +37,35 @@ def test_simulation_replays_a_recorded_trace(tmp_path: Path, capsys: pytest.Capt
     assert sim.main(["--trace", str(trace), "--policies", "ema"]) == 0
     table = capsys.readouterr().out
     assert "| ema |" in table and "2 arrivals" in table
+
+
+def test_padded_costs_run_a_chunk_as_its_query_bucket_in_row_tiles() -> None:
+    """With `kv_bucket`, a 300-row chunk beside 8 decode lanes costs its 384-row bucket, the step's 392 rows run as
+    seven 64-row tiles (448), and the prefill's fixed cost is paid; without, the seed's exact formula."""
+    import random
+
+    from scheduler import LaneKind, StepPlan
+    from scheduler.plan import Lane
+
+    sim = load_sim()
+    decode = tuple(Lane(f"s{i}", LaneKind.DECODE, (1,), 100, (), True) for i in range(8))
+    chunk = Lane("long", LaneKind.PREFILL, (1,) * 300, 1000, (), False)
+    plan = StepPlan(1, (*decode, chunk), 300, "halved:2", None, True)
+    fields = {"fixed_ms": 5.0, "row_ms": 0.01, "pair_ms": 1e-6, "decode_lane_ms": 0.2, "noise": 0.0}
+    exact = sim.CostFunction(**fields, prefill_fixed_ms=6.0).step_ms(plan, random.Random(0))
+    padded = sim.CostFunction(**fields, prefill_fixed_ms=6.0, kv_bucket=1024, row_tile=64).step_ms(plan, random.Random(0))
+    decode_pairs = 8 * 100.5
+    assert exact == pytest.approx(5.0 + 0.01 * 308 + 1e-6 * (decode_pairs + 300 * 1150) + 0.2 * 8 + 6.0)
+    assert padded == pytest.approx(5.0 + 0.01 * 448 + 1e-6 * (decode_pairs + 384 * 1150) + 0.2 * 8 + 6.0)
+
+
+def test_the_contended_trace_runs_with_the_checked_fill_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    sim = load_sim()
+    trace = SIM_PATH.parent / "traces" / "contended_16k.jsonl"
+    argv = ["--trace", str(trace), "--policies", "affine-auto-target,affine-auto-target-checked-fill", "--json",
+            "--kv-bucket", "1024", "--row-tile", "64", "--ms-prefill-fixed", "6", "--ms-row", "0.024"]
+    assert sim.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["arrivals"] == 9 and report["cost"]["kv_bucket"] == 1024
+    for row in report["policies"].values():
+        assert row["requests"] == 9 and row["long_ttft_mean_s"] > 0
