@@ -46,7 +46,7 @@ POLICIES: dict[str, dict] = {
     # the engine's `--step-target-ms auto`: 3 measured decode-only steps (at least 20 ms) instead of a fixed value
     "ema-auto-target": {"cost_model": "ema", "step_target_factor": 3.0},
     "affine-auto-target": {"cost_model": "affine", "step_target_factor": 3.0},
-    "affine-auto-target-checked-fill": {"cost_model": "affine", "step_target_factor": 3.0, "checked_fill": True},
+    "affine-auto-target-checked-fill": {"cost_model": "affine", "step_target_factor": 3.0, "checked_fill": "on"},
 }
 
 

@@ -27,7 +27,7 @@ class EngineConfig:
     row_floor: int = 64  # fewest prefill rows a contended step is cut to
     row_quantum: int | str = "auto"  # contended steps fill their last row tile of this many rows; auto: engine_setup
     budget_midpoints: bool = True  # a halved budget grows by half again where still predicted within the target
-    checked_fill: bool = False  # a row-tile fill past the budget's query bucket only where predicted within the target
+    checked_fill: str = "off"  # "off" | "untraced" | "on": a row-tile fill past the budget's query bucket (SchedulerConfig)
     plan_headroom: float = 1.0  # contended steps are planned to this fraction of the step target
     floor_slack: float = 1.5  # a contended step may take this x the floor step's time where that exceeds the target
     max_prefill_slowdown: float = 0.0  # contended chunks grow until a long prompt runs >= 1/x its solo speed; 0: off

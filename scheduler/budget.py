@@ -26,10 +26,12 @@ the form it would run now, and the largest candidate turned down only for want o
 within it compiled) is the decision's `wanted`: the scheduler asks the engine to trace it.
 
 That fill is not checked against the target by default, and it crosses a bucket whenever the halved budget is one
-(8 lanes, 64-row tiles: 256 -> 384 rows, 512 -> 768): `checked_fill` keeps a fill past the budget's own query bucket
-only where the grown step is predicted within what it may take (reason `+bucket` where it was held). H200, 8B 4-bit
-(twenty-ninth run): a 512-row budget predicted within a ~31 ms allowance ran as 768 rows, eager, 67.9 ms, the run's
-longest gap. Off by default until measured on every shape.
+(8 lanes, 64-row tiles: 256 -> 384 rows, 512 -> 768): `checked_fill` "on" keeps a fill past the budget's own query
+bucket only where the grown step is predicted within what it may take, "untraced" also where it keeps the budget's
+compiled trace (reason `+bucket` where it was held). H200, 8B 4-bit (twenty-ninth run): a 512-row budget predicted
+within a ~31 ms allowance ran as 768 rows, eager, 67.9 ms, the run's longest gap. Off by default until measured on
+every shape; the policy simulation puts "on" at 18-29% of a 16k prompt's TTFT beside 8 streams (it has no traces,
+so it cannot price "untraced").
 
 A budget planned only to the target can leave a long prompt's prefill far slower than it runs alone: a step's fixed
 cost (its decode lanes' GEMVs, weight reads, launches) is spread over few rows. With `max_prefill_slowdown` a
@@ -135,7 +137,10 @@ def choose_row_budget(
         budget = max(config.row_floor, budget // 2)
         halvings += 1
         predicted = predict(budget)
-    budget, predicted, held = fill_paid_rows(config, budget, predicted, decode_lanes, target_ms, predict)
+    def runs_compiled(budget: int) -> bool:
+        return traced is not None and traced(fill_shortest_first(demand, budget))
+
+    budget, predicted, held = fill_paid_rows(config, budget, predicted, decode_lanes, target_ms, predict, runs_compiled)
     widened = False
     if halvings and config.budget_midpoints and predicted is not None and predicted <= target_ms:
         wider = paid_rows(budget + budget // 2, decode_lanes, config)
@@ -162,19 +167,22 @@ def fill_paid_rows(
     decode_lanes: int,
     limit_ms: float,
     predict: Callable[[int], float | None],
+    runs_compiled: Callable[[int], bool] = lambda budget: False,
 ) -> tuple[int, float | None, bool]:
     """`budget` grown to the rows the engine pays for anyway (`paid_rows`). A halved budget is a query bucket, so
     filling its last row tile with the decode lanes' rows crosses into the next bucket (8 lanes: 256 -> 384 rows,
-    512 -> 768): with `config.checked_fill` that growth is kept only where the grown step is predicted within
-    `limit_ms`, else the budget fills its tile only as far as its own bucket. Returns the budget, its prediction and
-    whether the fill was held to the bucket."""
+    512 -> 768). `config.checked_fill` "on" keeps that growth only where the grown step is predicted within
+    `limit_ms`; "untraced" only where it is so predicted or keeps the compiled trace the budget's own step replays
+    (`runs_compiled`); otherwise the budget fills its tile only as far as its own bucket. Returns the budget, its
+    prediction and whether the fill was held to the bucket."""
     filled = paid_rows(budget, decode_lanes, config)
     if filled == budget:
         return budget, predicted, False
     filled_predicted = predict(filled)
-    if not (config.checked_fill and config.kv_bucket and filled > query_bucket(budget) and budget > 0):
+    crosses = config.kv_bucket and filled > query_bucket(budget) and budget > 0
+    if config.checked_fill == "off" or not crosses or (filled_predicted is not None and filled_predicted <= limit_ms):
         return filled, filled_predicted, False
-    if filled_predicted is not None and filled_predicted <= limit_ms:
+    if config.checked_fill == "untraced" and not (runs_compiled(budget) and not runs_compiled(filled)):
         return filled, filled_predicted, False
     within = min(fill_row_tile(budget, decode_lanes, config.row_quantum, config.row_ceiling), query_bucket(budget))
     return within, (predicted if within == budget else predict(within)), True

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 COST_MODEL_ENV = "MLX_SERVE_PREFILL_COST_MODEL"
 COST_MODELS = ("ema", "bucketed", "affine")
+CHECKED_FILL = ("off", "untraced", "on")  # `SchedulerConfig.checked_fill`
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,9 +31,10 @@ class SchedulerConfig:
     # matmuls under a mask) or reads exactly the KV each row sees (the paged chunk kernel); the affine model counts
     # the attention work either way
     pads_history: bool = True
-    # the row-tile fill (`row_quantum`) that carries a budget past its own query bucket is kept only where the grown
-    # step is predicted within what it may take (`budget.fill_paid_rows`); False: always kept (unmeasured on a GPU)
-    checked_fill: bool = False
+    # the row-tile fill (`row_quantum`) that carries a budget past its own query bucket: "off" keeps it; "on" only
+    # where the grown step is predicted within what it may take; "untraced" also where it does not lose the budget's
+    # compiled trace (`budget.fill_paid_rows`). Unmeasured on a GPU
+    checked_fill: str = "off"
     # a halved budget grows by half again (1,024 -> 1,536, 256 -> 384) where that is still predicted within the
     # target: halving alone leaves up to half of the target unused. False: the seed's plain halving
     budget_midpoints: bool = True
@@ -77,6 +79,8 @@ class SchedulerConfig:
             raise ValueError(f"step_target_ms must be > 0, got {self.step_target_ms}")
         if not (self.step_target_factor >= 0 and self.step_target_floor_ms >= 0):
             raise ValueError("step_target_factor and step_target_floor_ms must be >= 0")
+        if self.checked_fill not in CHECKED_FILL:
+            raise ValueError(f"checked_fill must be one of {CHECKED_FILL}, got {self.checked_fill!r}")
         if not self.floor_slack >= 1:
             raise ValueError(f"floor_slack must be >= 1, got {self.floor_slack}")
         if not (self.max_prefill_slowdown == 0 or self.max_prefill_slowdown >= 1):

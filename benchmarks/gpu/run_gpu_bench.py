@@ -140,7 +140,7 @@ def measure_ours(
               "step_target_floor_ms": args.target_floor_ms, "defer_mixed_traces": args.defer_mixed_traces == "on",
               "trace_neighbour_shapes": args.trace_neighbour_shapes, "run_idle_traces": args.run_idle_traces == "on",
               "stand_in_traces": args.stand_in_traces == "on",
-              "budget_midpoints": args.budget_midpoints == "on", "checked_fill": args.checked_fill == "on",
+              "budget_midpoints": args.budget_midpoints == "on", "checked_fill": args.checked_fill,
               "plan_headroom": args.plan_headroom,
               "cost_trust_factor": args.cost_trust_factor, "floor_slack": args.floor_slack,
               "max_prefill_slowdown": args.max_prefill_slowdown, "plan_padding": args.plan_padding == "on"}  # fmt: skip
@@ -327,8 +327,8 @@ def main() -> None:
     parser.add_argument("--chunk-attention", default="auto", choices=("auto", "sdpa", "matmul", "paged"))
     parser.add_argument("--budget-midpoints", choices=["on", "off"], default="on",
                         help="EngineConfig.budget_midpoints: a halved budget grows by half again where it fits")
-    parser.add_argument("--checked-fill", choices=["on", "off"], default="off",
-                        help="EngineConfig.checked_fill: a row-tile fill past the budget's bucket only where it fits")
+    parser.add_argument("--checked-fill", choices=["off", "untraced", "on"], default="off",
+                        help="EngineConfig.checked_fill: when a row-tile fill past the budget's bucket is held")
     parser.add_argument("--plan-headroom", type=float, default=1.0,
                         help="EngineConfig.plan_headroom: contended steps planned to this fraction of the target")
     parser.add_argument("--cost-trust-factor", type=float, default=1.5,

@@ -44,6 +44,8 @@ def test_good_settings_reach_the_loader():
 def test_checked_fill_reaches_the_scheduler():
     from mlx_serve.engine_setup import scheduler_config
 
-    for on in (False, True):
-        config = scheduler_config(EngineConfig(checked_fill=on), num_blocks=64, context_length=4096, kv_bucket=1024)
-        assert config.checked_fill is on
+    for mode in ("off", "untraced", "on"):
+        config = scheduler_config(EngineConfig(checked_fill=mode), num_blocks=64, context_length=4096, kv_bucket=1024)
+        assert config.checked_fill == mode
+    with pytest.raises(InvalidRequest, match="checked_fill"):
+        Engine.load(EngineConfig(checked_fill="always"))

@@ -41,7 +41,7 @@ def test_serve_help_explains_the_engine_flags(capsys):
         ("--step-target-floor-ms", {None: 20.0, "0": 0.0, "8.5": 8.5}, ("low", "-1", "nan")),
         ("--row-quantum", {None: "auto", "auto": "auto", "64": 64}, ("tile", "0", "-64", "1.5")),
         ("--budget-midpoints", {None: "on", "off": "off"}, ("yes", "")),
-        ("--checked-fill", {None: "off", "on": "on"}, ("maybe",)),
+        ("--checked-fill", {None: "off", "on": "on", "untraced": "untraced"}, ("maybe",)),
         ("--plan-padding", {None: "on", "off": "off"}, ("exact",)),
         ("--defer-mixed-traces", {None: "on", "off": "off"}, ("later",)),
         ("--stand-in-traces", {None: "on", "off": "off"}, ("padded",)),
@@ -184,7 +184,7 @@ def test_scheduling_flags_reach_the_engine_config():
     from mlx_serve.commands.serve import engine_config
 
     args = build_parser().parse_args(["serve", "--floor-slack", "1.25", "--max-prefill-slowdown", "1.3",
-                                      "--checked-fill", "on"])
+                                      "--checked-fill", "untraced"])
     config = engine_config(args)
-    assert (config.floor_slack, config.max_prefill_slowdown, config.checked_fill) == (1.25, 1.3, True)
-    assert not engine_config(build_parser().parse_args(["serve"])).checked_fill
+    assert (config.floor_slack, config.max_prefill_slowdown, config.checked_fill) == (1.25, 1.3, "untraced")
+    assert engine_config(build_parser().parse_args(["serve"])).checked_fill == "off"
