@@ -25,8 +25,8 @@ Where the engine runs some shapes through compiled traces (`traced_shapes.py`), 
 the form it would run now, and the largest candidate turned down only for want of a trace (over the target eager,
 within it compiled) is the decision's `wanted`: the scheduler asks the engine to trace it.
 
-That fill is not checked against the target by default, and it crosses a bucket whenever the halved budget is one
-(8 lanes, 64-row tiles: 256 -> 384 rows, 512 -> 768): `checked_fill` "on" keeps a fill past the budget's own query
+The row-tile fill is not checked against the target by default, and it crosses a bucket whenever the halved budget is
+one (8 lanes, 64-row tiles: 256 -> 384 rows, 512 -> 768): `checked_fill` "on" keeps a fill past the budget's own query
 bucket only where the grown step is predicted within what it may take, "untraced" also where it keeps the budget's
 compiled trace (reason `+bucket` where it was held). H200, 8B 4-bit (twenty-ninth run): a 512-row budget predicted
 within a ~31 ms allowance ran as 768 rows, eager, 67.9 ms, the run's longest gap. Off by default until measured on
@@ -137,6 +137,7 @@ def choose_row_budget(
         budget = max(config.row_floor, budget // 2)
         halvings += 1
         predicted = predict(budget)
+
     def runs_compiled(budget: int) -> bool:
         return traced is not None and traced(fill_shortest_first(demand, budget))
 
