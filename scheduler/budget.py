@@ -68,9 +68,9 @@ RATE_GROWTH_CAP = 2.0
 @dataclass(frozen=True, slots=True)
 class BudgetDecision:
     row_budget: int  # prefill rows the step may carry
-    # "uncontended", "contended", "contended-untrained", "halved:<n>[+half]" (contended ones end in "+slack" where
-    # the floor slack raised the target: `slack_allowance_ms`, then "+rate" where `grow_for_rate` grew it),
-    # "decode-debt"
+    # "uncontended", "contended", "contended-untrained", "halved:<n>[+half]" (contended ones end in "+bucket" where
+    # `checked_fill` held the row-tile fill to the budget's bucket, "+slack" where the floor slack raised the target:
+    # `slack_allowance_ms`, then "+rate" where `grow_for_rate` grew it), "decode-debt"
     reason: str
     halvings: int
     predicted_ms: float | None  # the cost model's prediction for the planned prefill at this budget
