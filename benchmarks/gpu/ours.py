@@ -254,9 +254,11 @@ class OurSide:
                  None if e.predicted_ms is None else round(e.predicted_ms, 2), e.prefill_width, e.auxiliary, e.compiled]
                 for e in steps if e.prefill_rows
             ],  # fmt: skip
-            # the budget each of those steps was planned with, and why ("halved:2+half", "contended+slack", ...):
-            # a step smaller than the target allows says which rule held it back
-            "prefill_budgets": [[planned[e.step_id].row_budget, planned[e.step_id].budget_reason]
+            # the budget each of those steps was planned with, why ("halved:2+half", "contended+slack", ...) and what
+            # it was planned to take at most (None: uncontended): a step smaller than the target allows says which
+            # rule held it back, one predicted over its limit that a row-tile fill grew it (`checked_fill`)
+            "prefill_budgets": [[planned[e.step_id].row_budget, planned[e.step_id].budget_reason,
+                                 None if planned[e.step_id].limit_ms is None else round(planned[e.step_id].limit_ms, 2)]
                                 if e.step_id in planned else None for e in steps if e.prefill_rows],  # fmt: skip
             "decode_debt_steps": sum(p.budget_reason == "decode-debt" for p in planned.values()),
             # where the longest gaps come from

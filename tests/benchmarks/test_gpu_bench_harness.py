@@ -75,6 +75,7 @@ def test_contended_only_run_and_its_refusal(tmp_path):
     assert len(budgets) == len(recorded)
     assert all(budget[0] >= step[0] for budget, step in zip(budgets, recorded, strict=True) if step[1])
     assert all(budget[1].startswith(("contended", "halved")) for budget, step in zip(budgets, recorded) if step[1])
+    assert all(budget[2] > 0 for budget, step in zip(budgets, recorded) if step[1])  # a contended step's limit
     assert isinstance(steps["decode_debt_steps"], int)
     # the engine thread during the longest gap: what ran between the two tokens
     longest = result["ours"]["contended"]["longest_gap"]
