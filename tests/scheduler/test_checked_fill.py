@@ -60,7 +60,7 @@ def test_a_held_fill_still_fills_its_tile_within_the_bucket():
     row_floor=st.sampled_from([16, 64, 128]),
     midpoints=st.booleans(),
 )
-def test_checking_the_fill_only_ever_holds_a_step_within_the_target(
+def test_checking_the_fill_holds_only_steps_predicted_over_the_target(
     fixed_ms, row_ms, target_ms, prompt_rows, row_floor, midpoints
 ):
     """Against the unchecked decision: the checked budget is never larger; where they differ, the unchecked step was
