@@ -10,13 +10,16 @@ before GPU time is spent. `--policies ema,bucketed,...` picks policies (see POLI
 `--num-blocks` and the trace flags shape the scenario. `--kv-bucket N` runs steps as the engine runs them on CUDA
 (each chunk's rows padded to its query bucket, the step's rows to `--row-tile`) and lets the scheduler plan so
 (`SchedulerConfig.kv_bucket`, `row_quantum`); `--ms-prefill-fixed` adds a cost to every step with prefill (a 4-bit
-model's dequantized weights). Results are only as good as the cost function: confirm a winner with the serving A/B
-harness on real hardware.
+model's dequantized weights). With `--eager-extra-ms` a step of decode lanes and one chunk whose padded shape has no
+compiled trace costs that much more, and the scheduler sees which shapes are traced, as on CUDA: shapes met (or
+wanted) in the `--warm-passes` runs of the trace before the measured one are traced, as the idle engine traces them
+between the GPU bench's passes. Results are only as good as the cost function: confirm a winner with the serving
+A/B harness on real hardware.
 
     # 8 streams, then a 16k prompt, at H200 8B 4-bit-like costs (twenty-ninth run's full run)
     python benchmarks/scheduler_sim.py --trace benchmarks/traces/contended_16k.jsonl --policies \
         affine-auto-target,affine-auto-target-checked-fill --kv-bucket 1024 --row-tile 64 --ms-fixed 5 \
-        --ms-decode-lane 0.19 --ms-prefill-fixed 6 --ms-row 0.024 --ms-pair 1.56e-6
+        --ms-decode-lane 0.19 --ms-prefill-fixed 6 --ms-row 0.024 --ms-pair 1.56e-6 [--eager-extra-ms 12 --warm-passes 2]
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scheduler import LaneKind, Request, Scheduler, SchedulerConfig, StepOutcome, StepPlan  # noqa: E402
-from scheduler.buckets import query_bucket  # noqa: E402
+from scheduler.buckets import history_bucket, query_bucket  # noqa: E402
 from scheduler.config import COST_MODEL_ENV  # noqa: E402
 
 # name -> overrides of the base SchedulerConfig
@@ -47,6 +50,8 @@ POLICIES: dict[str, dict] = {
     "ema-auto-target": {"cost_model": "ema", "step_target_factor": 3.0},
     "affine-auto-target": {"cost_model": "affine", "step_target_factor": 3.0},
     "affine-auto-target-checked-fill": {"cost_model": "affine", "step_target_factor": 3.0, "checked_fill": "on"},
+    "affine-auto-target-checked-untraced": {"cost_model": "affine", "step_target_factor": 3.0,
+                                            "checked_fill": "untraced"},
 }
 
 
@@ -69,8 +74,9 @@ class CostFunction:
     prefill_fixed_ms: float = 0.0  # added to a step with prefill rows (a 4-bit model dequantizing its weights)
     kv_bucket: int = 0  # > 0: each chunk runs padded to its query bucket, as the engine pads on CUDA
     row_tile: int = 1  # the step's rows run in GEMM tiles of this many
+    eager_extra_ms: float = 0.0  # with kv_bucket: added to a step of decode lanes and one chunk that has no trace
 
-    def step_ms(self, plan: StepPlan, rng: random.Random) -> float:
+    def step_ms(self, plan: StepPlan, rng: random.Random, traces: SimTraces | None = None) -> float:
         decode_lanes = sum(1 for lane in plan.lanes if lane.kind is LaneKind.DECODE)
         chunks = [lane for lane in plan.lanes if lane.kind is not LaneKind.DECODE]
         padded = [query_bucket(lane.rows) if self.kv_bucket else lane.rows for lane in chunks]
@@ -79,7 +85,52 @@ class CostFunction:
             padded_rows * (lane.history + lane.rows / 2) for padded_rows, lane in zip(padded, chunks))
         base = (self.fixed_ms + self.row_ms * rows + self.pair_ms * pairs + self.decode_lane_ms * decode_lanes
                 + (self.prefill_fixed_ms if chunks else 0.0))
+        if traces is not None and traces.compilable(plan) and not traces.runs_compiled(plan):
+            base += self.eager_extra_ms
         return base * math.exp(rng.gauss(0.0, self.noise))
+
+
+@dataclass
+class SimTraces:
+    """The engine's compiled mixed shapes as the scheduler asks about them (`scheduler.traced_shapes`): a step of
+    decode lanes and one chunk of 2+ rows, keyed by the chunk's query bucket and history bucket. Shapes met or
+    wanted become traced at `settle` (the idle engine tracing between passes)."""
+
+    kv_bucket: int
+    shapes: set[tuple[int, int]] = field(default_factory=set)
+    met: set[tuple[int, int]] = field(default_factory=set)
+
+    def _key(self, chunks: list, decode: list) -> tuple[int, int] | None:
+        if len(chunks) != 1 or chunks[0].rows < 2 or not decode:
+            return None
+        return query_bucket(chunks[0].rows), history_bucket(chunks[0].history + chunks[0].rows, self.kv_bucket)
+
+    def traced(self, chunks: list, decode: list) -> bool:
+        key = self._key(list(chunks), list(decode))
+        return key is not None and key in self.shapes
+
+    def want(self, chunks: list, decode: list) -> None:
+        key = self._key(list(chunks), list(decode))
+        if key is not None:
+            self.met.add(key)
+
+    def compilable(self, plan: StepPlan) -> bool:
+        return self._key(*_chunks_and_decode(plan)) is not None
+
+    def runs_compiled(self, plan: StepPlan) -> bool:
+        chunks, decode = _chunks_and_decode(plan)
+        self.want(chunks, decode)
+        return self.traced(chunks, decode)
+
+    def settle(self) -> None:
+        self.shapes |= self.met
+
+
+def _chunks_and_decode(plan: StepPlan) -> tuple[list, list]:
+    from scheduler.cost_models import PrefillChunk
+
+    chunks = [PrefillChunk(rows=lane.rows, history=lane.history) for lane in plan.lanes if lane.kind is not LaneKind.DECODE]
+    return chunks, [lane for lane in plan.lanes if lane.kind is LaneKind.DECODE]
 
 
 @dataclass
@@ -109,17 +160,37 @@ def load_trace(path: Path) -> list[Arrival]:
     return sorted(arrivals, key=lambda a: a.t)
 
 
-def simulate(config: SchedulerConfig, arrivals: list[Arrival], cost: CostFunction, seed: int) -> dict:
-    """Run the trace to completion on a virtual clock; returns per-request token times and step counters."""
-    scheduler = Scheduler(config)
+def simulate(
+    config: SchedulerConfig, arrivals: list[Arrival], cost: CostFunction, seed: int, warm_passes: int = 0
+) -> dict:
+    """Run the trace to completion on a virtual clock, after `warm_passes` runs of it on the same scheduler (its
+    cost model learns, the engine traces what they met); returns the last run's per-request token times and step
+    counters."""
+    traces = SimTraces(cost.kv_bucket) if cost.kv_bucket and cost.eager_extra_ms else None
+    scheduler = Scheduler(config, traced_shapes=traces)
     rng = random.Random(seed)
+    now = 0.0
+    for index in range(warm_passes):
+        now = _run_pass(scheduler, arrivals, cost, rng, traces, now, f"w{index}-")["end"] + 1.0
+        if traces is not None:
+            traces.settle()
+    before = scheduler.stats.as_dict()
+    result = _run_pass(scheduler, arrivals, cost, rng, traces, now, "")
+    stats = {name: value - before[name] for name, value in result["stats"].items()}  # the measured pass's own
+    return result | {"end": result["end"] - now, "stats": stats}
+
+
+def _run_pass(
+    scheduler: Scheduler, arrivals: list[Arrival], cost: CostFunction, rng: random.Random,
+    traces: SimTraces | None, start: float, prefix: str,
+) -> dict:
     tracked: dict[str, Tracked] = {}
-    pending = list(reversed(arrivals))
-    now, refused = 0.0, 0
+    pending = list(reversed([replace(arrival, t=arrival.t + start) for arrival in arrivals]))
+    now, refused = start, 0
     while pending or scheduler.has_work:
         while pending and pending[-1].t <= now:
             arrival = pending.pop()
-            request_id = f"r{len(tracked) + refused}"
+            request_id = f"{prefix}r{len(tracked) + refused}"
             # unique tokens per request: the simulation measures scheduling, not prefix-cache luck
             prompt = [hash((request_id, i)) & 0xFFFF for i in range(arrival.prompt_tokens)]
             try:
@@ -134,10 +205,11 @@ def simulate(config: SchedulerConfig, arrivals: list[Arrival], cost: CostFunctio
                 break
             now = max(now, pending[-1].t)
             continue
-        elapsed_ms = cost.step_ms(plan, rng)
+        elapsed_ms = cost.step_ms(plan, rng, traces)
         now += elapsed_ms / 1000.0
         sampled = {lane.request_id: 1 for lane in plan.lanes if lane.samples}
-        for request in scheduler.update(plan, StepOutcome(sampled, elapsed_ms), now):
+        compiled = traces is not None and traces.compilable(plan) and traces.traced(*_chunks_and_decode(plan))
+        for request in scheduler.update(plan, StepOutcome(sampled, elapsed_ms, compiled=compiled), now):
             tracked[request.request_id].token_times.append(now)
     return {"tracked": tracked, "refused": refused, "end": now, "stats": scheduler.stats.as_dict()}
 
@@ -214,6 +286,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kv-bucket", type=int, default=0,
                         help="> 0: chunks run padded to query buckets and the scheduler plans so (CUDA's engine)")
     parser.add_argument("--row-tile", type=int, default=1, help="a step's rows run in tiles of this many")
+    parser.add_argument("--eager-extra-ms", type=float, default=0.0,
+                        help="with --kv-bucket: what a step of decode lanes and one chunk costs more without a trace")
+    parser.add_argument("--warm-passes", type=int, default=0,
+                        help="runs of the trace before the measured one (shapes they meet are traced after each)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return parser.parse_args(argv)
 
@@ -223,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.pop(COST_MODEL_ENV, None)  # each policy names its own cost model
     arrivals = load_trace(args.trace) if args.trace else synthetic_trace(args)
     cost = CostFunction(args.ms_fixed, args.ms_row, args.ms_pair, args.ms_decode_lane, args.noise,
-                        args.ms_prefill_fixed, args.kv_bucket, args.row_tile)
+                        args.ms_prefill_fixed, args.kv_bucket, args.row_tile, args.eager_extra_ms)
     # with padding the engine's paged chunk kernel reads exactly the KV each row sees (pads_history False)
     base = SchedulerConfig(num_blocks=args.num_blocks, max_running=args.max_running,
                            step_target_ms=args.step_target_ms, max_model_len=1 << 20, kv_bucket=args.kv_bucket,
@@ -233,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         if name not in POLICIES:
             print(f"error: unknown policy {name!r}; choose from {list(POLICIES)}", file=sys.stderr)
             return 2
-        result = simulate(replace(base, **POLICIES[name]), arrivals, cost, args.seed)
+        result = simulate(replace(base, **POLICIES[name]), arrivals, cost, args.seed, args.warm_passes)
         rows[name] = summarize(result, args.long_threshold)
     if args.json:
         print(json.dumps({"arrivals": len(arrivals), "cost": asdict(cost), "policies": rows}, indent=1))

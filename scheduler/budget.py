@@ -30,8 +30,9 @@ one (8 lanes, 64-row tiles: 256 -> 384 rows, 512 -> 768): `checked_fill` "on" ke
 bucket only where the grown step is predicted within what it may take, "untraced" also where it keeps the budget's
 compiled trace (reason `+bucket` where it was held). H200, 8B 4-bit (twenty-ninth run): a 512-row budget predicted
 within a ~31 ms allowance ran as 768 rows, eager, 67.9 ms, the run's longest gap. Off by default until measured on
-every shape; the policy simulation puts "on" at 18-29% of a 16k prompt's TTFT beside 8 streams (it has no traces,
-so it cannot price "untraced").
+every shape. The policy simulation (RESULTS, twenty-ninth run) puts "on" at 18-29% of a 16k prompt's TTFT beside 8
+streams where no shape lacks a trace; where untraced shapes run eager, both modes cut the longest gap 14-30% with the
+TTFT within 3% or better.
 
 A budget planned only to the target can leave a long prompt's prefill far slower than it runs alone: a step's fixed
 cost (its decode lanes' GEMVs, weight reads, launches) is spread over few rows. With `max_prefill_slowdown` a

@@ -69,3 +69,38 @@ def test_the_contended_trace_runs_with_the_checked_fill_policy(capsys: pytest.Ca
     assert report["arrivals"] == 9 and report["cost"]["kv_bucket"] == 1024
     for row in report["policies"].values():
         assert row["requests"] == 9 and row["long_ttft_mean_s"] > 0
+
+
+def test_untraced_shapes_cost_more_until_a_pass_has_met_them() -> None:
+    """With `eager_extra_ms`, a step of decode lanes and one chunk costs that much more until its shape (query bucket,
+    history bucket) is traced, which a pass that met it makes so at `settle`; the scheduler sees the same shapes."""
+    import random
+
+    from scheduler import LaneKind, StepPlan
+    from scheduler.cost_models import PrefillChunk
+    from scheduler.plan import Lane
+
+    sim = load_sim()
+    decode = tuple(Lane(f"s{i}", LaneKind.DECODE, (1,), 100, (), True) for i in range(8))
+    plan = StepPlan(1, (*decode, Lane("long", LaneKind.PREFILL, (1,) * 300, 1000, (), False)), 300, "halved:2", None, True)
+    cost = sim.CostFunction(noise=0.0, kv_bucket=1024, eager_extra_ms=12.0)
+    traces = sim.SimTraces(1024)
+    eager = cost.step_ms(plan, random.Random(0), traces)
+    assert eager == pytest.approx(cost.step_ms(plan, random.Random(0)) + 12.0)
+    assert not traces.traced([PrefillChunk(rows=300, history=1000)], list(decode))
+    traces.settle()
+    assert traces.traced([PrefillChunk(rows=260, history=1100)], list(decode))  # the same buckets: 384, 2048
+    assert cost.step_ms(plan, random.Random(0), traces) == pytest.approx(eager - 12.0)
+
+
+def test_warm_passes_leave_the_measured_pass_its_own_counts() -> None:
+    sim = load_sim()
+    arrivals = sim.load_trace(SIM_PATH.parent / "traces" / "contended_16k.jsonl")
+    cost = sim.CostFunction(kv_bucket=1024, row_tile=64, eager_extra_ms=12.0, prefill_fixed_ms=6.0, row_ms=0.024)
+    config = sim.SchedulerConfig(num_blocks=16_384, max_model_len=1 << 20, kv_bucket=1024, pads_history=False,
+                                 row_quantum=64, cost_model="affine", step_target_factor=3.0)
+    result = sim.simulate(config, arrivals, cost, seed=0, warm_passes=2)
+    assert result["stats"]["prefill_rows"] == sum(a.prompt_tokens for a in arrivals)  # one pass's prompts, no hits
+    assert len(result["tracked"]) == len(arrivals) and all(item.token_times for item in result["tracked"].values())
+    assert min(item.arrival.t for item in result["tracked"].values()) > 1.0  # after the warm passes and a pause
+    assert 0 < result["end"] < max(item.token_times[-1] for item in result["tracked"].values())  # its own duration
