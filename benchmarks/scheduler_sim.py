@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scheduler import LaneKind, Request, Scheduler, SchedulerConfig, StepOutcome, StepPlan  # noqa: E402
 from scheduler.buckets import history_bucket, query_bucket  # noqa: E402
 from scheduler.config import COST_MODEL_ENV  # noqa: E402
+from scheduler.cost_models import PrefillChunk  # noqa: E402
 
 # name -> overrides of the base SchedulerConfig
 POLICIES: dict[str, dict] = {
@@ -85,7 +86,7 @@ class CostFunction:
             padded_rows * (lane.history + lane.rows / 2) for padded_rows, lane in zip(padded, chunks))
         base = (self.fixed_ms + self.row_ms * rows + self.pair_ms * pairs + self.decode_lane_ms * decode_lanes
                 + (self.prefill_fixed_ms if chunks else 0.0))
-        if traces is not None and traces.compilable(plan) and not traces.runs_compiled(plan):
+        if traces is not None and traces.compilable(plan) and not traces.meet(plan):
             base += self.eager_extra_ms
         return base * math.exp(rng.gauss(0.0, self.noise))
 
@@ -117,7 +118,8 @@ class SimTraces:
     def compilable(self, plan: StepPlan) -> bool:
         return self._key(*_chunks_and_decode(plan)) is not None
 
-    def runs_compiled(self, plan: StepPlan) -> bool:
+    def meet(self, plan: StepPlan) -> bool:
+        """Record the step's shape as met (traced at the next `settle`); whether the step replays a trace now."""
         chunks, decode = _chunks_and_decode(plan)
         self.want(chunks, decode)
         return self.traced(chunks, decode)
@@ -127,8 +129,6 @@ class SimTraces:
 
 
 def _chunks_and_decode(plan: StepPlan) -> tuple[list, list]:
-    from scheduler.cost_models import PrefillChunk
-
     chunks = [PrefillChunk(rows=lane.rows, history=lane.history) for lane in plan.lanes if lane.kind is not LaneKind.DECODE]
     return chunks, [lane for lane in plan.lanes if lane.kind is LaneKind.DECODE]
 
