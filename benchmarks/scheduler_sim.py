@@ -30,6 +30,7 @@ import math
 import os
 import random
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -77,7 +78,8 @@ class CostFunction:
     row_tile: int = 1  # the step's rows run in GEMM tiles of this many
     eager_extra_ms: float = 0.0  # with kv_bucket: added to a step of decode lanes and one chunk that has no trace
 
-    def step_ms(self, plan: StepPlan, rng: random.Random, traces: SimTraces | None = None) -> float:
+    def step_ms(self, plan: StepPlan, rng: random.Random, eager: bool = False) -> float:
+        """`eager`: a compilable step whose shape has no trace (it pays `eager_extra_ms`)."""
         decode_lanes = sum(1 for lane in plan.lanes if lane.kind is LaneKind.DECODE)
         chunks = [lane for lane in plan.lanes if lane.kind is not LaneKind.DECODE]
         padded = [query_bucket(lane.rows) if self.kv_bucket else lane.rows for lane in chunks]
@@ -86,7 +88,7 @@ class CostFunction:
             padded_rows * (lane.history + lane.rows / 2) for padded_rows, lane in zip(padded, chunks))
         base = (self.fixed_ms + self.row_ms * rows + self.pair_ms * pairs + self.decode_lane_ms * decode_lanes
                 + (self.prefill_fixed_ms if chunks else 0.0))
-        if traces is not None and traces.compilable(plan) and not traces.meet(plan):
+        if eager:
             base += self.eager_extra_ms
         return base * math.exp(rng.gauss(0.0, self.noise))
 
@@ -101,28 +103,28 @@ class SimTraces:
     shapes: set[tuple[int, int]] = field(default_factory=set)
     met: set[tuple[int, int]] = field(default_factory=set)
 
-    def _key(self, chunks: list, decode: list) -> tuple[int, int] | None:
+    def _key(self, chunks: Sequence[PrefillChunk], decode: Sequence) -> tuple[int, int] | None:
         if len(chunks) != 1 or chunks[0].rows < 2 or not decode:
             return None
         return query_bucket(chunks[0].rows), history_bucket(chunks[0].history + chunks[0].rows, self.kv_bucket)
 
-    def traced(self, chunks: list, decode: list) -> bool:
-        key = self._key(list(chunks), list(decode))
+    def traced(self, chunks: Sequence[PrefillChunk], decode: Sequence) -> bool:
+        key = self._key(chunks, decode)
         return key is not None and key in self.shapes
 
-    def want(self, chunks: list, decode: list) -> None:
-        key = self._key(list(chunks), list(decode))
+    def want(self, chunks: Sequence[PrefillChunk], decode: Sequence) -> None:
+        key = self._key(chunks, decode)
         if key is not None:
             self.met.add(key)
 
-    def compilable(self, plan: StepPlan) -> bool:
-        return self._key(*_chunks_and_decode(plan)) is not None
-
-    def meet(self, plan: StepPlan) -> bool:
-        """Record the step's shape as met (traced at the next `settle`); whether the step replays a trace now."""
-        chunks, decode = _chunks_and_decode(plan)
-        self.want(chunks, decode)
-        return self.traced(chunks, decode)
+    def meet(self, plan: StepPlan) -> bool | None:
+        """Record the step's shape as met (traced at the next `settle`); whether the step replays a trace now
+        (None: it is not a step the engine compiles)."""
+        key = self._key(*_chunks_and_decode(plan))
+        if key is None:
+            return None
+        self.met.add(key)
+        return key in self.shapes
 
     def settle(self) -> None:
         self.shapes |= self.met
@@ -205,11 +207,11 @@ def _run_pass(
                 break
             now = max(now, pending[-1].t)
             continue
-        elapsed_ms = cost.step_ms(plan, rng, traces)
+        compiled = traces.meet(plan) if traces is not None else None
+        elapsed_ms = cost.step_ms(plan, rng, eager=compiled is False)
         now += elapsed_ms / 1000.0
         sampled = {lane.request_id: 1 for lane in plan.lanes if lane.samples}
-        compiled = traces is not None and traces.compilable(plan) and traces.traced(*_chunks_and_decode(plan))
-        for request in scheduler.update(plan, StepOutcome(sampled, elapsed_ms, compiled=compiled), now):
+        for request in scheduler.update(plan, StepOutcome(sampled, elapsed_ms, compiled=compiled is True), now):
             tracked[request.request_id].token_times.append(now)
     return {"tracked": tracked, "refused": refused, "end": now, "stats": scheduler.stats.as_dict()}
 

@@ -85,12 +85,12 @@ def test_untraced_shapes_cost_more_until_a_pass_has_met_them() -> None:
     plan = StepPlan(1, (*decode, Lane("long", LaneKind.PREFILL, (1,) * 300, 1000, (), False)), 300, "halved:2", None, True)
     cost = sim.CostFunction(noise=0.0, kv_bucket=1024, eager_extra_ms=12.0)
     traces = sim.SimTraces(1024)
-    eager = cost.step_ms(plan, random.Random(0), traces)
+    eager = cost.step_ms(plan, random.Random(0), eager=traces.meet(plan) is False)
     assert eager == pytest.approx(cost.step_ms(plan, random.Random(0)) + 12.0)
     assert not traces.traced([PrefillChunk(rows=300, history=1000)], list(decode))
     traces.settle()
     assert traces.traced([PrefillChunk(rows=260, history=1100)], list(decode))  # the same buckets: 384, 2048
-    assert cost.step_ms(plan, random.Random(0), traces) == pytest.approx(eager - 12.0)
+    assert cost.step_ms(plan, random.Random(0), eager=traces.meet(plan) is False) == pytest.approx(eager - 12.0)
 
 
 def test_warm_passes_leave_the_measured_pass_its_own_counts() -> None:
