@@ -169,7 +169,7 @@ def fill_paid_rows(
     decode_lanes: int,
     limit_ms: float,
     predict: Callable[[int], float | None],
-    runs_compiled: Callable[[int], bool] = lambda budget: False,
+    runs_compiled: Callable[[int], bool],
 ) -> tuple[int, float | None, bool]:
     """`budget` grown to the rows the engine pays for anyway (`paid_rows`). A halved budget is a query bucket, so
     filling its last row tile with the decode lanes' rows crosses into the next bucket (8 lanes: 256 -> 384 rows,
