@@ -257,9 +257,7 @@ class OurSide:
             # the budget each of those steps was planned with, why ("halved:2+half", "contended+slack", ...) and what
             # it was planned to take at most (None: uncontended): a step smaller than the target allows says which
             # rule held it back, one predicted over its limit that a row-tile fill grew it (`checked_fill`)
-            "prefill_budgets": [[planned[e.step_id].row_budget, planned[e.step_id].budget_reason,
-                                 None if planned[e.step_id].limit_ms is None else round(planned[e.step_id].limit_ms, 2)]
-                                if e.step_id in planned else None for e in steps if e.prefill_rows],  # fmt: skip
+            "prefill_budgets": [_budget_of(planned.get(e.step_id)) for e in steps if e.prefill_rows],
             "decode_debt_steps": sum(p.budget_reason == "decode-debt" for p in planned.values()),
             # where the longest gaps come from
             "slowest": [
@@ -294,3 +292,10 @@ class OurSide:
         result["ratio"] = result["warm_ttft_s"] / result["cold_ttft_s"]
         result["again_ratio"] = result["again_ttft_s"] / result["cold_ttft_s"]
         return result
+
+
+def _budget_of(plan: StepPlanned | None) -> list | None:
+    """[row budget, reason, limit ms (None: uncontended)] of a planned step (None: its plan was not traced)."""
+    if plan is None:
+        return None
+    return [plan.row_budget, plan.budget_reason, None if plan.limit_ms is None else round(plan.limit_ms, 2)]
