@@ -27,9 +27,12 @@ class EngineConfig:
     row_floor: int = 64  # fewest prefill rows a contended step is cut to
     row_quantum: int | str = "auto"  # contended steps fill their last row tile of this many rows; auto: engine_setup
     budget_midpoints: bool = True  # a halved budget grows by half again where still predicted within the target
-    checked_fill: str = "off"  # "off" | "untraced" | "on": a row-tile fill past the budget's query bucket (SchedulerConfig)
+    # "off" | "untraced" | "on": a row-tile fill past the budget's query bucket (SchedulerConfig); it only acts
+    # where a row tile is on (`row_quantum` > 1: quantized models on CUDA)
+    checked_fill: str = "on"
     plan_headroom: float = 1.0  # contended steps are planned to this fraction of the step target
-    floor_slack: float = 1.5  # a contended step may take this x the floor step's time where that exceeds the target
+    # a contended step may take this x the floor step's time where that exceeds the target; auto: engine_setup
+    floor_slack: float | str = "auto"
     max_prefill_slowdown: float = 0.0  # contended chunks grow until a long prompt runs >= 1/x its solo speed; 0: off
     plan_padding: bool = True  # budgets and the affine cost model see chunks padded as the runner pads them (CUDA)
     cost_model: str = "ema"

@@ -77,6 +77,26 @@ def row_quantum(value: int | str, quantized: bool) -> int:
     return value
 
 
+# `floor_slack="auto"`: what a contended step may take over the floor step's prediction. Where the row-tile fill is
+# checked against that limit (`checked_fill` on, a row tile on: quantized models on CUDA) the limit is a bound on
+# every step, so it may be set where the step should be: H200, 8B 4-bit beside 8 streams, 1.75 ran 512-row chunks
+# in 4 of 4 runs (16k TTFT 1.31-1.38x solo, gap ratio 1.71-2.75), where 1.5 ran 256-384-row ones (TTFT 1.49-1.76x)
+# and, unchecked, 384- or 768-row ones (TTFT 1.22-1.61x, gap ratio 1.55-5.46; RESULTS twenty-eighth to thirtieth runs). 1.5 elsewhere
+# (bf16 shapes: where the floor step rarely fills the target; every run since the twenty-first used 1.5)
+CHECKED_FLOOR_SLACK = 1.75
+FLOOR_SLACK = 1.5
+
+
+def floor_slack(value: float | str, quantum: int = 1, checked_fill: str = "on") -> float:
+    """The scheduler's `floor_slack` for `EngineConfig.floor_slack`: a number >= 1, or auto (`CHECKED_FLOOR_SLACK`
+    where a row-tile fill of `quantum` > 1 rows is checked against the step's limit, else `FLOOR_SLACK`)."""
+    if value == "auto":
+        return CHECKED_FLOOR_SLACK if quantum > 1 and checked_fill == "on" else FLOOR_SLACK
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 1:
+        raise InvalidRequest(f"floor_slack must be a number >= 1 or 'auto', not {value!r}", param="floor_slack")
+    return float(value)
+
+
 def scheduler_config(
     c: EngineConfig, num_blocks: int, context_length: int, quantum: int = 1, kv_bucket: int = 0,
     pads_history: bool = True,
@@ -104,7 +124,7 @@ def scheduler_config(
         budget_midpoints=c.budget_midpoints,
         checked_fill=c.checked_fill,
         plan_headroom=c.plan_headroom,
-        floor_slack=c.floor_slack,
+        floor_slack=floor_slack(c.floor_slack, quantum, c.checked_fill),
         max_prefill_slowdown=c.max_prefill_slowdown,
         cost_model=c.cost_model,
         cost_trust_factor=c.cost_trust_factor,

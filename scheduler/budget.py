@@ -25,14 +25,13 @@ Where the engine runs some shapes through compiled traces (`traced_shapes.py`), 
 the form it would run now, and the largest candidate turned down only for want of a trace (over the target eager,
 within it compiled) is the decision's `wanted`: the scheduler asks the engine to trace it.
 
-The row-tile fill is not checked against the target by default, and it crosses a bucket whenever the halved budget is
-one (8 lanes, 64-row tiles: 256 -> 384 rows, 512 -> 768): `checked_fill` "on" keeps a fill past the budget's own query
-bucket only where the grown step is predicted within what it may take, "untraced" also where it keeps the budget's
-compiled trace (reason `+bucket` where it was held). H200, 8B 4-bit (twenty-ninth run): a 512-row budget predicted
-within a ~31 ms allowance ran as 768 rows, eager, 67.9 ms, the run's longest gap. Off by default until measured on
-every shape. The policy simulation (RESULTS, twenty-ninth run) puts "on" at 18-29% of a 16k prompt's TTFT beside 8
-streams where no shape lacks a trace; where untraced shapes run eager, both modes cut the longest gap 14-30% with the
-TTFT within 3% or better.
+The row-tile fill crosses a bucket whenever the halved budget is one (8 lanes, 64-row tiles: 256 -> 384 rows, 512 ->
+768): `checked_fill` "on" (default) keeps a fill past the budget's own query bucket only where the grown step is
+predicted within what it may take, "untraced" also where it keeps the budget's compiled trace (reason `+bucket` where
+it was held), "off" always. H200, 8B 4-bit (twenty-ninth run): unchecked, a 512-row budget predicted within a ~31 ms
+allowance ran as 768 rows, eager, 67.9 ms, the run's longest gap. Checked and with the engine's floor slack at 1.75
+(thirtieth run), the shape ran 512-row chunks in 4 of 4 runs with both contended targets met; only quantized models
+on CUDA fill row tiles, so the other shapes are unchanged.
 
 A budget planned only to the target can leave a long prompt's prefill far slower than it runs alone: a step's fixed
 cost (its decode lanes' GEMVs, weight reads, launches) is spread over few rows. With `max_prefill_slowdown` a

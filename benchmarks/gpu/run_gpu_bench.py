@@ -33,7 +33,7 @@ from benchmarks.gpu.models import build_dummy_model, pristine_copy
 from benchmarks.gpu.ours import OurSide
 from benchmarks.gpu.report import markdown
 from benchmarks.gpu.workloads import FULL, QUICK, TINY, BenchParams, Prompts
-from mlx_serve.commands.serve import row_quantum_arg, step_target_arg
+from mlx_serve.commands.serve import floor_slack_arg, row_quantum_arg, step_target_arg
 from mlx_serve.config import AUTO_STEP_FACTOR
 from mlx_serve.kernels import paged_attention
 
@@ -327,14 +327,15 @@ def main() -> None:
     parser.add_argument("--chunk-attention", default="auto", choices=("auto", "sdpa", "matmul", "paged"))
     parser.add_argument("--budget-midpoints", choices=["on", "off"], default="on",
                         help="EngineConfig.budget_midpoints: a halved budget grows by half again where it fits")
-    parser.add_argument("--checked-fill", choices=["off", "untraced", "on"], default="off",
+    parser.add_argument("--checked-fill", choices=["off", "untraced", "on"], default="on",
                         help="EngineConfig.checked_fill: when a row-tile fill past the budget's bucket is held")
     parser.add_argument("--plan-headroom", type=float, default=1.0,
                         help="EngineConfig.plan_headroom: contended steps planned to this fraction of the target")
     parser.add_argument("--cost-trust-factor", type=float, default=1.5,
                         help="EngineConfig.cost_trust_factor: the affine fit's trust region in rows (0: off)")
-    parser.add_argument("--floor-slack", type=float, default=1.5,
-                        help="EngineConfig.floor_slack: a step may take this x the floor step's time over the target")
+    parser.add_argument("--floor-slack", type=floor_slack_arg, default="auto",
+                        help="EngineConfig.floor_slack: a step may take this x the floor step's time over the target "
+                             "(auto: engine_setup.floor_slack)")
     parser.add_argument("--max-prefill-slowdown", type=float, default=0.0,
                         help="EngineConfig.max_prefill_slowdown: contended chunks grow until a long prompt runs at "
                              "least 1/x its solo speed (0: off)")

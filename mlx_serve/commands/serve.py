@@ -62,8 +62,11 @@ def _headroom(text: str) -> float:
     return value
 
 
-def _floor_slack(text: str) -> float:
-    if not (value := _number(text, "a factor")) >= 1:
+def floor_slack_arg(text: str) -> float | str:
+    """`--floor-slack`: a factor >= 1, or auto."""
+    if text == "auto":
+        return text
+    if not (value := _number(text, "a factor or auto")) >= 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {text}")
     return value
 
@@ -134,18 +137,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--budget-midpoints", choices=["on", "off"], default="on",
                    help="a contended budget halved to fit the step target grows by half again (256 -> 384 rows) "
                         "where that is still predicted to fit; off: plain halving (default: %(default)s)")
-    s.add_argument("--checked-fill", choices=["off", "untraced", "on"], default="off",
+    s.add_argument("--checked-fill", choices=["off", "untraced", "on"], default="on",
                    help="a contended budget grown to fill its last row tile with the decode lanes (--row-quantum) "
                         "past its own query bucket (256 -> 384, 512 -> 768 with 8 lanes): off keeps the rows; on "
                         "only where that step is still predicted to fit; untraced also where it keeps the "
-                        "compiled trace the smaller step replays (unmeasured on a GPU; default: %(default)s)")
+                        "compiled trace the smaller step replays (default: %(default)s)")
     s.add_argument("--plan-headroom", type=_headroom, default=1.0,
                    help="contended steps are planned to this fraction of the step target, below 1 so that a step's "
                         "usual spread stays under the target (0 < x <= 1; default: %(default)s)")
-    s.add_argument("--floor-slack", type=_floor_slack, default=1.5, metavar="X",
+    s.add_argument("--floor-slack", type=floor_slack_arg, default="auto", metavar="X|auto",
                    help="a contended step may take X times the smallest contended step's (--row-floor rows) "
                         "predicted time where that is more than the step target: a fixed cost that fills the "
-                        "target buys nothing by halving (X >= 1; 1: off; default: %(default)s)")
+                        "target buys nothing by halving (X >= 1; 1: off; auto: 1.75 where a row-tile fill is "
+                        "checked, --checked-fill on with --row-quantum > 1, else 1.5; default: %(default)s)")
     s.add_argument("--max-prefill-slowdown", type=_factor_or_off, default=0.0, metavar="X",
                    help="a contended chunk grows (to at most twice what a step may take) until a long prompt's "
                         "prefill runs at least 1/X of its speed alone, by the cost model (X >= 1; 0: off; "

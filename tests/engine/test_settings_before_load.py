@@ -25,7 +25,8 @@ MISSING = "/nonexistent/model-dir"
         ({"plan_headroom": 1.5}, "plan_headroom must be in"),
         ({"cost_model": "oracle"}, "cost_model must be one of"),
         ({"cost_trust_factor": 0.5}, "cost_trust_factor must be 0"),
-        ({"floor_slack": 0.5}, "floor_slack must be >= 1"),
+        ({"floor_slack": 0.5}, "floor_slack must be a number >= 1 or 'auto'"),
+        ({"floor_slack": "wide"}, "floor_slack must be a number >= 1 or 'auto'"),
         ({"max_prefill_slowdown": 0.5}, "max_prefill_slowdown must be 0"),
         ({"trace_neighbour_shapes": -1}, "trace_neighbour_shapes must be a whole number"),
     ],
@@ -49,3 +50,23 @@ def test_checked_fill_reaches_the_scheduler():
         assert config.checked_fill == mode
     with pytest.raises(InvalidRequest, match="checked_fill"):
         Engine.load(EngineConfig(checked_fill="always"))
+
+
+@pytest.mark.parametrize(
+    ("floor_slack", "quantum", "checked_fill", "resolved"),
+    [
+        ("auto", 64, "on", 1.75),  # a checked row-tile fill: the limit bounds every step (8B 4-bit on CUDA)
+        ("auto", 1, "on", 1.5),  # no row tile (bf16 models, the CPU backend): nothing to check
+        ("auto", 64, "off", 1.5),  # an unchecked fill may carry a step past the limit: the narrower slack
+        ("auto", 64, "untraced", 1.5),
+        (1.25, 64, "on", 1.25),  # a number is taken as given
+        (2, 1, "off", 2.0),
+    ],
+)
+def test_floor_slack_auto_is_wider_only_where_the_fill_is_checked(floor_slack, quantum, checked_fill, resolved):
+    from mlx_serve.engine_setup import scheduler_config
+
+    config = scheduler_config(EngineConfig(floor_slack=floor_slack, checked_fill=checked_fill), num_blocks=64,
+                              context_length=4096, quantum=quantum, kv_bucket=1024)  # fmt: skip
+    assert config.floor_slack == resolved
+    assert (config.row_quantum, config.checked_fill) == (quantum, checked_fill)

@@ -41,7 +41,7 @@ def test_serve_help_explains_the_engine_flags(capsys):
         ("--step-target-floor-ms", {None: 20.0, "0": 0.0, "8.5": 8.5}, ("low", "-1", "nan")),
         ("--row-quantum", {None: "auto", "auto": "auto", "64": 64}, ("tile", "0", "-64", "1.5")),
         ("--budget-midpoints", {None: "on", "off": "off"}, ("yes", "")),
-        ("--checked-fill", {None: "off", "on": "on", "untraced": "untraced"}, ("maybe",)),
+        ("--checked-fill", {None: "on", "off": "off", "untraced": "untraced"}, ("maybe",)),
         ("--plan-padding", {None: "on", "off": "off"}, ("exact",)),
         ("--defer-mixed-traces", {None: "on", "off": "off"}, ("later",)),
         ("--stand-in-traces", {None: "on", "off": "off"}, ("padded",)),
@@ -50,7 +50,7 @@ def test_serve_help_explains_the_engine_flags(capsys):
         ("--quantized-tiles", {None: "auto", "on": "on", "off": "off"}, ("kernel",)),
         ("--plan-headroom", {None: 1.0, "0.9": 0.9, "0.75": 0.75}, ("most", "0", "1.5", "-0.5")),
         ("--cost-trust-factor", {None: 1.5, "0": 0.0, "2": 2.0}, ("wide", "0.5", "-1")),
-        ("--floor-slack", {None: 1.5, "1": 1.0, "1.25": 1.25}, ("some", "0.9", "-1")),
+        ("--floor-slack", {None: "auto", "auto": "auto", "1": 1.0, "1.25": 1.25}, ("some", "0.9", "-1")),
         ("--max-prefill-slowdown", {None: 0.0, "0": 0.0, "1.3": 1.3}, ("fast", "0.5", "-1")),
         ("--port", {None: 8080, "0": 0, "65535": 65535}, ("http", "-5", "70000", "80.5")),
         ("--block-size", {None: 16, "32": 32}, ("0", "-16", "big")),
@@ -187,4 +187,5 @@ def test_scheduling_flags_reach_the_engine_config():
                                       "--checked-fill", "untraced"])
     config = engine_config(args)
     assert (config.floor_slack, config.max_prefill_slowdown, config.checked_fill) == (1.25, 1.3, "untraced")
-    assert engine_config(build_parser().parse_args(["serve"])).checked_fill == "off"
+    defaults = engine_config(build_parser().parse_args(["serve"]))
+    assert (defaults.checked_fill, defaults.floor_slack) == ("on", "auto")
