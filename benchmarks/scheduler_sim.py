@@ -36,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from mlx_serve.engine_setup import CHECKED_FLOOR_SLACK  # noqa: E402  (no MLX import)
 from scheduler import LaneKind, Request, Scheduler, SchedulerConfig, StepOutcome, StepPlan  # noqa: E402
 from scheduler.buckets import history_bucket, query_bucket  # noqa: E402
 from scheduler.config import COST_MODEL_ENV  # noqa: E402
@@ -50,8 +51,12 @@ POLICIES: dict[str, dict] = {
     "ceiling-only": {"cost_model": "ema", "step_target_ms": 1e12},  # never halves: the no-budget baseline
     # the engine's `--step-target-ms auto`: 3 measured decode-only steps (at least 20 ms) instead of a fixed value
     "ema-auto-target": {"cost_model": "ema", "step_target_factor": 3.0},
-    "affine-auto-target": {"cost_model": "affine", "step_target_factor": 3.0},
+    # the row-tile fill unchecked, as the engine ran before the thirtieth run (the figures in RESULTS until then)
+    "affine-auto-target": {"cost_model": "affine", "step_target_factor": 3.0, "checked_fill": "off"},
     "affine-auto-target-checked-fill": {"cost_model": "affine", "step_target_factor": 3.0, "checked_fill": "on"},
+    # the engine's defaults since the thirtieth run where a row tile is on: the fill checked, the floor slack wider
+    "affine-auto-target-checked-wide": {"cost_model": "affine", "step_target_factor": 3.0, "checked_fill": "on",
+                                        "floor_slack": CHECKED_FLOOR_SLACK},
     "affine-auto-target-checked-untraced": {"cost_model": "affine", "step_target_factor": 3.0,
                                             "checked_fill": "untraced"},
 }

@@ -62,13 +62,30 @@ def test_padded_costs_run_a_chunk_as_its_query_bucket_in_row_tiles() -> None:
 def test_the_contended_trace_runs_with_the_checked_fill_policy(capsys: pytest.CaptureFixture[str]) -> None:
     sim = load_sim()
     trace = SIM_PATH.parent / "traces" / "contended_16k.jsonl"
-    argv = ["--trace", str(trace), "--policies", "affine-auto-target,affine-auto-target-checked-fill", "--json",
-            "--kv-bucket", "1024", "--row-tile", "64", "--ms-prefill-fixed", "6", "--ms-row", "0.024"]
+    policies = ["affine-auto-target", "affine-auto-target-checked-fill", "affine-auto-target-checked-wide"]
+    argv = ["--trace", str(trace), "--policies", ",".join(policies), "--json", "--kv-bucket", "1024", "--row-tile", "64",
+            "--ms-prefill-fixed", "6", "--ms-row", "0.024"]
     assert sim.main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["arrivals"] == 9 and report["cost"]["kv_bucket"] == 1024
+    assert list(report["policies"]) == policies
     for row in report["policies"].values():
         assert row["requests"] == 9 and row["long_ttft_mean_s"] > 0
+
+
+def test_the_unchecked_baseline_does_not_follow_the_schedulers_default() -> None:
+    """The figures RESULTS gives for `affine-auto-target` were made with the fill unchecked: the policy names that
+    itself, so the scheduler's default (checked since the thirtieth run) does not change what it means."""
+    from dataclasses import replace
+
+    from mlx_serve.engine_setup import CHECKED_FLOOR_SLACK
+    from scheduler import SchedulerConfig
+
+    sim = load_sim()
+    base = SchedulerConfig(num_blocks=64)
+    assert replace(base, **sim.POLICIES["affine-auto-target"]).checked_fill == "off"
+    wide = replace(base, **sim.POLICIES["affine-auto-target-checked-wide"])
+    assert (wide.checked_fill, wide.floor_slack) == ("on", CHECKED_FLOOR_SLACK)
 
 
 def test_untraced_shapes_cost_more_until_a_pass_has_met_them() -> None:
