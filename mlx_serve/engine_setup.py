@@ -122,6 +122,7 @@ def scheduler_config(
         kv_bucket=kv_bucket,
         pads_history=pads_history,
         budget_midpoints=c.budget_midpoints,
+        traced_midpoints=c.traced_midpoints,
         checked_fill=c.checked_fill,
         plan_headroom=c.plan_headroom,
         floor_slack=floor_slack(c.floor_slack, quantum, c.checked_fill),

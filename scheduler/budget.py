@@ -42,6 +42,12 @@ default: on the H200 at 1.3 (twenty-eighth run) the 16k prompt's TTFT beside 8 s
 (8B 4-bit), 1.41x to 1.30x (8B) and ~1.47x to 1.32x (30B-A3B), but with fewer, larger mixed steps the streams'
 median gap became a decode step's, and the max gap / median rose to 9.4 (8B 4-bit) and 4.2 (30B-A3B) against 3.
 
+A midpoint can trade a compiled step for an eager one: with `traced_midpoints` a halved budget whose step replays
+a trace grows by half only where the wider step does too, and otherwise asks for the wider step's trace (reason
+`+kept-trace`). The cost model prices an eager step's own time, not the host build that holds the tokens of the step
+before it (H200, 0.6B beside 8 streams: eager 1,536-row midpoints, 21-22 ms, were the longest gaps of a run, where
+1,024-row compiled steps ran 12-18 ms). Off by default until measured on the device.
+
 The prediction changes only which budget is chosen: the order of the lanes and who is admitted are decided
 elsewhere and never look at it.
 """
@@ -68,9 +74,10 @@ RATE_GROWTH_CAP = 2.0
 @dataclass(frozen=True, slots=True)
 class BudgetDecision:
     row_budget: int  # prefill rows the step may carry
-    # "uncontended", "contended", "contended-untrained", "halved:<n>[+half]" (contended ones end in "+bucket" where
-    # `checked_fill` held the row-tile fill to the budget's bucket, "+slack" where the floor slack raised the target:
-    # `slack_allowance_ms`, then "+rate" where `grow_for_rate` grew it), "decode-debt"
+    # "uncontended", "contended", "contended-untrained", "halved:<n>[+half]" (contended ones end in "+kept-trace"
+    # where `traced_midpoints` declined a midpoint that would run eager, "+bucket" where `checked_fill` held the
+    # row-tile fill to the budget's bucket, "+slack" where the floor slack raised the target: `slack_allowance_ms`,
+    # then "+rate" where `grow_for_rate` grew it), "decode-debt"
     reason: str
     halvings: int
     predicted_ms: float | None  # the cost model's prediction for the planned prefill at this budget
@@ -142,12 +149,16 @@ def choose_row_budget(
         return traced is not None and traced(fill_shortest_first(demand, budget))
 
     budget, predicted, held = fill_paid_rows(config, budget, predicted, decode_lanes, target_ms, predict, runs_compiled)
-    widened = False
+    widened = kept_trace = False
     if halvings and config.budget_midpoints and predicted is not None and predicted <= target_ms:
         wider = paid_rows(budget + budget // 2, decode_lanes, config)
         wider_predicted = predict(wider) if wider > budget else None
         if wider_predicted is not None and wider_predicted <= target_ms:
-            budget, predicted, widened = wider, wider_predicted, True
+            if config.traced_midpoints and runs_compiled(budget) and not runs_compiled(wider):
+                kept_trace = True
+                wanted = wanted or fill_shortest_first(demand, wider)  # traced when the engine is next idle
+            else:
+                budget, predicted, widened = wider, wider_predicted, True
     grown = False
     if config.max_prefill_slowdown:
         budget, predicted, grown = grow_for_rate(config, model, demand, budget, predicted, target_ms, predict)
@@ -155,7 +166,8 @@ def choose_row_budget(
         reason = f"halved:{halvings}" + ("+half" if widened else "")
     else:
         reason = "contended-untrained" if predicted is None and demand else "contended"
-    reason += ("+bucket" if held else "") + ("+slack" if slack else "") + ("+rate" if grown else "")
+    reason += ("+kept-trace" if kept_trace else "") + ("+bucket" if held else "") + ("+slack" if slack else "")
+    reason += "+rate" if grown else ""
     if sum(chunk.rows for chunk in wanted) <= budget:
         wanted = ()  # the step got as many rows anyway (a tile or bucket grew it back)
     return BudgetDecision(budget, reason, halvings, predicted, wanted, target_ms)

@@ -140,7 +140,8 @@ def measure_ours(
               "step_target_floor_ms": args.target_floor_ms, "defer_mixed_traces": args.defer_mixed_traces == "on",
               "trace_neighbour_shapes": args.trace_neighbour_shapes, "run_idle_traces": args.run_idle_traces == "on",
               "stand_in_traces": args.stand_in_traces == "on",
-              "budget_midpoints": args.budget_midpoints == "on", "checked_fill": args.checked_fill,
+              "budget_midpoints": args.budget_midpoints == "on", "traced_midpoints": args.traced_midpoints == "on",
+              "checked_fill": args.checked_fill,
               "plan_headroom": args.plan_headroom,
               "cost_trust_factor": args.cost_trust_factor, "floor_slack": args.floor_slack,
               "max_prefill_slowdown": args.max_prefill_slowdown, "plan_padding": args.plan_padding == "on"}  # fmt: skip
@@ -193,6 +194,7 @@ def measure_ours(
         out["warm_up"] = {"shapes": side.engine.warmed[0], "s": round(side.engine.warmed[1], 2)}
         out["row_quantum"] = side.engine.scheduler.config.row_quantum  # as resolved (auto: by model and backend)
         out["budget_midpoints"] = side.engine.scheduler.config.budget_midpoints
+        out["traced_midpoints"] = side.engine.scheduler.config.traced_midpoints
         out["checked_fill"] = side.engine.scheduler.config.checked_fill
         out["plan_headroom"] = side.engine.scheduler.config.plan_headroom
         out["cost_trust_factor"] = side.engine.scheduler.config.cost_trust_factor
@@ -327,6 +329,8 @@ def main() -> None:
     parser.add_argument("--chunk-attention", default="auto", choices=("auto", "sdpa", "matmul", "paged"))
     parser.add_argument("--budget-midpoints", choices=["on", "off"], default="on",
                         help="EngineConfig.budget_midpoints: a halved budget grows by half again where it fits")
+    parser.add_argument("--traced-midpoints", choices=["on", "off"], default="off",
+                        help="EngineConfig.traced_midpoints: a midpoint only where it keeps the halved step's trace")
     parser.add_argument("--checked-fill", choices=["off", "untraced", "on"], default="on",
                         help="EngineConfig.checked_fill: when a row-tile fill past the budget's bucket is held")
     parser.add_argument("--plan-headroom", type=float, default=1.0,

@@ -42,6 +42,7 @@ def test_serve_help_explains_the_engine_flags(capsys):
         ("--row-quantum", {None: "auto", "auto": "auto", "64": 64}, ("tile", "0", "-64", "1.5")),
         ("--budget-midpoints", {None: "on", "off": "off"}, ("yes", "")),
         ("--checked-fill", {None: "on", "off": "off", "untraced": "untraced"}, ("maybe",)),
+        ("--traced-midpoints", {None: "off", "on": "on"}, ("yes",)),
         ("--plan-padding", {None: "on", "off": "off"}, ("exact",)),
         ("--defer-mixed-traces", {None: "on", "off": "off"}, ("later",)),
         ("--stand-in-traces", {None: "on", "off": "off"}, ("padded",)),
@@ -184,8 +185,9 @@ def test_scheduling_flags_reach_the_engine_config():
     from mlx_serve.commands.serve import engine_config
 
     args = build_parser().parse_args(["serve", "--floor-slack", "1.25", "--max-prefill-slowdown", "1.3",
-                                      "--checked-fill", "untraced"])
+                                      "--checked-fill", "untraced", "--traced-midpoints", "on"])
     config = engine_config(args)
     assert (config.floor_slack, config.max_prefill_slowdown, config.checked_fill) == (1.25, 1.3, "untraced")
+    assert config.traced_midpoints is True
     defaults = engine_config(build_parser().parse_args(["serve"]))
-    assert (defaults.checked_fill, defaults.floor_slack) == ("on", "auto")
+    assert (defaults.checked_fill, defaults.floor_slack, defaults.traced_midpoints) == ("on", "auto", False)
