@@ -81,8 +81,8 @@ def row_quantum(value: int | str, quantized: bool) -> int:
 # checked against that limit (`checked_fill` on, a row tile on: quantized models on CUDA) the limit is a bound on
 # every step, so it may be set where the step should be: H200, 8B 4-bit beside 8 streams, 1.75 ran 512-row chunks
 # in 4 of 4 runs (16k TTFT 1.31-1.38x solo, gap ratio 1.71-2.75), where 1.5 ran 256-384-row ones (TTFT 1.49-1.76x)
-# and, unchecked, 384- or 768-row ones (TTFT 1.22-1.61x, gap ratio 1.55-5.46; RESULTS twenty-eighth to thirtieth runs). 1.5 elsewhere
-# (bf16 shapes: where the floor step rarely fills the target; every run since the twenty-first used 1.5)
+# and, unchecked, 384- or 768-row ones (TTFT 1.22-1.61x, gap ratio 1.55-5.46; RESULTS, twenty-eighth to thirtieth
+# runs). 1.5 elsewhere (bf16 shapes, where the floor step rarely fills the target; every run since the twenty-first)
 CHECKED_FLOOR_SLACK = 1.75
 FLOOR_SLACK = 1.5
 

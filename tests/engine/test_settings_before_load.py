@@ -56,7 +56,8 @@ def test_traced_midpoints_reaches_the_scheduler():
     from mlx_serve.engine_setup import scheduler_config
 
     for on in (False, True):
-        assert scheduler_config(EngineConfig(traced_midpoints=on), num_blocks=64, context_length=4096).traced_midpoints is on
+        config = scheduler_config(EngineConfig(traced_midpoints=on), num_blocks=64, context_length=4096)
+        assert config.traced_midpoints is on
 
 
 @pytest.mark.parametrize(
