@@ -39,16 +39,18 @@ def drain(scheduler: Scheduler, max_steps: int = 10_000, elapsed_ms: float = 10.
 
 
 class LinearCostModel:
-    """fixed + per prefill row + per decode lane milliseconds (default: a step of a large fixed cost, 22 ms, then
-    0.02 ms a row: the H200's 8B 4-bit beside 8 streams at 16k)."""
+    """fixed + per prefill row + per decode lane milliseconds, and `eager_ms` more for a step that replays no compiled
+    trace (default: a step of a large fixed cost, 22 ms, then 0.02 ms a row: the H200's 8B 4-bit beside 8 streams at
+    16k, the same compiled or not)."""
 
     name = "linear"
 
-    def __init__(self, fixed_ms: float = 22.0, row_ms: float = 0.02, lane_ms: float = 0.0) -> None:
-        self.fixed_ms, self.row_ms, self.lane_ms = fixed_ms, row_ms, lane_ms
+    def __init__(self, fixed_ms: float = 22.0, row_ms: float = 0.02, lane_ms: float = 0.0, eager_ms: float = 0.0) -> None:
+        self.fixed_ms, self.row_ms, self.lane_ms, self.eager_ms = fixed_ms, row_ms, lane_ms, eager_ms
 
     def predict(self, shape: StepShape) -> float:
-        return self.fixed_ms + self.row_ms * shape.prefill_rows + self.lane_ms * shape.decode_lanes
+        eager = 0.0 if shape.compiled else self.eager_ms
+        return self.fixed_ms + self.row_ms * shape.prefill_rows + self.lane_ms * shape.decode_lanes + eager
 
     def observe(self, shape: StepShape, elapsed_ms: float) -> None:
         pass

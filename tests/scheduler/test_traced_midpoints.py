@@ -6,27 +6,18 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from scheduler_helpers import LinearCostModel
 
 from scheduler import SchedulerConfig
 from scheduler.budget import choose_row_budget
-from scheduler.cost_models import PrefillChunk, StepShape
+from scheduler.cost_models import PrefillChunk
 
 LANES = 8
 
 
-class EagerCostModel:
-    """fixed + per prefill row milliseconds, and `eager_ms` more for a step that runs eager (no trace)."""
-
-    name = "eager-linear"
-
-    def __init__(self, fixed_ms: float = 8.0, row_ms: float = 0.008, eager_ms: float = 0.5) -> None:
-        self.fixed_ms, self.row_ms, self.eager_ms = fixed_ms, row_ms, eager_ms
-
-    def predict(self, shape: StepShape) -> float:
-        return self.fixed_ms + self.row_ms * shape.prefill_rows + (0.0 if shape.compiled else self.eager_ms)
-
-    def observe(self, shape: StepShape, elapsed_ms: float) -> None:
-        pass
+def _small_model(fixed_ms: float = 8.0, row_ms: float = 0.008, eager_ms: float = 0.5) -> LinearCostModel:
+    """A 0.6B-like step beside 8 streams: a small fixed cost, and an eager step a little dearer than a traced one."""
+    return LinearCostModel(fixed_ms=fixed_ms, row_ms=row_ms, eager_ms=eager_ms)
 
 
 def _decide(traced_rows: set[int], model=None, target_ms: float = 21.0, on: bool = True, prompt_rows: int = 16_000):
@@ -36,7 +27,7 @@ def _decide(traced_rows: set[int], model=None, target_ms: float = 21.0, on: bool
     def traced(chunks) -> bool:
         return sum(chunk.rows for chunk in chunks) in traced_rows
 
-    return choose_row_budget(config, model or EagerCostModel(), demand, LANES, False, True, target_ms, traced)
+    return choose_row_budget(config, model or _small_model(), demand, LANES, False, True, target_ms, traced)
 
 
 def test_a_midpoint_that_would_run_eager_is_declined_and_its_trace_asked_for():
@@ -74,7 +65,7 @@ def test_the_rule_only_declines_midpoints_that_lose_a_trace(
     """Against the decision without it: never larger; where the two differ, the plain one took a midpoint whose step
     runs eager, the kept one is the halved budget before it, which runs compiled, and asks for a trace at least as
     wide (the wider step's, or a larger step's that the halving had already turned down for want of one)."""
-    model = EagerCostModel(fixed_ms, row_ms, eager_ms)
+    model = _small_model(fixed_ms, row_ms, eager_ms)
     plain = _decide(traced_rows, model, target_ms, on=False, prompt_rows=prompt_rows)
     kept = _decide(traced_rows, model, target_ms, on=True, prompt_rows=prompt_rows)
     if kept.row_budget == plain.row_budget:
