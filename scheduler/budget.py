@@ -145,16 +145,20 @@ def choose_row_budget(
         halvings += 1
         predicted = predict(budget)
 
-    def runs_compiled(budget: int) -> bool:
-        return traced is not None and traced(fill_shortest_first(demand, budget))
+    def runs_compiled(rows: int) -> bool:
+        return traced is not None and traced(fill_shortest_first(demand, rows))
 
-    budget, predicted, held = fill_paid_rows(config, budget, predicted, decode_lanes, target_ms, predict, runs_compiled)
+    def loses_trace(budget: int, grown: int) -> bool:
+        """Whether growing `budget` to `grown` rows trades a step that replays a compiled trace for an eager one."""
+        return runs_compiled(budget) and not runs_compiled(grown)
+
+    budget, predicted, held = fill_paid_rows(config, budget, predicted, decode_lanes, target_ms, predict, loses_trace)
     widened = kept_trace = False
     if halvings and config.budget_midpoints and predicted is not None and predicted <= target_ms:
         wider = paid_rows(budget + budget // 2, decode_lanes, config)
         wider_predicted = predict(wider) if wider > budget else None
         if wider_predicted is not None and wider_predicted <= target_ms:
-            if config.traced_midpoints and runs_compiled(budget) and not runs_compiled(wider):
+            if config.traced_midpoints and loses_trace(budget, wider):
                 kept_trace = True
                 wanted = wanted or fill_shortest_first(demand, wider)  # traced when the engine is next idle
             else:
@@ -180,13 +184,13 @@ def fill_paid_rows(
     decode_lanes: int,
     limit_ms: float,
     predict: Callable[[int], float | None],
-    runs_compiled: Callable[[int], bool],
+    loses_trace: Callable[[int, int], bool],
 ) -> tuple[int, float | None, bool]:
     """`budget` grown to the rows the engine pays for anyway (`paid_rows`). A halved budget is a query bucket, so
     filling its last row tile with the decode lanes' rows crosses into the next bucket (8 lanes: 256 -> 384 rows,
     512 -> 768). `config.checked_fill` "on" keeps that growth only where the grown step is predicted within
     `limit_ms`; "untraced" only where it is so predicted or keeps the compiled trace the budget's own step replays
-    (`runs_compiled`); otherwise the budget fills its tile only as far as its own bucket. Returns the budget, its
+    (`loses_trace`: the filled step would run eager where the budget's own replays a trace); otherwise the budget fills its tile only as far as its own bucket. Returns the budget, its
     prediction and whether the fill was held to the bucket."""
     filled = paid_rows(budget, decode_lanes, config)
     if filled == budget:
@@ -195,7 +199,7 @@ def fill_paid_rows(
     crosses = config.kv_bucket and filled > query_bucket(budget) and budget > 0
     if config.checked_fill == "off" or not crosses or (filled_predicted is not None and filled_predicted <= limit_ms):
         return filled, filled_predicted, False
-    if config.checked_fill == "untraced" and not (runs_compiled(budget) and not runs_compiled(filled)):
+    if config.checked_fill == "untraced" and not loses_trace(budget, filled):
         return filled, filled_predicted, False
     within = min(fill_row_tile(budget, decode_lanes, config.row_quantum, config.row_ceiling), query_bucket(budget))
     return within, (predicted if within == budget else predict(within)), True
