@@ -87,7 +87,7 @@ CHECKED_FLOOR_SLACK = 1.75
 FLOOR_SLACK = 1.5
 
 
-def floor_slack(value: float | str, quantum: int = 1, checked_fill: str = "on") -> float:
+def floor_slack(value: float | str, quantum: int, checked_fill: str) -> float:
     """The scheduler's `floor_slack` for `EngineConfig.floor_slack`: a number >= 1, or auto (`CHECKED_FLOOR_SLACK`
     where a row-tile fill of `quantum` > 1 rows is checked against the step's limit, else `FLOOR_SLACK`)."""
     if value == "auto":
