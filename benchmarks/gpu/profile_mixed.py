@@ -16,12 +16,16 @@ that fixed cost is what keeps a 16k prompt's chunks small. This splits it:
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import re
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from benchmarks.gpu.models import build_dummy_model
 from benchmarks.gpu.profile_step import cuda_profiled
@@ -43,6 +47,8 @@ from scheduler.plan import Lane, LaneKind, StepPlan
 BLOCK = 16
 DECODE_HISTORY = 512
 WARMUP = 3
+# primitives that make a view of their input, not a kernel launch, where the input's layout allows
+VIEW_PRIMITIVES = ("Reshape", "Slice", "Transpose", "Broadcast", "Squeeze", "ExpandDims", "AsStrided", "Depends")
 
 
 def _median(samples: list[float], scale: float = 1e3) -> float:
@@ -56,15 +62,16 @@ VARIANTS = {  # name: (fuse_mixed, compile_mixed)
 }
 
 
-def step_phases(
-    model, layout: KVLayout, lanes: int, rows: int, history: int, variant: str, repeats: int, profiled: bool = False,
-    split: str = "auto", attention: str = "auto",
-) -> dict:
-    """One mixed step's host submission (preparation, build, encode) and device wait when run synchronously, the
-    first step's (a compiled variant traces it), and the step's cost queued back to back (one in flight)."""
+def mixed_step_runner(
+    model, layout: KVLayout, lanes: int, rows: int, history: int, variant: str, repeats: int, split: str = "auto",
+    attention: str = "auto",
+) -> tuple[ModelRunner, Callable[[int], StepPlan]]:
+    """A runner over a pool sized for `repeats` steps of `lanes` decode lanes (`DECODE_HISTORY` tokens each) and
+    one chunk of `rows` rows over `history`, and the plan of step n (each writes a row a lane). `lanes` or `rows`
+    may be 0: a decode-only step, or a lone chunk as a cached prefix's continuation runs."""
     decode_blocks = -(-(DECODE_HISTORY + WARMUP + 2 * repeats + 1) // BLOCK)  # every step writes a row
-    chunk_blocks = -(-(history + rows) // BLOCK)
-    pool = KVPool(layout, lanes * decode_blocks + chunk_blocks, BLOCK)
+    chunk_blocks = -(-(history + rows) // BLOCK) if rows else 0
+    pool = KVPool(layout, max(1, lanes * decode_blocks + chunk_blocks), BLOCK)
     fuse_mixed, compile_mixed = VARIANTS[variant]
     runner = ModelRunner(
         model, pool, select_decode_attention("auto"), compile_decode=True, fuse_decode=True, fuse_mixed=fuse_mixed,
@@ -81,9 +88,19 @@ def step_phases(
             Lane(f"d{i}", LaneKind.DECODE, (7,), DECODE_HISTORY + step, tuple(range(i * decode_blocks, (i + 1) * decode_blocks)), True)
             for i in range(lanes)
         )  # fmt: skip
-        chunk = Lane("p", LaneKind.PREFILL, (11,) * rows, history, chunk_ids, False)
-        return StepPlan(step, (*decode, chunk), rows, "profile", None, True)
+        chunk = (Lane("p", LaneKind.PREFILL, (11,) * rows, history, chunk_ids, not lanes),) if rows else ()
+        return StepPlan(step, (*decode, *chunk), rows, "profile", None, bool(lanes))
 
+    return runner, plan
+
+
+def step_phases(
+    model, layout: KVLayout, lanes: int, rows: int, history: int, variant: str, repeats: int, profiled: bool = False,
+    split: str = "auto", attention: str = "auto",
+) -> dict:
+    """One mixed step's host submission (preparation, build, encode) and device wait when run synchronously, the
+    first step's (a compiled variant traces it), and the step's cost queued back to back (one in flight)."""
+    runner, plan = mixed_step_runner(model, layout, lanes, rows, history, variant, repeats, split, attention)
     submit, wait, first = [], [], 0.0
     for step in range(WARMUP + repeats):
         t0 = time.perf_counter()
@@ -111,6 +128,34 @@ def step_phases(
     pipelined = (time.perf_counter() - start) / repeats
     return {"submit_ms": _median(submit), "wait_ms": _median(wait), "first_ms": round(1e3 * first, 1),
             "pipelined_ms": round(1e3 * pipelined, 3)}  # fmt: skip
+
+
+def step_ops(model, layout: KVLayout, lanes: int, rows: int, history: int, variant: str) -> dict:
+    """The primitives in one step's graph, by kind, as MLX is handed it once the step's shape is warm (a compiled
+    variant then replays its trace): a host-bound step costs about one encode per primitive that is not a view."""
+    runner, plan = mixed_step_runner(model, layout, lanes, rows, history, variant, WARMUP + 1)
+    for step in range(WARMUP):
+        runner.collect(runner.submit(plan(step)))
+    queued = mx.async_eval
+    graphs: list[str] = []
+
+    def exporting(*outputs):
+        with tempfile.NamedTemporaryFile("r", suffix=".dot") as dot:
+            mx.export_to_dot(dot.name, *[array for _, array in tree_flatten(list(outputs))])
+            graphs.append(dot.read())
+        return queued(*outputs)
+
+    mx.async_eval = exporting
+    try:
+        runner.collect(runner.submit(plan(WARMUP)))
+    finally:
+        mx.async_eval = queued
+    kinds = collections.Counter(
+        label for graph in graphs for label in re.findall(r'label ="([^"]+)", shape=rectangle', graph)
+    )
+    views = sum(kinds[name] for name in VIEW_PRIMITIVES)
+    return {"primitives": sum(kinds.values()), "views": views, "per_layer": round(
+        (sum(kinds.values()) - views) / model.args.num_hidden_layers, 1), "kinds": dict(kinds.most_common())}
 
 
 def _time_calls(make: Callable[[int], list[mx.array]], count: int, repeats: int) -> dict:
@@ -189,10 +234,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="8b")
     parser.add_argument("--lanes", type=int, default=8)
-    parser.add_argument("--rows", default="128", help="chunk rows, comma-separated (e.g. 64,128,512)")
+    parser.add_argument("--rows", default="128", help="chunk rows, comma-separated (e.g. 64,128,512; 0: decode only)")
     parser.add_argument("--history", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--parts", default="step,op")
+    parser.add_argument("--parts", default="step,op", help="step, op, count (primitives in a warm step's graph)")
     parser.add_argument("--variants", default="modules,fused,compiled", help=f"steps through: {', '.join(VARIANTS)}")
     parser.add_argument("--cuda-profile", action="store_true", help="one step in a CUDA profiler range (ncu)")
     parser.add_argument("--split-quantized-k", default="auto", choices=("auto", "on", "off", "all"))
@@ -212,6 +257,10 @@ def main() -> None:
                 )
                 print(json.dumps({**base, "rows": rows, "part": "step", "variant": variant, **row}), flush=True)
                 mx.clear_cache()
+        if "count" in args.parts:
+            for variant in args.variants.split(","):
+                row = step_ops(dummy.model, layout, args.lanes, rows, args.history, variant)
+                print(json.dumps({**base, "rows": rows, "part": "count", "variant": variant, **row}), flush=True)
         if "op" in args.parts:
             for name, row in op_costs(dummy.model, layout, rows, args.history, args.lanes, args.repeats).items():
                 print(json.dumps({**base, "rows": rows, "part": "op", "op": name, **row}), flush=True)
