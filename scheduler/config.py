@@ -69,6 +69,9 @@ class SchedulerConfig:
     max_overtakes: int = 4
     decode_debt: bool = True
     enable_prefix_cache: bool = True
+    # tokens of recently finished requests' block-hash chains kept so that a prompt repeating one (a chat's next turn)
+    # takes its hashes by comparing tokens instead of hashing every block again (`chain_memo.py`); 0: off
+    recent_chain_tokens: int = 1 << 18
     ane_lane: bool = False  # whether prefill chunks may be placed on Path.ANE
 
     def __post_init__(self) -> None:
@@ -80,6 +83,8 @@ class SchedulerConfig:
             raise ValueError(f"row_quantum must be >= 1, got {self.row_quantum}")
         if self.kv_bucket < 0:
             raise ValueError(f"kv_bucket must be >= 0, got {self.kv_bucket}")
+        if self.recent_chain_tokens < 0:
+            raise ValueError(f"recent_chain_tokens must be >= 0, got {self.recent_chain_tokens}")
         if self.max_running < 1 or self.queue_limit < 0 or self.max_overtakes < 0:
             raise ValueError("max_running must be >= 1; queue_limit and max_overtakes >= 0")
         if not self.step_target_ms > 0:

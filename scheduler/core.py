@@ -16,6 +16,7 @@ from scheduler.budget import (
     slack_allowance_ms,
     stream_in_debt,
 )
+from scheduler.chain_memo import ChainMemo
 from scheduler.config import SchedulerConfig
 from scheduler.cost_models import make_cost_model
 from scheduler.errors import QueueFull, RequestTooLarge
@@ -41,6 +42,7 @@ class Scheduler:
         self.trace = trace
         self.traced_shapes = traced_shapes  # which steps the engine runs compiled (None: it compiles no prefill)
         self.blocks = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_cache)
+        self.chains = ChainMemo(config.recent_chain_tokens if config.enable_prefix_cache else 0, config.block_size)
         self.cost_model = make_cost_model(
             config.resolved_cost_model(), config.kv_bucket, config.cost_trust_factor, config.pads_history
         )
@@ -314,6 +316,7 @@ class Scheduler:
             self._running.remove(request)
         else:
             self._waiting.remove(request)
+        self.chains.remember(request)
         self._release_blocks(request)
         request.state = RequestState.FINISHED
         request.finish_reason = reason
@@ -349,4 +352,4 @@ class Scheduler:
 
     def block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
         """The chained hashes of the request's first `num_blocks` full blocks (computed once, kept)."""
-        return extend_hash_chain(request.block_hashes, request, num_blocks, self.config.block_size)
+        return extend_hash_chain(request.block_hashes, request, num_blocks, self.config.block_size, request.hashed_tokens)

@@ -13,8 +13,7 @@ Pure Python; the engine's MLX KV pool holds the arrays and indexes them with the
 from __future__ import annotations
 
 import hashlib
-import sys
-from array import array
+import struct
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
@@ -27,15 +26,20 @@ def _salt_bytes(salt: str | None) -> bytes:
     return b"\x00" if salt is None else b"\x01" + salt.encode("utf-8") + b"\x00"
 
 
-def extend_hash_chain(hashes: list[BlockHash], request: Request, num_blocks: int, block_size: int) -> list[BlockHash]:
-    """Grow `hashes` (the request's chain, kept on it) to cover its first `num_blocks` full blocks.
+def extend_hash_chain(
+    hashes: list[BlockHash], request: Request, num_blocks: int, block_size: int, packed_out: bytearray | None = None
+) -> list[BlockHash]:
+    """Grow `hashes` (the request's chain, kept on it) to cover its first `num_blocks` full blocks; the new blocks'
+    packed tokens are appended to `packed_out` where given (`Request.hashed_tokens`, which `chain_memo` keeps).
 
     The new blocks' tokens are packed in one call and hashed in a tight loop: this runs on the engine thread,
     between two steps (a continuation of a cached 8k prefix hashes 512 blocks before its one step is planned)."""
     first = len(hashes)
     if num_blocks <= first:
         return hashes
-    packed = _pack_int64(request.tokens(first * block_size, num_blocks * block_size))
+    packed = pack_int64(request.tokens(first * block_size, num_blocks * block_size))
+    if packed_out is not None:
+        packed_out += packed
     width = 8 * block_size
     parent = hashes[-1] if hashes else b"root" + _salt_bytes(request.cache_salt)
     blake2b = hashlib.blake2b  # a local name: looked up once, not per block
@@ -45,12 +49,10 @@ def extend_hash_chain(hashes: list[BlockHash], request: Request, num_blocks: int
     return hashes
 
 
-def _pack_int64(tokens: Sequence[int]) -> bytes:
-    """Little-endian int64s (the hash's input format whatever the host's byte order)."""
-    packed = array("q", tokens)  # C long long: 8 bytes wherever CPython runs
-    if sys.byteorder == "big":
-        packed.byteswap()
-    return packed.tobytes()
+def pack_int64(tokens: Sequence[int]) -> bytes:
+    """Little-endian int64s (the hash's input format whatever the host's byte order); struct packs a tuple 2-3x
+    faster than `array` builds one (8k tokens: 54 against 113-176 us on the project's box)."""
+    return struct.pack(f"<{len(tokens)}q", *tokens)
 
 
 class BlockManager:

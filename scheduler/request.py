@@ -59,6 +59,7 @@ class Request:
     # scheduler bookkeeping (added after the first contract; nothing above changed)
     last_token_gap: float | None = None  # seconds between its last two tokens (decode debt)
     block_hashes: list[bytes] = field(default_factory=list, repr=False)  # chained hashes of its full blocks
+    hashed_tokens: bytearray = field(default_factory=bytearray, repr=False)  # those blocks' tokens, packed as hashed
     num_published_blocks: int = 0  # leading blocks already offered to the prefix cache
     arrival_seq: int = 0  # order of add() calls: ties and overtakes are judged by it
 
