@@ -41,6 +41,18 @@ def test_prefix_hit_gives_cold_tokens_and_computes_only_uncached_rows(engine, ti
     assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == 83 - 80
 
 
+def test_a_continuation_copies_the_finished_requests_hashes_and_keeps_its_tokens(engine, tiny_qwen3):
+    prefix = prompt_of(600, seed=14)
+    _run(engine, [*prefix, 5, 6], max_tokens=4, cache_salt="recall-test")
+    before = engine.stats()
+    prompt = [*prefix, 7, 8, 9]
+    warm = _run(engine, prompt, max_tokens=4, cache_salt="recall-test")
+    after = engine.stats()
+    assert warm.token_ids == tuple(reference_tokens(tiny_qwen3, prompt, 4))
+    assert warm.usage.cached_tokens == 592  # the 37 whole blocks of the shared 600 tokens
+    assert after["prefix_hashes_recalled_total"] - before["prefix_hashes_recalled_total"] == 37
+
+
 def test_different_salts_never_share_blocks(engine):
     prompt = prompt_of(64, seed=12)
     _run(engine, prompt, max_tokens=2, cache_salt="tenant-a")
