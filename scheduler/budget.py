@@ -46,7 +46,9 @@ A midpoint can trade a compiled step for an eager one: with `traced_midpoints` a
 a trace grows by half only where the wider step does too, and otherwise asks for the wider step's trace (reason
 `+kept-trace`). The cost model prices an eager step's own time, not the host build that holds the tokens of the step
 before it (H200, 0.6B beside 8 streams: eager 1,536-row midpoints, 21-22 ms, were the longest gaps of a run, where
-1,024-row compiled steps ran 12-18 ms). Off by default until measured on the device.
+1,024-row compiled steps ran 12-18 ms). Off by default: on the H200 (thirty-first run, 0.6B, 3 contended runs each)
+it removed those midpoints, but the longest gaps were then compiled steps whose submission ran long (gap ratio
+2.92-4.13 on, 2.86-3.74 off).
 
 The prediction changes only which budget is chosen: the order of the lanes and who is admitted are decided
 elsewhere and never look at it.

@@ -43,7 +43,8 @@ class SchedulerConfig:
     # with `budget_midpoints`: a halved budget whose step replays a compiled trace grows by half only where the wider
     # step does too (else it asks for that trace, reason `+kept-trace`): an eager step's host build holds the tokens
     # of the step before it (H200, 0.6B beside 8 streams: eager 1,536-row midpoints at 21-22 ms made the longest
-    # gaps, 3.0x the median, where 1,024-row compiled steps ran 12-18 ms; thirtieth run). Unmeasured on a GPU
+    # gaps, 3.0x the median, where 1,024-row compiled steps ran 12-18 ms; thirtieth run). Off: on 0.6B it removed
+    # those midpoints but not the longest gaps (3 runs each: gap 2.92-4.13 on, 2.86-3.74 off; thirty-first run)
     traced_midpoints: bool = False
     # contended budgets are planned to this fraction of the step target (below 1: a step's ordinary spread, H200:
     # 67-83 ms for one 768-row shape, stays under it). 1.0 since the H200's fourteenth run: at 0.9 the 8B shape's
