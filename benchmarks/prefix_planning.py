@@ -17,21 +17,19 @@ import random
 import statistics
 import time
 
-from scheduler import Request, Scheduler, SchedulerConfig, StepOutcome
+from scheduler import Request, Scheduler, SchedulerConfig, StepOutcome, StepPlan
 
 
-def finish(scheduler: Scheduler, now: float) -> float:
-    """Run the scheduler's steps until nothing is left; returns the seconds spent in `update` (where a finishing
-    request's chain is remembered)."""
-    spent = 0.0
+def outcome_of(plan: StepPlan) -> StepOutcome:
+    return StepOutcome({lane.request_id: 1 for lane in plan.lanes if lane.samples}, 10.0)
+
+
+def finish(scheduler: Scheduler, now: float) -> None:
+    """Run the scheduler's steps until nothing is left."""
     plan = scheduler.schedule(now)
     while plan.lanes:
-        outcome = StepOutcome({lane.request_id: 1 for lane in plan.lanes if lane.samples}, 10.0)
-        t0 = time.perf_counter()
-        scheduler.update(plan, outcome, now)
-        spent += time.perf_counter() - t0
+        scheduler.update(plan, outcome_of(plan), now)
         plan = scheduler.schedule(now)
-    return spent
 
 
 def continuation_plan_ms(prefix_len: int, recent_chain_tokens: int, rounds: int, seed: int) -> dict:
@@ -48,7 +46,7 @@ def continuation_plan_ms(prefix_len: int, recent_chain_tokens: int, rounds: int,
         t0 = time.perf_counter()
         plan = scheduler.schedule(1.0 + i)
         plans.append(time.perf_counter() - t0)
-        outcome = StepOutcome({lane.request_id: 1 for lane in plan.lanes if lane.samples}, 10.0)
+        outcome = outcome_of(plan)
         t0 = time.perf_counter()
         scheduler.update(plan, outcome, 1.0 + i)
         updates.append(time.perf_counter() - t0)

@@ -50,8 +50,8 @@ class PrefillPlanner:
         if not self.config.enable_prefix_cache:
             return []
         max_blocks = (request.num_tokens - 1) // self.config.block_size
-        if not request.block_hashes:  # a prompt repeating a remembered chain copies its hashes (`chain_memo.py`)
-            self.scheduler.stats.recalled_hash_blocks += self.scheduler.chains.recall(request)
+        # a prompt with no chain yet that repeats a remembered one copies its hashes (`chain_memo.py`)
+        self.scheduler.stats.recalled_hash_blocks += self.scheduler.chains.recall(request)
         want = min(max_blocks, PREFIX_PROBE_BLOCKS)
         hits: list[int] = []
         while True:  # each round matches only the blocks past the last one's hits
