@@ -1,0 +1,23 @@
+# Several bench runs in one device call, each with its own label, their outputs in two tarballs under $OUT (a call
+# brings back at most 8 files): source it from the call's script, then `run LABEL [run_gpu_bench arguments]`.
+#   source benchmarks/gpu/device_runs.sh     # installs MLX (on_device.sh --install-only): after the staging call
+#   run d06_1 --shapes 0.6b --contended-only
+#   run t06_1 --shapes 0.6b --contended-only --traced-midpoints on
+# On exit $OUT holds runs.tgz (every LABEL/gpu_bench.{json,md} and LABEL.log) and ptx.tgz (the kernel cache: carry it
+# as .ptx-cache/ptx.tgz next call). /root/r outlives a call on a warm machine, so a later call's runs.tgz holds the
+# earlier calls' runs too. `BENCH` holds the arguments every run shares (the issue's contended settings by default).
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+source benchmarks/gpu/on_device.sh --install-only || exit 3
+mkdir -p /root/r
+trap 'tar czf "$OUT/ptx.tgz" -C "$MLX_PTX_CACHE_DIR" .; tar czf "$OUT/runs.tgz" -C /root/r .' EXIT
+BENCH=${BENCH:-"--quick --decode-prompt 512 --cost-model affine --step-target-ms auto"}
+run() {
+  local label=$1
+  shift
+  local started=$SECONDS
+  # shellcheck disable=SC2086
+  python3 -m benchmarks.gpu.run_gpu_bench $BENCH --out "/root/r/$label" "$@" > "/root/r/$label.log" 2>&1
+  echo "== $label rc=$? $((SECONDS - started)) s"
+  grep '^|' "/root/r/$label/gpu_bench.md" 2>/dev/null | cut -c1-200
+}
