@@ -37,7 +37,6 @@ class ChainMemo:
         self.max_tokens = max_tokens  # 0: off
         self.block_size = block_size
         self._chains: deque[_Chain] = deque()  # oldest first
-        self._tokens = 0
 
     @property
     def num_chains(self) -> int:
@@ -48,15 +47,17 @@ class ChainMemo:
         hashes = request.block_hashes
         if not self.max_tokens or not MIN_BLOCKS <= len(hashes) <= self.max_tokens // self.block_size:
             return
-        packed = bytes(request.hashed_tokens)
         salt, width = request.cache_salt, 8 * self.block_size
+        if len(request.hashed_tokens) != len(hashes) * width:
+            return  # a chain grown without its tokens (not the scheduler's): its hashes cannot be checked
+        packed = bytes(request.hashed_tokens)
         if any(c.salt == salt and _extends(c.packed, packed, width) for c in self._chains):
             return  # a remembered chain already covers it
         self._chains = deque(c for c in self._chains if not (c.salt == salt and _extends(packed, c.packed, width)))
         self._chains.append(_Chain(salt, packed, tuple(hashes)))
-        self._tokens = sum(len(c.hashes) for c in self._chains) * self.block_size
-        while self._tokens > self.max_tokens or len(self._chains) > MAX_CHAINS:
-            self._tokens -= len(self._chains.popleft().hashes) * self.block_size
+        tokens = sum(len(c.hashes) for c in self._chains) * self.block_size
+        while tokens > self.max_tokens or len(self._chains) > MAX_CHAINS:
+            tokens -= len(self._chains.popleft().hashes) * self.block_size
 
     def recall(self, request: Request) -> int:
         """Give a request with no chain yet the hashes of its leading whole blocks that the remembered chain sharing

@@ -88,6 +88,10 @@ def test_a_chain_extended_by_a_newer_one_is_dropped_and_the_bounds_hold():
     assert memo.num_chains == 1
     memo.remember(finished("short", turn[: BLOCK * (MIN_BLOCKS - 1)]))  # under MIN_BLOCKS: not kept
     assert memo.num_chains == 1
+    unpacked = Request("unpacked", [7, *turn], 1)  # hashed without its tokens kept: nothing to compare, not kept
+    extend_hash_chain(unpacked.block_hashes, unpacked, MIN_BLOCKS, BLOCK)
+    memo.remember(unpacked)
+    assert memo.num_chains == 1
     for i in range(3):  # three other documents of 32 blocks: with the chat's 36 they pass the 96-block bound
         memo.remember(finished(f"doc{i}", [10_000 * (i + 1) + t for t in range(BLOCK * MIN_BLOCKS)]))
     assert memo.num_chains == 3
