@@ -67,11 +67,10 @@ class ChainMemo:
         size = self.block_size
         width = 8 * size
         full = request.num_tokens // size
-        candidates = [c for c in self._chains if c.salt == request.cache_salt]
-        if not candidates or full < MIN_BLOCKS:
+        if full < MIN_BLOCKS or not self._chains:
             return 0
         head = pack_int64(request.tokens(0, size))
-        candidates = [c for c in candidates if c.packed.startswith(head)]
+        candidates = [c for c in self._chains if c.salt == request.cache_salt and c.packed.startswith(head)]
         if not candidates:
             return 0
         packed = pack_int64(request.tokens(0, full * size))
