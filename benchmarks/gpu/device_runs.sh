@@ -6,6 +6,8 @@
 # On exit $OUT holds runs.tgz (every LABEL/gpu_bench.{json,md} and LABEL.log) and ptx.tgz (the kernel cache: carry it
 # as .ptx-cache/ptx.tgz next call). /root/r outlives a call on a warm machine, so a later call's runs.tgz holds the
 # earlier calls' runs too. `BENCH` holds the arguments every run shares (the issue's contended settings by default).
+# `HOST_WAITS=1 run LABEL ...` preloads benchmarks/gpu/host_waits.c (built when the .so is older than it): the engine
+# thread's blocking waits in MLX land in the contended pass's `submission_waits` and the longest gap's `waits`.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 source benchmarks/gpu/on_device.sh --install-only || exit 3
@@ -15,9 +17,16 @@ BENCH=${BENCH:-"--quick --decode-prompt 512 --cost-model affine --step-target-ms
 run() {
   local label=$1
   shift
-  local started=$SECONDS
+  local started=$SECONDS preload=
+  if [ "${HOST_WAITS:-0}" = 1 ]; then
+    preload=/root/host_waits.so
+    [ "$preload" -nt benchmarks/gpu/host_waits.c ] \
+      || cc -O2 -shared -fPIC -o "$preload" benchmarks/gpu/host_waits.c -ldl -lpthread \
+      || { echo "== $label: the host_waits shim did not build"; return 1; }
+  fi
   # shellcheck disable=SC2086
-  python3 -m benchmarks.gpu.run_gpu_bench $BENCH --out "/root/r/$label" "$@" > "/root/r/$label.log" 2>&1
+  env ${preload:+LD_PRELOAD=$preload} python3 -m benchmarks.gpu.run_gpu_bench $BENCH --out "/root/r/$label" "$@" \
+    > "/root/r/$label.log" 2>&1
   echo "== $label rc=$? $((SECONDS - started)) s"
   grep '^|' "/root/r/$label/gpu_bench.md" 2>/dev/null | cut -c1-200
 }
