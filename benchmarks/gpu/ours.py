@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 import threading
@@ -9,6 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks.gpu.host_waits import HostWaits, overlap_ms
 from benchmarks.gpu.models import DummyModel
 from benchmarks.gpu.workloads import WARM_STEPS, BenchParams, Prompts, gap_summary, steady_rate
 from mlx_serve.engine import Engine, EngineConfig
@@ -16,7 +18,7 @@ from mlx_serve.types import GenerationRequest
 from tracing.events import Span, StepExecuted, StepPlanned, TokenCommitted
 from tracing.sink import MemorySink
 
-HOST_PHASES = ("planning", "preparation", "submission", "consumption", "application")
+HOST_PHASES = ("planning", "preparation", "submission", "midway", "consumption", "application")
 
 
 class Recorder:
@@ -76,6 +78,7 @@ class OurSide:
         self.engine = Engine.from_model(dummy.model, dummy.tokenizer, dummy.config, config)
         self.cost_observations: list[list] = []
         self._record_cost_observations()
+        self.host_waits = HostWaits.load()  # None: the bench runs without the host_waits.c shim preloaded
 
     def _record_cost_observations(self) -> None:
         """Every step the cost model is shown, as it is shown (the engine thread appends): [[[rows, history] per
@@ -171,6 +174,8 @@ class OurSide:
         rec, n = self.recorder, p.contended_streams
         rec.reset()
         self.sink.events.clear()
+        if self.host_waits is not None:
+            self.host_waits.clear()
         first_observation = len(self.cost_observations)
         capacity = self.engine.pool.num_blocks * self.engine.pool.block_size // (n + 2)
         budget = (
@@ -223,7 +228,18 @@ class OurSide:
                   "decode_lanes": e.decode_lanes, "compiled": e.compiled}
                  for e in self.sink.events
                  if isinstance(e, StepExecuted) and e.t >= start and e.t - e.measured_ms / 1e3 <= end]  # fmt: skip
-        return {"ms": round(gap * 1e3, 2), "request_id": request_id, "spans": spans, "steps": steps}
+        result = {"ms": round(gap * 1e3, 2), "request_id": request_id, "spans": spans, "steps": steps}
+        waits = self._engine_waits()
+        if waits is not None:  # the engine thread blocked in MLX (wait_for_one: too many commits in flight)
+            result["waits"] = [[ms(a), ms(b)] for a, b in _overlapping(waits, start, end)]
+        return result
+
+    def _engine_waits(self) -> list[tuple[float, float]] | None:
+        """The engine thread's untimed pthread_cond_wait calls, sorted, in the sink's seconds (None: no shim)."""
+        if self.host_waits is None:
+            return None
+        t0 = self.sink._t0  # the sink's times are perf_counter() - _t0, the shim's perf_counter()
+        return sorted((a - t0, b - t0) for a, b in self.host_waits.read(self.engine._thread.native_id))
 
     def _contended_steps(self) -> dict:
         """What the scheduler did while the long prompt ran: prefill rows per step, measured against predicted."""
@@ -235,7 +251,7 @@ class OurSide:
         def med(values: list[float]) -> float | None:
             return statistics.median(values) if values else None
 
-        return {
+        result = {
             "mixed_steps": len(mixed),
             "decode_only_steps": len(alone),
             "mixed_rows_p50": med([e.prefill_rows for e in mixed]),
@@ -267,6 +283,12 @@ class OurSide:
                 for e in sorted(steps, key=lambda e: -e.measured_ms)[:6]
             ],  # fmt: skip
         }
+        waits = self._engine_waits()
+        if waits is not None:
+            # `dropped`: waits past the shim's capacity, missing from the figures
+            summary = _submission_waits(self.sink.events, waits, mixed, alone)
+            result["submission_waits"] = {**summary, "dropped": self.host_waits.dropped()}
+        return result
 
     def shared_prefix(self, prompts: Prompts, p: BenchParams) -> dict:
         prefix = prompts.one(p.prefix_len)
@@ -292,6 +314,38 @@ class OurSide:
         result["ratio"] = result["warm_ttft_s"] / result["cold_ttft_s"]
         result["again_ratio"] = result["again_ttft_s"] / result["cold_ttft_s"]
         return result
+
+
+def _overlapping(waits: list[tuple[float, float]], start: float, end: float) -> list[tuple[float, float]]:
+    """The waits (one thread's: sorted and disjoint, so their ends are sorted too) that overlap [start, end]."""
+    first = bisect.bisect_left(waits, start, key=lambda w: w[1])
+    last = bisect.bisect_right(waits, end, key=lambda w: w[0])
+    return waits[first:last]
+
+
+def _submission_waits(events: list, waits: list[tuple[float, float]], mixed: list, alone: list) -> dict:
+    """How long the engine thread was blocked in MLX inside each step's submission span: p50 and max of the
+    submission ms and of its wait ms over mixed and decode-only steps, and the six submissions that waited most."""
+    def waited(span: Span) -> float:
+        return overlap_ms(_overlapping(waits, span.start, span.end), span.start, span.end)
+
+    # a submission's own waits: a read-back of the step before inside it (`midway`) is that step's
+    midway = {e.step_id: waited(e) for e in events if isinstance(e, Span) and e.name == "midway"}
+    per = {e.step_id: (1e3 * (e.end - e.start), waited(e) - midway.get(e.step_id, 0.0))
+           for e in events if isinstance(e, Span) and e.name == "submission"}  # fmt: skip
+
+    def summary(steps: list[StepExecuted]) -> dict:
+        rows = [per[e.step_id] for e in steps if e.step_id in per]
+        if not rows:
+            return {"steps": 0}
+        sub, wait = [s for s, _ in rows], [w for _, w in rows]
+        return {"steps": len(rows), "submission_ms_p50": round(statistics.median(sub), 3),
+                "submission_ms_max": round(max(sub), 3), "wait_ms_p50": round(statistics.median(wait), 3),
+                "wait_ms_max": round(max(wait), 3)}  # fmt: skip
+
+    most = sorted(per.items(), key=lambda item: -item[1][1])[:6]
+    return {"mixed": summary(mixed), "decode_only": summary(alone),
+            "most_waited": [[step, round(s, 3), round(w, 3)] for step, (s, w) in most]}  # fmt: skip
 
 
 def _budget_of(plan: StepPlanned | None) -> list | None:
