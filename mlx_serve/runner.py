@@ -98,6 +98,28 @@ class InFlightStep:
     timed_shape: MixedShape | None = None  # an ordinary run of this compiled mixed shape: its time goes to `stand_in`
 
 
+class MidwayRead:
+    """The engine's read-back of the step in flight, run once the first half of the next step is queued.
+
+    The tokens of the step before then wait for half of this step's host work, not all of it: an eager forward's
+    build (H200, 0.6B beside 8 streams: 14-19 ms) or a submission that MLX paces to the device."""
+
+    def __init__(self, read: Callable[[], object] | None) -> None:
+        self._read = read  # None: nothing to read, or it ran
+        self.start: float | None = None  # perf_counter s when it ran
+        self.ms = 0.0
+
+    def after(self, head: list[mx.array]) -> None:
+        """Queue `head` (the arrays of the step's first half), then read the step before back; once only."""
+        if self._read is None:
+            return
+        read, self._read = self._read, None
+        mx.async_eval(head)
+        self.start = time.perf_counter()
+        read()
+        self.ms = (time.perf_counter() - self.start) * 1e3
+
+
 @dataclass(frozen=True, slots=True)
 class _PreparedStep:
     inputs: mx.array  # [T, 1]
@@ -339,36 +361,37 @@ class ModelRunner:
         mixed = mixed_shape is not None
         prepared = None if compiled or mixed else self._prepare(gpu_lanes, previous)
         traced = self._traced_shapes()
+        # taken before the read-back midway, which may finish (and forget) a request that this step still carries
+        samplers = {lane.request_id: self.samplers[lane.request_id] for lane in gpu_lanes if lane.samples}
+        read = MidwayRead(midway if midway is not None and self.reads_midway(previous) else None)
         t1 = time.perf_counter()
         if compiled:
             sample_ids, logits = self._compiled_logits(gpu_lanes, previous)
         elif mixed:
             sample_ids, logits = self._compiled_mixed_logits(gpu_lanes, previous, mixed_shape)
         else:
-            sample_ids, logits = prepared.sample_ids, self._eager_logits(prepared)
-        # taken before `midway`, whose read-back may finish (and forget) a request that this step still carries
-        samplers = [self.samplers[rid] for rid in sample_ids]
-        sampled = sample_rows(logits, samplers) if logits is not None else None
-        split = midway is not None and self.reads_midway(previous)
-        read_at, read_end = self._queue(sampled, midway if split else None) if gpu_lanes else (t1, t1)
+            sample_ids, logits = prepared.sample_ids, self._eager_logits(prepared, read)
+        step_samplers = [samplers[rid] for rid in sample_ids]
+        sampled = sample_rows(logits, step_samplers) if logits is not None else None
+        if gpu_lanes:
+            self._queue(sampled, read)
         stamp = self._stamp(sampled) if gpu_lanes else None
         t2 = time.perf_counter()
-        midway_ms = (read_end - read_at) * 1e3
         # the submission's wall time holds the read-back of the step before where that ran midway (`midway_at`:
         # when, in ms from the submission's start)
-        phases = {"preparation": (t1 - t0) * 1e3, "submission": (t2 - t1) * 1e3, "midway": midway_ms,
-                  "midway_at": (read_at - t1) * 1e3}  # fmt: skip
+        phases = {"preparation": (t1 - t0) * 1e3, "submission": (t2 - t1) * 1e3, "midway": read.ms,
+                  "midway_at": ((read.start or t1) - t1) * 1e3}  # fmt: skip
         rows = {rid: i for i, rid in enumerate(sample_ids)}
         # a stand-in's time is its padded shape's: the scheduler planned the step's own
         one_off = (self._traced_shapes() != traced
                    or (mixed and (self.compiled_mixed.first_run or self.compiled_mixed.stood_in))
                    or (not (compiled or mixed) and self._first_eager_shape(gpu_lanes)))  # fmt: skip
         if mixable and not mixed:
-            self.compiled_mixed.record_eager_build(self._mixed_shape(gpu_lanes), phases["submission"] - midway_ms)
+            self.compiled_mixed.record_eager_build(self._mixed_shape(gpu_lanes), phases["submission"] - read.ms)
         timed = mixed_shape if mixed and not one_off else None
         return InFlightStep(
-            plan, sample_ids, samplers, sampled, rows, t0, phases, tuple(chunks), stamp, one_off, compiled or mixed,
-            timed,
+            plan, sample_ids, step_samplers, sampled, rows, t0, phases, tuple(chunks), stamp, one_off,
+            compiled or mixed, timed,
         )
 
     def _mixed_ready(self, lanes: list[Lane], limit_ms: float | None) -> MixedShape | None:
@@ -437,11 +460,12 @@ class ModelRunner:
             return None
         return self.clock.stamp(sampled.tokens if sampled is not None else self.pool.state()[-1])
 
-    def _eager_logits(self, prepared: _PreparedStep) -> mx.array | None:
-        """The sampling rows' logits of an eager step (None: it samples nothing), its KV writes in the pool."""
+    def _eager_logits(self, prepared: _PreparedStep, read: MidwayRead) -> mx.array | None:
+        """The sampling rows' logits of an eager step (None: it samples nothing), its KV writes in the pool; the
+        fused forward runs `read` once its first half is built."""
         if not prepared.layout.decode and not prepared.layout.lanes:  # every lane of the step is on the ANE lane
             return None
-        hidden = self._forward(prepared)
+        hidden = self._forward(prepared, read)
         if not prepared.sample_ids:  # prefill only: only the KV writes are needed (MLX skips the unused last MLP)
             return None
         return self._logits(hidden[prepared.sample_rows])
@@ -476,25 +500,12 @@ class ModelRunner:
         arrays it already queued. A logprob is gathered by a new graph, which would run behind that half."""
         return previous is not None and not previous.ane and all(s.params.logprobs is None for s in previous.samplers)
 
-    def _queue(self, sampled: SampledRows | None, midway: Callable[[], object] | None) -> tuple[float, float]:
-        """Queue the step on the device: its tokens (if it samples) and its KV writes. With `midway`, the layers up
-        to the middle one go first, then `midway()` runs (the engine reads the step before back while the device
-        runs them), then the rest: the tokens of the step before no longer wait for this whole step's submission,
-        which MLX stretches to the device's pace once more than 10 of its graphs are in flight (H200: 0.6B
-        submissions of 18-28 ms beside 13-20 ms steps). Returns when `midway` started and ended (perf_counter s;
-        both the end of the queuing without it)."""
-        outputs = [sampled.tokens, *self.pool.state()] if sampled is not None else self.pool.state()
-        if midway is None:
-            mx.async_eval(outputs)
-            now = time.perf_counter()
-            return now, now
+    def _queue(self, sampled: SampledRows | None, read: MidwayRead) -> None:
+        """Queue the step on the device: its tokens (if it samples) and its KV writes, the layers up to the middle
+        one first where `read` has not run yet (the eager forward runs it), then `read`, then the rest."""
         middle = len(self.pool.keys) // 2
-        mx.async_eval(self.pool.keys[middle], self.pool.values[middle])
-        start = time.perf_counter()
-        midway()
-        end = time.perf_counter()
-        mx.async_eval(outputs)
-        return start, end
+        read.after([self.pool.keys[middle], self.pool.values[middle]])
+        mx.async_eval([sampled.tokens, *self.pool.state()] if sampled is not None else self.pool.state())
 
     def _elapsed_ms(self, step: InFlightStep) -> float:
         """The step's time, now that it is read back (see kernels/step_clock.py)."""
@@ -640,10 +651,10 @@ class ModelRunner:
             lanes=tuple(rows),
         )
 
-    def _forward(self, prepared: _PreparedStep) -> mx.array:
+    def _forward(self, prepared: _PreparedStep, read: MidwayRead) -> mx.array:
         """Hidden states after the final norm, `[T, hidden]`."""
         if self.fused_mixed is not None:
-            return self.fused_mixed.mixed(prepared.inputs[:, 0], prepared.layout, self.pool)
+            return self.fused_mixed.mixed(prepared.inputs[:, 0], prepared.layout, self.pool, read.after)
         caches = [RaggedLayerCache(self.pool, layer, prepared.layout) for layer in range(len(self.pool.keys))]
         return self.model.model(prepared.inputs, cache=caches)[:, 0, :]
 

@@ -15,11 +15,13 @@ from scheduler.plan import PENDING_TOKEN, Lane, LaneKind, StepPlan
 from tests.engine.reference import prompt_of, reference_tokens
 
 
-def _runner(path, compile_decode: bool) -> ModelRunner:
+def _runner(path, compile_decode: bool, **options) -> ModelRunner:
     model, _ = load(str(path))
     args = model.args
     layout = KVLayout(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, mx.float32)
-    return ModelRunner(model, KVPool(layout, 8, 16), select_decode_attention("auto"), compile_decode=compile_decode)
+    return ModelRunner(
+        model, KVPool(layout, 8, 16), select_decode_attention("auto"), compile_decode=compile_decode, **options
+    )
 
 
 def _decode(step: int, token: int) -> StepPlan:
@@ -58,6 +60,34 @@ def test_the_step_before_is_read_between_the_halves_of_the_next(tiny_qwen3, comp
     assert len(read) == 1 and 0 < second.phases["midway"] < second.phases["submission"]
     tokens = [read[0].samples["r"].token_id, runner.collect(second).samples["r"].token_id]
     assert tokens == reference_tokens(tiny_qwen3, [17], 2)
+
+
+def test_an_eager_fused_step_reads_the_step_before_halfway_through_its_build(tiny_qwen3):
+    """An eager step's graph build is its longest host work: the fused forward hands its first half to the read-back
+    before the later layers are built (half its residual adds are), and the tokens of both steps stay mlx-lm's."""
+    runner = _runner(tiny_qwen3, compile_decode=True, fuse_decode=True, fuse_mixed=True)
+    fused = runner.fused_mixed
+    assert fused is not None and runner.compiled_mixed is None  # a step with prefill runs eager
+    runner.add_request("r", SamplingParams(temperature=0.0))
+    runner.add_request("q", SamplingParams(temperature=0.0))
+    first = runner.submit(_decode(0, 17))
+    built, add_norm = [], fused.add_norm
+    fused.add_norm = lambda *args: built.append(1) or add_norm(*args)  # two a layer
+    seen, read = [], []
+
+    def midway():
+        seen.append(len(built))
+        read.append(runner.collect(first))
+
+    prompt = prompt_of(20, seed=8)
+    lanes = (Lane("r", LaneKind.DECODE, (PENDING_TOKEN,), 1, (0, 1), True),
+             Lane("q", LaneKind.PREFILL, tuple(prompt), 0, (2, 3), True))  # fmt: skip
+    second = runner.submit(StepPlan(1, lanes, 20, "t", None, True), first, midway)
+    layers = len(fused.layers)
+    assert layers >= 2 and seen == [2 * (layers // 2)] and len(built) == 2 * layers
+    samples = runner.collect(second).samples
+    assert [read[0].samples["r"].token_id, samples["r"].token_id] == reference_tokens(tiny_qwen3, [17], 2)
+    assert samples["q"].token_id == reference_tokens(tiny_qwen3, prompt, 1)[0]
 
 
 def test_a_step_with_logprobs_is_not_read_midway(tiny_qwen3):
