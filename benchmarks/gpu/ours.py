@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import bisect
 import math
+import os
 import statistics
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks.gpu.host_samples import StackSampler, runs
 from benchmarks.gpu.host_waits import HostWaits, overlap_ms
 from benchmarks.gpu.models import DummyModel
 from benchmarks.gpu.workloads import WARM_STEPS, BenchParams, Prompts, gap_summary, steady_rate
@@ -79,6 +81,8 @@ class OurSide:
         self.cost_observations: list[list] = []
         self._record_cost_observations()
         self.host_waits = HostWaits.load()  # None: the bench runs without the host_waits.c shim preloaded
+        # HOST_SAMPLES=1: the engine thread's Python stack sampled through the contended pass (`host_samples`)
+        self.samples: list = []
 
     def _record_cost_observations(self) -> None:
         """Every step the cost model is shown, as it is shown (the engine thread appends): [[[rows, history] per
@@ -176,6 +180,7 @@ class OurSide:
         self.sink.events.clear()
         if self.host_waits is not None:
             self.host_waits.clear()
+        sampler = StackSampler(self.engine._thread.ident).start() if os.environ.get("HOST_SAMPLES") == "1" else None
         first_observation = len(self.cost_observations)
         capacity = self.engine.pool.num_blocks * self.engine.pool.block_size // (n + 2)
         budget = (
@@ -197,6 +202,8 @@ class OurSide:
             handle.cancel()
         for handle in [long, *streams]:
             list(handle)
+        if sampler is not None:
+            self.samples = sampler.stop()
         gaps = list(rec.gaps)
         return {
             "cost_observations_from": first_observation,  # this pass's first entry in `cost_observations`
@@ -229,6 +236,9 @@ class OurSide:
                  for e in self.sink.events
                  if isinstance(e, StepExecuted) and e.t >= start and e.t - e.measured_ms / 1e3 <= end]  # fmt: skip
         result = {"ms": round(gap * 1e3, 2), "request_id": request_id, "spans": spans, "steps": steps}
+        if self.samples:  # where the engine thread was, as runs of one stack: [from ms, to ms, frames...]
+            t0 = self.sink._t0
+            result["samples"] = runs(self.samples, start + t0, end + t0, start + t0)
         waits = self._engine_waits()
         if waits is not None:  # the engine thread blocked in MLX (wait_for_one: too many commits in flight)
             result["waits"] = [[ms(a), ms(b)] for a, b in _overlapping(waits, start, end)]

@@ -1,0 +1,40 @@
+"""The stack sampler that places the engine thread's host time on the lent GPU machine (no profiler there)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from benchmarks.gpu.host_samples import Sample, StackSampler, runs
+
+
+def test_runs_merge_consecutive_samples_of_one_stack_within_the_window():
+    samples = [Sample(1.000, ("a:1 f",)), Sample(1.001, ("a:1 f",)), Sample(1.002, ("a:2 f",)),
+               Sample(1.003, ("a:1 f",)), Sample(2.0, ("a:1 f",))]  # fmt: skip
+    assert runs(samples, 1.0, 1.5, origin=1.0) == [[0.0, 1.0, "a:1 f"], [2.0, 2.0, "a:2 f"], [3.0, 3.0, "a:1 f"]]
+    assert runs(samples, 1.5, 1.9, origin=1.0) == []
+
+
+def test_the_sampler_sees_where_a_thread_waits():
+    """A thread sleeps 60 ms on one line, then spins 30 ms on another: the samples show both lines, in order,
+    for about those times."""
+
+    def work() -> None:
+        time.sleep(0.06)  # the sleeping line
+        end = time.perf_counter() + 0.03
+        while time.perf_counter() < end:  # the spinning line
+            pass
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    sampler = StackSampler(worker.ident, interval_s=0.001).start()
+    worker.join()
+    samples = sampler.stop()
+    merged = runs(samples, 0.0, float("inf"), samples[0].t)
+    lines = [run[2].split(" ")[0] for run in merged]
+    sleeping = f"test_host_samples.py:{work.__code__.co_firstlineno + 1}"
+    spinning = [i for i, line in enumerate(lines) if line in {f"test_host_samples.py:{work.__code__.co_firstlineno + n}"
+                                                              for n in (3, 4)}]  # fmt: skip
+    assert sleeping in lines and spinning and lines.index(sleeping) < spinning[0]
+    slept = sum(run[1] - run[0] for run in merged if run[2].startswith(sleeping))
+    assert 30.0 <= slept <= 80.0
