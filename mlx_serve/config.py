@@ -42,7 +42,6 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     decode_debt: bool = True
     pipeline: bool = True  # keep a sampling step in flight while the next one is planned and queued
-    read_midway: bool = True  # ... and read it back once the first half of the next one's layers is queued
     decode_attention: str = "auto"  # "auto" | "reference" | "batched" | "kernel": attention of single-row lanes
     compile_decode: str = "auto"  # "auto" (on with MLX's CUDA backend) | "on" | "off": mx.compile single-row steps
     warm_up: bool = True  # build the prefill attention shapes before serving (CUDA: cuDNN graphs, seconds)

@@ -321,10 +321,8 @@ class Engine:
             return self._complete_in_flight()
         t1 = trace.now()
         previous = self._in_flight
-        # the step in flight is read back once half of this one is queued (`ModelRunner.submit`), else right after
-        midway = self._complete_in_flight if previous is not None and self.config.read_midway else None
         try:
-            step = self.runner.submit(plan, previous.step if previous else None, midway)
+            step = self.runner.submit(plan, previous.step if previous else None)
         except Exception as exc:  # an MLX failure fails this step's requests, never the engine
             log.exception("step %d failed", plan.step_id)
             self._complete_in_flight()

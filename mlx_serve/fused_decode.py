@@ -139,13 +139,9 @@ class FusedDecode:
 
         return self._forward(tokens, positions, slots, pool, attend, self.qkv_rows)
 
-    def mixed(
-        self, tokens: mx.array, layout: StepLayout, pool: KVPool,
-        at_middle: Callable[[list[mx.array]], object] | None = None,
-    ) -> mx.array:  # fmt: skip
+    def mixed(self, tokens: mx.array, layout: StepLayout, pool: KVPool) -> mx.array:
         """The same forward for any step (`--fuse-mixed`): decode rows and prefill chunks, attention per lane as in
-        `RaggedLayerCache`. `at_middle` gets the hidden states once the first half of the layers is built (an
-        eager build is the step's longest host work: the runner queues that half and reads the step before back).
+        `RaggedLayerCache`.
 
         The CUDA prologue writes the rows' K/V into the pool in place, a write MLX does not see: its graph orders
         kernels by the arrays they output. Its queries order the decode attention (which reads them); the pool's
@@ -167,12 +163,11 @@ class FusedDecode:
                 step = replace(layout, prefill_gather=functools.partial(gather, after=queries), chunk_attention=ordered)
             return RaggedLayerCache(pool, index, step).attention(queries, scale)
 
-        return self._forward(tokens, layout.positions, layout.write_slots, pool, attend, qkv_rows, at_middle)
+        return self._forward(tokens, layout.positions, layout.write_slots, pool, attend, qkv_rows)
 
     def _forward(
         self, tokens: mx.array, positions: mx.array, slots: mx.array, pool: KVPool,
         attend: Callable[[int, mx.array, float], mx.array], qkv_rows: QKVRows,
-        at_middle: Callable[[list[mx.array]], object] | None = None,
     ) -> mx.array:  # fmt: skip
         inner = self.model.model
         h = inner.embed_tokens(tokens)
@@ -186,8 +181,6 @@ class FusedDecode:
             out = attend(index, queries, attn.scale)
             h, x = self.add_norm(h, attn.o_proj(out.reshape(h.shape[0], -1)), block.post_attention_layernorm)
             h, x = self.add_norm(h, self._mlp(layer, x), next_norm)
-            if at_middle is not None and index == len(self.layers) // 2 - 1:
-                at_middle([h, x])
         return x
 
     @staticmethod

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -96,28 +96,6 @@ class InFlightStep:
     one_off: bool = False
     compiled: bool = False  # it replays a compiled trace (the scheduler's cost model prices the two forms apart)
     timed_shape: MixedShape | None = None  # an ordinary run of this compiled mixed shape: its time goes to `stand_in`
-
-
-class MidwayRead:
-    """The engine's read-back of the step in flight, run once the first half of the next step is queued.
-
-    The tokens of the step before then wait for half of this step's host work, not all of it: an eager forward's
-    build (H200, 0.6B beside 8 streams: 14-19 ms) or a submission that MLX paces to the device."""
-
-    def __init__(self, read: Callable[[], object] | None) -> None:
-        self._read = read  # None: nothing to read, or it ran
-        self.start: float | None = None  # perf_counter s when it ran
-        self.ms = 0.0
-
-    def after(self, head: list[mx.array]) -> None:
-        """Queue `head` (the arrays of the step's first half), then read the step before back; once only."""
-        if self._read is None:
-            return
-        read, self._read = self._read, None
-        mx.async_eval(head)
-        self.start = time.perf_counter()
-        read()
-        self.ms = (time.perf_counter() - self.start) * 1e3
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,15 +320,11 @@ class ModelRunner:
         """Run one step and wait for it."""
         return self.collect(self.submit(plan))
 
-    def submit(
-        self, plan: StepPlan, previous: InFlightStep | None = None, midway: Callable[[], object] | None = None
-    ) -> InFlightStep:
+    def submit(self, plan: StepPlan, previous: InFlightStep | None = None) -> InFlightStep:
         """Queue the step's work on the device and return at once.
 
         Decode lanes whose input is `PENDING_TOKEN` read it from `previous`'s sampled tokens on the device, so
-        this step can be queued while the previous one still runs (one step in flight). `midway` (the engine's
-        read-back of `previous`) runs once the first half of this step's layers is queued, where `reads_midway`
-        allows it (see `_queue`); the caller reads `previous` back itself otherwise.
+        this step can be queued while the previous one still runs (one step in flight).
         """
         t0 = time.perf_counter()
         gpu_lanes, ane_lanes = ane_chunks.split_lanes(plan.lanes, self.prefill_lane)
@@ -361,37 +335,28 @@ class ModelRunner:
         mixed = mixed_shape is not None
         prepared = None if compiled or mixed else self._prepare(gpu_lanes, previous)
         traced = self._traced_shapes()
-        # taken before the read-back midway, which may finish (and forget) a request that this step still carries
-        samplers = {lane.request_id: self.samplers[lane.request_id] for lane in gpu_lanes if lane.samples}
-        read = MidwayRead(midway if midway is not None and self.reads_midway(previous) else None)
         t1 = time.perf_counter()
         if compiled:
-            sample_ids, logits = self._compiled_logits(gpu_lanes, previous)
+            sample_ids, sampled = self._submit_compiled(gpu_lanes, previous)
         elif mixed:
-            sample_ids, logits = self._compiled_mixed_logits(gpu_lanes, previous, mixed_shape)
+            sample_ids, sampled = self._submit_compiled_mixed(gpu_lanes, previous, mixed_shape)
         else:
-            sample_ids, logits = prepared.sample_ids, self._eager_logits(prepared, read)
-        step_samplers = [samplers[rid] for rid in sample_ids]
-        sampled = sample_rows(logits, step_samplers) if logits is not None else None
-        if gpu_lanes:
-            self._queue(sampled, read)
+            sample_ids, sampled = prepared.sample_ids, self._submit_eager(prepared)
         stamp = self._stamp(sampled) if gpu_lanes else None
         t2 = time.perf_counter()
-        # the submission's wall time holds the read-back of the step before where that ran midway (`midway_at`:
-        # when, in ms from the submission's start)
-        phases = {"preparation": (t1 - t0) * 1e3, "submission": (t2 - t1) * 1e3, "midway": read.ms,
-                  "midway_at": ((read.start or t1) - t1) * 1e3}  # fmt: skip
+        phases = {"preparation": (t1 - t0) * 1e3, "submission": (t2 - t1) * 1e3}
         rows = {rid: i for i, rid in enumerate(sample_ids)}
+        samplers = [self.samplers[rid] for rid in sample_ids]
         # a stand-in's time is its padded shape's: the scheduler planned the step's own
         one_off = (self._traced_shapes() != traced
                    or (mixed and (self.compiled_mixed.first_run or self.compiled_mixed.stood_in))
                    or (not (compiled or mixed) and self._first_eager_shape(gpu_lanes)))  # fmt: skip
         if mixable and not mixed:
-            self.compiled_mixed.record_eager_build(self._mixed_shape(gpu_lanes), phases["submission"] - read.ms)
+            self.compiled_mixed.record_eager_build(self._mixed_shape(gpu_lanes), phases["submission"])
         timed = mixed_shape if mixed and not one_off else None
         return InFlightStep(
-            plan, sample_ids, step_samplers, sampled, rows, t0, phases, tuple(chunks), stamp, one_off,
-            compiled or mixed, timed,
+            plan, sample_ids, samplers, sampled, rows, t0, phases, tuple(chunks), stamp, one_off, compiled or mixed,
+            timed,
         )
 
     def _mixed_ready(self, lanes: list[Lane], limit_ms: float | None) -> MixedShape | None:
@@ -460,19 +425,17 @@ class ModelRunner:
             return None
         return self.clock.stamp(sampled.tokens if sampled is not None else self.pool.state()[-1])
 
-    def _eager_logits(self, prepared: _PreparedStep, read: MidwayRead) -> mx.array | None:
-        """The sampling rows' logits of an eager step (None: it samples nothing), its KV writes in the pool; the
-        fused forward runs `read` once its first half is built."""
+    def _submit_eager(self, prepared: _PreparedStep) -> SampledRows | None:
         if not prepared.layout.decode and not prepared.layout.lanes:  # every lane of the step is on the ANE lane
             return None
-        hidden = self._forward(prepared, read)
+        hidden = self._forward(prepared)
         if not prepared.sample_ids:  # prefill only: only the KV writes are needed (MLX skips the unused last MLP)
-            return None
-        return self._logits(hidden[prepared.sample_rows])
+            return self._queue(None, ())
+        return self._queue(self._logits(hidden[prepared.sample_rows]), prepared.sample_ids)
 
-    def _compiled_logits(
+    def _submit_compiled(
         self, lanes: list[Lane], previous: InFlightStep | None
-    ) -> tuple[tuple[str, ...], mx.array | None]:
+    ) -> tuple[tuple[str, ...], SampledRows | None]:
         tokens = self._input_tokens(lanes, previous)
         self._observe(lanes, tokens, list(range(len(lanes))))
         logits = self.compiled(lanes, tokens)
@@ -480,11 +443,11 @@ class ModelRunner:
         sample_ids = tuple(lanes[i].request_id for i in sampling)
         if 0 < len(sampling) < len(lanes):
             logits = logits[mx.array(sampling, dtype=mx.int32)]
-        return sample_ids, logits if sample_ids else None
+        return sample_ids, self._queue(logits if sample_ids else None, sample_ids)
 
-    def _compiled_mixed_logits(
+    def _submit_compiled_mixed(
         self, lanes: list[Lane], previous: InFlightStep | None, shape: MixedShape
-    ) -> tuple[tuple[str, ...], mx.array | None]:
+    ) -> tuple[tuple[str, ...], SampledRows | None]:
         ordered = sorted(lanes, key=lambda lane: lane.rows != 1)  # the decode lanes, then the chunk
         tokens = self._input_tokens(ordered, previous)
         self._observe(ordered, tokens, list(range(len(ordered))))
@@ -493,19 +456,16 @@ class ModelRunner:
         sample_ids = tuple(ordered[i].request_id for i in sampling)
         if 0 < len(sampling) < len(ordered):
             logits = logits[mx.array(sampling, dtype=mx.int32)]
-        return sample_ids, logits if sample_ids else None
+        return sample_ids, self._queue(logits if sample_ids else None, sample_ids)
 
-    def reads_midway(self, previous: InFlightStep | None) -> bool:
-        """Whether `previous` can be read back while the next step is half queued: its read-back only copies
-        arrays it already queued. A logprob is gathered by a new graph, which would run behind that half."""
-        return previous is not None and not previous.ane and all(s.params.logprobs is None for s in previous.samplers)
-
-    def _queue(self, sampled: SampledRows | None, read: MidwayRead) -> None:
-        """Queue the step on the device: its tokens (if it samples) and its KV writes, the layers up to the middle
-        one first where `read` has not run yet (the eager forward runs it), then `read`, then the rest."""
-        middle = len(self.pool.keys) // 2
-        read.after([self.pool.keys[middle], self.pool.values[middle]])
-        mx.async_eval([sampled.tokens, *self.pool.state()] if sampled is not None else self.pool.state())
+    def _queue(self, logits: mx.array | None, sample_ids: tuple[str, ...]) -> SampledRows | None:
+        """Sample the step's rows (if any) and queue the step on the device with its KV writes."""
+        if logits is None:
+            mx.async_eval(self.pool.state())
+            return None
+        sampled = sample_rows(logits, [self.samplers[rid] for rid in sample_ids])
+        mx.async_eval(sampled.tokens, self.pool.state())
+        return sampled
 
     def _elapsed_ms(self, step: InFlightStep) -> float:
         """The step's time, now that it is read back (see kernels/step_clock.py)."""
@@ -651,10 +611,10 @@ class ModelRunner:
             lanes=tuple(rows),
         )
 
-    def _forward(self, prepared: _PreparedStep, read: MidwayRead) -> mx.array:
+    def _forward(self, prepared: _PreparedStep) -> mx.array:
         """Hidden states after the final norm, `[T, hidden]`."""
         if self.fused_mixed is not None:
-            return self.fused_mixed.mixed(prepared.inputs[:, 0], prepared.layout, self.pool, read.after)
+            return self.fused_mixed.mixed(prepared.inputs[:, 0], prepared.layout, self.pool)
         caches = [RaggedLayerCache(self.pool, layer, prepared.layout) for layer in range(len(self.pool.keys))]
         return self.model.model(prepared.inputs, cache=caches)[:, 0, :]
 

@@ -13,9 +13,6 @@ def trace_step(trace: Any, plan: StepPlan, output: Any, t0: float, t1: float, t2
     now = trace.now()
     trace.emit(Span("planning", t0, t1, plan.step_id))
     for name in ("preparation", "submission", "consumption"):
-        if name == "submission" and output.phase_ms.get("midway"):  # the step before was read back inside it
-            start = t1 + output.phase_ms["midway_at"] / 1e3
-            trace.emit(Span("midway", start, start + output.phase_ms["midway"] / 1e3, plan.step_id))
         trace.emit(Span(name, t1, t1 + output.phase_ms[name] / 1e3, plan.step_id))
         t1 += output.phase_ms[name] / 1e3
     trace.emit(Span("application", t2, now, plan.step_id))

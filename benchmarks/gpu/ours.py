@@ -20,7 +20,7 @@ from mlx_serve.types import GenerationRequest
 from tracing.events import Span, StepExecuted, StepPlanned, TokenCommitted
 from tracing.sink import MemorySink
 
-HOST_PHASES = ("planning", "preparation", "submission", "midway", "consumption", "application")
+HOST_PHASES = ("planning", "preparation", "submission", "consumption", "application")
 
 
 class Recorder:
@@ -336,12 +336,7 @@ def _overlapping(waits: list[tuple[float, float]], start: float, end: float) -> 
 def _submission_waits(events: list, waits: list[tuple[float, float]], mixed: list, alone: list) -> dict:
     """How long the engine thread was blocked in MLX inside each step's submission span: p50 and max of the
     submission ms and of its wait ms over mixed and decode-only steps, and the six submissions that waited most."""
-    def waited(span: Span) -> float:
-        return overlap_ms(_overlapping(waits, span.start, span.end), span.start, span.end)
-
-    # a submission's own waits: a read-back of the step before inside it (`midway`) is that step's
-    midway = {e.step_id: waited(e) for e in events if isinstance(e, Span) and e.name == "midway"}
-    per = {e.step_id: (1e3 * (e.end - e.start), waited(e) - midway.get(e.step_id, 0.0))
+    per = {e.step_id: (1e3 * (e.end - e.start), overlap_ms(_overlapping(waits, e.start, e.end), e.start, e.end))
            for e in events if isinstance(e, Span) and e.name == "submission"}  # fmt: skip
 
     def summary(steps: list[StepExecuted]) -> dict:

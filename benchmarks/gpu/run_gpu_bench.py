@@ -144,8 +144,7 @@ def measure_ours(
               "checked_fill": args.checked_fill,
               "plan_headroom": args.plan_headroom,
               "cost_trust_factor": args.cost_trust_factor, "floor_slack": args.floor_slack,
-              "max_prefill_slowdown": args.max_prefill_slowdown, "plan_padding": args.plan_padding == "on",
-              "read_midway": args.read_midway == "on"}  # fmt: skip
+              "max_prefill_slowdown": args.max_prefill_slowdown, "plan_padding": args.plan_padding == "on"}  # fmt: skip
     # only the contended engine meets long prompts' chunk shapes: the others skip the warm-up
     side = OurSide(dummy, kv_blocks, 500.0, args.attention, **engine, warm_up=False)
     try:
@@ -198,7 +197,6 @@ def measure_ours(
         out["traced_midpoints"] = side.engine.scheduler.config.traced_midpoints
         out["checked_fill"] = side.engine.scheduler.config.checked_fill
         out["plan_headroom"] = side.engine.scheduler.config.plan_headroom
-        out["read_midway"] = side.engine.config.read_midway
         out["cost_trust_factor"] = side.engine.scheduler.config.cost_trust_factor
         out["floor_slack"] = side.engine.scheduler.config.floor_slack
         out["max_prefill_slowdown"] = side.engine.scheduler.config.max_prefill_slowdown
@@ -335,8 +333,6 @@ def main() -> None:
                         help="EngineConfig.traced_midpoints: a midpoint only where it keeps the halved step's trace")
     parser.add_argument("--checked-fill", choices=["off", "untraced", "on"], default="on",
                         help="EngineConfig.checked_fill: when a row-tile fill past the budget's bucket is held")
-    parser.add_argument("--read-midway", choices=["on", "off"], default="on",
-                        help="EngineConfig.read_midway: the step in flight is read back once half the next is queued")
     parser.add_argument("--plan-headroom", type=float, default=1.0,
                         help="EngineConfig.plan_headroom: contended steps planned to this fraction of the target")
     parser.add_argument("--cost-trust-factor", type=float, default=1.5,

@@ -248,9 +248,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-pipeline", action="store_true",
                    help="read every step back before planning the next (normally a step that samples stays in "
                         "flight while the next is queued)")
-    g.add_argument("--no-read-midway", action="store_true",
-                   help="read the step in flight back after the next one is queued (normally once the first half "
-                        "of its layers is: the streams' tokens do not wait for the rest of its submission)")
     s.add_argument("--trace", default=None, metavar="FILE",
                    help="capture trace events in memory and write them to FILE (JSONL) at exit")
     g.add_argument("--no-progress", action="store_true", help="no progress bar while the model loads")
@@ -271,7 +268,7 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
         ane_lane=args.ane_lane, ane_package=args.ane_package, ane_timeout_s=args.ane_timeout_s,
         decode_attention=args.decode_attention, compile_decode=args.compile_decode, fuse_decode=args.fuse_decode,
         dense_experts=args.dense_experts, expert_tiles=args.expert_tiles, fuse_mixed=args.fuse_mixed, compile_mixed=args.compile_mixed, defer_mixed_traces=args.defer_mixed_traces == "on", stand_in_traces=args.stand_in_traces == "on", trace_neighbour_shapes=args.trace_neighbour_shapes, split_quantized_k=args.split_quantized_k, chunk_attention=args.chunk_attention, dequantize_rows=args.dequantize_rows, quantized_tiles=args.quantized_tiles, quantized_gemv=args.quantized_gemv, warm_up=not args.no_warm_up,
-        pipeline=not args.no_pipeline, read_midway=not args.no_read_midway,
+        pipeline=not args.no_pipeline,
         trace=sink_from_env(args.trace), observer=observer,
         progress=not args.no_progress,
     )

@@ -130,10 +130,3 @@ def test_submission_waits_sum_each_submission_span():
     assert got["decode_only"]["wait_ms_p50"] == 0.5 and got["decode_only"]["wait_ms_max"] == 1.0
     assert got["most_waited"] == [[1, 10.0, 6.0], [2, 4.0, 1.0], [3, 2.0, 0.0]]
 
-
-def test_a_read_back_midway_through_a_submission_is_not_its_wait():
-    """Step 2's submission holds the read-back of step 1 (`midway`): the waits inside that span are step 1's."""
-    events = [Span("submission", 2.000, 2.010, 2), Span("midway", 2.003, 2.007, 2)]
-    waits = [(2.001, 2.002), (2.004, 2.006), (2.008, 2.009)]
-    got = _submission_waits(events, waits, [], [step(2, 0, 2)])
-    assert got["decode_only"]["wait_ms_max"] == 2.0 and got["most_waited"] == [[2, 10.0, 2.0]]

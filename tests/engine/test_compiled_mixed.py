@@ -163,8 +163,8 @@ def test_deferred_shapes_run_eager_until_traced_then_replay(tiny_qwen3):
         traced += 1
     assert traced == len(mixed.shapes) == 4  # (4, 2, 64, h) for h = 32, 64, 128 and the lone chunk's (0, 1, 64, 64)
     replays = []
-    submit = runner._compiled_mixed_logits
-    runner._compiled_mixed_logits = lambda *args: replays.append(1) or submit(*args)
+    submit = runner._submit_compiled_mixed
+    runner._submit_compiled_mixed = lambda *args: replays.append(1) or submit(*args)
     replayed_outcomes: list[StepOutcome] = []
     replayed = _steps(runner, replayed_outcomes)
     assert len(replays) == 5 and len(mixed.shapes) == traced  # every chunk step found its trace
@@ -437,8 +437,8 @@ def test_the_engine_traces_deferred_shapes_when_idle(tiny_qwen3):
         assert traced["mixed"] == len(mixed.shapes) and traced["mixed_waiting"] == 0
         assert engine.stats()["compiled_shapes"] == traced["decode"] + traced["mixed"]
         replays = []
-        submit = engine.runner._compiled_mixed_logits
-        engine.runner._compiled_mixed_logits = lambda *args: replays.append(1) or submit(*args)
+        submit = engine.runner._submit_compiled_mixed
+        engine.runner._submit_compiled_mixed = lambda *args: replays.append(1) or submit(*args)
         second = [list(c.token_ids) for c in engine.generate(requests("second"))]
     finally:
         engine.shutdown()

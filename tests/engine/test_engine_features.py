@@ -212,10 +212,10 @@ def test_a_failing_step_in_flight_fails_only_its_requests(tiny_qwen3, monkeypatc
         armed, waited = threading.Event(), []
         original_submit, original_collect = runner.submit, runner.collect
 
-        def submit(plan, previous=None, midway=None):
+        def submit(plan, previous=None):
             if armed.is_set() and not waited and previous is not None and plan.prefill_rows:
                 waited.append(previous)  # the step in flight when a prefill step is queued behind it
-            return original_submit(plan, previous, midway)  # it fails midway through this submission
+            return original_submit(plan, previous)
 
         def collect(step):
             if waited and step is waited[0] and armed.is_set():

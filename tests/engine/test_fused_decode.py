@@ -240,8 +240,8 @@ def test_steps_with_prefill_through_the_fused_forward_match_mlx_lm(fixture, requ
     mixed_rows = []
     original = FusedDecode.mixed
     monkeypatch.setattr(
-        FusedDecode, "mixed", lambda self, tokens, layout, pool, at_middle=None: mixed_rows.append(tokens.shape[0])
-        or original(self, tokens, layout, pool, at_middle),
+        FusedDecode, "mixed", lambda self, tokens, layout, pool: mixed_rows.append(tokens.shape[0])
+        or original(self, tokens, layout, pool),
     )
     assert_fused_parity(request.getfixturevalue(fixture), seed=140, fuse_mixed="on")
     assert mixed_rows and max(mixed_rows) > 5, "no step with prefill took the fused forward"
