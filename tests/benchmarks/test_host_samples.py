@@ -18,8 +18,10 @@ def test_runs_merge_consecutive_samples_of_one_stack_within_the_window():
 def test_the_sampler_sees_where_a_thread_waits():
     """A thread sleeps 60 ms on one line, then spins 30 ms on another: the samples show both lines, in order,
     for about those times."""
+    go = threading.Event()
 
     def work() -> None:
+        go.wait()
         time.sleep(0.06)  # the sleeping line
         end = time.perf_counter() + 0.03
         while time.perf_counter() < end:  # the spinning line
@@ -28,13 +30,16 @@ def test_the_sampler_sees_where_a_thread_waits():
     worker = threading.Thread(target=work)
     worker.start()
     sampler = StackSampler(worker.ident, interval_s=0.001).start()
+    while not sampler.samples:  # the worker starts its timed lines once the sampler runs
+        time.sleep(0.001)
+    go.set()
     worker.join()
     samples = sampler.stop()
     merged = runs(samples, 0.0, float("inf"), samples[0].t)
-    lines = [run[2].split(" ")[0] for run in merged]
-    sleeping = f"test_host_samples.py:{work.__code__.co_firstlineno + 1}"
-    spinning = [i for i, line in enumerate(lines) if line in {f"test_host_samples.py:{work.__code__.co_firstlineno + n}"
-                                                              for n in (3, 4)}]  # fmt: skip
+    lines = [run[2].split(" ")[0] for run in merged if len(run) > 2]
+    first = work.__code__.co_firstlineno
+    sleeping = f"test_host_samples.py:{first + 2}"
+    spinning = [i for i, line in enumerate(lines) if line in {f"test_host_samples.py:{first + n}" for n in (4, 5)}]
     assert sleeping in lines and spinning and lines.index(sleeping) < spinning[0]
-    slept = sum(run[1] - run[0] for run in merged if run[2].startswith(sleeping))
+    slept = sum(run[1] - run[0] for run in merged if len(run) > 2 and run[2].startswith(sleeping))
     assert 30.0 <= slept <= 80.0
