@@ -64,3 +64,14 @@ def runs(samples: list[Sample], start: float, end: float, origin: float) -> list
         else:
             merged.append([ms, ms, *sample.frames])
     return merged
+
+
+def time_in(samples: list[Sample], start: float, end: float, where: str) -> float:
+    """Ms of [start, end] whose samples' innermost frame starts with `where` (e.g. "runner.py:467 "): each sample
+    stands for the time to the next one."""
+    inside = [sample for sample in samples if start <= sample.t <= end]
+    ms = 0.0
+    for sample, after in zip(inside, [*inside[1:], None]):
+        if sample.frames and sample.frames[0].startswith(where):
+            ms += ((after.t if after is not None else end) - sample.t) * 1e3
+    return ms

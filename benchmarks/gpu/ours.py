@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks.gpu.host_samples import StackSampler, runs
+from benchmarks.gpu.host_samples import StackSampler, runs, time_in
 from benchmarks.gpu.host_waits import HostWaits, overlap_ms
 from benchmarks.gpu.models import DummyModel
 from benchmarks.gpu.workloads import WARM_STEPS, BenchParams, Prompts, gap_summary, steady_rate
@@ -293,12 +293,31 @@ class OurSide:
                 for e in sorted(steps, key=lambda e: -e.measured_ms)[:6]
             ],  # fmt: skip
         }
+        if self.samples:
+            result["queue_split"] = self._queue_split([e for e in steps if e.prefill_rows])
         waits = self._engine_waits()
         if waits is not None:
             # `dropped`: waits past the shim's capacity, missing from the figures
             summary = _submission_waits(self.sink.events, waits, mixed, alone)
             result["submission_waits"] = {**summary, "dropped": self.host_waits.dropped()}
         return result
+
+    def _queue_split(self, steps: list[StepExecuted]) -> list[list]:
+        """Each step's submission split by the stack samples: [step, prefill rows, compiled, first of its shape,
+        submission ms, ms inside `mx.async_eval` (MLX encoding and queuing the graph; the rest is Python building
+        it)]."""
+        spans = {e.step_id: e for e in self.sink.events if isinstance(e, Span) and e.name == "submission"}
+        t0 = self.sink._t0
+        queue_lines = tuple(f"runner.py:{n} " for n in _queue_lines())
+        split = []
+        for e in steps:
+            span = spans.get(e.step_id)
+            if span is None:
+                continue
+            queued = sum(time_in(self.samples, span.start + t0, span.end + t0, line) for line in queue_lines)
+            split.append([e.step_id, e.prefill_rows, e.compiled, e.auxiliary, round((span.end - span.start) * 1e3, 2),
+                          round(queued, 2)])  # fmt: skip
+        return split
 
     def shared_prefix(self, prompts: Prompts, p: BenchParams) -> dict:
         prefix = prompts.one(p.prefix_len)
@@ -324,6 +343,16 @@ class OurSide:
         result["ratio"] = result["warm_ttft_s"] / result["cold_ttft_s"]
         result["again_ratio"] = result["again_ttft_s"] / result["cold_ttft_s"]
         return result
+
+
+def _queue_lines() -> list[int]:
+    """The lines of `ModelRunner._queue` that call `mx.async_eval` (where a sampled stack sits while MLX encodes)."""
+    import inspect
+
+    from mlx_serve.runner import ModelRunner
+
+    lines, first = inspect.getsourcelines(ModelRunner._queue)
+    return [first + i for i, line in enumerate(lines) if "mx.async_eval(" in line]
 
 
 def _overlapping(waits: list[tuple[float, float]], start: float, end: float) -> list[tuple[float, float]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from benchmarks.gpu.host_samples import Sample, StackSampler, runs
+from benchmarks.gpu.host_samples import Sample, StackSampler, runs, time_in
 
 
 def test_runs_merge_consecutive_samples_of_one_stack_within_the_window():
@@ -43,3 +43,22 @@ def test_the_sampler_sees_where_a_thread_waits():
     assert sleeping in lines and spinning and lines.index(sleeping) < spinning[0]
     slept = sum(run[1] - run[0] for run in merged if len(run) > 2 and run[2].startswith(sleeping))
     assert 30.0 <= slept <= 80.0
+
+
+def test_time_in_counts_each_matching_sample_until_the_next():
+    samples = [Sample(1.000, ("r.py:5 q",)), Sample(1.002, ("r.py:5 q",)), Sample(1.003, ("x.py:1 f",)),
+               Sample(1.006, ("r.py:5 q", "e.py:2 s"))]  # fmt: skip
+    assert abs(time_in(samples, 1.0, 1.010, "r.py:5 ") - 7.0) < 1e-9  # 1.000-1.003, then 1.006 to the end
+    assert time_in(samples, 1.0, 1.010, "r.py:50 ") == 0.0
+    assert abs(time_in(samples, 1.001, 1.004, "x.py:1 ") - 1.0) < 1e-9
+
+
+def test_the_queue_lines_are_the_runners_async_evals():
+    import inspect
+
+    from benchmarks.gpu.ours import _queue_lines
+    from mlx_serve.runner import ModelRunner
+
+    source, first = inspect.getsourcelines(ModelRunner._queue)
+    lines = _queue_lines()
+    assert len(lines) == 2 and all("mx.async_eval(" in source[n - first] for n in lines)
