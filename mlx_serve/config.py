@@ -40,6 +40,8 @@ class EngineConfig:
     cost_trust_factor: float = 1.5  # affine: steps past this many times the largest recent one priced by its cost per row
     max_overtakes: int = 4
     enable_prefix_cache: bool = True
+    # a waiting request waits for a running prefill computing this many of its next prompt tokens; 0: off
+    shared_prefill_tokens: int = 256
     decode_debt: bool = True
     pipeline: bool = True  # keep a sampling step in flight while the next one is planned and queued
     decode_attention: str = "auto"  # "auto" | "reference" | "batched" | "kernel": attention of single-row lanes

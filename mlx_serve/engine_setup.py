@@ -132,6 +132,7 @@ def scheduler_config(
         max_overtakes=c.max_overtakes,
         decode_debt=c.decode_debt,
         enable_prefix_cache=c.enable_prefix_cache,
+        shared_prefill_tokens=c.shared_prefill_tokens,
         ane_lane=c.ane_lane != "off",
     )
 

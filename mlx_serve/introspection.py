@@ -42,6 +42,7 @@ def status(scheduler: Scheduler, model_id: str, block_size: int) -> dict:
             "traces_wanted": stats.traces_wanted,
             "prefix_hit_tokens": stats.prefix_hit_tokens,
             "recalled_hash_blocks": stats.recalled_hash_blocks,
+            "shared_prefill_waits": stats.shared_prefill_waits,
         },
         "step_target_ms": round(scheduler.step_target.ms, 2),  # the one contended steps are cut to now
         "kv": {
@@ -63,6 +64,7 @@ def stats(scheduler: Scheduler, prompt_tokens: int, generation_tokens: int) -> d
         "kv_blocks_cached": blocks.num_cached_blocks,
         "prefix_hit_tokens_total": s.prefix_hit_tokens,
         "prefix_hashes_recalled_total": s.recalled_hash_blocks,
+        "shared_prefill_waits_total": s.shared_prefill_waits,
         "prompt_tokens_total": prompt_tokens,
         "generation_tokens_total": generation_tokens,
         "steps_total": s.steps,

@@ -70,6 +70,9 @@ class SchedulerConfig:
     max_overtakes: int = 4
     decode_debt: bool = True
     enable_prefix_cache: bool = True
+    # a waiting request waits for a running prefill that is computing at least this many of its next prompt tokens
+    # (the same tokens and salt), then takes them from the prefix cache (prefill.py's rules); 0: off
+    shared_prefill_tokens: int = 256
     # tokens of recently finished requests' block-hash chains kept so that a prompt repeating one (a chat's next turn)
     # takes its hashes by comparing tokens instead of hashing every block again (`chain_memo.py`); 0: off
     recent_chain_tokens: int = 1 << 18
@@ -84,6 +87,8 @@ class SchedulerConfig:
             raise ValueError(f"row_quantum must be >= 1, got {self.row_quantum}")
         if self.kv_bucket < 0:
             raise ValueError(f"kv_bucket must be >= 0, got {self.kv_bucket}")
+        if self.shared_prefill_tokens < 0:
+            raise ValueError(f"shared_prefill_tokens must be >= 0, got {self.shared_prefill_tokens}")
         if self.recent_chain_tokens < 0:
             raise ValueError(f"recent_chain_tokens must be >= 0, got {self.recent_chain_tokens}")
         if self.max_running < 1 or self.queue_limit < 0 or self.max_overtakes < 0:

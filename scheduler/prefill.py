@@ -7,6 +7,11 @@
 - A chunk is cut to the budget left and to the blocks it may take. The first waiting request that cannot be
   admitted stops admission for the step; running prefills behind it still run. A request that could not get a
   row was blocked by memory, not passed by policy, so it is not counted as overtaken.
+- A waiting request whose next `shared_prefill_tokens` uncached prompt tokens a running prefill is computing (the
+  same tokens and salt: equal chained hashes) is not admitted yet: it waits for them to be published and then takes
+  them from the prefix cache, instead of computing the shared prefix again beside it (a burst over one system
+  prompt, n > 1). It holds no KV and stops no one's admission, and it chose to wait, so it is not counted as
+  overtaken either. A shorter shared run is computed again: the wait would cost a step to save a few rows.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class PrefillPlanner:
         # a request preempted while its last token is still being sampled waits until the engine fills it in
         waiting = [r for r in waiting if r.token_at(r.num_tokens - 1) != PENDING_TOKEN]
         self.ordered = order_prefill_candidates([*prefilling, *waiting], self.config.max_overtakes)
+        self._prefilling = [r for r in running if r.state is RequestState.PREFILLING]
 
     def prefix_hits(self, request: Request) -> list[int]:
         """Cached blocks for the request's leading full blocks, never covering its last token.
@@ -60,16 +66,39 @@ class PrefillPlanner:
                 return hits
             want = min(max_blocks, 2 * want)
 
+    def awaits_shared_block(self, request: Request, hits: list[int], prefilling: list[Request]) -> bool:
+        """Whether the waiting request's next `shared_prefill_tokens` past `hits` (its cached prefix) are being
+        computed by a request of `prefilling`, over the same tokens and salt (see the module's rules)."""
+        size, first = self.config.block_size, len(hits)
+        wanted = -(-self.config.shared_prefill_tokens // size)  # blocks
+        last = first + wanted - 1  # equal chained hashes there: equal tokens and salt up to it
+        if not wanted or not self.config.enable_prefix_cache or last >= (request.num_tokens - 1) // size:
+            return False  # off, or fewer full blocks left before its last token (hits never cover it)
+        block_hashes = self.scheduler.block_hashes
+        for other in prefilling:
+            if not other.num_computed < (first + 1) * size <= (last + 1) * size <= other.num_prompt_tokens:
+                continue  # it computed those blocks already (then they are cached), or will not compute them all
+            if last - len(other.block_hashes) >= PREFIX_PROBE_BLOCKS + wanted:
+                continue  # far past its hashed blocks: not worth hashing its prompt ahead for
+            if block_hashes(other, last + 1)[last] == block_hashes(request, last + 1)[last]:
+                return True
+        return False
+
     def demand(self) -> list[PrefillChunk]:
         """Rows each candidate wants, in order (for the budget's prediction only)."""
         room = self.config.max_running - self.scheduler.num_running
         chunks = []
+        prefilling = list(self._prefilling)  # and the waiting ones this step would admit
         for request in self.ordered:
             if _is_waiting(request):
                 if room <= 0:
                     continue
+                hits = self.prefix_hits(request)
+                if self.awaits_shared_block(request, hits, prefilling):
+                    continue
                 room -= 1
-                start = len(self.prefix_hits(request)) * self.config.block_size
+                prefilling.append(request)
+                start = len(hits) * self.config.block_size
             else:
                 start = request.num_computed
             chunks.append(PrefillChunk(rows=request.num_tokens - start, history=start))
@@ -90,11 +119,19 @@ class PrefillPlanner:
             if left <= 0:
                 eligible.append(request)
                 continue
-            lane = self._plan_one(request, left)
+            hits: list[int] = []
+            if waiting and self.scheduler.num_running < self.config.max_running:
+                hits = self.prefix_hits(request)
+                if self.awaits_shared_block(request, hits, self._prefilling):
+                    self.scheduler.stats.shared_prefill_waits += 1
+                    continue
+            lane = self._plan_one(request, left, hits)
             if lane is not None:
                 eligible.append(request)
                 lanes.append(lane)
                 left -= lane.rows
+                if waiting:  # admitted: the blocks of its chunk are pending for those behind it in this step too
+                    self._prefilling.append(request)
             elif waiting:
                 admitting = False  # out of KV or running slots: stop admitting, keep feeding running prefills
         overtaken = count_overtakes(eligible, {lane.request_id for lane in lanes})
@@ -115,15 +152,15 @@ class PrefillPlanner:
                 reserve += max(0, -(-other.num_tokens // size) - len(other.block_ids))
         return reserve
 
-    def _plan_one(self, request: Request, left: int) -> Lane | None:
-        """A lane of up to `left` rows for the request, admitting it if it waits; None if it gets no row."""
+    def _plan_one(self, request: Request, left: int, hits: list[int]) -> Lane | None:
+        """A lane of up to `left` rows for the request, admitting it if it waits (`hits`: its cached prefix); None
+        if it gets no row."""
         size = self.config.block_size
         blocks = self.scheduler.blocks
         waiting = _is_waiting(request)
         if waiting:
             if self.scheduler.num_running >= self.config.max_running:
                 return None
-            hits = self.prefix_hits(request)
             start, have = len(hits) * size, len(hits)
             available = blocks.num_free_blocks - blocks.num_evictable_among(hits) - self._reserve(request)
         else:

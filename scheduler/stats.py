@@ -14,6 +14,7 @@ class SchedulerStats:
     decode_rows: int = 0
     contended_prefill_rows: int = 0  # prefill rows run in steps that also had decode lanes
     prefix_hit_tokens: int = 0
+    shared_prefill_waits: int = 0  # admissions put off a step because a running prefill was computing the block
     recalled_hash_blocks: int = 0  # block hashes prompts copied from remembered chains instead of hashing them
     preemptions: int = 0
     budget_halvings: int = 0

@@ -172,6 +172,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="how often a waiting request may be overtaken by shorter ones before it goes first "
                         "(default: %(default)s)")
     s.add_argument("--no-prefix-cache", action="store_true", help="do not reuse KV blocks of shared prefixes")
+    s.add_argument("--shared-prefill-tokens", type=whole_number_arg(0), default=256, metavar="N",
+                   help="a waiting request whose next N prompt tokens a running prefill is computing (the same "
+                        "tokens and cache salt) waits for them and takes them from the prefix cache instead of "
+                        "computing them again, e.g. a burst over one system prompt (0 = off; default: %(default)s)")
     s.add_argument("--no-decode-debt", action="store_true",
                    help="turn off decode debt (a late stream normally blocks new prefill rows for a step)")
     s.add_argument("--ane-lane", choices=["off", "cpu", "ane"], default="off",
@@ -264,7 +268,8 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
         step_target_factor=args.step_target_factor, step_target_floor_ms=args.step_target_floor_ms,
         row_ceiling=args.row_ceiling, row_floor=args.row_floor,
         row_quantum=args.row_quantum, budget_midpoints=args.budget_midpoints == "on", traced_midpoints=args.traced_midpoints == "on", checked_fill=args.checked_fill, plan_headroom=args.plan_headroom, floor_slack=args.floor_slack, max_prefill_slowdown=args.max_prefill_slowdown, plan_padding=args.plan_padding == "on", cost_model=args.prefill_cost_model, cost_trust_factor=args.cost_trust_factor, max_overtakes=args.max_overtakes,
-        enable_prefix_cache=not args.no_prefix_cache, decode_debt=not args.no_decode_debt,
+        enable_prefix_cache=not args.no_prefix_cache, shared_prefill_tokens=args.shared_prefill_tokens,
+        decode_debt=not args.no_decode_debt,
         ane_lane=args.ane_lane, ane_package=args.ane_package, ane_timeout_s=args.ane_timeout_s,
         decode_attention=args.decode_attention, compile_decode=args.compile_decode, fuse_decode=args.fuse_decode,
         dense_experts=args.dense_experts, expert_tiles=args.expert_tiles, fuse_mixed=args.fuse_mixed, compile_mixed=args.compile_mixed, defer_mixed_traces=args.defer_mixed_traces == "on", stand_in_traces=args.stand_in_traces == "on", trace_neighbour_shapes=args.trace_neighbour_shapes, split_quantized_k=args.split_quantized_k, chunk_attention=args.chunk_attention, dequantize_rows=args.dequantize_rows, quantized_tiles=args.quantized_tiles, quantized_gemv=args.quantized_gemv, warm_up=not args.no_warm_up,

@@ -29,6 +29,8 @@ STAT_COUNTERS = {
     "prefix_hit_tokens_total": ("prefix_hit_tokens", "Prompt tokens served from the prefix cache"),
     "prefix_hashes_recalled_total": ("prefix_hashes_recalled",
                                      "Block hashes prompts copied from a finished request's chain instead of hashing"),
+    "shared_prefill_waits_total": ("shared_prefill_waits",
+                                   "Admissions put off a step while a running prefill computed the prompt's next blocks"),
     "prompt_tokens_total": ("prompt_tokens", "Prompt tokens computed by prefill (prefix-cache hits excluded)"),
     "generation_tokens_total": ("generation_tokens", "Tokens generated"),
     "steps_total": ("steps", "Engine steps run"),

@@ -53,6 +53,27 @@ def test_a_continuation_copies_the_finished_requests_hashes_and_keeps_its_tokens
     assert after["prefix_hashes_recalled_total"] - before["prefix_hashes_recalled_total"] == 37
 
 
+@pytest.mark.parametrize("shared", [256, 0])
+def test_a_burst_over_one_system_prompt_computes_it_once(tiny_qwen3, shared):
+    """Three requests arrive together over a 300-token system prompt: the first computes it, the others wait a
+    step and take its 288 whole-block tokens from the cache (off: each computes them). Tokens are mlx-lm's."""
+    engine = Engine.load(EngineConfig(model=str(tiny_qwen3), block_size=16, kv_blocks=256,
+                                      shared_prefill_tokens=shared))  # fmt: skip
+    try:
+        system = prompt_of(300, seed=15)
+        prompts = [[*system, *prompt_of(20, seed=16 + i)] for i in range(3)]
+        completions = engine.generate([GenerationRequest(prompt_ids=tuple(p), max_tokens=6) for p in prompts])
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    for prompt, completion in zip(prompts, completions):
+        assert list(completion.token_ids) == reference_tokens(tiny_qwen3, prompt, 6)
+    cached = sorted(c.usage.cached_tokens for c in completions)
+    assert cached == ([0, 288, 288] if shared else [0, 0, 0])
+    assert stats["prompt_tokens_total"] == 3 * 320 - sum(cached)
+    assert (stats["shared_prefill_waits_total"] == 2) == bool(shared)
+
+
 def test_different_salts_never_share_blocks(engine):
     prompt = prompt_of(64, seed=12)
     _run(engine, prompt, max_tokens=2, cache_salt="tenant-a")

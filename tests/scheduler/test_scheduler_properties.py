@@ -41,7 +41,7 @@ actions = st.lists(st.one_of(arrival, arrival, step, step, step, cancel), min_si
 
 configs = st.builds(
     lambda num_blocks, block_size, ceiling, floor_shift, max_running, overtakes, model, target, cache, ane, quantum,
-    kv_bucket: (
+    kv_bucket, shared: (
         SchedulerConfig(
             num_blocks=num_blocks,
             block_size=block_size,
@@ -54,6 +54,7 @@ configs = st.builds(
             cost_model=model,
             step_target_ms=target,
             enable_prefix_cache=cache,
+            shared_prefill_tokens=shared,
             ane_lane=ane,
             max_model_len=400,
             queue_limit=64,
@@ -71,6 +72,7 @@ configs = st.builds(
     ane=st.booleans(),
     quantum=st.sampled_from([1, 1, 16, 64]),
     kv_bucket=st.sampled_from([0, 0, 1024]),
+    shared=st.sampled_from([0, 8, 16, 256]),  # PREFIXES share 16-64 tokens: waits for a running prefill happen
 )
 
 
