@@ -130,6 +130,9 @@ def measure_ours(
 ) -> float:
     kv_blocks = math.ceil(1.25 * max(p.stream_counts) * (p.decode_prompt + p.decode_tokens + 16) / 16)
     kv_blocks = max(kv_blocks, math.ceil(2.5 * (p.contended_long + p.prefix_len) / 16))
+    # a serving-sized pool (`--kv-blocks`): MLX's CUDA encoder counts each pool array a kernel reads toward its
+    # 1,000 MB a graph, so a pool of GBs a layer commits a graph after every kernel that touches it
+    kv_blocks = args.kv_blocks or kv_blocks
     engine = {"compile_decode": args.compile_decode, "fuse_decode": args.fuse_decode, "cost_model": args.cost_model,
               "dense_experts": args.dense_experts, "dequantize_rows": args.dequantize_rows,
               "expert_tiles": args.expert_tiles, "quantized_tiles": args.quantized_tiles,
@@ -333,6 +336,8 @@ def main() -> None:
                         help="EngineConfig.traced_midpoints: a midpoint only where it keeps the halved step's trace")
     parser.add_argument("--checked-fill", choices=["off", "untraced", "on"], default="on",
                         help="EngineConfig.checked_fill: when a row-tile fill past the budget's bucket is held")
+    parser.add_argument("--kv-blocks", type=int, default=0,
+                        help="our engines' KV pool in blocks of 16 (0: what the workloads need, x1.25-2.5)")
     parser.add_argument("--plan-headroom", type=float, default=1.0,
                         help="EngineConfig.plan_headroom: contended steps planned to this fraction of the target")
     parser.add_argument("--cost-trust-factor", type=float, default=1.5,
