@@ -23,6 +23,20 @@ def engine(tiny_qwen3):
     engine.shutdown()
 
 
+def _generate_as_mlx_lm(path, config: EngineConfig, prompts: list[list[int]], max_tokens: int) -> tuple[list, dict]:
+    """Generate the prompts together on a fresh engine; each must give mlx-lm's greedy tokens. Returns the
+    completions and the engine's stats after them."""
+    engine = Engine.load(config)
+    try:
+        completions = engine.generate([GenerationRequest(prompt_ids=tuple(p), max_tokens=max_tokens) for p in prompts])
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    for prompt, completion in zip(prompts, completions):
+        assert list(completion.token_ids) == reference_tokens(path, prompt, max_tokens)
+    return completions, stats
+
+
 def _run(engine: Engine, prompt: list[int], **kwargs):
     [completion] = engine.generate([GenerationRequest(prompt_ids=tuple(prompt), **kwargs)])
     return completion
@@ -57,17 +71,10 @@ def test_a_continuation_copies_the_finished_requests_hashes_and_keeps_its_tokens
 def test_a_burst_over_one_system_prompt_computes_it_once(tiny_qwen3, shared):
     """Three requests arrive together over a 300-token system prompt: the first computes it, the others wait a
     step and take its 288 whole-block tokens from the cache (off: each computes them). Tokens are mlx-lm's."""
-    engine = Engine.load(EngineConfig(model=str(tiny_qwen3), block_size=16, kv_blocks=256,
-                                      shared_prefill_tokens=shared))  # fmt: skip
-    try:
-        system = prompt_of(300, seed=15)
-        prompts = [[*system, *prompt_of(20, seed=16 + i)] for i in range(3)]
-        completions = engine.generate([GenerationRequest(prompt_ids=tuple(p), max_tokens=6) for p in prompts])
-        stats = engine.stats()
-    finally:
-        engine.shutdown()
-    for prompt, completion in zip(prompts, completions):
-        assert list(completion.token_ids) == reference_tokens(tiny_qwen3, prompt, 6)
+    system = prompt_of(300, seed=15)
+    prompts = [[*system, *prompt_of(20, seed=16 + i)] for i in range(3)]
+    config = EngineConfig(model=str(tiny_qwen3), block_size=16, kv_blocks=256, shared_prefill_tokens=shared)
+    completions, stats = _generate_as_mlx_lm(tiny_qwen3, config, prompts, max_tokens=6)
     cached = sorted(c.usage.cached_tokens for c in completions)
     assert cached == ([0, 288, 288] if shared else [0, 0, 0])
     assert stats["prompt_tokens_total"] == 3 * 320 - sum(cached)
@@ -101,15 +108,9 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(engine):
 
 def test_pool_exhaustion_waits_or_preempts_and_keeps_reference_tokens(tiny_qwen3):
     # 10 blocks of 16 = 160 tokens of KV for 6 requests needing 64 each
-    engine = Engine.load(EngineConfig(model=str(tiny_qwen3), block_size=16, kv_blocks=10, enable_prefix_cache=False))
+    config = EngineConfig(model=str(tiny_qwen3), block_size=16, kv_blocks=10, enable_prefix_cache=False)
     prompts = [prompt_of(30 + 3 * i, seed=40 + i) for i in range(6)]
-    try:
-        completions = engine.generate([GenerationRequest(prompt_ids=tuple(p), max_tokens=30) for p in prompts])
-        stats = engine.stats()
-    finally:
-        engine.shutdown()
-    for prompt, completion in zip(prompts, completions):
-        assert list(completion.token_ids) == reference_tokens(tiny_qwen3, prompt, 30)
+    _, stats = _generate_as_mlx_lm(tiny_qwen3, config, prompts, max_tokens=30)
     assert stats["kv_blocks_used"] == 0
     assert stats["preemptions_total"] > 0  # the pool really ran out
 
