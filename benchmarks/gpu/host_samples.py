@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -66,12 +67,12 @@ def runs(samples: list[Sample], start: float, end: float, origin: float) -> list
     return merged
 
 
-def time_in(samples: list[Sample], start: float, end: float, where: str) -> float:
-    """Ms of [start, end] whose samples' innermost frame starts with `where` (e.g. "runner.py:467 "): each sample
+def time_in(samples: list[Sample], start: float, end: float, where: Callable[[str], bool]) -> float:
+    """Ms of [start, end] whose samples' innermost frame ("file:line function") satisfies `where`: each sample
     stands for the time to the next one."""
     inside = [sample for sample in samples if start <= sample.t <= end]
     ms = 0.0
     for sample, after in zip(inside, [*inside[1:], None]):
-        if sample.frames and sample.frames[0].startswith(where):
+        if sample.frames and where(sample.frames[0]):
             ms += ((after.t if after is not None else end) - sample.t) * 1e3
     return ms

@@ -308,13 +308,12 @@ class OurSide:
         it)]."""
         spans = {e.step_id: e for e in self.sink.events if isinstance(e, Span) and e.name == "submission"}
         t0 = self.sink._t0
-        queue_lines = tuple(f"runner.py:{n} " for n in _queue_lines())
         split = []
         for e in steps:
             span = spans.get(e.step_id)
             if span is None:
                 continue
-            queued = sum(time_in(self.samples, span.start + t0, span.end + t0, line) for line in queue_lines)
+            queued = time_in(self.samples, span.start + t0, span.end + t0, _in_queue)
             split.append([e.step_id, e.prefill_rows, e.compiled, e.auxiliary, round((span.end - span.start) * 1e3, 2),
                           round(queued, 2)])  # fmt: skip
         return split
@@ -345,14 +344,10 @@ class OurSide:
         return result
 
 
-def _queue_lines() -> list[int]:
-    """The lines of `ModelRunner._queue` that call `mx.async_eval` (where a sampled stack sits while MLX encodes)."""
-    import inspect
-
-    from mlx_serve.runner import ModelRunner
-
-    lines, first = inspect.getsourcelines(ModelRunner._queue)
-    return [first + i for i, line in enumerate(lines) if "mx.async_eval(" in line]
+def _in_queue(frame: str) -> bool:
+    """A sampled frame in `ModelRunner._queue`: its Python is a few lines around `mx.async_eval`, which releases the
+    GIL while MLX encodes and queues the step, so the samples there are that."""
+    return frame.startswith("runner.py:") and frame.endswith(" _queue")
 
 
 def _overlapping(waits: list[tuple[float, float]], start: float, end: float) -> list[tuple[float, float]]:
