@@ -114,6 +114,23 @@ def test_n_greedy_choices_all_match_mlx_lm(served, client):
     assert reply.usage.completion_tokens == 3 * n_tokens
 
 
+def test_n_choices_over_a_long_prompt_compute_it_once(served, client):
+    """n = 3 over a long system prompt: the choices arrive together, the first computes the prompt and the others
+    wait a step and take it from the prefix cache (`shared_prefill_tokens`); every choice is still mlx-lm's."""
+    system = " ".join(f"Rule {i}: answer briefly and cite item {i * 7 % 13}." for i in range(40))
+    messages = [{"role": "system", "content": system}, *_messages(6)]
+    text, n_tokens, _, n_prompt = _expected(served, messages)
+    assert n_prompt > 300  # past the 256 tokens a request waits for, and a block more
+    before = served.engine.stats()
+    reply = client.chat.completions.create(model=served.engine.model_id, messages=messages, n=3,
+                                           max_tokens=MAX_TOKENS, temperature=0)
+    after = served.engine.stats()
+    assert [c.message.content for c in sorted(reply.choices, key=lambda c: c.index)] == [text] * 3
+    assert after["shared_prefill_waits_total"] - before["shared_prefill_waits_total"] == 2
+    computed = after["prompt_tokens_total"] - before["prompt_tokens_total"]
+    assert computed < 2 * n_prompt  # once, plus the other two's tails past the shared whole blocks
+
+
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
