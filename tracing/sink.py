@@ -61,6 +61,11 @@ class MemorySink:
     def overflowed(self) -> bool:
         return self.dropped > 0
 
+    @property
+    def origin(self) -> float:
+        """The `time.perf_counter()` reading that event times count from."""
+        return self._t0
+
     def now(self) -> float:
         return time.perf_counter() - self._t0
 

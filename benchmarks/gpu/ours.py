@@ -237,7 +237,7 @@ class OurSide:
                  if isinstance(e, StepExecuted) and e.t >= start and e.t - e.measured_ms / 1e3 <= end]  # fmt: skip
         result = {"ms": round(gap * 1e3, 2), "request_id": request_id, "spans": spans, "steps": steps}
         if self.samples:  # where the engine thread was, as runs of one stack: [from ms, to ms, frames...]
-            t0 = self.sink._t0
+            t0 = self.sink.origin
             result["samples"] = runs(self.samples, start + t0, end + t0, start + t0)
         waits = self._engine_waits()
         if waits is not None:  # the engine thread blocked in MLX (wait_for_one: too many commits in flight)
@@ -248,7 +248,7 @@ class OurSide:
         """The engine thread's untimed pthread_cond_wait calls, sorted, in the sink's seconds (None: no shim)."""
         if self.host_waits is None:
             return None
-        t0 = self.sink._t0  # the sink's times are perf_counter() - _t0, the shim's perf_counter()
+        t0 = self.sink.origin  # the sink's times count from it, the shim's are perf_counter()
         return sorted((a - t0, b - t0) for a, b in self.host_waits.read(self.engine._thread.native_id))
 
     def _contended_steps(self) -> dict:
@@ -307,7 +307,7 @@ class OurSide:
         submission ms, ms inside `mx.async_eval` (MLX encoding and queuing the graph; the rest is Python building
         it)]."""
         spans = {e.step_id: e for e in self.sink.events if isinstance(e, Span) and e.name == "submission"}
-        t0 = self.sink._t0
+        t0 = self.sink.origin
         split = []
         for e in steps:
             span = spans.get(e.step_id)
