@@ -34,6 +34,40 @@ def _is_waiting(request: Request) -> bool:
     return request.state in (RequestState.WAITING, RequestState.PREEMPTED)
 
 
+class PendingBlocks:
+    """Chained hashes of prompt blocks that running prefills have yet to compute, for `awaits_shared_block`: per
+    span of blocks [first, last] asked about, the hash at `last` of every request that will compute the whole span.
+    A burst's waiting requests ask about the same span, so each is one set lookup, not a scan of the prefills."""
+
+    def __init__(self, scheduler: Scheduler, requests: list[Request]) -> None:
+        self.scheduler = scheduler
+        self.requests = list(requests)
+        self._spans: dict[tuple[int, int], set[bytes]] = {}
+
+    def add(self, request: Request) -> None:
+        """A request admitted in this step: its chunk's blocks are pending for the requests behind it."""
+        self.requests.append(request)
+        for (first, last), hashes in self._spans.items():
+            self._note(hashes, request, first, last)
+
+    def computing(self, first: int, last: int, last_hash: bytes) -> bool:
+        """Whether a request with hash `last_hash` at block `last` will compute blocks [first, last] whole."""
+        hashes = self._spans.get((first, last))
+        if hashes is None:
+            hashes = self._spans[(first, last)] = set()
+            for request in self.requests:
+                self._note(hashes, request, first, last)
+        return last_hash in hashes
+
+    def _note(self, hashes: set[bytes], request: Request, first: int, last: int) -> None:
+        size = self.scheduler.config.block_size
+        if not request.num_computed < (first + 1) * size <= (last + 1) * size <= request.num_prompt_tokens:
+            return  # it computed those blocks already (then they are cached), or will not compute them all
+        if last - len(request.block_hashes) >= PREFIX_PROBE_BLOCKS + last - first + 1:
+            return  # far past its hashed blocks: not worth hashing its prompt ahead for
+        hashes.add(self.scheduler.block_hashes(request, last + 1)[last])
+
+
 class PrefillPlanner:
     def __init__(self, scheduler: Scheduler, decode_lanes: list[Lane]) -> None:
         self.scheduler = scheduler
@@ -46,7 +80,7 @@ class PrefillPlanner:
         # a request preempted while its last token is still being sampled waits until the engine fills it in
         waiting = [r for r in waiting if r.token_at(r.num_tokens - 1) != PENDING_TOKEN]
         self.ordered = order_prefill_candidates([*prefilling, *waiting], self.config.max_overtakes)
-        self._prefilling = [r for r in running if r.state is RequestState.PREFILLING]
+        self._pending = PendingBlocks(scheduler, [r for r in running if r.state is RequestState.PREFILLING])
 
     def prefix_hits(self, request: Request) -> list[int]:
         """Cached blocks for the request's leading full blocks, never covering its last token.
@@ -66,38 +100,30 @@ class PrefillPlanner:
                 return hits
             want = min(max_blocks, 2 * want)
 
-    def awaits_shared_block(self, request: Request, hits: list[int], prefilling: list[Request]) -> bool:
-        """Whether the waiting request's next `shared_prefill_tokens` past `hits` (its cached prefix) are being
-        computed by a request of `prefilling`, over the same tokens and salt (see the module's rules)."""
+    def awaits_shared_block(self, request: Request, hits: list[int], pending: PendingBlocks) -> bool:
+        """Whether the waiting request's next `shared_prefill_tokens` past `hits` (its cached prefix) are ones a
+        request of `pending` has yet to compute, over the same tokens and salt (see the module's rules)."""
         size, first = self.config.block_size, len(hits)
         wanted = -(-self.config.shared_prefill_tokens // size)  # blocks
         last = first + wanted - 1  # equal chained hashes there: equal tokens and salt up to it
         if not wanted or not self.config.enable_prefix_cache or last >= (request.num_tokens - 1) // size:
             return False  # off, or fewer full blocks left before its last token (hits never cover it)
-        block_hashes = self.scheduler.block_hashes
-        for other in prefilling:
-            if not other.num_computed < (first + 1) * size <= (last + 1) * size <= other.num_prompt_tokens:
-                continue  # it computed those blocks already (then they are cached), or will not compute them all
-            if last - len(other.block_hashes) >= PREFIX_PROBE_BLOCKS + wanted:
-                continue  # far past its hashed blocks: not worth hashing its prompt ahead for
-            if block_hashes(other, last + 1)[last] == block_hashes(request, last + 1)[last]:
-                return True
-        return False
+        return pending.computing(first, last, self.scheduler.block_hashes(request, last + 1)[last])
 
     def demand(self) -> list[PrefillChunk]:
         """Rows each candidate wants, in order (for the budget's prediction only)."""
         room = self.config.max_running - self.scheduler.num_running
         chunks = []
-        prefilling = list(self._prefilling)  # and the waiting ones this step would admit
+        pending = PendingBlocks(self.scheduler, self._pending.requests)  # and the waiting ones this step would admit
         for request in self.ordered:
             if _is_waiting(request):
                 if room <= 0:
                     continue
+                room -= 1  # a held one counts too, as in `plan`
                 hits = self.prefix_hits(request)
-                if self.awaits_shared_block(request, hits, prefilling):
+                if self.awaits_shared_block(request, hits, pending):
                     continue
-                room -= 1
-                prefilling.append(request)
+                pending.add(request)
                 start = len(hits) * self.config.block_size
             else:
                 start = request.num_computed
@@ -112,6 +138,9 @@ class PrefillPlanner:
         lanes: list[Lane] = []
         eligible: list[Request] = []  # could have run this step: only these can be overtaken
         admitting = True
+        # waiting requests held for a shared prefix, at most as many as there are free running slots: the rest of a
+        # burst's queue is looked at (and its prompts hashed) in later steps, not all in this one
+        holds = self.config.max_running - self.scheduler.num_running
         for request in self.ordered:
             waiting = _is_waiting(request)
             if waiting and not admitting:
@@ -122,8 +151,10 @@ class PrefillPlanner:
             hits: list[int] = []
             if waiting and self.scheduler.num_running < self.config.max_running:
                 hits = self.prefix_hits(request)
-                if self.awaits_shared_block(request, hits, self._prefilling):
+                if self.awaits_shared_block(request, hits, self._pending):
                     self.scheduler.stats.shared_prefill_waits += 1
+                    holds -= 1
+                    admitting = holds > 0
                     continue
             lane = self._plan_one(request, left, hits)
             if lane is not None:
@@ -131,7 +162,7 @@ class PrefillPlanner:
                 lanes.append(lane)
                 left -= lane.rows
                 if waiting:  # admitted: the blocks of its chunk are pending for those behind it in this step too
-                    self._prefilling.append(request)
+                    self._pending.add(request)
             elif waiting:
                 admitting = False  # out of KV or running slots: stop admitting, keep feeding running prefills
         overtaken = count_overtakes(eligible, {lane.request_id for lane in lanes})

@@ -71,3 +71,14 @@ def test_under_a_small_budget_the_later_request_starts_past_the_shared_prefix():
     assert [lane for step in lanes[:4] for lane in step] == [("r0", 128 * i, 128) for i in range(4)]
     assert sorted(lanes[4]) == [("r0", 512, 40), ("r1", 512, 40)] and rows == 552 + 40
     assert scheduler.get("r1").num_cached_tokens == 512 and scheduler.stats.shared_prefill_waits == 0
+
+
+def test_a_step_holds_at_most_as_many_requests_as_it_has_free_running_slots():
+    """A burst longer than the running slots: one step looks at (and hashes) no more of the queue than it could
+    admit, and the held ones come in, from the cache, once the first prompt is published."""
+    scheduler = Scheduler(SchedulerConfig(num_blocks=1024, max_running=4))
+    _burst(scheduler, 10)
+    _, lanes = _prefill_rows(scheduler, 1)
+    assert lanes[0] == [("r0", 0, 552)] and scheduler.stats.shared_prefill_waits == 4
+    _, lanes = _prefill_rows(scheduler, 1)
+    assert sorted(lanes[0]) == [("r1", 512, 40), ("r2", 512, 40), ("r3", 512, 40)]
