@@ -11,7 +11,8 @@
   same tokens and salt: equal chained hashes) is not admitted yet: it waits for them to be published and then takes
   them from the prefix cache, instead of computing the shared prefix again beside it (a burst over one system
   prompt, n > 1). It holds no KV and stops no one's admission, and it chose to wait, so it is not counted as
-  overtaken either. A shorter shared run is computed again: the wait would cost a step to save a few rows.
+  overtaken either. A shorter shared run is computed again: the wait would cost a step to save a few rows. A step
+  holds at most as many requests as it has free running slots, so a long queue is not all hashed in one step.
 """
 
 from __future__ import annotations
