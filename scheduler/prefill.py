@@ -64,8 +64,8 @@ class PendingBlocks:
         size = self.scheduler.config.block_size
         if not request.num_computed < (first + 1) * size <= (last + 1) * size <= request.num_prompt_tokens:
             return  # it computed those blocks already (then they are cached), or will not compute them all
-        if last - len(request.block_hashes) >= PREFIX_PROBE_BLOCKS + last - first + 1:
-            return  # far past its hashed blocks: not worth hashing its prompt ahead for
+        if first - len(request.block_hashes) > PREFIX_PROBE_BLOCKS:
+            return  # its chain ends far before the span: not worth hashing its prompt ahead for
         hashes.add(self.scheduler.block_hashes(request, last + 1)[last])
 
 
