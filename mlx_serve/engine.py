@@ -16,8 +16,9 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from mlx_serve import engine_setup, introspection
 from mlx_serve.config import EngineConfig
@@ -112,6 +113,7 @@ class Engine:
         self._eos_ids = frozenset(self.tokenizer.eos_token_ids)
         self._lock = threading.Lock()  # guards scheduler state read by status()/stats() from other threads
         self._submissions: queue.Queue[_Submission] = queue.Queue()
+        self._arrivals = threading.Lock()  # held while a batch is queued, so the engine admits it in one step
         self._cancellations: queue.Queue[tuple[str, FinishReason]] = queue.Queue()
         self._wakeup = threading.Event()
         self._prompt_rows = 0  # prompt rows computed (prefix-cache hits excluded)
@@ -186,10 +188,24 @@ class Engine:
         self._cancellations.put((request_id, reason))
         self._wakeup.set()
 
+    def submit_all(self, requests: Sequence[GenerationRequest]) -> list[RequestHandle]:
+        """Queue requests that arrive together (`n` choices, a batch): all or none, and the engine takes them in
+        one admission, so a burst over one prompt can share its prefill. If one is refused, those queued before it
+        are cancelled before the error goes up."""
+        handles: list[RequestHandle] = []
+        with self._arrivals:
+            try:
+                for request in requests:
+                    handles.append(self.submit(request))
+            except BaseException:
+                for handle in handles:
+                    handle.cancel()
+                raise
+        return handles
+
     def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
         """Blocking: run every request to completion (offline use). Call from a thread without an event loop."""
-        handles = [self.submit(r) for r in requests]
-        return [_completion(h) for h in handles]
+        return [_completion(h) for h in self.submit_all(requests)]
 
     # introspection (any thread) ----------------------------------------------------------------------
     def status(self) -> dict:
@@ -274,21 +290,18 @@ class Engine:
 
     def _admit(self) -> None:
         t0 = self.trace.now()
-        while True:
-            try:
-                request_id, reason = self._cancellations.get_nowait()
-            except queue.Empty:
-                break
+        # cancellations are taken before submissions and applied after them: a request is queued before its
+        # cancellation, so each one taken finds its request accepted; a refused batch is withdrawn before it runs
+        with self._arrivals:
+            cancellations = _drain(self._cancellations)
+            submissions = _drain(self._submissions)
+        for sub in submissions:
+            self._accept(sub)
+        for request_id, reason in cancellations:
             with self._lock:
                 request = self.scheduler.cancel(request_id, reason)
             if request is not None or self.delivery.is_open(request_id):
                 self.delivery.finish(request_id, reason.value, request)
-        while True:
-            try:
-                sub = self._submissions.get_nowait()
-            except queue.Empty:
-                break
-            self._accept(sub)
         if self.trace.enabled:
             self.trace.emit(Span("admission", t0, self.trace.now()))
 
@@ -416,6 +429,18 @@ def _engine_thread(engine_ref: weakref.ref) -> None:
             engine._drained.set()
     del engine
     threading.Event().wait()
+
+
+_Item = TypeVar("_Item")
+
+
+def _drain(items: queue.Queue[_Item]) -> list[_Item]:
+    taken = []
+    while True:
+        try:
+            taken.append(items.get_nowait())
+        except queue.Empty:
+            return taken
 
 
 def _completion(handle: RequestHandle) -> Completion:

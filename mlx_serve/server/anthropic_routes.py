@@ -27,7 +27,7 @@ from mlx_serve.server.protocol import (
     parse_json_object,
     read_bool,
 )
-from mlx_serve.server.streaming import EventStreamResponse, collect_events, merge_events, sse, submit_all
+from mlx_serve.server.streaming import EventStreamResponse, collect_events, merge_events, sse
 from mlx_serve.server.tools import make_splitter, normalize_messages, render_chat, validate_tools
 
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "cancelled": "end_turn"}
@@ -126,7 +126,7 @@ async def messages(request: Request) -> Response:
     body = parse_json_object(await request.body())
     job = await run_in_threadpool(parse_messages, body, engine.tokenizer, model)
     message_id = f"msg_{uuid.uuid4().hex}"
-    handles = submit_all(engine, [replace(job.requests[0], request_id=message_id)])
+    handles = engine.submit_all([replace(job.requests[0], request_id=message_id)])
     choice = ChoiceState(0, engine.tokenizer, False, make_splitter(engine.tokenizer, job.tools), job.tools)
     if job.stream:
         chunks = _message_stream(handles, choice, job, message_id, model.model_id)

@@ -27,7 +27,7 @@ from mlx_serve.server.protocol import (
     read_prompt_ids,
     read_stream_options,
 )
-from mlx_serve.server.streaming import EventStreamResponse, collect_events, merge_events, sse, submit_all
+from mlx_serve.server.streaming import EventStreamResponse, collect_events, merge_events, sse
 from mlx_serve.server.tools import make_splitter, normalize_messages, render_chat, validate_tools
 
 
@@ -95,7 +95,7 @@ async def _serve(request: Request, parse: Callable[..., Job], prefix: str, strea
     job = await run_in_threadpool(parse, body, engine.tokenizer, model)
     job_id = f"{prefix}-{uuid.uuid4().hex}"
     requests = [replace(r, request_id=f"{job_id}-{i}") for i, r in enumerate(job.requests)]
-    handles = submit_all(engine, requests)
+    handles = engine.submit_all(requests)
     created = int(time.time())
     if job.stream:
         chunks = stream(job, handles, engine.tokenizer, job_id, model.model_id, created)

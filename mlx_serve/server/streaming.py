@@ -1,4 +1,4 @@
-"""Engine handles to HTTP: submitting the choices of one request, merging their event streams, SSE framing,
+"""Engine handles to HTTP: merging the event streams of one request's choices, SSE framing,
 and cancelling on client disconnect so KV is freed at once."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from mlx_serve.types import GenerationRequest, TokenEvent
+from mlx_serve.types import TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -34,18 +34,6 @@ def sse(data: Any, event: str | None = None) -> bytes:
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
     head = f"event: {event}\n" if event else ""
     return f"{head}data: {payload}\n\n".encode()
-
-
-def submit_all(engine: Any, requests: Sequence[GenerationRequest]) -> list[Handle]:
-    """Submit every choice, or none: if one is refused the others are cancelled before the error goes up."""
-    handles: list[Handle] = []
-    try:
-        for request in requests:
-            handles.append(engine.submit(request))
-    except BaseException:
-        cancel_all(handles)
-        raise
-    return handles
 
 
 def cancel_all(handles: Sequence[Handle]) -> None:

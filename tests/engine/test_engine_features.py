@@ -166,6 +166,20 @@ def test_bad_requests_are_refused_and_the_engine_carries_on(engine):
     assert _run(engine, prompt_of(5, seed=17), max_tokens=3).finish_reason in ("length", "stop")
 
 
+def test_a_refused_batch_is_withdrawn_before_any_of_it_runs(engine):
+    """submit_all is all or none: the valid requests queued before the refused one are cancelled, and the engine
+    takes their cancellations with them, so none computes a row or samples a token."""
+    valid = GenerationRequest(prompt_ids=tuple(prompt_of(40, seed=19)), max_tokens=50, ignore_eos=True)
+    before = engine.stats()
+    with pytest.raises(InvalidRequest, match="vocabulary"):
+        engine.submit_all([valid, valid, GenerationRequest(prompt_ids=(1, 10**9))])
+    probe = _run(engine, prompt_of(7, seed=20), max_tokens=2)  # queued after the batch; shorter than a block
+    after = engine.stats()
+    assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == 7
+    assert after["generation_tokens_total"] - before["generation_tokens_total"] == len(probe.token_ids)
+    assert (after["queue_depth"], after["running"]) == (0, 0)
+
+
 def test_full_queue_is_refused(tiny_qwen3):
     engine = Engine.load(EngineConfig(model=str(tiny_qwen3), queue_limit=1, max_running=1, kv_blocks=64))
     try:

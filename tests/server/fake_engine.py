@@ -82,6 +82,18 @@ class FakeEngine:
         self.submitted.append(request)
         return handle
 
+    def submit_all(self, requests: list[GenerationRequest]) -> list[FakeHandle]:
+        """The engine's contract: all or none; those queued before a refused one are cancelled."""
+        handles: list[FakeHandle] = []
+        try:
+            for request in requests:
+                handles.append(self.submit(request))
+        except BaseException:
+            for handle in handles:
+                handle.cancel()
+            raise
+        return handles
+
     async def _produce(self, handle: FakeHandle) -> None:
         request, text, shown = handle.request, "", 0
         for position in range(request.max_tokens):
