@@ -25,7 +25,7 @@ from mlx_serve.config import EngineConfig
 from mlx_serve.delivery import Delivery, NullObserver
 from mlx_serve.errors import EngineStopped
 from mlx_serve.grammar import Grammars
-from mlx_serve.handle import RequestHandle
+from mlx_serve.handle import RequestHandle, submit_each
 from mlx_serve.kernels.paged_attention import cuda_available
 from mlx_serve.outputs import RequestStream
 from mlx_serve.ragged import PagedChunkAttention
@@ -192,16 +192,8 @@ class Engine:
         """Queue requests that arrive together (`n` choices, a batch): all or none, and the engine takes them in
         one admission, so a burst over one prompt can share its prefill. If one is refused, those queued before it
         are cancelled before the error goes up."""
-        handles: list[RequestHandle] = []
         with self._arrivals:
-            try:
-                for request in requests:
-                    handles.append(self.submit(request))
-            except BaseException:
-                for handle in handles:
-                    handle.cancel()
-                raise
-        return handles
+            return submit_each(self.submit, requests)
 
     def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
         """Blocking: run every request to completion (offline use). Call from a thread without an event loop."""

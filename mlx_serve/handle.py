@@ -8,9 +8,31 @@ from __future__ import annotations
 
 import asyncio
 import queue
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from typing import Protocol, TypeVar
 
-from mlx_serve.types import TokenEvent
+from mlx_serve.types import GenerationRequest, TokenEvent
+
+
+class Cancellable(Protocol):
+    def cancel(self) -> None: ...
+
+
+H = TypeVar("H", bound=Cancellable)
+
+
+def submit_each(submit: Callable[[GenerationRequest], H], requests: Iterable[GenerationRequest]) -> list[H]:
+    """Submit every request, or none: if one is refused, those submitted before it are cancelled before the
+    error goes up (the engine's `submit_all`, and the server tests' fake engine)."""
+    handles: list[H] = []
+    try:
+        for request in requests:
+            handles.append(submit(request))
+    except BaseException:
+        for handle in handles:
+            handle.cancel()
+        raise
+    return handles
 
 
 class RequestHandle:

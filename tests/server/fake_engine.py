@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlx_serve.errors import ContextLengthExceeded, QueueFull
+from mlx_serve.handle import submit_each
 from mlx_serve.types import GenerationRequest, TokenEvent, TokenLogprob, Usage
 
 
@@ -83,16 +84,7 @@ class FakeEngine:
         return handle
 
     def submit_all(self, requests: list[GenerationRequest]) -> list[FakeHandle]:
-        """The engine's contract: all or none; those queued before a refused one are cancelled."""
-        handles: list[FakeHandle] = []
-        try:
-            for request in requests:
-                handles.append(self.submit(request))
-        except BaseException:
-            for handle in handles:
-                handle.cancel()
-            raise
-        return handles
+        return submit_each(self.submit, requests)  # the engine's contract: all or none
 
     async def _produce(self, handle: FakeHandle) -> None:
         request, text, shown = handle.request, "", 0
