@@ -3,7 +3,7 @@
 #   source benchmarks/gpu/device_runs.sh     # installs MLX (on_device.sh --install-only): after the staging call
 #   run d06_1 --shapes 0.6b --contended-only
 #   run t06_1 --shapes 0.6b --contended-only --traced-midpoints on
-# On exit $OUT holds runs.tgz (every LABEL/gpu_bench.{json,md} and LABEL.log) and ptx.tgz (the kernel cache: carry it
+# After every run and on exit $OUT holds runs.tgz (every LABEL/gpu_bench.{json,md} and LABEL.log) and ptx.tgz (the kernel cache: carry it
 # as .ptx-cache/ptx.tgz next call). /root/r outlives a call on a warm machine, so a later call's runs.tgz holds the
 # earlier calls' runs too. `BENCH` holds the arguments every run shares (the issue's contended settings by default).
 # `HOST_WAITS=1 run LABEL ...` preloads benchmarks/gpu/host_waits.c (built when the .so is older than it): the engine
@@ -14,7 +14,9 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 source benchmarks/gpu/on_device.sh --install-only || exit 3
 mkdir -p /root/r
-trap 'tar czf "$OUT/ptx.tgz" -C "$MLX_PTX_CACHE_DIR" .; tar czf "$OUT/runs.tgz" -C /root/r .' EXIT
+# the tarballs are written after every run too: a call killed at its time limit runs no trap
+pack() { tar czf "$OUT/ptx.tgz" -C "$MLX_PTX_CACHE_DIR" .; tar czf "$OUT/runs.tgz" -C /root/r .; }
+trap pack EXIT
 BENCH=${BENCH:-"--quick --decode-prompt 512 --cost-model affine --step-target-ms auto"}
 run() {
   local label=$1
@@ -31,4 +33,5 @@ run() {
     > "/root/r/$label.log" 2>&1
   echo "== $label rc=$? $((SECONDS - started)) s"
   grep '^|' "/root/r/$label/gpu_bench.md" 2>/dev/null | cut -c1-200
+  pack
 }
