@@ -13,8 +13,12 @@ before GPU time is spent. `--policies ema,bucketed,...` picks policies (see POLI
 model's dequantized weights). With `--eager-extra-ms` a step of decode lanes and one chunk whose padded shape has no
 compiled trace costs that much more, and the scheduler sees which shapes are traced, as on CUDA: shapes met (or
 wanted) in the `--warm-passes` runs of the trace before the measured one are traced, as the idle engine traces them
-between the GPU bench's passes. Results are only as good as the cost function: confirm a winner with the serving
-A/B harness on real hardware.
+between the GPU bench's passes. `--ms-prefill-host` makes a step with prefill take at least that long (its host
+submission, which bounds a small model's mixed steps: H200 0.6B 8-12 ms), and `--target-floor-ms` sets the least
+auto step target. A trace with a long prompt (`--long-threshold`) also gets the GPU bench's contended figures: the
+streams' longest gap over their median from 16 tokens before its arrival to 16 after its first token, and its TTFT
+over its TTFT alone. Results are only as good as the cost function: confirm a winner with the serving A/B harness
+or the GPU bench on real hardware.
 
     # 8 streams, then a 16k prompt, at H200 8B 4-bit-like costs (twenty-ninth run's full run)
     python benchmarks/scheduler_sim.py --trace benchmarks/traces/contended_16k.jsonl --policies \
@@ -85,6 +89,7 @@ class CostFunction:
     kv_bucket: int = 0  # > 0: each chunk runs padded to its query bucket, as the engine pads on CUDA
     row_tile: int = 1  # the step's rows run in GEMM tiles of this many
     eager_extra_ms: float = 0.0  # with kv_bucket: added to a step of decode lanes and one chunk that has no trace
+    prefill_host_ms: float = 0.0  # the least a step with prefill takes: its host submission (H200 0.6B: 8-12 ms)
 
     def step_ms(self, plan: StepPlan, rng: random.Random, eager: bool = False) -> float:
         """`eager`: a compilable step whose shape has no trace (it pays `eager_extra_ms`)."""
@@ -98,6 +103,8 @@ class CostFunction:
                 + (self.prefill_fixed_ms if chunks else 0.0))
         if eager:
             base += self.eager_extra_ms
+        if chunks:
+            base = max(base, self.prefill_host_ms)
         return base * math.exp(rng.gauss(0.0, self.noise))
 
 
@@ -260,18 +267,79 @@ def summarize(result: dict, long_threshold: int) -> dict:
     }
 
 
+def solo_ttft(config: SchedulerConfig, arrivals: list[Arrival], cost: CostFunction, args: argparse.Namespace) -> float:
+    """The first long prompt's TTFT alone on the engine (after the same warm passes of it alone), as the bench's
+    solo prefill."""
+    long = min((a for a in arrivals if a.prompt_tokens >= args.long_threshold), key=lambda a: a.t)
+    alone = [replace(long, t=0.0)]
+    result = simulate(config, alone, cost, args.seed, args.warm_passes)
+    [item] = result["tracked"].values()
+    return item.token_times[0] - item.arrival.t
+
+
+WINDOW_TOKENS = 16  # the GPU bench's window: each stream's 16 tokens before the long prompt, 16 after its first
+
+
+def contended_figures(result: dict, long_threshold: int) -> dict | None:
+    """The GPU bench's contended figures for the trace's first long prompt: the streams' longest gap over their median
+    gap from 16 tokens before its arrival to 16 after its first token, and its TTFT. None without a long prompt."""
+    items = [item for item in result["tracked"].values() if item.token_times]
+    longs = [item for item in items if item.arrival.prompt_tokens >= long_threshold]
+    if not longs:
+        return None
+    long = min(longs, key=lambda item: item.arrival.t)
+    arrival, first = long.arrival.t, long.token_times[0]
+    gaps = []
+    for item in items:
+        if item is long or item.arrival.t > arrival:
+            continue
+        before = [t for t in item.token_times if t <= arrival][-WINDOW_TOKENS:]
+        during = [t for t in item.token_times if arrival < t <= first]
+        after = [t for t in item.token_times if t > first][:WINDOW_TOKENS]
+        times = before + during + after
+        gaps += [b - a for a, b in zip(times, times[1:])]
+    if not gaps:
+        return None
+    median = sorted(gaps)[len(gaps) // 2]
+    return {"gap_ratio": max(gaps) / median, "gap_median_ms": 1000 * median, "gap_max_ms": 1000 * max(gaps),
+            "long_ttft_s": first - arrival}
+
+
 def render(rows: dict[str, dict]) -> str:
     columns = [("short TTFT mean/p95 s", "short_ttft_mean_s", "short_ttft_p95_s"),
                ("long TTFT mean/p95 s", "long_ttft_mean_s", "long_ttft_p95_s"),
                ("gap p95/max ms", "gap_p95_ms", "gap_max_ms")]
     head = "| policy | " + " | ".join(c[0] for c in columns) + " | out tok/s | steps | halvings | debt | preempt |"
+    contended = all(row.get("contended") for row in rows.values())
+    if contended:
+        head += " window gap max / median | long TTFT / solo |"
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for name, row in rows.items():
         pairs = [f"{row[a]:.2f} / {row[b]:.2f}" if "ttft" in a else f"{row[a]:.0f} / {row[b]:.0f}"
                  for _, a, b in columns]
-        lines.append(f"| {name} | " + " | ".join(pairs) + f" | {row['output_tok_per_s']:.1f} | {row['steps']} | "
-                     f"{row['halvings']} | {row['debt_steps']} | {row['preemptions']} |")
+        line = (f"| {name} | " + " | ".join(pairs) + f" | {row['output_tok_per_s']:.1f} | {row['steps']} | "
+                f"{row['halvings']} | {row['debt_steps']} | {row['preemptions']} |")
+        if contended:
+            figures = row["contended"]
+            line += (f" {figures['gap_ratio']:.2f} ({figures['gap_max_ms']:.1f} / {figures['gap_median_ms']:.1f} ms)"
+                     f" | {figures['long_ttft_vs_solo']:.2f}x |")
+        lines.append(line)
     return "\n".join(lines)
+
+
+def config_override(text: str) -> tuple[str, object]:
+    """`FIELD=VALUE` for a SchedulerConfig field, the value parsed as the field's default is typed."""
+    name, _, value = text.partition("=")
+    fields = SchedulerConfig.__dataclass_fields__
+    if name not in fields or not value:
+        raise argparse.ArgumentTypeError(f"expected FIELD=VALUE with a SchedulerConfig field, got {text!r}")
+    kind = type(fields[name].default)
+    if kind is bool:
+        return name, value.lower() in ("1", "true", "on", "yes")
+    try:
+        return name, kind(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{name}: {error}") from None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -298,6 +366,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--row-tile", type=int, default=1, help="a step's rows run in tiles of this many")
     parser.add_argument("--eager-extra-ms", type=float, default=0.0,
                         help="with --kv-bucket: what a step of decode lanes and one chunk costs more without a trace")
+    parser.add_argument("--ms-prefill-host", type=float, default=0.0,
+                        help="the least a step with prefill takes (its host submission, where that bounds it)")
+    parser.add_argument("--target-floor-ms", type=float, default=SchedulerConfig.__dataclass_fields__["step_target_floor_ms"].default,
+                        help="the least step target of the policies with an auto target (factor x decode step)")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", type=config_override,
+                        help="a SchedulerConfig field set over every policy (repeatable): --set floor_slack=1.25")
     parser.add_argument("--warm-passes", type=int, default=0,
                         help="runs of the trace before the measured one (shapes they meet are traced after each)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
@@ -309,18 +383,23 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.pop(COST_MODEL_ENV, None)  # each policy names its own cost model
     arrivals = load_trace(args.trace) if args.trace else synthetic_trace(args)
     cost = CostFunction(args.ms_fixed, args.ms_row, args.ms_pair, args.ms_decode_lane, args.noise,
-                        args.ms_prefill_fixed, args.kv_bucket, args.row_tile, args.eager_extra_ms)
+                        args.ms_prefill_fixed, args.kv_bucket, args.row_tile, args.eager_extra_ms,
+                        args.ms_prefill_host)
     # with padding the engine's paged chunk kernel reads exactly the KV each row sees (pads_history False)
     base = SchedulerConfig(num_blocks=args.num_blocks, max_running=args.max_running,
                            step_target_ms=args.step_target_ms, max_model_len=1 << 20, kv_bucket=args.kv_bucket,
-                           pads_history=False, row_quantum=args.row_tile)
+                           pads_history=False, row_quantum=args.row_tile, step_target_floor_ms=args.target_floor_ms)
     rows = {}
     for name in (p.strip() for p in args.policies.split(",") if p.strip()):
         if name not in POLICIES:
             print(f"error: unknown policy {name!r}; choose from {list(POLICIES)}", file=sys.stderr)
             return 2
-        result = simulate(replace(base, **POLICIES[name]), arrivals, cost, args.seed, args.warm_passes)
+        config = replace(base, **(POLICIES[name] | dict(args.set)))
+        result = simulate(config, arrivals, cost, args.seed, args.warm_passes)
         rows[name] = summarize(result, args.long_threshold)
+        if args.trace and (figures := contended_figures(result, args.long_threshold)):
+            rows[name]["contended"] = figures | {"long_ttft_vs_solo": figures["long_ttft_s"] / solo_ttft(
+                config, arrivals, cost, args)}
     if args.json:
         print(json.dumps({"arrivals": len(arrivals), "cost": asdict(cost), "policies": rows}, indent=1))
     else:

@@ -121,3 +121,62 @@ def test_warm_passes_leave_the_measured_pass_its_own_counts() -> None:
     assert len(result["tracked"]) == len(arrivals) and all(item.token_times for item in result["tracked"].values())
     assert min(item.arrival.t for item in result["tracked"].values()) > 1.0  # after the warm passes and a pause
     assert 0 < result["end"] < max(item.token_times[-1] for item in result["tracked"].values())  # its own duration
+
+
+def test_contended_figures_use_the_gpu_benchs_window() -> None:
+    """The streams' gaps from 16 tokens before the long prompt's arrival to 16 after its first token: a long gap
+    earlier in the streams' lives is outside the window, the one while the prompt is read is its maximum."""
+    sim = load_sim()
+    long = sim.Tracked(sim.Arrival(0.5, 16_384, 1), [0.62])
+    streams = []
+    for _ in range(2):
+        times = [0.0, 0.1] + [0.1 + 0.01 * k for k in range(1, 60)]  # a 100 ms gap at the start, then 10 ms steps
+        times = [t if t < 0.55 else t + 0.04 for t in times]  # one 50 ms gap while the prompt is read
+        streams.append(sim.Tracked(sim.Arrival(0.0, 512, 100), times))
+    result = {"tracked": {"long": long, "s0": streams[0], "s1": streams[1]}}
+    figures = sim.contended_figures(result, long_threshold=4096)
+    assert figures["gap_max_ms"] == pytest.approx(50.0)
+    assert figures["gap_median_ms"] == pytest.approx(10.0)
+    assert figures["gap_ratio"] == pytest.approx(5.0)
+    assert figures["long_ttft_s"] == pytest.approx(0.12)
+    assert sim.contended_figures({"tracked": {"s0": streams[0]}}, long_threshold=4096) is None  # no long prompt
+
+
+def test_a_step_with_prefill_takes_at_least_its_host_submission() -> None:
+    import random
+
+    from scheduler import LaneKind, StepPlan
+    from scheduler.plan import Lane
+
+    sim = load_sim()
+    decode = tuple(Lane(f"s{i}", LaneKind.DECODE, (1,), 100, (), True) for i in range(8))
+    mixed = StepPlan(1, (*decode, Lane("long", LaneKind.PREFILL, (1,) * 64, 0, (), False)), 64, "halved:5", None, True)
+    decode_only = StepPlan(2, decode, 0, "contended", None, True)
+    cost = sim.CostFunction(fixed_ms=3.0, row_ms=0.001, pair_ms=0.0, decode_lane_ms=0.1, noise=0.0,
+                            prefill_host_ms=8.0)
+    assert cost.step_ms(mixed, random.Random(0)) == pytest.approx(8.0)
+    assert cost.step_ms(decode_only, random.Random(0)) == pytest.approx(3.0 + 0.001 * 8 + 0.1 * 8)  # no floor
+
+
+def test_the_contended_trace_reports_the_gap_ratio_and_ttft_against_solo(capsys: pytest.CaptureFixture[str]) -> None:
+    sim = load_sim()
+    trace = SIM_PATH.parent / "traces" / "contended_16k.jsonl"
+    argv = ["--trace", str(trace), "--policies", "affine-auto-target-checked-fill", "--kv-bucket", "1024",
+            "--ms-fixed", "3.4", "--ms-decode-lane", "0.1", "--ms-row", "0.002", "--ms-pair", "7.6e-7",
+            "--ms-prefill-host", "8", "--target-floor-ms", "12"]
+    assert sim.main([*argv, "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)["policies"]["affine-auto-target-checked-fill"]["contended"]
+    assert figures["gap_max_ms"] >= 8.0  # no step with prefill under its host submission
+    assert figures["gap_ratio"] == pytest.approx(figures["gap_max_ms"] / figures["gap_median_ms"])
+    assert figures["long_ttft_vs_solo"] >= 1.0  # beside 8 streams the prompt is read no faster than alone
+    assert sim.main(argv) == 0
+    assert "window gap max / median" in capsys.readouterr().out
+
+
+def test_set_overrides_a_config_field_over_every_policy() -> None:
+    sim = load_sim()
+    args = sim.parse_args(["--set", "floor_slack=1.25", "--set", "budget_midpoints=off", "--set", "row_floor=32"])
+    assert dict(args.set) == {"floor_slack": 1.25, "budget_midpoints": False, "row_floor": 32}
+    for bad in ("no_such_field=1", "floor_slack=", "row_floor=many"):
+        with pytest.raises(SystemExit):
+            sim.parse_args(["--set", bad])
