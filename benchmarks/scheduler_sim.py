@@ -14,8 +14,8 @@ model's dequantized weights). With `--eager-extra-ms` a step of decode lanes and
 compiled trace costs that much more, and the scheduler sees which shapes are traced, as on CUDA: shapes met (or
 wanted) in the `--warm-passes` runs of the trace before the measured one are traced, as the idle engine traces them
 between the GPU bench's passes. `--ms-prefill-host` makes a step with prefill take at least that long (its host
-submission, which bounds a small model's mixed steps: H200 0.6B 8-12 ms), and `--target-floor-ms` sets the least
-auto step target. A trace with a long prompt (`--long-threshold`) also gets the GPU bench's contended figures: the
+submission, which bounds a small model's mixed steps: H200 0.6B 8-12 ms), and `--set FIELD=VALUE` sets a
+`SchedulerConfig` field over every policy (`--set step_target_floor_ms=12`). A trace with a long prompt (`--long-threshold`) also gets the GPU bench's contended figures: the
 streams' longest gap over their median from 16 tokens before its arrival to 16 after its first token, and its TTFT
 over its TTFT alone. Results are only as good as the cost function: confirm a winner with the serving A/B harness
 or the GPU bench on real hardware.
@@ -33,6 +33,7 @@ import json
 import math
 import os
 import random
+import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -267,12 +268,9 @@ def summarize(result: dict, long_threshold: int) -> dict:
     }
 
 
-def solo_ttft(config: SchedulerConfig, arrivals: list[Arrival], cost: CostFunction, args: argparse.Namespace) -> float:
-    """The first long prompt's TTFT alone on the engine (after the same warm passes of it alone), as the bench's
-    solo prefill."""
-    long = min((a for a in arrivals if a.prompt_tokens >= args.long_threshold), key=lambda a: a.t)
-    alone = [replace(long, t=0.0)]
-    result = simulate(config, alone, cost, args.seed, args.warm_passes)
+def solo_ttft(config: SchedulerConfig, long: Arrival, cost: CostFunction, seed: int, warm_passes: int) -> float:
+    """A long prompt's TTFT alone on the engine (after the same warm passes of it alone): the bench's solo prefill."""
+    result = simulate(config, [replace(long, t=0.0)], cost, seed, warm_passes)
     [item] = result["tracked"].values()
     return item.token_times[0] - item.arrival.t
 
@@ -300,9 +298,9 @@ def contended_figures(result: dict, long_threshold: int) -> dict | None:
         gaps += [b - a for a, b in zip(times, times[1:])]
     if not gaps:
         return None
-    median = sorted(gaps)[len(gaps) // 2]
+    median = statistics.median(gaps)
     return {"gap_ratio": max(gaps) / median, "gap_median_ms": 1000 * median, "gap_max_ms": 1000 * max(gaps),
-            "long_ttft_s": first - arrival}
+            "long_ttft_s": first - arrival, "long_arrival": long.arrival}
 
 
 def render(rows: dict[str, dict]) -> str:
@@ -368,8 +366,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="with --kv-bucket: what a step of decode lanes and one chunk costs more without a trace")
     parser.add_argument("--ms-prefill-host", type=float, default=0.0,
                         help="the least a step with prefill takes (its host submission, where that bounds it)")
-    parser.add_argument("--target-floor-ms", type=float, default=SchedulerConfig.__dataclass_fields__["step_target_floor_ms"].default,
-                        help="the least step target of the policies with an auto target (factor x decode step)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", type=config_override,
                         help="a SchedulerConfig field set over every policy (repeatable): --set floor_slack=1.25")
     parser.add_argument("--warm-passes", type=int, default=0,
@@ -388,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     # with padding the engine's paged chunk kernel reads exactly the KV each row sees (pads_history False)
     base = SchedulerConfig(num_blocks=args.num_blocks, max_running=args.max_running,
                            step_target_ms=args.step_target_ms, max_model_len=1 << 20, kv_bucket=args.kv_bucket,
-                           pads_history=False, row_quantum=args.row_tile, step_target_floor_ms=args.target_floor_ms)
+                           pads_history=False, row_quantum=args.row_tile)
     rows = {}
     for name in (p.strip() for p in args.policies.split(",") if p.strip()):
         if name not in POLICIES:
@@ -398,8 +394,9 @@ def main(argv: list[str] | None = None) -> int:
         result = simulate(config, arrivals, cost, args.seed, args.warm_passes)
         rows[name] = summarize(result, args.long_threshold)
         if args.trace and (figures := contended_figures(result, args.long_threshold)):
-            rows[name]["contended"] = figures | {"long_ttft_vs_solo": figures["long_ttft_s"] / solo_ttft(
-                config, arrivals, cost, args)}
+            long = figures.pop("long_arrival")
+            solo = solo_ttft(config, long, cost, args.seed, args.warm_passes)
+            rows[name]["contended"] = figures | {"long_ttft_vs_solo": figures["long_ttft_s"] / solo}
     if args.json:
         print(json.dumps({"arrivals": len(arrivals), "cost": asdict(cost), "policies": rows}, indent=1))
     else:

@@ -3,8 +3,8 @@
 #   source benchmarks/gpu/device_runs.sh     # installs MLX (on_device.sh --install-only): after the staging call
 #   run d06_1 --shapes 0.6b --contended-only
 #   run t06_1 --shapes 0.6b --contended-only --traced-midpoints on
-# After every run and on exit $OUT holds runs.tgz (every LABEL/gpu_bench.{json,md} and LABEL.log) and ptx.tgz (the kernel cache: carry it
-# as .ptx-cache/ptx.tgz next call). /root/r outlives a call on a warm machine, so a later call's runs.tgz holds the
+# After every run and on exit $OUT holds runs.tgz (every LABEL/gpu_bench.{json,md} and LABEL.log) and ptx.tgz (the
+# kernel cache: carry it as .ptx-cache/ptx.tgz next call). /root/r outlives a call on a warm machine, so a later call's runs.tgz holds the
 # earlier calls' runs too. `BENCH` holds the arguments every run shares (the issue's contended settings by default).
 # `HOST_WAITS=1 run LABEL ...` preloads benchmarks/gpu/host_waits.c (built when the .so is older than it): the engine
 # thread's blocking waits in MLX land in the contended pass's `submission_waits` and the longest gap's `waits`.

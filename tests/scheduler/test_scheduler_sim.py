@@ -138,7 +138,7 @@ def test_contended_figures_use_the_gpu_benchs_window() -> None:
     assert figures["gap_max_ms"] == pytest.approx(50.0)
     assert figures["gap_median_ms"] == pytest.approx(10.0)
     assert figures["gap_ratio"] == pytest.approx(5.0)
-    assert figures["long_ttft_s"] == pytest.approx(0.12)
+    assert figures["long_ttft_s"] == pytest.approx(0.12) and figures["long_arrival"] is long.arrival
     assert sim.contended_figures({"tracked": {"s0": streams[0]}}, long_threshold=4096) is None  # no long prompt
 
 
@@ -163,7 +163,7 @@ def test_the_contended_trace_reports_the_gap_ratio_and_ttft_against_solo(capsys:
     trace = SIM_PATH.parent / "traces" / "contended_16k.jsonl"
     argv = ["--trace", str(trace), "--policies", "affine-auto-target-checked-fill", "--kv-bucket", "1024",
             "--ms-fixed", "3.4", "--ms-decode-lane", "0.1", "--ms-row", "0.002", "--ms-pair", "7.6e-7",
-            "--ms-prefill-host", "8", "--target-floor-ms", "12"]
+            "--ms-prefill-host", "8", "--set", "step_target_floor_ms=12"]
     assert sim.main([*argv, "--json"]) == 0
     figures = json.loads(capsys.readouterr().out)["policies"]["affine-auto-target-checked-fill"]["contended"]
     assert figures["gap_max_ms"] >= 8.0  # no step with prefill under its host submission
