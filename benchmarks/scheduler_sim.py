@@ -33,7 +33,6 @@ import json
 import math
 import os
 import random
-import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -41,6 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.gpu.workloads import BenchParams, gap_summary  # noqa: E402  (no MLX import)
 from mlx_serve.engine_setup import CHECKED_FLOOR_SLACK  # noqa: E402  (no MLX import)
 from scheduler import LaneKind, Request, Scheduler, SchedulerConfig, StepOutcome, StepPlan  # noqa: E402
 from scheduler.buckets import history_bucket, query_bucket  # noqa: E402
@@ -275,32 +275,31 @@ def solo_ttft(config: SchedulerConfig, long: Arrival, cost: CostFunction, seed: 
     return item.token_times[0] - item.arrival.t
 
 
-WINDOW_TOKENS = 16  # the GPU bench's window: each stream's 16 tokens before the long prompt, 16 after its first
-
-
 def contended_figures(result: dict, long_threshold: int) -> dict | None:
-    """The GPU bench's contended figures for the trace's first long prompt: the streams' longest gap over their median
-    gap from 16 tokens before its arrival to 16 after its first token, and its TTFT. None without a long prompt."""
+    """The GPU bench's contended figures for the trace's first long prompt, by its arithmetic (`gap_summary`): the
+    streams' gaps from its `tokens_before` tokens before the prompt's arrival to `tokens_after` after its first token,
+    and its TTFT. None without a long prompt."""
     items = [item for item in result["tracked"].values() if item.token_times]
     longs = [item for item in items if item.arrival.prompt_tokens >= long_threshold]
     if not longs:
         return None
     long = min(longs, key=lambda item: item.arrival.t)
     arrival, first = long.arrival.t, long.token_times[0]
+    window = BenchParams()
     gaps = []
     for item in items:
         if item is long or item.arrival.t > arrival:
             continue
-        before = [t for t in item.token_times if t <= arrival][-WINDOW_TOKENS:]
+        before = [t for t in item.token_times if t <= arrival][-window.tokens_before :]
         during = [t for t in item.token_times if arrival < t <= first]
-        after = [t for t in item.token_times if t > first][:WINDOW_TOKENS]
+        after = [t for t in item.token_times if t > first][: window.tokens_after]
         times = before + during + after
         gaps += [b - a for a, b in zip(times, times[1:])]
     if not gaps:
         return None
-    median = statistics.median(gaps)
-    return {"gap_ratio": max(gaps) / median, "gap_median_ms": 1000 * median, "gap_max_ms": 1000 * max(gaps),
-            "long_ttft_s": first - arrival, "long_arrival": long.arrival}
+    summary = gap_summary(gaps, [])
+    return {name: summary[name] for name in ("gap_ratio", "gap_p50_ms", "gap_max_ms")} | {
+        "long_ttft_s": first - arrival, "long_arrival": long.arrival}
 
 
 def render(rows: dict[str, dict]) -> str:
@@ -319,10 +318,13 @@ def render(rows: dict[str, dict]) -> str:
                 f"{row['halvings']} | {row['debt_steps']} | {row['preemptions']} |")
         if contended:
             figures = row["contended"]
-            line += (f" {figures['gap_ratio']:.2f} ({figures['gap_max_ms']:.1f} / {figures['gap_median_ms']:.1f} ms)"
+            line += (f" {figures['gap_ratio']:.2f} ({figures['gap_max_ms']:.1f} / {figures['gap_p50_ms']:.1f} ms)"
                      f" | {figures['long_ttft_vs_solo']:.2f}x |")
         lines.append(line)
     return "\n".join(lines)
+
+
+BOOLEANS = {"1": True, "true": True, "on": True, "yes": True, "0": False, "false": False, "off": False, "no": False}
 
 
 def config_override(text: str) -> tuple[str, object]:
@@ -333,7 +335,9 @@ def config_override(text: str) -> tuple[str, object]:
         raise argparse.ArgumentTypeError(f"expected FIELD=VALUE with a SchedulerConfig field, got {text!r}")
     kind = type(fields[name].default)
     if kind is bool:
-        return name, value.lower() in ("1", "true", "on", "yes")
+        if value.lower() not in BOOLEANS:
+            raise argparse.ArgumentTypeError(f"{name}: expected one of {sorted(BOOLEANS)}, got {value!r}")
+        return name, BOOLEANS[value.lower()]
     try:
         return name, kind(value)
     except ValueError as error:

@@ -136,7 +136,7 @@ def test_contended_figures_use_the_gpu_benchs_window() -> None:
     result = {"tracked": {"long": long, "s0": streams[0], "s1": streams[1]}}
     figures = sim.contended_figures(result, long_threshold=4096)
     assert figures["gap_max_ms"] == pytest.approx(50.0)
-    assert figures["gap_median_ms"] == pytest.approx(10.0)
+    assert figures["gap_p50_ms"] == pytest.approx(10.0)
     assert figures["gap_ratio"] == pytest.approx(5.0)
     assert figures["long_ttft_s"] == pytest.approx(0.12) and figures["long_arrival"] is long.arrival
     assert sim.contended_figures({"tracked": {"s0": streams[0]}}, long_threshold=4096) is None  # no long prompt
@@ -167,7 +167,7 @@ def test_the_contended_trace_reports_the_gap_ratio_and_ttft_against_solo(capsys:
     assert sim.main([*argv, "--json"]) == 0
     figures = json.loads(capsys.readouterr().out)["policies"]["affine-auto-target-checked-fill"]["contended"]
     assert figures["gap_max_ms"] >= 8.0  # no step with prefill under its host submission
-    assert figures["gap_ratio"] == pytest.approx(figures["gap_max_ms"] / figures["gap_median_ms"])
+    assert figures["gap_ratio"] == pytest.approx(figures["gap_max_ms"] / figures["gap_p50_ms"])
     assert figures["long_ttft_vs_solo"] >= 1.0  # beside 8 streams the prompt is read no faster than alone
     assert sim.main(argv) == 0
     assert "window gap max / median" in capsys.readouterr().out
@@ -177,6 +177,6 @@ def test_set_overrides_a_config_field_over_every_policy() -> None:
     sim = load_sim()
     args = sim.parse_args(["--set", "floor_slack=1.25", "--set", "budget_midpoints=off", "--set", "row_floor=32"])
     assert dict(args.set) == {"floor_slack": 1.25, "budget_midpoints": False, "row_floor": 32}
-    for bad in ("no_such_field=1", "floor_slack=", "row_floor=many"):
+    for bad in ("no_such_field=1", "floor_slack=", "row_floor=many", "budget_midpoints=flase"):
         with pytest.raises(SystemExit):
             sim.parse_args(["--set", bad])
