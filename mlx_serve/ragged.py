@@ -111,7 +111,7 @@ class PagedChunkAttention:
     row's position. A lane it does not take (no table, or a shape `supports` refuses) attends through `fallback`
     over its gathered history, as any `ChunkAttention`."""
 
-    # (q [1, H, n, D], pool keys, pool values, table, length, positions, scale, block size, after=) -> like q
+    # (q [n, H, D], pool keys, pool values, table, length, positions, scale, block size, after=) -> like q
     attend: Callable[..., mx.array]
     supports: Callable[[mx.array, mx.array, int], bool]  # (q, pool keys, block size)
     fallback: ChunkAttention = sdpa_chunk_attention
@@ -124,9 +124,11 @@ class PagedChunkAttention:
     after: mx.array | None = None  # read the pool once this array's producer has run (KV written in place)
 
     def takes(self, q: mx.array, pool_keys: mx.array, lane: LaneRows, block_size: int) -> bool:
-        if lane.table is None or lane.positions is None or lane.positions.shape[0] != q.shape[2]:
+        """Whether `paged` runs this lane: q `[rows, heads, D]`, as the step's queries lie."""
+        rows, heads = q.shape[0], q.shape[1]
+        if lane.table is None or lane.positions is None or lane.positions.shape[0] < rows:
             return False
-        score_rows = q.shape[2] * (q.shape[1] // pool_keys.shape[1])
+        score_rows = rows * (heads // pool_keys.shape[1])
         few = not self.max_score_rows or score_rows <= self.max_score_rows
         long = score_rows <= self.long_score_rows and lane.table.shape[0] * block_size >= self.long_history
         return (few or long) and self.supports(q, pool_keys, block_size)
@@ -143,6 +145,11 @@ class PagedChunkAttention:
     def __call__(self, q: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
         return self.fallback(q, keys, values, scale, mask)
 
+
+# `PagedChunkAttention` gets a lane's queries `[n, H, D]` as the step lays them and writes its output so (the
+# kernel's QR build): no copy in or out a layer (the copies' encode and launch are host time a mixed step pays,
+# NOTES session 32). False: `[1, H, n, D]` copies as before, for an A/B (`run_gpu_bench --paged-rows-first`)
+PAGED_ROWS_FIRST = True
 
 # H200 (bench_chunk_attention, 8B and 0.6B heads, 2k-16k history): the matmuls won wherever the history held at
 # least 4 tokens per score row, e.g. a 64-row 8B chunk over 8k: 0.15 against cuDNN's 0.21 ms a layer; 16k: 0.23/0.40
@@ -200,23 +207,40 @@ class RaggedLayerCache:
             pool_keys, pool_values = self.pool.keys[self.layer], self.pool.values[self.layer]
             outputs.append(self.step.decode_attention(queries[: decode.count], pool_keys, pool_values, decode, scale))
         for lane in self.step.lanes:
-            q = queries[lane.row_start : lane.row_start + lane.rows].transpose(2, 1, 0, 3)  # [1, H, n, D]
-            if lane.query_rows:  # one layout for every bucketed call: MLX caches a cuDNN graph per shape and strides
-                pad = lane.query_rows - lane.rows
-                q = mx.pad(q, [(0, 0), (0, 0), (0, pad), (0, 0)]) if pad else mx.contiguous(q)
-            out = self._chunk(q, lane, scale)
-            out = out[:, :, : lane.rows] if lane.query_rows > lane.rows else out
-            outputs.append(out.transpose(2, 1, 0, 3))  # back to [n, H, 1, D]
+            rows = queries[lane.row_start : lane.row_start + lane.rows]  # [n, H, 1, D]
+            out = self._paged(rows, lane, scale)
+            if out is None:
+                q = rows.transpose(2, 1, 0, 3)  # [1, H, n, D]
+                if lane.query_rows:  # one layout for every bucketed call: MLX caches a cuDNN graph per shape and strides
+                    pad = lane.query_rows - lane.rows
+                    q = mx.pad(q, [(0, 0), (0, 0), (0, pad), (0, 0)]) if pad else mx.contiguous(q)
+                out = self._gathered(q, lane, scale)
+                out = out[:, :, : lane.rows] if lane.query_rows > lane.rows else out
+                out = out.transpose(2, 1, 0, 3)  # back to [n, H, 1, D]
+            outputs.append(out)
         return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
 
-    def _chunk(self, q: mx.array, lane: LaneRows, scale: float) -> mx.array:
-        """A multi-row lane's attention over its history and itself: read from the pool where the step's chunk
-        attention does that, else over the history gathered (through the block table, or the lane's slots)."""
+    def _paged(self, rows: mx.array, lane: LaneRows, scale: float) -> mx.array | None:
+        """A lane's attention read from the pool by the step's `PagedChunkAttention`, its queries and output rows
+        first as the step's (no copy in or out), or None where it does not take the lane."""
+        attention, size = self.step.chunk_attention, self.pool.block_size
+        if not isinstance(attention, PagedChunkAttention) or lane.table is None:
+            return None
+        q = rows.reshape(rows.shape[0], rows.shape[1], rows.shape[3])  # [n, H, D]: a view
+        pool_keys, pool_values = self.pool.keys[self.layer], self.pool.values[self.layer]
+        if not attention.takes(q, pool_keys, lane, size):
+            return None
+        if not PAGED_ROWS_FIRST:
+            out = attention.paged(mx.contiguous(q.transpose(1, 0, 2)[None]), pool_keys, pool_values, lane, scale, size)
+            return out[0].transpose(1, 0, 2).reshape(rows.shape)
+        return attention.paged(q, pool_keys, pool_values, lane, scale, size).reshape(rows.shape)
+
+    def _gathered(self, q: mx.array, lane: LaneRows, scale: float) -> mx.array:
+        """A multi-row lane's attention `[1, H, n, D]` over its history gathered (through the block table, or the
+        lane's slots) and itself."""
         attention, size = self.step.chunk_attention, self.pool.block_size
         if lane.table is not None:
             pool_keys, pool_values = self.pool.keys[self.layer], self.pool.values[self.layer]
-            if isinstance(attention, PagedChunkAttention) and attention.takes(q, pool_keys, lane, size):
-                return attention.paged(q, pool_keys, pool_values, lane, scale, size)
             keys, values = self.step.prefill_gather(pool_keys, pool_values, lane, size)
         else:
             keys, values = self.pool.gather(self.layer, lane.kv_slots)

@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlx_serve import ane_chunks, dense_experts
+from mlx_serve import ane_chunks, dense_experts, ragged
 from mlx_serve.compiled_mixed import CompiledMixed, MixedShape, TracedMixedShapes, compilable
 from mlx_serve.compiled_step import CompiledDecode, lane_bucket
 from mlx_serve.fused_decode import FusedDecode, split_fused_projections, viewed_projections
@@ -216,7 +216,10 @@ class ModelRunner:
         if not isinstance(attention, PagedChunkAttention) or not self.kv_bucket or self.prefill_gather is None:
             return 0
         layout, size = self.pool.layout, self.pool.block_size
-        q = mx.zeros((1, self.model.args.num_attention_heads, 1, layout.head_dim), layout.dtype)
+        heads = self.model.args.num_attention_heads
+        # as steps lay it: the kernel builds apart by layout
+        q_shape = (1, heads, layout.head_dim) if ragged.PAGED_ROWS_FIRST else (1, heads, 1, layout.head_dim)
+        q = mx.zeros(q_shape, layout.dtype)
         keys = mx.zeros((KV_BUCKET, layout.num_kv_heads, layout.head_dim), layout.dtype)
         if not attention.supports(q, keys, size):
             return 0

@@ -33,6 +33,7 @@ from benchmarks.gpu.models import build_dummy_model, pristine_copy
 from benchmarks.gpu.ours import OurSide
 from benchmarks.gpu.report import markdown
 from benchmarks.gpu.workloads import FULL, QUICK, TINY, BenchParams, Prompts
+from mlx_serve import ragged
 from mlx_serve.commands.serve import floor_slack_arg, row_quantum_arg, step_target_arg
 from mlx_serve.config import AUTO_STEP_FACTOR
 from mlx_serve.kernels import paged_attention
@@ -405,6 +406,10 @@ def main() -> None:
         "--attention-mma", choices=("on", "off"), default=None,
         help="paged_attention.MMA: the tensor-core decode-attention kernel where it fits (A/B)",
     )
+    parser.add_argument(
+        "--paged-rows-first", choices=("on", "off"), default=None,
+        help="ragged.PAGED_ROWS_FIRST: the paged chunk attention reads and writes the step's rows in place (A/B)",
+    )
     parser.add_argument("--out", type=Path, default=Path("gpu_bench_out"))
     parser.add_argument(
         "--label", default="", help="free text for the header (e.g. the commit and patches measured)"
@@ -421,6 +426,8 @@ def main() -> None:
         paged_attention.ONE_PASS_BLOCKS = args.one_pass_blocks
     if args.attention_mma is not None:
         paged_attention.MMA = args.attention_mma == "on"
+    if args.paged_rows_first is not None:
+        ragged.PAGED_ROWS_FIRST = args.paged_rows_first == "on"
     settings = mlx_settings(os.environ)
     meta = {
         "command": "".join(f"{k}={v} " for k, v in settings.items())

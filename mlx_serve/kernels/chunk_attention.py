@@ -257,13 +257,14 @@ __device__ __forceinline__ unsigned ca_pack(float lo, float hi) {
 
 # Template: D (64 or 128), G (query heads a kv head), BS (block size), BN (tokens a tile), STAGES
 # (shared-memory stages), WARPS (4 or 8), MT (m16 row tiles a warp: 1 or 2), TABLE (1: table entries staged in
-# shared memory, TC at a time), SMEM (the bytes of shared memory the launcher gives a block); the macros CA_PARTIAL (partial
-# outputs) and CA_DYNAMIC (dynamic shared memory) come in the header. Inputs: q [1, H, R, D] bf16,
-# k_pool/v_pool [slots, KVH, D] bf16, table [NB] int32, length [2] int32 (tokens; the padded length is not
-# read), positions [R] int32, scale_log2 [1] fp32 (scale * log2 e), and optionally `after` (never read). Grid:
-# (ceil(R * G / (16 * MT * WARPS)), KVH, splits) blocks of WARPS * 32 threads. Outputs: out [1, H, R, D] bf16; or
-# o_part [splits, H, R, D] fp32 (unnormalised) and ml_part [splits, H, R, 2] fp32 (row max in the log2 domain,
-# row sum).
+# shared memory, TC at a time), SMEM (the bytes of shared memory the launcher gives a block), QR (1: q and the
+# outputs rows first, [R, H, D], as the step's queries lie: no copy of them in or out); the macros CA_PARTIAL
+# (partial outputs) and CA_DYNAMIC (dynamic shared memory) come in the header. Inputs: q [1, H, R, D] bf16 (QR:
+# [R, H, D]), k_pool/v_pool [slots, KVH, D] bf16, table [NB] int32, length [2] int32 (tokens; the padded length
+# is not read), positions [>= R] int32 (the first R read), scale_log2 [1] fp32 (scale * log2 e), and optionally
+# `after` (never read). Grid: (ceil(R * G / (16 * MT * WARPS)), KVH, splits) blocks of WARPS * 32 threads.
+# Outputs: out like q, bf16; or o_part [splits, H, R, D] fp32 (unnormalised) and ml_part [splits, H, R, 2] fp32
+# (row max in the log2 domain, row sum), [splits, R, H, ...] with QR.
 SOURCE = r"""
   static_assert(D == 64 || D == 128, "chunk attention takes heads of 64 or 128 dims");
   static_assert(BN % 16 == 0 && BN >= 16, "tiles of whole k16 steps of P V");
@@ -297,7 +298,9 @@ SOURCE = r"""
   int* const tab = reinterpret_cast<int*>(Qs + QTILE);
 
   const int H = q_shape[1];
-  const int R = q_shape[2];
+  const int R = QR ? q_shape[0] : q_shape[2];
+  // (head, query row) -> its row of q and of the outputs: [H, R] or, with QR, [R, H]
+  auto q_index = [&](int head, int i) { return QR ? (size_t)i * H + head : (size_t)head * R + i; };
   const int KVH = k_pool_shape[1];
   const int NB = table_shape[0];
   const int tile = gridDim.x - 1 - blockIdx.x;  // the last query tiles see the most keys: start them first
@@ -351,7 +354,7 @@ SOURCE = r"""
   }
 
   auto q_row = [&](int s) {  // score row s: query head kvh * G + s % G, row s / G (none past the rows)
-    const __nv_bfloat16* row = q + ((size_t)(kvh * G + s % G) * R + s / G) * D;
+    const __nv_bfloat16* row = q + q_index(kvh * G + s % G, s / G) * D;
     return s < rows ? row : nullptr;
   };
   // Q's A fragments: with one m16 tile a warp, held in registers for the whole history: a0 (row gid, dims
@@ -579,7 +582,7 @@ SOURCE = r"""
     for (int h = 0; h < 2; ++h) {
       const int srow = score_row(mt, h);
       if (srow >= rows) continue;
-      const size_t row = (size_t)(kvh * G + srow % G) * R + srow / G;  // (head, query row) in [H, R]
+      const size_t row = q_index(kvh * G + srow % G, srow / G);
 #if CA_PARTIAL
       float* op = o_part + ((size_t)split * H * R + row) * D + 2 * tig;
       #pragma unroll
@@ -601,8 +604,9 @@ SOURCE = r"""
     }
 """
 
-# Template: D. Inputs: o_part [splits, H, R, D] fp32, ml_part [splits, H, R, 2] fp32. Output: out [1, H, R, D]
-# bf16. One thread per 4 dims of a (head, row); grid: H * R * D / 4 threads, in blocks of 128.
+# Template: D. Inputs: o_part [splits, H, R, D] fp32, ml_part [splits, H, R, 2] fp32 (or [splits, R, H, ...]).
+# Output: out [1, H, R, D] (or [R, H, D]) bf16, the partials' rows in their order. One thread per 4 dims of a
+# (head, row); grid: H * R * D / 4 threads, in blocks of 128.
 MERGE_SOURCE = r"""
   const int splits = o_part_shape[0];
   const size_t rows = (size_t)o_part_shape[1] * o_part_shape[2];
@@ -686,12 +690,16 @@ def _int32(values: mx.array) -> mx.array:
     return values if values.dtype == mx.int32 else values.astype(mx.int32)
 
 
+def rows_first(q: mx.array) -> bool:
+    """Whether `q` is `[rows, heads, D]` (the step's own layout) rather than `[1, heads, rows, D]`."""
+    return q.ndim == 3
+
+
 def supports(q: mx.array, pool_keys: mx.array, block_size: int) -> bool:
-    """Whether the kernel takes this chunk: bf16 queries and pool, heads of 64 or 128 dims, one batch element,
-    any whole group of query heads a kv head, any block size."""
+    """Whether the kernel takes this chunk: bf16 queries (`[1, heads, rows, D]` or `[rows, heads, D]`) and pool,
+    heads of 64 or 128 dims, any whole group of query heads a kv head, any block size."""
     return (
-        q.ndim == 4
-        and q.shape[0] == 1
+        (q.ndim == 3 or (q.ndim == 4 and q.shape[0] == 1))
         and pool_keys.ndim == 3
         and q.dtype == mx.bfloat16
         and pool_keys.dtype == mx.bfloat16
@@ -705,7 +713,7 @@ def supports(q: mx.array, pool_keys: mx.array, block_size: int) -> bool:
 def _check(q, pool_keys, pool_values, table, length, positions, block_size) -> None:
     if not supports(q, pool_keys, block_size):
         raise ValueError(
-            "paged chunk attention takes bf16 queries [1, heads, rows, D] and a bf16 pool [slots, kv_heads, "
+            "paged chunk attention takes bf16 queries [1, heads, rows, D] or [rows, heads, D] and a bf16 pool [slots, kv_heads, "
             f"D] with D in {HEAD_DIMS}, heads a multiple of kv_heads and a positive block size; got q "
             f"{q.shape} {q.dtype}, pool {pool_keys.shape} {pool_keys.dtype}, block size {block_size}"
         )
@@ -714,8 +722,9 @@ def _check(q, pool_keys, pool_values, table, length, positions, block_size) -> N
         raise ValueError(f"pool values {values} differ from the keys {keys}")
     if table.ndim != 1 or length.ndim != 1 or length.shape[0] < 1:
         raise ValueError(f"table must be [blocks] and length [2], not {table.shape} and {length.shape}")
-    if positions.shape != (q.shape[2],):
-        raise ValueError(f"positions must be [rows] = [{q.shape[2]}], not {positions.shape}")
+    rows = q.shape[0] if rows_first(q) else q.shape[2]
+    if positions.ndim != 1 or positions.shape[0] < rows:
+        raise ValueError(f"positions must be [at least rows] = [{rows}], not {positions.shape}")
 
 
 def split_count(blocks: int, padded: int, per_sm: int = 2) -> int:
@@ -751,10 +760,11 @@ def paged_chunk_attention(
     warps: int | None = None,
     variant: Variant | None = None,
 ) -> mx.array:
-    """softmax((q * scale) K^T + mask) V over the history the block table lists: `[1, heads, rows, D]` bf16.
+    """softmax((q * scale) K^T + mask) V over the history the block table lists, bf16 in q's layout.
 
-    q `[1, heads, rows, D]`; pool keys/values `[slots, kv_heads, D]`; table `[blocks]` int32; length `[2]`
-    int32 (visible tokens, padded length); positions `[rows]` int32: key j is visible to row i iff
+    q `[1, heads, rows, D]`, or `[rows, heads, D]` (a slice of the step's queries, read in place: no copy in or
+    out); pool keys/values `[slots, kv_heads, D]`; table `[blocks]` int32; length `[2]` int32 (visible tokens,
+    padded length); positions `[rows]` int32 (or longer: the first `rows` are read): key j is visible to row i iff
     j <= positions[i] and j < length[0]. `variant` (the build: `default_variant()`), `splits` (history
     splits: `split_count`) and `warps` (4 or 8 a block, over the variant's) override the module's choices, for
     tests and benchmarks.
@@ -762,7 +772,10 @@ def paged_chunk_attention(
     MLX orders kernels by the arrays they output, so a kernel that wrote the pool in place is not seen as the
     pool's writer: pass its output as `after` to read the pool only once it has run."""
     _check(q, pool_keys, pool_values, table, length, positions, block_size)
-    _, heads, rows, head_dim = q.shape
+    first = rows_first(q)
+    heads, head_dim = q.shape[1], q.shape[-1]
+    rows = q.shape[0] if first else q.shape[2]
+    row_shape = (rows, heads) if first else (heads, rows)  # the outputs' rows, as q's
     kv_heads = pool_keys.shape[1]
     group = heads // kv_heads
     variant = variant or default_variant()
@@ -788,6 +801,7 @@ def paged_chunk_attention(
             ("TC", variant.table_entries if variant.table else 0),
             ("SMEM", smem),
             ("MINB", variant.min_blocks),
+            ("QR", int(first)),
         ],
         "grid": (tiles * threads, kv_heads, count),
         "threadgroup": (threads, 1, 1),
@@ -800,7 +814,7 @@ def paged_chunk_attention(
         return out
     o_part, ml_part = _kernel(True, ordered, dynamic_smem, bounds)(
         inputs=inputs,
-        output_shapes=[(count, heads, rows, head_dim), (count, heads, rows, 2)],
+        output_shapes=[(count, *row_shape, head_dim), (count, *row_shape, 2)],
         output_dtypes=[mx.float32, mx.float32],
         **launch,
     )
@@ -831,13 +845,17 @@ def reference_chunk_attention(
     block_size: int = 16,
     after: mx.array | None = None,
 ) -> mx.array:
-    """The same attention in plain MLX ops (`table_gather`, an explicit mask, fused SDPA), any dtype: the
-    yardstick the kernel is tested against, and the path elsewhere. Rows that see no key give zeros, as the
-    kernel's do."""
-    padded = table.shape[0] * block_size
-    lane = LaneRows(0, q.shape[2], mx.zeros((0,), mx.int32), None, _int32(table), _int32(length), padded)
+    """The same attention in plain MLX ops (`table_gather`, an explicit mask, fused SDPA), any dtype, q in either
+    layout: the yardstick the kernel is tested against, and the path elsewhere. Rows that see no key give zeros,
+    as the kernel's do."""
+    if rows_first(q):
+        out = reference_chunk_attention(q.transpose(1, 0, 2)[None], pool_keys, pool_values, table, length,
+                                        positions, scale, block_size)  # fmt: skip
+        return out[0].transpose(1, 0, 2)
+    rows, padded = q.shape[2], table.shape[0] * block_size
+    lane = LaneRows(0, rows, mx.zeros((0,), mx.int32), None, _int32(table), _int32(length), padded)
     keys, values = table_gather(pool_keys, pool_values, lane, block_size)
     key_pos = mx.arange(padded, dtype=mx.int32)[None, :]
-    visible = (key_pos <= _int32(positions)[:, None]) & (key_pos < lane.length[0])  # [rows, padded]
+    visible = (key_pos <= _int32(positions)[:rows, None]) & (key_pos < lane.length[0])  # [rows, padded]
     out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=visible[None, None])
     return mx.where(visible.any(axis=-1)[None, None, :, None], out, mx.zeros((), q.dtype))

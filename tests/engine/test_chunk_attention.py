@@ -86,13 +86,18 @@ def test_auto_chunk_attention_takes_matmuls_only_for_long_histories_within_the_s
     assert engine_setup.chunk_attention("matmul").history_per_score_row == 0
 
 
-def test_engine_with_paged_chunk_attention_matches_mlx_lm(tiny_qwen3):
+@pytest.mark.parametrize("rows_first", [True, False])
+def test_engine_with_paged_chunk_attention_matches_mlx_lm(tiny_qwen3, monkeypatch, rows_first):
     """`--chunk-attention paged` on the CPU (the kernel's MLX-ops reference reading the pool through the block
     table, each row's positions passed down): chunks of 7 rows beside decoding streams give mlx-lm's greedy
-    tokens, every chunk went through the paged path, and the scheduler counts exact (unpadded) history."""
+    tokens, every chunk went through the paged path with its queries as the step lays them (`[rows, heads, D]`,
+    no pad rows; or `[1, heads, rows, D]` copies with `PAGED_ROWS_FIRST` off, the A/B's other side), and the
+    scheduler counts exact (unpadded) history."""
     from dataclasses import replace
 
     from mlx_serve.kernels import chunk_attention as paged
+
+    monkeypatch.setattr(ragged, "PAGED_ROWS_FIRST", rows_first)
 
     engine = Engine.load(EngineConfig(model=str(tiny_qwen3), row_ceiling=7, row_floor=1, chunk_attention="paged",
                                       warm_up=False))  # fmt: skip
@@ -102,20 +107,22 @@ def test_engine_with_paged_chunk_attention_matches_mlx_lm(tiny_qwen3):
     seen = []
 
     def attend(q, *args, **kwargs):
-        seen.append((q.shape[2], args[4].shape[0]))  # the rows attention runs with, and their positions
+        rows = q.shape[0] if q.ndim == 3 else q.shape[2]
+        seen.append((q.ndim, rows, args[4].shape[0]))  # layout, the rows attention runs with, positions
         return paged.reference_chunk_attention(q, *args, **kwargs)
 
     engine.runner.chunk_attention = replace(chunk, attend=attend)
     prompts = [prompt_of(n, seed=300 + i) for i, n in enumerate((45, 12, 70, 9, 33))]
     for prompt, tokens in zip(prompts, generate_in_cuda_layout(engine, prompts, 8, table_gather)):
         assert tokens == reference_tokens(tiny_qwen3, prompt, 8)
-    assert seen and all(rows == positions for rows, positions in seen)
+    layout = 3 if rows_first else 4
+    assert seen and all(ndim == layout and 1 <= rows <= min(7, positions) for ndim, rows, positions in seen)
 
 
 def test_paged_chunk_attention_takes_lanes_with_a_table_positions_and_few_enough_score_rows():
-    """The kernel takes a lane read through its block table whose positions match its query rows, up to
-    `max_score_rows` (rows x query heads a kv head), or `long_score_rows` over a long enough table; any other
-    lane attends through the fallback."""
+    """The kernel takes a lane read through its block table with a position for each of its query rows (q
+    `[rows, heads, D]`), up to `max_score_rows` (rows x query heads a kv head), or `long_score_rows` over a long
+    enough table; any other lane attends through the fallback."""
     chunk = ragged.PagedChunkAttention(lambda *a, **k: None, lambda q, keys, size: True, max_score_rows=512)
     keys = mx.zeros((64, 8, 64))
     table, length = mx.zeros((4,), dtype=mx.int32), mx.array([40, 64], dtype=mx.int32)
@@ -124,33 +131,38 @@ def test_paged_chunk_attention_takes_lanes_with_a_table_positions_and_few_enough
         return ragged.LaneRows(0, rows, mx.zeros((0,), dtype=mx.int32), None, table if with_table else None, length,
                                64, rows, None if positions is None else mx.arange(positions))  # fmt: skip
 
-    q = mx.zeros((1, 32, 128, 64))  # 4 query heads a kv head: 512 score rows
+    q = mx.zeros((128, 32, 64))  # 4 query heads a kv head: 512 score rows
     assert chunk.takes(q, keys, lane(128, 128), 16)
-    assert not chunk.takes(mx.zeros((1, 32, 192, 64)), keys, lane(192, 192), 16)  # 768 score rows
-    assert ragged.PagedChunkAttention(chunk.attend, chunk.supports).takes(mx.zeros((1, 32, 192, 64)), keys,
+    assert chunk.takes(q, keys, lane(128, 192), 16)  # positions padded to a bucket: the first 128 are read
+    assert not chunk.takes(mx.zeros((192, 32, 64)), keys, lane(192, 192), 16)  # 768 score rows
+    assert ragged.PagedChunkAttention(chunk.attend, chunk.supports).takes(mx.zeros((192, 32, 64)), keys,
                                                                         lane(192, 192), 16)  # fmt: skip
-    assert not chunk.takes(q, keys, lane(128, 127), 16)  # positions of other rows
+    assert not chunk.takes(q, keys, lane(128, 127), 16)  # a row without a position
     assert not chunk.takes(q, keys, lane(128, None), 16) and not chunk.takes(q, keys, lane(128, 128, False), 16)
     # up to `long_score_rows` where the table holds at least `long_history` tokens (4 blocks of 16 here)
     wide = ragged.PagedChunkAttention(chunk.attend, chunk.supports, max_score_rows=512, long_score_rows=768,
                                       long_history=64)  # fmt: skip
-    assert wide.takes(mx.zeros((1, 32, 192, 64)), keys, lane(192, 192), 16)
-    assert not wide.takes(mx.zeros((1, 32, 256, 64)), keys, lane(256, 256), 16)  # 1,024 score rows
-    assert not replace(wide, long_history=80).takes(mx.zeros((1, 32, 192, 64)), keys, lane(192, 192), 16)
+    assert wide.takes(mx.zeros((192, 32, 64)), keys, lane(192, 192), 16)
+    assert not wide.takes(mx.zeros((256, 32, 64)), keys, lane(256, 256), 16)  # 1,024 score rows
+    assert not replace(wide, long_history=80).takes(mx.zeros((192, 32, 64)), keys, lane(192, 192), 16)
 
 
-def test_warm_up_runs_the_paged_kernel_in_each_form_a_step_may_launch(tiny_qwen3):
-    """One pass and split histories, each with and without the in-place ordering input: every form compiles at
-    first use on CUDA (a contended run's streams stalled 4.1 s on it), so the warm-up runs each once."""
+@pytest.mark.parametrize("rows_first", [True, False])
+def test_warm_up_runs_the_paged_kernel_in_each_form_a_step_may_launch(tiny_qwen3, monkeypatch, rows_first):
+    """One pass and split histories, each with and without the in-place ordering input, queries laid out as
+    steps lay them: every form compiles at first use on CUDA (a contended run's streams stalled 4.1 s on it), so
+    the warm-up runs each once."""
     from dataclasses import replace
 
     from mlx_serve.kernels import chunk_attention as paged
 
+    monkeypatch.setattr(ragged, "PAGED_ROWS_FIRST", rows_first)
     engine = Engine.load(EngineConfig(model=str(tiny_qwen3), chunk_attention="paged", warm_up=False))
     try:
         calls = []
 
         def attend(q, keys, values, table, length, positions, scale, block_size, after=None):
+            assert q.ndim == (3 if ragged.PAGED_ROWS_FIRST else 4)  # as `RaggedLayerCache` passes them
             calls.append((table.shape[0] * block_size, after is not None))
             return paged.reference_chunk_attention(q, keys, values, table, length, positions, scale, block_size)
 

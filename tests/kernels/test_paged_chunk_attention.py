@@ -221,6 +221,10 @@ def test_supports_bf16_heads_of_64_and_128_and_whole_groups() -> None:
     assert not supports(mx.zeros((1, 12, 8, 128), mx.bfloat16), pool, 16)  # 12 heads over 8 kv heads
     assert not supports(mx.zeros((2, 32, 8, 128), mx.bfloat16), pool, 16)  # a batch of two
     assert not supports(q, pool, 0)
+    rows_first = mx.zeros((8, 32, 128), mx.bfloat16)  # [rows, heads, D], as steps lay their queries
+    assert supports(rows_first, pool, 16) and supports(rows_first[:, :8], pool, 16)
+    assert not supports(mx.zeros((8, 12, 128), mx.bfloat16), pool, 16)
+    assert not supports(mx.zeros((8, 32, 1, 128), mx.bfloat16), pool, 16)  # a batch of eight
 
 
 def test_kernel_refuses_what_it_does_not_support() -> None:
@@ -232,6 +236,8 @@ def test_kernel_refuses_what_it_does_not_support() -> None:
         paged_chunk_attention(q[..., :32], keys[..., :32], values[..., :32], table, length, positions, 1, 16)
     with pytest.raises(ValueError, match="positions"):
         paged_chunk_attention(q, keys, values, table, length, positions[:3], scale, block_size)
+    with pytest.raises(ValueError, match="positions"):  # rows first: still a position for each row
+        paged_chunk_attention(q[0].transpose(1, 0, 2), keys, values, table, length, positions[:3], scale, block_size)
     with pytest.raises(ValueError, match="differ"):
         paged_chunk_attention(q, keys, values[:16], table, length, positions, scale, block_size)
     assert paged_chunk_attention.orders_after
@@ -319,11 +325,13 @@ def warp_reduce(x: np.ndarray, op) -> np.ndarray:
     return x
 
 
-def emulate_kernel(p: Problem, splits: int, variant: Variant) -> tuple[np.ndarray, int]:
+def emulate_kernel(p: Problem, splits: int, variant: Variant, rows_first: bool = False) -> tuple[np.ndarray, int]:
     """The CUDA source's steps, one lane per array element, in float64 but for its bf16 roundings (P, the
     output): the same block ranges, table window (loads and refills), copies into the pipeline's padded stages
     (issued in the kernel's order: a stage is refilled only once its tile is done), fragment addresses, masks,
-    online softmax and merge. Returns the output and the most table window loads one block made."""
+    online softmax and merge; q and the outputs read and written through the kernel's `q_index` (`rows_first`:
+    the QR build, `[rows, heads, D]`). Returns the output `[1, heads, rows, D]` and the most table window loads
+    one block made."""
     BN, STAGES, warps, TC, MT = variant.bn, variant.stages, variant.warps, variant.table_entries, variant.row_tiles
     _, heads, rows_q, D = p.q.shape
     kv_heads = p.pool_keys.shape[1]
@@ -337,9 +345,13 @@ def emulate_kernel(p: Problem, splits: int, variant: Variant) -> tuple[np.ndarra
     length = min(int(p.length[0]), NB * BS)
     sl2 = p.scale * LOG2E
     positions = p.positions.astype(np.int64)
-    o_part = np.zeros((splits, heads, rows_q, D))
-    ml_part = np.zeros((splits, heads, rows_q, 2))
+    q_rows = (p.q[0].transpose(1, 0, 2) if rows_first else p.q[0]).reshape(-1, D)  # q as the kernel sees it
+    o_part = np.zeros((splits, heads * rows_q, D))  # the partials' rows in q's order
+    ml_part = np.zeros((splits, heads * rows_q, 2))
     window_loads = []  # table window loads a block made
+
+    def q_index(head, i):  # the kernel's: (head, query row) -> its row of q and the outputs
+        return i * heads + head if rows_first else head * rows_q + i
 
     def at(row, chunk):
         return row * (D + 8) + chunk * 8
@@ -350,7 +362,7 @@ def emulate_kernel(p: Problem, splits: int, variant: Variant) -> tuple[np.ndarra
     def q_value(kvh, s, d):  # Q of score row s (zero past the rows), dims d
         ok = s < rows
         s = np.where(ok, s, 0)
-        return np.where(ok, p.q[0, kvh * G + s % G, s // G, d], 0.0)
+        return np.where(ok, q_rows[q_index(kvh * G + s % G, s // G), d], 0.0)
 
     k_row, k_chunk = (LANE & 7) + ((LANE >> 4) << 3), (LANE >> 3) & 1
     v_row, v_chunk = (LANE & 7) + (((LANE >> 3) & 1) << 3), LANE >> 4
@@ -485,11 +497,11 @@ def emulate_kernel(p: Problem, splits: int, variant: Variant) -> tuple[np.ndarra
                         total = quad_reduce(w["l"][h], np.add)
                         for lane in np.nonzero(w["s"][h] < rows)[0]:
                             sr = w["s"][h][lane]
-                            head, row = kvh * G + sr % G, sr // G
+                            row = q_index(kvh * G + sr % G, sr // G)
                             for nd in range(OT):
                                 dims = 8 * nd + 2 * TIG[lane] + np.arange(2)
-                                o_part[split, head, row, dims] = w["o"][nd, lane, 2 * h : 2 * h + 2]
-                            ml_part[split, head, row] = (w["m"][h][lane] * sl2, total[lane])
+                                o_part[split, row, dims] = w["o"][nd, lane, 2 * h : 2 * h + 2]
+                            ml_part[split, row] = (w["m"][h][lane] * sl2, total[lane])
                 window_loads.append(window["loads"])
     # the merge (with one split: the kernel's own normalisation, the same arithmetic)
     mmax = ml_part[..., 0].max(axis=0)
@@ -497,7 +509,9 @@ def emulate_kernel(p: Problem, splits: int, variant: Variant) -> tuple[np.ndarra
     c = np.where(ml_part[..., 0] == -np.inf, 0.0, np.exp2(shifted))
     total = (c * ml_part[..., 1]).sum(axis=0)
     out = (c[..., None] * o_part).sum(axis=0) / np.where(total > 0, total, 1.0)[..., None]
-    return _bf16(np.where(total[..., None] > 0, out, 0.0))[None], max(window_loads, default=0)
+    out = _bf16(np.where(total[..., None] > 0, out, 0.0))
+    out = out.reshape(rows_q, heads, D).transpose(1, 0, 2) if rows_first else out.reshape(heads, rows_q, D)
+    return out[None], max(window_loads, default=0)
 
 
 # rows, history, heads, kv_heads, head_dim, block_size, query_rows, table_tokens, splits, variant
@@ -538,6 +552,20 @@ def test_numpy_model_of_the_kernel_matches_float64_attention(case) -> None:
     assert_close(out, p, f"emulated {case}")
     if variant.table and variant.table_entries < 100:
         assert window_loads >= 2, "the case meant to refill the table window does not"
+
+
+@pytest.mark.parametrize("case", [EMULATED_CASES[i] for i in (0, 2, 6, 7)], ids=lambda case: f"{case[0]}x{case[1]}-{case[-1]}")
+def test_numpy_model_of_the_rows_first_build_gives_the_same_output(case) -> None:
+    """The QR build (q and outputs `[rows, heads, D]`, as the engine's steps pass them) reads every score row's
+    queries and writes its output where the other layout has them: the same arithmetic, the same bits. Cases: G
+    = 2 with pad rows, G = 8, two row tiles a warp with splits, G = 1 straddling the row tiles."""
+    rows, history, heads, kv_heads, head_dim, block_size, query_rows, table_tokens, splits, spec = case
+    p = make_problem(rows, history, heads, kv_heads, head_dim, block_size, query_rows=query_rows,
+                     table_tokens=table_tokens, seed=11 + rows)  # fmt: skip
+    heads_first, _ = emulate_kernel(p, splits, Variant.parse(spec))
+    rows_first, _ = emulate_kernel(p, splits, Variant.parse(spec), rows_first=True)
+    np.testing.assert_array_equal(rows_first, heads_first)
+    assert_close(rows_first, p, f"emulated rows first {case}")
 
 
 def test_variants() -> None:
@@ -585,9 +613,10 @@ COMPILE_UNITS = [
 ]
 
 
-def _launch(unit) -> None:
+def _launch(unit, rows_first: bool = False) -> None:
+    """`rows_first`: q `[rows, heads, D]`, as the engine's steps pass it (the QR build)."""
     rows, history, heads, kv_heads, head_dim, block_size, table_tokens, splits, warps, after, spec = unit
-    q = mx.zeros((1, heads, rows, head_dim), mx.bfloat16)
+    q = mx.zeros((rows, heads, head_dim) if rows_first else (1, heads, rows, head_dim), mx.bfloat16)
     pool = mx.zeros((table_tokens, kv_heads, head_dim), mx.bfloat16)
     table = mx.zeros((table_tokens // block_size,), mx.int32)
     length = mx.array([history + rows, table_tokens], mx.int32)
@@ -631,7 +660,10 @@ def test_kernels_compile(monkeypatch) -> None:
     with _recording(monkeypatch) as recorded:
         for unit in COMPILE_UNITS:
             _launch(unit)
+        for unit in COMPILE_UNITS[:4]:  # each output form of the default build, rows first
+            _launch(unit, rows_first=True)
         kernels = _distinct(recorded)
+    assert sum("constexpr int QR = 1;" in kernel.source for kernel in kernels) == 4
     names = {kernel.name.removesuffix(f"_{chunk_attention.SOURCE_DIGEST}") for kernel in kernels}
     assert names == {
         "mlx_serve_chunk_attention", "mlx_serve_chunk_attention_partial", "mlx_serve_chunk_attention_dyn",
@@ -666,6 +698,9 @@ def test_every_variant_compiles_within_its_registers(monkeypatch) -> None:
             for splits in (4, 1) if variant != bounded else (4,):
                 _launch((128, 16000, 32, 8, 128, 16, 16384, splits, None, False, variant))
                 units.append((variant, splits, next(k for k in reversed(recorded) if "merge" not in k.name)))
+        for splits in (4, 1):  # the default build as steps launch it: q and the outputs rows first
+            _launch((128, 16000, 32, 8, 128, 16, 16384, splits, None, False, default_variant()), rows_first=True)
+            units.append((default_variant(), splits, next(k for k in reversed(recorded) if "merge" not in k.name)))
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         results = list(pool.map(_ptxas, [kernel for *_, kernel in units]))
     lines = []
@@ -821,3 +856,38 @@ def test_after_orders_without_changing_the_result() -> None:
     p = make_problem(64, 500, 32, 8, seed=3)
     plain = _run(p)
     np.testing.assert_array_equal(_run(p, after=mx.zeros((4,))), plain)
+
+
+@on_cuda
+@pytest.mark.parametrize("rows,history,head_dim,heads", SPLIT_CASES[:4] + [(700, 2000, 128, (16, 8))])
+def test_rows_first_queries_give_the_same_bits(rows, history, head_dim, heads) -> None:
+    """q `[rows, heads, D]` (a slice of a step's queries, as `RaggedLayerCache` passes it: the QR build) gives
+    the `[1, heads, rows, D]` output transposed, bit for bit, one pass and split, ordered after a writer, and
+    from a slice of a larger queries array read in place; positions may run past the rows (a padded lane)."""
+    seed = _seed()
+    p = make_problem(rows, history, *heads, head_dim, table_tokens=history_bucket(history + rows, 1024), seed=seed)
+    q, keys, values, table, length, positions, scale, block_size = p.inputs()
+    step = mx.concatenate([mx.zeros((3, heads[0], head_dim), q.dtype), q[0].transpose(1, 0, 2)])  # 3 rows before
+    padded = mx.concatenate([positions, mx.repeat(positions[-1:], 5)])
+    for splits in (1, None, 3):
+        want = _run(p, splits=splits)
+        got = paged_chunk_attention(step[3:], keys, values, table, length, padded, scale, block_size,
+                                    mx.zeros((2,)), splits=splits)  # fmt: skip
+        assert got.shape == (rows, heads[0], head_dim)
+        got = np.array(got.astype(mx.float32)).transpose(1, 0, 2)[None]
+        np.testing.assert_array_equal(got, want, err_msg=f"seed {seed}, splits {splits}")
+    reference = reference_chunk_attention(step[3:], keys, values, table, length, padded, scale, block_size)
+    assert_close(np.array(reference.astype(mx.float32)).transpose(1, 0, 2)[None], p, f"seed {seed}", np.float32)
+
+
+def test_the_reference_takes_rows_first_queries_and_longer_positions() -> None:
+    """`reference_chunk_attention` (the path off CUDA) in the steps' layout: q `[rows, heads, D]` gives the
+    `[1, heads, rows, D]` answer transposed, reading the first `rows` of padded positions."""
+    p = make_problem(13, 90, 8, 2, 64, table_tokens=128, seed=5)
+    q, keys, values, table, length, positions, scale, block_size = p.inputs(mx.float32)
+    want = reference_chunk_attention(q, keys, values, table, length, positions, scale, block_size)
+    padded = mx.concatenate([positions, mx.repeat(positions[-1:], 3)])
+    got = reference_chunk_attention(q[0].transpose(1, 0, 2), keys, values, table, length, padded, scale, block_size)
+    assert got.shape == (13, 8, 64)
+    np.testing.assert_allclose(np.array(got.transpose(1, 0, 2)[None]), np.array(want), rtol=1e-6, atol=1e-6)
+    assert_close(np.array(got.transpose(1, 0, 2)[None]), p, "rows first")
