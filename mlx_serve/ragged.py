@@ -111,7 +111,8 @@ class PagedChunkAttention:
     row's position. A lane it does not take (no table, or a shape `supports` refuses) attends through `fallback`
     over its gathered history, as any `ChunkAttention`."""
 
-    # (q [n, H, D], pool keys, pool values, table, length, positions, scale, block size, after=) -> like q
+    # (q [n, H, D], pool keys, pool values, table, length, positions, scale, block size, after=, head=) -> like q,
+    # head's rows (the step's before the lane's, [P, H, D]) first where given
     attend: Callable[..., mx.array]
     supports: Callable[[mx.array, mx.array, int], bool]  # (q, pool keys, block size)
     fallback: ChunkAttention = sdpa_chunk_attention
@@ -134,10 +135,10 @@ class PagedChunkAttention:
         return (few or long) and self.supports(q, pool_keys, block_size)
 
     def paged(self, q: mx.array, pool_keys: mx.array, pool_values: mx.array, lane: LaneRows, scale: float,
-              block_size: int) -> mx.array:  # fmt: skip
-        ordered = {} if self.after is None else {"after": self.after}
+              block_size: int, head: mx.array | None = None) -> mx.array:  # fmt: skip
+        extra = ({} if self.after is None else {"after": self.after}) | ({} if head is None else {"head": head})
         return self.attend(q, pool_keys, pool_values, lane.table, lane.length, lane.positions, scale, block_size,
-                           **ordered)  # fmt: skip
+                           **extra)  # fmt: skip
 
     def ordered_after(self, queries: mx.array) -> PagedChunkAttention:
         return replace(self, after=queries)
@@ -208,7 +209,12 @@ class RaggedLayerCache:
             outputs.append(self.step.decode_attention(queries[: decode.count], pool_keys, pool_values, decode, scale))
         for lane in self.step.lanes:
             rows = queries[lane.row_start : lane.row_start + lane.rows]  # [n, H, 1, D]
-            out = self._paged(rows, lane, scale)
+            # the rows before this lane's, as one array, ride in the paged kernel's output: no concatenation
+            head = outputs[0] if len(outputs) == 1 and _leads(outputs[0], rows, lane.row_start) else None
+            out = self._paged(rows, lane, scale, head)
+            if out is not None and head is not None:
+                outputs = [out]
+                continue
             if out is None:
                 q = rows.transpose(2, 1, 0, 3)  # [1, H, n, D]
                 if lane.query_rows:  # one layout for every bucketed call: MLX caches a cuDNN graph per shape and strides
@@ -220,9 +226,10 @@ class RaggedLayerCache:
             outputs.append(out)
         return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
 
-    def _paged(self, rows: mx.array, lane: LaneRows, scale: float) -> mx.array | None:
+    def _paged(self, rows: mx.array, lane: LaneRows, scale: float, head: mx.array | None) -> mx.array | None:
         """A lane's attention read from the pool by the step's `PagedChunkAttention`, its queries and output rows
-        first as the step's (no copy in or out), or None where it does not take the lane."""
+        first as the step's (no copy in or out), after `head`'s rows `[P, H, 1, D]` where given; None where it does
+        not take the lane."""
         attention, size = self.step.chunk_attention, self.pool.block_size
         if not isinstance(attention, PagedChunkAttention) or lane.table is None:
             return None
@@ -230,10 +237,13 @@ class RaggedLayerCache:
         pool_keys, pool_values = self.pool.keys[self.layer], self.pool.values[self.layer]
         if not attention.takes(q, pool_keys, lane, size):
             return None
-        if not PAGED_ROWS_FIRST:
+        if not PAGED_ROWS_FIRST:  # (no head: `_leads`)
             out = attention.paged(mx.contiguous(q.transpose(1, 0, 2)[None]), pool_keys, pool_values, lane, scale, size)
             return out[0].transpose(1, 0, 2).reshape(rows.shape)
-        return attention.paged(q, pool_keys, pool_values, lane, scale, size).reshape(rows.shape)
+        if head is not None:
+            head = head.reshape(head.shape[0], head.shape[1], head.shape[-1])
+        out = attention.paged(q, pool_keys, pool_values, lane, scale, size, head)
+        return out.reshape(out.shape[0], out.shape[1], 1, out.shape[2])
 
     def _gathered(self, q: mx.array, lane: LaneRows, scale: float) -> mx.array:
         """A multi-row lane's attention `[1, H, n, D]` over its history gathered (through the block table, or the
@@ -246,6 +256,12 @@ class RaggedLayerCache:
             keys, values = self.pool.gather(self.layer, lane.kv_slots)
         mask = lane.mask if lane.mask is not None else ("causal" if lane.rows > 1 else None)
         return attention(q, keys, values, scale, mask)
+
+
+def _leads(head: mx.array, rows: mx.array, row_start: int) -> bool:
+    """Whether `head` (the step's attention output so far) is exactly the rows before `rows` `[n, H, 1, D]`, in
+    their layout and dtype, for the paged kernel to put first in its output."""
+    return PAGED_ROWS_FIRST and head.shape == (row_start, *rows.shape[1:]) and head.dtype == rows.dtype
 
 
 def _dispatching_sdpa(original):

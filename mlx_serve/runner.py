@@ -210,8 +210,9 @@ class ModelRunner:
 
     def warm_paged_chunk_attention(self) -> int:
         """Run the paged chunk-attention kernel once in each form a step may launch (one pass or history splits,
-        ordered after in-place KV writes or not) on a small zero pool. On CUDA each form compiles at first use (a
-        contended-only 0.6B run's streams stalled 4.1 s on it): paid here. Returns the number of calls."""
+        ordered after in-place KV writes or not, alone or led by decode rows' `head`) on a small zero pool. On CUDA
+        each form compiles at first use (a contended-only 0.6B run's streams stalled 4.1 s on it): paid here.
+        Returns the number of calls."""
         attention = self.chunk_attention
         if not isinstance(attention, PagedChunkAttention) or not self.kv_bucket or self.prefill_gather is None:
             return 0
@@ -228,8 +229,9 @@ class ModelRunner:
             table, length = mx.arange(tokens // size, dtype=mx.int32), mx.array([tokens, tokens], dtype=mx.int32)
             lane = LaneRows(0, 1, self._no_slots, None, table, length, tokens, 1, mx.zeros((1,), dtype=mx.int32))
             for ordered in (attention, attention.ordered_after(q)):
-                mx.eval(ordered.paged(q, keys, keys, lane, layout.head_dim**-0.5, size))
-                calls += 1
+                for head in (None, q) if ragged.PAGED_ROWS_FIRST else (None,):
+                    mx.eval(ordered.paged(q, keys, keys, lane, layout.head_dim**-0.5, size, head))
+                    calls += 1
         return calls
 
     def _history_buckets(self, max_len: int) -> list[int]:

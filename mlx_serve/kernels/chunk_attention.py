@@ -259,12 +259,14 @@ __device__ __forceinline__ unsigned ca_pack(float lo, float hi) {
 # (shared-memory stages), WARPS (4 or 8), MT (m16 row tiles a warp: 1 or 2), TABLE (1: table entries staged in
 # shared memory, TC at a time), SMEM (the bytes of shared memory the launcher gives a block), QR (1: q and the
 # outputs rows first, [R, H, D], as the step's queries lie: no copy of them in or out); the macros CA_PARTIAL
-# (partial outputs) and CA_DYNAMIC (dynamic shared memory) come in the header. Inputs: q [1, H, R, D] bf16 (QR:
-# [R, H, D]), k_pool/v_pool [slots, KVH, D] bf16, table [NB] int32, length [2] int32 (tokens; the padded length
-# is not read), positions [>= R] int32 (the first R read), scale_log2 [1] fp32 (scale * log2 e), and optionally
+# (partial outputs), CA_DYNAMIC (dynamic shared memory) and CA_HEAD (a `head` input) come in the header. Inputs:
+# q [1, H, R, D] bf16 (QR: [R, H, D]), k_pool/v_pool [slots, KVH, D] bf16, table [NB] int32, length [2] int32
+# (tokens; the padded length is not read), positions [>= R] int32 (the first R read), scale_log2 [1] fp32 (scale
+# * log2 e), with CA_HEAD (QR, one pass) head [P, H, D] bf16: the step's rows before the chunk's, and optionally
 # `after` (never read). Grid: (ceil(R * G / (16 * MT * WARPS)), KVH, splits) blocks of WARPS * 32 threads.
-# Outputs: out like q, bf16; or o_part [splits, H, R, D] fp32 (unnormalised) and ml_part [splits, H, R, 2] fp32
-# (row max in the log2 domain, row sum), [splits, R, H, ...] with QR.
+# Outputs: out like q, bf16 ([P + R, H, D] with CA_HEAD: head's rows, then the chunk's); or o_part [splits, H,
+# R, D] fp32 (unnormalised) and ml_part [splits, H, R, 2] fp32 (row max in the log2 domain, row sum), [splits,
+# R, H, ...] with QR.
 SOURCE = r"""
   static_assert(D == 64 || D == 128, "chunk attention takes heads of 64 or 128 dims");
   static_assert(BN % 16 == 0 && BN >= 16, "tiles of whole k16 steps of P V");
@@ -313,6 +315,22 @@ SOURCE = r"""
   const float sl2 = scale_log2[0];
   const int rows = R * G;                     // score rows of this kv head
   const int s_block = tile * BM;
+#if !CA_PARTIAL
+#if CA_HEAD
+  // the step's rows before the chunk's (its decode rows' attention) lead `out`, so the step concatenates nothing:
+  // each kv head's block of the last-started query tile copies those rows' G heads of it
+  __nv_bfloat16* const out_rows = out + (size_t)head_shape[0] * H * D;
+  if (blockIdx.x == gridDim.x - 1) {
+    constexpr int SPAN = G * D / 8;  // 16-byte pieces of one row's G heads
+    for (int e = tid; e < head_shape[0] * SPAN; e += THREADS) {
+      const size_t at = ((size_t)(e / SPAN) * H + kvh * G) * D + (size_t)(e % SPAN) * 8;
+      *reinterpret_cast<uint4*>(out + at) = *reinterpret_cast<const uint4*>(head + at);
+    }
+  }
+#else
+  __nv_bfloat16* const out_rows = out;
+#endif
+#endif
 
   // a score row sees keys [0, min(position + 1, len)); the last tile's rows past R * G take row R - 1's limit
   // (their Q is zero and they are never stored)
@@ -595,7 +613,7 @@ SOURCE = r"""
       }
 #else
       const float inv = l[mt][h] > 0.f ? 1.f / l[mt][h] : 0.f;
-      __nv_bfloat16* op = out + row * D + 2 * tig;
+      __nv_bfloat16* op = out_rows + row * D + 2 * tig;
       #pragma unroll
       for (int nd = 0; nd < OT; ++nd)
         *reinterpret_cast<__nv_bfloat162*>(op + 8 * nd) =
@@ -604,13 +622,24 @@ SOURCE = r"""
     }
 """
 
-# Template: D. Inputs: o_part [splits, H, R, D] fp32, ml_part [splits, H, R, 2] fp32 (or [splits, R, H, ...]).
-# Output: out [1, H, R, D] (or [R, H, D]) bf16, the partials' rows in their order. One thread per 4 dims of a
-# (head, row); grid: H * R * D / 4 threads, in blocks of 128.
+# Template: D. Inputs: o_part [splits, H, R, D] fp32, ml_part [splits, H, R, 2] fp32 (or [splits, R, H, ...]),
+# with CA_HEAD head [P, H, D] bf16. Output: out [1, H, R, D] (or [R, H, D], [P + R, H, D] with CA_HEAD) bf16, the
+# partials' rows in their order after head's. One thread per 4 dims of a (head, row); grid: (P + R) * H * D / 4
+# threads, in blocks of 128.
 MERGE_SOURCE = r"""
   const int splits = o_part_shape[0];
   const size_t rows = (size_t)o_part_shape[1] * o_part_shape[2];
-  const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  __nv_bfloat16* rows_out = out;
+#if CA_HEAD
+  const size_t head_quads = (size_t)head_shape[0] * head_shape[1] * (D / 4);  // head's rows lead: copied first
+  if (idx < head_quads) {
+    reinterpret_cast<uint2*>(out)[idx] = reinterpret_cast<const uint2*>(head)[idx];
+    return;
+  }
+  idx -= head_quads;
+  rows_out += head_quads * 4;
+#endif
   if (idx >= rows * (D / 4)) return;
   const size_t row = idx / (D / 4);
   const int d = (idx % (D / 4)) * 4;
@@ -629,7 +658,7 @@ MERGE_SOURCE = r"""
     }
   }
   const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
-  __nv_bfloat162* op = reinterpret_cast<__nv_bfloat162*>(out + row * D + d);
+  __nv_bfloat162* op = reinterpret_cast<__nv_bfloat162*>(rows_out + row * D + d);
   op[0] = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
   op[1] = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
 """
@@ -643,25 +672,27 @@ SOURCE_DIGEST = f"{zlib.crc32((MMA_HEADER + HEADER + SOURCE + MERGE_SOURCE).enco
 
 @functools.cache
 def _kernel(
-    partial: bool, ordered: bool, dynamic_smem: int = 0, bounds: tuple[int, int] | None = None
+    partial: bool, ordered: bool, dynamic_smem: int = 0, bounds: tuple[int, int] | None = None, head: bool = False
 ) -> object:
     """The attention kernel; `dynamic_smem` > 0: a build for dynamic shared memory of that many bytes (MLX
     sets a kernel's dynamic shared memory when it is made, and opts it in past 48 KB when first loaded: the
     bytes are a function of the template, so each template's kernel keeps one value). `bounds`: (threads,
     blocks a SM) for `__launch_bounds__`, which MLX's generated signature has no place for: the header, the
     last text before that signature, redefines CUDA's `__global__` (`__location__(global)` in
-    crt/host_defines.h) to carry them (the template's MINB keeps the name apart)."""
+    crt/host_defines.h) to carry them (the template's MINB keeps the name apart). `head`: the one-pass build that
+    puts the step's earlier rows first in its output."""
     # `after` is never read: it is an input only so MLX's CUDA graph orders this kernel after the one that
     # made it
     inputs = ["q", "k_pool", "v_pool", "table", "length", "positions", "scale_log2"]
-    inputs += ["after"] if ordered else []
+    inputs += (["head"] if head else []) + (["after"] if ordered else [])
     outputs = ["o_part", "ml_part"] if partial else ["out"]
-    name = "mlx_serve_chunk_attention" + ("_partial" if partial else "") + ("_after" if ordered else "")
-    name += "_dyn" if dynamic_smem else ""
+    name = "mlx_serve_chunk_attention" + ("_partial" if partial else "") + ("_head" if head else "")
+    name += ("_after" if ordered else "") + ("_dyn" if dynamic_smem else "")
     header = (
         MMA_HEADER
         + HEADER
         + f"#define CA_PARTIAL {int(partial)}\n#define CA_DYNAMIC {int(bool(dynamic_smem))}\n"
+        + f"#define CA_HEAD {int(head)}\n"
     )
     if bounds:
         bounded = f"__location__(global) __launch_bounds__({bounds[0]}, {bounds[1]})"
@@ -672,9 +703,10 @@ def _kernel(
 
 
 @functools.cache
-def _merge_kernel() -> object:
-    name = f"mlx_serve_chunk_attention_merge_{SOURCE_DIGEST}"
-    return mx.fast.cuda_kernel(name, ["o_part", "ml_part"], ["out"], MERGE_SOURCE, header=HEADER)
+def _merge_kernel(head: bool = False) -> object:
+    name = "mlx_serve_chunk_attention_merge" + ("_head" if head else "") + f"_{SOURCE_DIGEST}"
+    inputs = ["o_part", "ml_part"] + (["head"] if head else [])
+    return mx.fast.cuda_kernel(name, inputs, ["out"], MERGE_SOURCE, header=HEADER + f"#define CA_HEAD {int(head)}\n")
 
 
 @functools.lru_cache(maxsize=64)
@@ -710,11 +742,11 @@ def supports(q: mx.array, pool_keys: mx.array, block_size: int) -> bool:
     )
 
 
-def _check(q, pool_keys, pool_values, table, length, positions, block_size) -> None:
+def _check(q, pool_keys, pool_values, table, length, positions, block_size, head) -> None:
     if not supports(q, pool_keys, block_size):
         raise ValueError(
-            "paged chunk attention takes bf16 queries [1, heads, rows, D] or [rows, heads, D] and a bf16 pool [slots, kv_heads, "
-            f"D] with D in {HEAD_DIMS}, heads a multiple of kv_heads and a positive block size; got q "
+            "paged chunk attention takes bf16 queries [1, heads, rows, D] or [rows, heads, D] and a bf16 pool "
+            f"[slots, kv_heads, D] with D in {HEAD_DIMS}, heads a multiple of kv_heads and a positive block size; got q "
             f"{q.shape} {q.dtype}, pool {pool_keys.shape} {pool_keys.dtype}, block size {block_size}"
         )
     if pool_values.shape != pool_keys.shape or pool_values.dtype != pool_keys.dtype:
@@ -725,6 +757,10 @@ def _check(q, pool_keys, pool_values, table, length, positions, block_size) -> N
     rows = q.shape[0] if rows_first(q) else q.shape[2]
     if positions.ndim != 1 or positions.shape[0] < rows:
         raise ValueError(f"positions must be [at least rows] = [{rows}], not {positions.shape}")
+    if head is not None and not (rows_first(q) and head.ndim == 3 and head.shape[1:] == q.shape[1:]
+                                 and head.dtype == q.dtype):  # fmt: skip
+        raise ValueError(f"head must be [rows, heads, D] like q {q.shape} {q.dtype} (rows first), not "
+                         f"{head.shape} {head.dtype}")  # fmt: skip
 
 
 def split_count(blocks: int, padded: int, per_sm: int = 2) -> int:
@@ -755,12 +791,14 @@ def paged_chunk_attention(
     scale: float,
     block_size: int = 16,
     after: mx.array | None = None,
+    head: mx.array | None = None,
     *,
     splits: int | None = None,
     warps: int | None = None,
     variant: Variant | None = None,
 ) -> mx.array:
-    """softmax((q * scale) K^T + mask) V over the history the block table lists, bf16 in q's layout.
+    """softmax((q * scale) K^T + mask) V over the history the block table lists, bf16 in q's layout; with `head`
+    (q rows first only) `[head rows + rows, heads, D]`: head's rows, then the chunk's, with no concatenation.
 
     q `[1, heads, rows, D]`, or `[rows, heads, D]` (a slice of the step's queries, read in place: no copy in or
     out); pool keys/values `[slots, kv_heads, D]`; table `[blocks]` int32; length `[2]` int32 (visible tokens,
@@ -770,8 +808,9 @@ def paged_chunk_attention(
     tests and benchmarks.
 
     MLX orders kernels by the arrays they output, so a kernel that wrote the pool in place is not seen as the
-    pool's writer: pass its output as `after` to read the pool only once it has run."""
-    _check(q, pool_keys, pool_values, table, length, positions, block_size)
+    pool's writer: pass its output as `after` to read the pool only once it has run. `head` `[P, heads, D]`: the
+    step's rows before this chunk's (its decode rows' attention), copied ahead of them in the output."""
+    _check(q, pool_keys, pool_values, table, length, positions, block_size, head)
     first = rows_first(q)
     heads, head_dim = q.shape[1], q.shape[-1]
     rows = q.shape[0] if first else q.shape[2]
@@ -793,7 +832,9 @@ def paged_chunk_attention(
     count = max(1, int(splits)) if splits else split_count(tiles * kv_heads, padded, per_sm)
     ordered = after is not None
     inputs = [q, pool_keys, pool_values, _int32(table), _int32(length), _int32(positions)]
-    inputs += [_scalar(float(scale) * LOG2E)] + ([after] if ordered else [])
+    inputs += [_scalar(float(scale) * LOG2E)]
+    ahead = 0 if head is None else head.shape[0]  # rows before the chunk's in the output
+    out_shape = (ahead + rows, heads, head_dim) if head is not None else q.shape
     launch = {
         "template": [("D", head_dim), ("G", group), ("BS", block_size), ("BN", variant.bn)]
         + [("STAGES", variant.stages), ("WARPS", warps), ("MT", variant.row_tiles), ("TABLE", int(variant.table))]
@@ -809,22 +850,23 @@ def paged_chunk_attention(
     bounds = (threads, variant.min_blocks) if variant.min_blocks else None
     dynamic_smem = smem if variant.dynamic else 0
     if count == 1:
-        kernel = _kernel(False, ordered, dynamic_smem, bounds)
-        (out,) = kernel(inputs=inputs, output_shapes=[q.shape], output_dtypes=[q.dtype], **launch)
+        kernel = _kernel(False, ordered, dynamic_smem, bounds, head is not None)
+        extra = ([] if head is None else [head]) + ([after] if ordered else [])
+        (out,) = kernel(inputs=inputs + extra, output_shapes=[out_shape], output_dtypes=[q.dtype], **launch)
         return out
     o_part, ml_part = _kernel(True, ordered, dynamic_smem, bounds)(
-        inputs=inputs,
+        inputs=inputs + ([after] if ordered else []),
         output_shapes=[(count, *row_shape, head_dim), (count, *row_shape, 2)],
         output_dtypes=[mx.float32, mx.float32],
         **launch,
     )
-    quads = heads * rows * head_dim // 4  # a thread each
-    (out,) = _merge_kernel()(
-        inputs=[o_part, ml_part],
+    quads = heads * (ahead + rows) * head_dim // 4  # a thread each
+    (out,) = _merge_kernel(head is not None)(
+        inputs=[o_part, ml_part] + ([] if head is None else [head]),
         template=[("D", head_dim)],
         grid=(-(-quads // MERGE_THREADS) * MERGE_THREADS, 1, 1),
         threadgroup=(MERGE_THREADS, 1, 1),
-        output_shapes=[q.shape],
+        output_shapes=[out_shape],
         output_dtypes=[q.dtype],
     )
     return out
@@ -844,14 +886,16 @@ def reference_chunk_attention(
     scale: float,
     block_size: int = 16,
     after: mx.array | None = None,
+    head: mx.array | None = None,
 ) -> mx.array:
     """The same attention in plain MLX ops (`table_gather`, an explicit mask, fused SDPA), any dtype, q in either
-    layout: the yardstick the kernel is tested against, and the path elsewhere. Rows that see no key give zeros,
-    as the kernel's do."""
+    layout, `head` concatenated before: the yardstick the kernel is tested against, and the path elsewhere. Rows
+    that see no key give zeros, as the kernel's do."""
     if rows_first(q):
         out = reference_chunk_attention(q.transpose(1, 0, 2)[None], pool_keys, pool_values, table, length,
                                         positions, scale, block_size)  # fmt: skip
-        return out[0].transpose(1, 0, 2)
+        out = out[0].transpose(1, 0, 2)
+        return out if head is None else mx.concatenate([head, out])
     rows, padded = q.shape[2], table.shape[0] * block_size
     lane = LaneRows(0, rows, mx.zeros((0,), mx.int32), None, _int32(table), _int32(length), padded)
     keys, values = table_gather(pool_keys, pool_values, lane, block_size)

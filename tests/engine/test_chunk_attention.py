@@ -91,8 +91,8 @@ def test_engine_with_paged_chunk_attention_matches_mlx_lm(tiny_qwen3, monkeypatc
     """`--chunk-attention paged` on the CPU (the kernel's MLX-ops reference reading the pool through the block
     table, each row's positions passed down): chunks of 7 rows beside decoding streams give mlx-lm's greedy
     tokens, every chunk went through the paged path with its queries as the step lays them (`[rows, heads, D]`,
-    no pad rows; or `[1, heads, rows, D]` copies with `PAGED_ROWS_FIRST` off, the A/B's other side), and the
-    scheduler counts exact (unpadded) history."""
+    no pad rows, the decode rows' attention passed as `head` to lead the output; or `[1, heads, rows, D]` copies
+    with `PAGED_ROWS_FIRST` off, the A/B's other side), and the scheduler counts exact (unpadded) history."""
     from dataclasses import replace
 
     from mlx_serve.kernels import chunk_attention as paged
@@ -108,7 +108,10 @@ def test_engine_with_paged_chunk_attention_matches_mlx_lm(tiny_qwen3, monkeypatc
 
     def attend(q, *args, **kwargs):
         rows = q.shape[0] if q.ndim == 3 else q.shape[2]
-        seen.append((q.ndim, rows, args[4].shape[0]))  # layout, the rows attention runs with, positions
+        head = kwargs.get("head")
+        seen.append((q.ndim, rows, args[4].shape[0], 0 if head is None else head.shape[0]))
+        if head is not None:
+            assert head.shape[1:] == q.shape[1:] and head.dtype == q.dtype
         return paged.reference_chunk_attention(q, *args, **kwargs)
 
     engine.runner.chunk_attention = replace(chunk, attend=attend)
@@ -116,7 +119,9 @@ def test_engine_with_paged_chunk_attention_matches_mlx_lm(tiny_qwen3, monkeypatc
     for prompt, tokens in zip(prompts, generate_in_cuda_layout(engine, prompts, 8, table_gather)):
         assert tokens == reference_tokens(tiny_qwen3, prompt, 8)
     layout = 3 if rows_first else 4
-    assert seen and all(ndim == layout and 1 <= rows <= min(7, positions) for ndim, rows, positions in seen)
+    assert seen and all(ndim == layout and 1 <= rows <= min(7, positions) for ndim, rows, positions, _ in seen)
+    heads = [ahead for *_, ahead in seen]
+    assert (max(heads) > 0) if rows_first else not any(heads)  # decoding streams beside chunks: their rows lead
 
 
 def test_paged_chunk_attention_takes_lanes_with_a_table_positions_and_few_enough_score_rows():
@@ -149,9 +154,9 @@ def test_paged_chunk_attention_takes_lanes_with_a_table_positions_and_few_enough
 
 @pytest.mark.parametrize("rows_first", [True, False])
 def test_warm_up_runs_the_paged_kernel_in_each_form_a_step_may_launch(tiny_qwen3, monkeypatch, rows_first):
-    """One pass and split histories, each with and without the in-place ordering input, queries laid out as
-    steps lay them: every form compiles at first use on CUDA (a contended run's streams stalled 4.1 s on it), so
-    the warm-up runs each once."""
+    """One pass and split histories, each with and without the in-place ordering input and (rows first) with and
+    without decode rows leading the output, queries laid out as steps lay them: every form compiles at first use
+    on CUDA (a contended run's streams stalled 4.1 s on it), so the warm-up runs each once."""
     from dataclasses import replace
 
     from mlx_serve.kernels import chunk_attention as paged
@@ -161,17 +166,20 @@ def test_warm_up_runs_the_paged_kernel_in_each_form_a_step_may_launch(tiny_qwen3
     try:
         calls = []
 
-        def attend(q, keys, values, table, length, positions, scale, block_size, after=None):
+        def attend(q, keys, values, table, length, positions, scale, block_size, after=None, head=None):
             assert q.ndim == (3 if ragged.PAGED_ROWS_FIRST else 4)  # as `RaggedLayerCache` passes them
-            calls.append((table.shape[0] * block_size, after is not None))
-            return paged.reference_chunk_attention(q, keys, values, table, length, positions, scale, block_size)
+            calls.append((table.shape[0] * block_size, after is not None, head is not None))
+            return paged.reference_chunk_attention(q, keys, values, table, length, positions, scale, block_size,
+                                                   head=head)  # fmt: skip
 
         runner = engine.runner
         runner.kv_bucket, runner.prefill_gather = 32, table_gather
         runner.chunk_attention = replace(runner.chunk_attention, attend=attend)
-        assert runner.warm_paged_chunk_attention() == 4
         size = engine.pool.block_size
-        assert sorted(calls) == [(size, False), (size, True), (1024, False), (1024, True)]
+        forms = [(tokens, after, head) for tokens in (size, 1024) for after in (False, True)
+                 for head in ((False, True) if rows_first else (False,))]  # fmt: skip
+        assert runner.warm_paged_chunk_attention() == len(forms) == (8 if rows_first else 4)
+        assert sorted(calls) == forms
         runner.chunk_attention = sdpa_chunk_attention
         assert runner.warm_paged_chunk_attention() == 0
     finally:

@@ -613,19 +613,21 @@ COMPILE_UNITS = [
 ]
 
 
-def _launch(unit, rows_first: bool = False) -> None:
-    """`rows_first`: q `[rows, heads, D]`, as the engine's steps pass it (the QR build)."""
+def _launch(unit, rows_first: bool = False, ahead: int = 0) -> None:
+    """`rows_first`: q `[rows, heads, D]`, as the engine's steps pass it (the QR build); `ahead` > 0: a `head` of
+    that many rows (the step's decode rows) leads the output."""
     rows, history, heads, kv_heads, head_dim, block_size, table_tokens, splits, warps, after, spec = unit
     q = mx.zeros((rows, heads, head_dim) if rows_first else (1, heads, rows, head_dim), mx.bfloat16)
+    head = mx.zeros((ahead, heads, head_dim), mx.bfloat16) if ahead else None
     pool = mx.zeros((table_tokens, kv_heads, head_dim), mx.bfloat16)
     table = mx.zeros((table_tokens // block_size,), mx.int32)
     length = mx.array([history + rows, table_tokens], mx.int32)
     positions = mx.arange(history, history + rows, dtype=mx.int32)
     after = mx.zeros((1,)) if after else None
     variant = Variant.parse(spec) if isinstance(spec, str) else spec
-    out = paged_chunk_attention(q, pool, pool, table, length, positions, head_dim**-0.5, block_size, after,
+    out = paged_chunk_attention(q, pool, pool, table, length, positions, head_dim**-0.5, block_size, after, head,
                                 splits=splits, warps=warps, variant=variant)  # fmt: skip
-    assert out.shape == q.shape and out.dtype == mx.bfloat16
+    assert out.shape == ((ahead + rows, heads, head_dim) if ahead else q.shape) and out.dtype == mx.bfloat16
 
 
 @contextlib.contextmanager
@@ -660,15 +662,18 @@ def test_kernels_compile(monkeypatch) -> None:
     with _recording(monkeypatch) as recorded:
         for unit in COMPILE_UNITS:
             _launch(unit)
-        for unit in COMPILE_UNITS[:4]:  # each output form of the default build, rows first
+        for unit in COMPILE_UNITS[:4]:  # each output form of the default build, rows first, alone and after a head
             _launch(unit, rows_first=True)
+            _launch(unit, rows_first=True, ahead=8)
         kernels = _distinct(recorded)
-    assert sum("constexpr int QR = 1;" in kernel.source for kernel in kernels) == 4
+    assert sum("constexpr int QR = 1;" in kernel.source for kernel in kernels) == 6  # the partial builds: no head
     names = {kernel.name.removesuffix(f"_{chunk_attention.SOURCE_DIGEST}") for kernel in kernels}
     assert names == {
         "mlx_serve_chunk_attention", "mlx_serve_chunk_attention_partial", "mlx_serve_chunk_attention_dyn",
         "mlx_serve_chunk_attention_after_dyn", "mlx_serve_chunk_attention_partial_dyn",
         "mlx_serve_chunk_attention_partial_after_dyn", "mlx_serve_chunk_attention_merge",
+        "mlx_serve_chunk_attention_head_after_dyn", "mlx_serve_chunk_attention_head_dyn",
+        "mlx_serve_chunk_attention_merge_head",
     }  # fmt: skip
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # nvcc is one process per unit
         results = list(pool.map(compile_source, kernels))
@@ -698,8 +703,9 @@ def test_every_variant_compiles_within_its_registers(monkeypatch) -> None:
             for splits in (4, 1) if variant != bounded else (4,):
                 _launch((128, 16000, 32, 8, 128, 16, 16384, splits, None, False, variant))
                 units.append((variant, splits, next(k for k in reversed(recorded) if "merge" not in k.name)))
-        for splits in (4, 1):  # the default build as steps launch it: q and the outputs rows first
-            _launch((128, 16000, 32, 8, 128, 16, 16384, splits, None, False, default_variant()), rows_first=True)
+        for splits, ahead in ((4, 0), (1, 0), (1, 8)):  # the default build as steps launch it: rows first, a head
+            unit = (128, 16000, 32, 8, 128, 16, 16384, splits, None, False, default_variant())
+            _launch(unit, rows_first=True, ahead=ahead)
             units.append((default_variant(), splits, next(k for k in reversed(recorded) if "merge" not in k.name)))
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         results = list(pool.map(_ptxas, [kernel for *_, kernel in units]))
@@ -880,6 +886,28 @@ def test_rows_first_queries_give_the_same_bits(rows, history, head_dim, heads) -
     assert_close(np.array(reference.astype(mx.float32)).transpose(1, 0, 2)[None], p, f"seed {seed}", np.float32)
 
 
+@on_cuda
+@pytest.mark.parametrize("rows,history,head_dim,heads", SPLIT_CASES[:4] + [(700, 2000, 128, (16, 8))])
+@pytest.mark.parametrize("ahead", [1, 8, 32])
+def test_a_head_leads_the_output_bit_for_bit(rows, history, head_dim, heads, ahead) -> None:
+    """`head` (a step's decode rows' attention, `[P, heads, D]`) comes out first, then the chunk's rows exactly as
+    without it: one pass (its last query tile's blocks copy head) and split (the merge copies it), ordered after a
+    writer or not."""
+    seed = _seed()
+    p = make_problem(rows, history, *heads, head_dim, table_tokens=history_bucket(history + rows, 1024), seed=seed)
+    q, keys, values, table, length, positions, scale, block_size = p.inputs()
+    q = q[0].transpose(1, 0, 2)
+    head = mx.random.normal((ahead, heads[0], head_dim), key=mx.random.key(seed)).astype(mx.bfloat16)
+    for splits, after in ((1, None), (None, None), (3, mx.zeros((2,))), (1, mx.zeros((2,)))):
+        alone = paged_chunk_attention(q, keys, values, table, length, positions, scale, block_size, after,
+                                      splits=splits)  # fmt: skip
+        led = paged_chunk_attention(q, keys, values, table, length, positions, scale, block_size, after, head,
+                                    splits=splits)  # fmt: skip
+        assert led.shape == (ahead + rows, heads[0], head_dim)
+        want = np.array(mx.concatenate([head, alone]).astype(mx.float32))
+        np.testing.assert_array_equal(np.array(led.astype(mx.float32)), want, err_msg=f"seed {seed}, splits {splits}")
+
+
 def test_the_reference_takes_rows_first_queries_and_longer_positions() -> None:
     """`reference_chunk_attention` (the path off CUDA) in the steps' layout: q `[rows, heads, D]` gives the
     `[1, heads, rows, D]` answer transposed, reading the first `rows` of padded positions."""
@@ -891,3 +919,19 @@ def test_the_reference_takes_rows_first_queries_and_longer_positions() -> None:
     assert got.shape == (13, 8, 64)
     np.testing.assert_allclose(np.array(got.transpose(1, 0, 2)[None]), np.array(want), rtol=1e-6, atol=1e-6)
     assert_close(np.array(got.transpose(1, 0, 2)[None]), p, "rows first")
+    head = mx.ones((4, 8, 64))
+    led = reference_chunk_attention(q[0].transpose(1, 0, 2), keys, values, table, length, padded, scale, block_size,
+                                    None, head)  # fmt: skip
+    assert led.shape == (17, 8, 64)
+    np.testing.assert_array_equal(np.array(led[:4]), np.array(head))
+    np.testing.assert_array_equal(np.array(led[4:]), np.array(got))
+
+
+def test_a_head_needs_rows_first_queries_of_its_shape() -> None:
+    p = make_problem(4, 12, 8, 2, 64, 16)
+    q, keys, values, table, length, positions, scale, block_size = p.inputs()
+    rows_first = q[0].transpose(1, 0, 2)
+    for q_in, head in ((q, mx.zeros((2, 8, 64), mx.bfloat16)), (rows_first, mx.zeros((2, 4, 64), mx.bfloat16)),
+                       (rows_first, mx.zeros((2, 8, 64), mx.float32)), (rows_first, mx.zeros((2, 8, 1, 64), mx.bfloat16))):  # fmt: skip
+        with pytest.raises(ValueError, match="head"):
+            paged_chunk_attention(q_in, keys, values, table, length, positions, scale, block_size, None, head)
