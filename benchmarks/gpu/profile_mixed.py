@@ -29,6 +29,7 @@ from mlx.utils import tree_flatten
 
 from benchmarks.gpu.models import build_dummy_model
 from benchmarks.gpu.profile_step import cuda_profiled
+from mlx_serve import ragged
 from mlx_serve.engine_setup import (
     chunk_attention,
     dense_experts,
@@ -242,12 +243,17 @@ def main() -> None:
     parser.add_argument("--cuda-profile", action="store_true", help="one step in a CUDA profiler range (ncu)")
     parser.add_argument("--split-quantized-k", default="auto", choices=("auto", "on", "off", "all"))
     parser.add_argument("--chunk-attention", default="auto", choices=("auto", "sdpa", "matmul"))
+    parser.add_argument(
+        "--paged-rows-first", choices=("on", "off"), default="on",
+        help="ragged.PAGED_ROWS_FIRST: the paged chunk attention reads and writes the step's rows in place (A/B)",
+    )
     args = parser.parse_args()
+    ragged.PAGED_ROWS_FIRST = args.paged_rows_first == "on"
     dummy = build_dummy_model(args.shape)
     margs = dummy.model.args
     head_dim = getattr(margs, "head_dim", None) or margs.hidden_size // margs.num_attention_heads
     layout = KVLayout(margs.num_hidden_layers, margs.num_key_value_heads, head_dim, mx.bfloat16)
-    base = {"shape": args.shape, "lanes": args.lanes, "history": args.history}
+    base = {"shape": args.shape, "lanes": args.lanes, "history": args.history, "paged_rows_first": args.paged_rows_first}
     for rows in [int(n) for n in args.rows.split(",")]:
         if "step" in args.parts:
             for variant in args.variants.split(","):
