@@ -568,6 +568,34 @@ def test_numpy_model_of_the_rows_first_build_gives_the_same_output(case) -> None
     assert_close(rows_first, p, f"emulated rows first {case}")
 
 
+def emulate_head_copy(head: np.ndarray, kv_heads: int, split: bool) -> np.ndarray:
+    """Where the kernel puts `head` `[P, H, D]` in its `[P + R, H, D]` output, by its loops: one pass, each kv
+    head's block of the last-started query tile copies 16-byte pieces (8 bf16) of its G heads, a row at a time;
+    split, the merge's first P * H * D / 4 threads copy 4 values each. Unwritten elements stay NaN."""
+    rows, heads, dim = head.shape
+    group, flat_head = heads // kv_heads, head.reshape(-1)
+    out = np.full(rows * heads * dim, np.nan)
+    if split:
+        for idx in range(rows * heads * dim // 4):
+            out[4 * idx : 4 * idx + 4] = flat_head[4 * idx : 4 * idx + 4]
+        return out.reshape(head.shape)
+    span = group * dim // 8
+    for kvh in range(kv_heads):
+        for tid in range(256):  # a block's threads, 8 warps
+            for e in range(tid, rows * span, 256):
+                at = ((e // span) * heads + kvh * group) * dim + (e % span) * 8
+                assert np.isnan(out[at : at + 8]).all(), "a piece of head copied twice"
+                out[at : at + 8] = flat_head[at : at + 8]
+    return out.reshape(head.shape)
+
+
+@pytest.mark.parametrize("rows,heads,kv_heads,dim", [(1, 8, 8, 64), (8, 16, 8, 128), (5, 32, 4, 128), (3, 4, 1, 64)])
+@pytest.mark.parametrize("split", [False, True])
+def test_the_head_copy_writes_every_element_once(rows, heads, kv_heads, dim, split) -> None:
+    head = np.random.default_rng(rows).normal(size=(rows, heads, dim))
+    np.testing.assert_array_equal(emulate_head_copy(head, kv_heads, split), head)
+
+
 def test_variants() -> None:
     assert Variant.parse("old") == OLD and OLD.smem_bytes(128) == 2 * 2 * 32 * 136 * 2 and not OLD.dynamic
     assert Variant.parse("BN=32,STAGES=4,TC=128") == dataclasses.replace(
