@@ -8,6 +8,7 @@
 # earlier calls' runs too. `BENCH` holds the arguments every run shares (the issue's contended settings by default).
 # `HOST_WAITS=1 run LABEL ...` preloads benchmarks/gpu/host_waits.c (built when the .so is older than it): the engine
 # thread's blocking waits in MLX land in the contended pass's `submission_waits` and the longest gap's `waits`.
+# `API_CALLS=1` times every CUDA call of the contended pass through CUPTI (benchmarks/gpu/api_calls.c, built there).
 # `HOST_SAMPLES=1` samples the engine thread's Python stack through the contended pass (benchmarks/gpu/host_samples.py):
 # the longest gap's `samples`, and each prefill step's Python ms against ms inside mx.async_eval (`queue_split`).
 set -uo pipefail

@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks.gpu import api_trace
+from benchmarks.gpu.api_calls import ApiCall, ApiCalls
 from benchmarks.gpu.host_samples import StackSampler, runs, time_in
 from benchmarks.gpu.host_waits import HostWaits, overlap_ms
 from benchmarks.gpu.models import DummyModel
@@ -81,6 +83,10 @@ class OurSide:
         self.cost_observations: list[list] = []
         self._record_cost_observations()
         self.host_waits = HostWaits.load()  # None: the bench runs without the host_waits.c shim preloaded
+        # API_CALLS=1: every CUDA call of the contended pass at least API_CALLS_MIN_US long (default 50), timed
+        # through CUPTI (`api_calls.c`): the longest gap's `api_calls` and the submissions' `submission_api_calls`
+        self.api_calls = _api_calls() if os.environ.get("API_CALLS") == "1" else None
+        self.api_calls_result = 0  # CUPTI's answer to the last subscription (0: timing)
         # HOST_SAMPLES=1: the engine thread's Python stack sampled through the contended pass (`host_samples`)
         self.samples: list = []
 
@@ -180,6 +186,9 @@ class OurSide:
         self.sink.events.clear()
         if self.host_waits is not None:
             self.host_waits.clear()
+        if self.api_calls is not None:
+            self.api_calls.clear()
+            self.api_calls_result = self.api_calls.start(float(os.environ.get("API_CALLS_MIN_US", "50")))
         sampler = StackSampler(self.engine._thread.ident).start() if os.environ.get("HOST_SAMPLES") == "1" else None
         first_observation = len(self.cost_observations)
         capacity = self.engine.pool.num_blocks * self.engine.pool.block_size // (n + 2)
@@ -204,6 +213,8 @@ class OurSide:
             list(handle)
         if sampler is not None:
             self.samples = sampler.stop()
+        if self.api_calls is not None:
+            self.api_calls.stop()
         gaps = list(rec.gaps)
         return {
             "cost_observations_from": first_observation,  # this pass's first entry in `cost_observations`
@@ -242,7 +253,19 @@ class OurSide:
         waits = self._engine_waits()
         if waits is not None:  # the engine thread blocked in MLX (wait_for_one: too many commits in flight)
             result["waits"] = [[ms(a), ms(b)] for a, b in _overlapping(waits, start, end)]
+        calls = self._engine_api_calls()
+        if calls is not None:  # the engine thread's CUDA calls in the gap: [domain:name, from ms, to ms]
+            result["api_calls"] = [[f"{c.domain}:{c.name}", ms(c.start), ms(c.end)] for c in calls
+                                   if c.end >= start and c.start <= end]  # fmt: skip
         return result
+
+    def _engine_api_calls(self) -> list[ApiCall] | None:
+        """The engine thread's timed CUDA calls in the sink's seconds, in order (None: API_CALLS is off)."""
+        if self.api_calls is None:
+            return None
+        t0, tid = self.sink.origin, self.engine._thread.native_id
+        return sorted((ApiCall(c.name, c.domain, c.start - t0, c.end - t0, c.tid) for c in self.api_calls.read()
+                       if c.tid == tid), key=lambda c: c.start)  # fmt: skip
 
     def _engine_waits(self) -> list[tuple[float, float]] | None:
         """The engine thread's untimed pthread_cond_wait calls, sorted, in the sink's seconds (None: no shim)."""
@@ -300,6 +323,15 @@ class OurSide:
             # `dropped`: waits past the shim's capacity, missing from the figures
             summary = _submission_waits(self.sink.events, waits, mixed, alone)
             result["submission_waits"] = {**summary, "dropped": self.host_waits.dropped()}
+        calls = self._engine_api_calls()
+        if calls is not None:  # which CUDA calls the submissions of steps with prefill spent their time in
+            with_prefill = {e.step_id for e in mixed}
+            spans = [api_trace.Span("submit", e.step_id, e.start, e.end, self.engine._thread.native_id)
+                     for e in self.sink.events
+                     if isinstance(e, Span) and e.name == "submission" and e.step_id in with_prefill]  # fmt: skip
+            result["submission_api_calls"] = api_trace.summarize(calls, spans)
+            # CUptiResult of the subscription (0: timed; 999 without a driver) and calls past the shim's capacity
+            result["api_calls_status"] = {"cupti_result": self.api_calls_result, "dropped": self.api_calls.dropped()}
         return result
 
     def _queue_split(self, steps: list[StepExecuted]) -> list[list]:
@@ -342,6 +374,13 @@ class OurSide:
         result["ratio"] = result["warm_ttft_s"] / result["cold_ttft_s"]
         result["again_ratio"] = result["again_ttft_s"] / result["cold_ttft_s"]
         return result
+
+
+def _api_calls() -> ApiCalls | None:
+    api, reason = ApiCalls.load()
+    if api is None:
+        print(f"API_CALLS=1: not timing CUDA calls: {reason}", flush=True)
+    return api
 
 
 def _in_queue(frame: str) -> bool:

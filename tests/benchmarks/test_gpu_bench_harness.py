@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.gpu.api_calls import cupti_dirs
+
 
 def run_bench(out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     argv = [sys.executable, "-m", "benchmarks.gpu.run_gpu_bench", "--device", "cpu", "--dtype", "float32",
@@ -52,7 +54,7 @@ def test_contended_only_run_and_its_refusal(tmp_path):
     # and an explicit row tile
     # MLX's own tuning variables travel in the recorded command (the cache's location does not)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_")}
-    env.update(MLX_MAX_OPS_PER_BUFFER="400", MLX_PTX_CACHE_DIR=str(tmp_path / "ptx"))
+    env.update(MLX_MAX_OPS_PER_BUFFER="400", MLX_PTX_CACHE_DIR=str(tmp_path / "ptx"), API_CALLS="1")
     done = run_bench(tmp_path, "--shapes", "tiny", "--contended-only", "--step-target-ms", "auto", "--compile-decode",
                      "on", "--fuse-decode", "on", "--fuse-mixed", "on", "--row-quantum", "16", env=env)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -82,6 +84,12 @@ def test_contended_only_run_and_its_refusal(tmp_path):
     assert longest["ms"] == pytest.approx(result["ours"]["contended"]["gap_max_ms"], abs=1.0)  # the same gap
     assert longest["spans"] and all(span[3] >= 0 and span[2] <= longest["ms"] for span in longest["spans"])
     assert len(result["ours"]["settled_traces"]) == 2  # two warm passes by default, each settled
+    if cupti_dirs():  # API_CALLS=1: the shim built and loaded; without a driver CUPTI refuses and times nothing
+        assert steps["api_calls_status"]["cupti_result"] != 0 and steps["api_calls_status"]["dropped"] == 0
+        *per_call, submissions, slowest = steps["submission_api_calls"]
+        assert per_call == [] and slowest == {"slowest_in_submit": []}  # no call timed
+        assert submissions["range"] == "submit" and submissions["spans"] == steps["mixed_steps"]
+        assert longest["api_calls"] == []
     # what the live cost model was shown, every pass: the measured pass's contended steps with prefill among them
     shown, scored_from = result["ours"]["cost_observations"], result["ours"]["contended"]["cost_observations_from"]
     contended_steps = [step for step in recorded if step[1] and not step[6]]
