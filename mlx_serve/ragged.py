@@ -237,9 +237,9 @@ class RaggedLayerCache:
         pool_keys, pool_values = self.pool.keys[self.layer], self.pool.values[self.layer]
         if not attention.takes(q, pool_keys, lane, size):
             return None
-        if not PAGED_ROWS_FIRST:  # (no head: `_leads`)
-            out = attention.paged(mx.contiguous(q.transpose(1, 0, 2)[None]), pool_keys, pool_values, lane, scale, size)
-            return out[0].transpose(1, 0, 2).reshape(rows.shape)
+        if not PAGED_ROWS_FIRST:  # the copies as they were (no head: `_leads`)
+            out = attention.paged(mx.contiguous(rows.transpose(2, 1, 0, 3)), pool_keys, pool_values, lane, scale, size)
+            return out.transpose(2, 1, 0, 3)
         if head is not None:
             head = head.reshape(head.shape[0], head.shape[1], head.shape[-1])
         out = attention.paged(q, pool_keys, pool_values, lane, scale, size, head)
