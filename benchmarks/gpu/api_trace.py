@@ -67,16 +67,10 @@ def summarize(calls: Sequence[ApiCall], spans: Sequence[Span], slowest: int = 15
 
 def traced_steps(args: argparse.Namespace, api: ApiCalls) -> list[Span]:
     """Queue the steps one in flight with the API calls timed; the engine thread's spans."""
-    import mlx.core as mx
-
-    from benchmarks.gpu.models import build_dummy_model
+    from benchmarks.gpu.models import dummy_and_layout
     from benchmarks.gpu.profile_mixed import WARMUP, mixed_step_runner
-    from mlx_serve.kv_pool import KVLayout
 
-    dummy = build_dummy_model(args.shape)
-    margs = dummy.model.args
-    head_dim = getattr(margs, "head_dim", None) or margs.hidden_size // margs.num_attention_heads
-    layout = KVLayout(margs.num_hidden_layers, margs.num_key_value_heads, head_dim, mx.bfloat16)
+    dummy, layout = dummy_and_layout(args.shape)
     runner, plan = mixed_step_runner(dummy.model, layout, args.lanes, args.rows, args.history, args.variant,
                                      args.steps)  # fmt: skip
     for step in range(WARMUP):  # traces and kernels compiled before the timing

@@ -20,6 +20,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_serve.checkpoints.builder import checkpoint_config, generation_config
 from mlx_serve.checkpoints.tokenizer import write_tokenizer
 from mlx_serve.checkpoints.weights import build_mlx_model, init_std
+from mlx_serve.kv_pool import KVLayout
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,3 +112,11 @@ def build_dummy_model(name: str, dtype: str = "bfloat16", seed: int = 0) -> Dumm
     weight_bytes = sum(v.nbytes for _, v in weights)
     expert_bytes = sum(v.nbytes for key, v in weights if ".switch_mlp." in key)
     return DummyModel(name, model, _tokenizer(config), config, weight_bytes, expert_bytes, pristine_copy(model))
+
+
+def dummy_and_layout(shape: str) -> tuple[DummyModel, KVLayout]:
+    """A dummy-weight model of `shape` and the bf16 KV layout of its pool."""
+    dummy = build_dummy_model(shape)
+    args = dummy.model.args
+    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+    return dummy, KVLayout(args.num_hidden_layers, args.num_key_value_heads, head_dim, mx.bfloat16)

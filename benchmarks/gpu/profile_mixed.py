@@ -27,7 +27,7 @@ from collections.abc import Callable
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from benchmarks.gpu.models import build_dummy_model
+from benchmarks.gpu.models import dummy_and_layout
 from benchmarks.gpu.profile_step import cuda_profiled
 from mlx_serve import ragged
 from mlx_serve.engine_setup import (
@@ -249,10 +249,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     ragged.PAGED_ROWS_FIRST = args.paged_rows_first == "on"
-    dummy = build_dummy_model(args.shape)
-    margs = dummy.model.args
-    head_dim = getattr(margs, "head_dim", None) or margs.hidden_size // margs.num_attention_heads
-    layout = KVLayout(margs.num_hidden_layers, margs.num_key_value_heads, head_dim, mx.bfloat16)
+    dummy, layout = dummy_and_layout(args.shape)
     base = {"shape": args.shape, "lanes": args.lanes, "history": args.history, "paged_rows_first": args.paged_rows_first}
     for rows in [int(n) for n in args.rows.split(",")]:
         if "step" in args.parts:

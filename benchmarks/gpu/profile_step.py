@@ -26,7 +26,7 @@ import time
 
 import mlx.core as mx
 
-from benchmarks.gpu.models import build_dummy_model
+from benchmarks.gpu.models import dummy_and_layout
 from mlx_serve.engine_setup import split_quantized_k
 from mlx_serve.kernels.paged_attention import select_decode_attention
 from mlx_serve.kv_pool import KVLayout, KVPool
@@ -178,12 +178,7 @@ def main() -> None:
         from mlx_serve.kernels import paged_attention
 
         paged_attention.SINGLE_PASS_TOKENS = args.single_pass_tokens
-    dummy = build_dummy_model(args.shape)
-    args_ = dummy.model.args
-    layout = KVLayout(
-        args_.num_hidden_layers, args_.num_key_value_heads,
-        getattr(args_, "head_dim", None) or args_.hidden_size // args_.num_attention_heads, mx.bfloat16,
-    )  # fmt: skip
+    dummy, layout = dummy_and_layout(args.shape)
     env = {k: v for k, v in os.environ.items() if k.startswith("MLX_")}
     for lanes in [int(n) for n in args.lanes.split(",")]:
         for variant in args.variants.split(","):

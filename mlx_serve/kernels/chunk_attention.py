@@ -833,6 +833,7 @@ def paged_chunk_attention(
     ordered = after is not None
     inputs = [q, pool_keys, pool_values, _int32(table), _int32(length), _int32(positions)]
     inputs += [_scalar(float(scale) * LOG2E)]
+    led, ordering = ([] if head is None else [head]), ([after] if ordered else [])  # inputs in the kernels' order
     ahead = 0 if head is None else head.shape[0]  # rows before the chunk's in the output
     out_shape = (ahead + rows, heads, head_dim) if head is not None else q.shape
     launch = {
@@ -851,18 +852,17 @@ def paged_chunk_attention(
     dynamic_smem = smem if variant.dynamic else 0
     if count == 1:
         kernel = _kernel(False, ordered, dynamic_smem, bounds, head is not None)
-        extra = ([] if head is None else [head]) + ([after] if ordered else [])
-        (out,) = kernel(inputs=inputs + extra, output_shapes=[out_shape], output_dtypes=[q.dtype], **launch)
+        (out,) = kernel(inputs=inputs + led + ordering, output_shapes=[out_shape], output_dtypes=[q.dtype], **launch)
         return out
     o_part, ml_part = _kernel(True, ordered, dynamic_smem, bounds)(
-        inputs=inputs + ([after] if ordered else []),
+        inputs=inputs + ordering,
         output_shapes=[(count, *row_shape, head_dim), (count, *row_shape, 2)],
         output_dtypes=[mx.float32, mx.float32],
         **launch,
     )
     quads = heads * (ahead + rows) * head_dim // 4  # a thread each
     (out,) = _merge_kernel(head is not None)(
-        inputs=[o_part, ml_part] + ([] if head is None else [head]),
+        inputs=[o_part, ml_part] + led,
         template=[("D", head_dim)],
         grid=(-(-quads // MERGE_THREADS) * MERGE_THREADS, 1, 1),
         threadgroup=(MERGE_THREADS, 1, 1),
