@@ -69,6 +69,13 @@ class Delivery:
     def open_ids(self) -> list[str]:
         return list(self._handles)
 
+    def add_prompt_logprobs(self, scores: dict[str, tuple[int, list[Any]]]) -> None:
+        """A step's prompt log-probabilities (request id -> first prompt position, entries), before its tokens."""
+        for rid, (first, entries) in scores.items():
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.add_prompt_logprobs(first, entries)
+
     def publish(self, request: Request, sample: Any) -> None:
         """The event for the request's newest committed token; the final one when the request is done."""
         rid = request.request_id

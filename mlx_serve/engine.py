@@ -170,12 +170,17 @@ class Engine:
         # a grammar allows end-of-sequence only once its text is complete: then it ends the request, ignore_eos or not
         keep_eos = not request.ignore_eos or request.sampling.grammar is not None
         stop_ids = frozenset(request.stop_token_ids) | (self._eos_ids if keep_eos else frozenset())
+        # scoring a prompt needs every row of it computed: its own salt keeps it off other requests' cached blocks
+        salt = request.cache_salt
+        if request.sampling.prompt_logprobs is not None:
+            salt = f"{salt or ''}\x00prompt-logprobs:{request_id}"
         sched_request = Request(
             request_id=request_id,
             prompt_ids=list(request.prompt_ids),
             max_tokens=request.max_tokens,
             priority=request.priority,
-            cache_salt=request.cache_salt,
+            cache_salt=salt,
+            gpu_only=request.sampling.prompt_logprobs is not None,
             stop_token_ids=stop_ids,
             arrival_time=now,
         )
@@ -308,7 +313,7 @@ class Engine:
             self.delivery.open(sub.stream, sub.handle)
             self.delivery.finish(rid, "error", None, error=str(exc))
             return
-        self.runner.add_request(rid, sub.sampling, constraint)
+        self.runner.add_request(rid, sub.sampling, constraint, sub.request.prompt_ids)
         self.delivery.open(sub.stream, sub.handle)
         if self.trace.enabled:
             r = sub.request
@@ -347,6 +352,7 @@ class Engine:
         t2 = trace.now()
         with self._lock:
             advanced = self.scheduler.update(plan, output.outcome, time.perf_counter())
+        self.delivery.add_prompt_logprobs(output.prompt_logprobs)
         for request in advanced:
             self.delivery.publish(request, output.samples.get(request.request_id))
         self._account(plan, output, t0, t1, t2)
@@ -362,6 +368,7 @@ class Engine:
         if output is None:
             return True
         t2 = self.trace.now()
+        self.delivery.add_prompt_logprobs(output.prompt_logprobs)
         for request, index in in_flight.pending:
             sample = output.samples.get(request.request_id)
             if sample is None or not self.delivery.is_open(request.request_id):
@@ -441,6 +448,7 @@ def _completion(handle: RequestHandle) -> Completion:
     last = events[-1]
     tokens = tuple(e.token_id for e in events if e.token_id is not None)
     logprobs = tuple(e.logprob for e in events if e.logprob is not None)
+    prompt_logprobs = next((e.prompt_logprobs for e in events if e.prompt_logprobs is not None), None)
     return Completion(
         request_id=handle.request_id,
         token_ids=tokens,
@@ -448,5 +456,6 @@ def _completion(handle: RequestHandle) -> Completion:
         finish_reason=last.finish_reason or "error",
         usage=last.usage,
         logprobs=logprobs or None,
+        prompt_logprobs=prompt_logprobs,
         error=last.error,
     )

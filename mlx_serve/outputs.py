@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from mlx_serve.types import GenerationRequest, TokenEvent, TokenLogprob, Usage
+from mlx_serve.types import GenerationRequest, PromptLogprob, TokenEvent, TokenLogprob, Usage
 
 
 def _held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -36,6 +36,18 @@ class RequestStream:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished: bool = False
+    # with `prompt_logprobs` asked for: the entries of the prompt's tokens so far (the first one has no logprob)
+    prompt_logprobs: list[PromptLogprob] | None = None
+
+    def __post_init__(self) -> None:
+        if self.request.sampling.prompt_logprobs is not None:
+            self.prompt_logprobs = [PromptLogprob(self.request.prompt_ids[0], None)]
+
+    def add_prompt_logprobs(self, first: int, entries: list[PromptLogprob]) -> None:
+        """A step's entries from prompt position `first` on; those already had (rows recomputed after a
+        preemption) are skipped."""
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs.extend(entries[len(self.prompt_logprobs) - first :])
 
     def add_token(
         self,
@@ -73,6 +85,7 @@ class RequestStream:
             top_logprobs=top,
             finish_reason=finish_reason,
             index=index,
+            prompt_logprobs=tuple(self.prompt_logprobs) if index == 0 and self.prompt_logprobs is not None else None,
         )
         return event, stop_hit
 

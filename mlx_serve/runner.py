@@ -26,6 +26,7 @@ from mlx_serve.grouped_experts import TileMatmul
 from mlx_serve.kernels.paged_attention import cuda_available
 from mlx_serve.kernels.step_clock import CONTINUITY_S, GpuStepClock, StepClock, step_interval_ms
 from mlx_serve.kv_pool import KVPool, slot_array
+from mlx_serve.prompt_scores import PromptScorer, QueuedScores, ScoredRows, score_arrays
 from mlx_serve.quantized_rows import (
     DequantizedRows,
     QuantizedGemv,
@@ -47,7 +48,7 @@ from mlx_serve.ragged import (
     sdpa_chunk_attention,
 )
 from mlx_serve.sampling import RequestSampler, SampledRows, sample_rows, top_logprobs
-from mlx_serve.types import SamplingParams, TokenLogprob
+from mlx_serve.types import PromptLogprob, SamplingParams, TokenLogprob
 from scheduler import Lane, StepOutcome, StepPlan
 from scheduler.buckets import KV_BUCKET, history_bucket, query_bucket, query_buckets
 from scheduler.plan import PENDING_TOKEN
@@ -76,6 +77,8 @@ class RunnerOutput:
     samples: dict[str, SampledToken]
     phase_ms: dict[str, float] = field(default_factory=dict)  # preparation, submission, consumption
     lane_spans: list = field(default_factory=list)  # ANE chunk spans (host submit-to-ready intervals)
+    # request id -> (the prompt position of its first entry, its prompt log-probabilities from this step)
+    prompt_logprobs: dict[str, tuple[int, list[PromptLogprob]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +99,7 @@ class InFlightStep:
     one_off: bool = False
     compiled: bool = False  # it replays a compiled trace (the scheduler's cost model prices the two forms apart)
     timed_shape: MixedShape | None = None  # an ordinary run of this compiled mixed shape: its time goes to `stand_in`
+    scores: tuple[QueuedScores, ...] = ()  # prompt log-probabilities its rows computed
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +108,7 @@ class _PreparedStep:
     layout: StepLayout
     sample_rows: mx.array  # [S] row index of each sampling lane's last row
     sample_ids: tuple[str, ...]  # request id of each sampling row
+    scored: tuple[ScoredRows, ...] = ()  # rows whose prompt log-probabilities were asked for
 
 
 class ModelRunner:
@@ -149,6 +154,7 @@ class ModelRunner:
         self.prefill_lane = prefill_lane  # the ANE lane (or its CPU stand-in); None when off
         self.lane_timeout_s = lane_timeout_s
         self.samplers: dict[str, RequestSampler] = {}
+        self.scorer = PromptScorer()  # requests that asked for their prompt's log-probabilities
         # steps are timed on the device where it has a clock (see kernels/step_clock.py), else on the host
         self.clock = (GpuStepClock() if cuda_available() else None) if clock == "auto" else clock
         self._last_done = 0.0  # host time the last step was read back
@@ -300,9 +306,14 @@ class ModelRunner:
         return len(rows)
 
     # request lifecycle -------------------------------------------------------------------------------
-    def add_request(self, request_id: str, params: SamplingParams, constraint: Any = None) -> None:
-        """`constraint`: a `grammar.Constraint` the request's every token must satisfy (None: free text)."""
+    def add_request(
+        self, request_id: str, params: SamplingParams, constraint: Any = None, prompt_ids: Sequence[int] = ()
+    ) -> None:
+        """`constraint`: a `grammar.Constraint` the request's every token must satisfy (None: free text);
+        `prompt_ids`: the prompt whose tokens `params.prompt_logprobs` scores."""
         self.samplers[request_id] = RequestSampler.create(params, constraint)
+        if params.prompt_logprobs is not None:
+            self.scorer.add(request_id, prompt_ids, params.prompt_logprobs)
 
     def can_stay_in_flight(self, step: InFlightStep) -> bool:
         """Whether the engine may queue the next step before reading this one back: it samples (its tokens prove
@@ -319,6 +330,7 @@ class ModelRunner:
     def release_one(self, request_id: str) -> None:
         """Forget a finished request's sampling state (a preempted one keeps it: its seed chain goes on)."""
         self.samplers.pop(request_id, None)
+        self.scorer.discard(request_id)
 
     # the step ----------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> RunnerOutput:
@@ -333,20 +345,25 @@ class ModelRunner:
         """
         t0 = time.perf_counter()
         gpu_lanes, ane_lanes = ane_chunks.split_lanes(plan.lanes, self.prefill_lane)
+        # compiled steps give the last row's logits only: rows that score a prompt run eager (the scheduler keeps
+        # them off the ANE lane: `Request.gpu_only`)
+        scoring = self.scorer.wants(gpu_lanes)
         chunks = ane_chunks.submit(self.prefill_lane, ane_lanes, self.pool) if ane_lanes else []
-        compiled = self.compiled is not None and bool(gpu_lanes) and all(lane.rows == 1 for lane in gpu_lanes)
-        mixable = not compiled and self._mixed_on and compilable(gpu_lanes)
+        compiled = (self.compiled is not None and bool(gpu_lanes) and all(lane.rows == 1 for lane in gpu_lanes)
+                    and not scoring)  # fmt: skip
+        mixable = not compiled and self._mixed_on and compilable(gpu_lanes) and not scoring
         mixed_shape = self._mixed_ready(gpu_lanes, plan.limit_ms) if mixable else None
         mixed = mixed_shape is not None
         prepared = None if compiled or mixed else self._prepare(gpu_lanes, previous)
         traced = self._traced_shapes()
         t1 = time.perf_counter()
+        scores: list[QueuedScores] = []
         if compiled:
             sample_ids, sampled = self._submit_compiled(gpu_lanes, previous)
         elif mixed:
             sample_ids, sampled = self._submit_compiled_mixed(gpu_lanes, previous, mixed_shape)
         else:
-            sample_ids, sampled = prepared.sample_ids, self._submit_eager(prepared)
+            sample_ids, (sampled, scores) = prepared.sample_ids, self._submit_eager(prepared)
         stamp = self._stamp(sampled) if gpu_lanes else None
         t2 = time.perf_counter()
         phases = {"preparation": (t1 - t0) * 1e3, "submission": (t2 - t1) * 1e3}
@@ -361,7 +378,7 @@ class ModelRunner:
         timed = mixed_shape if mixed and not one_off else None
         return InFlightStep(
             plan, sample_ids, samplers, sampled, rows, t0, phases, tuple(chunks), stamp, one_off, compiled or mixed,
-            timed,
+            timed, tuple(scores),
         )
 
     def _mixed_ready(self, lanes: list[Lane], limit_ms: float | None) -> MixedShape | None:
@@ -430,13 +447,15 @@ class ModelRunner:
             return None
         return self.clock.stamp(sampled.tokens if sampled is not None else self.pool.state()[-1])
 
-    def _submit_eager(self, prepared: _PreparedStep) -> SampledRows | None:
+    def _submit_eager(self, prepared: _PreparedStep) -> tuple[SampledRows | None, list[QueuedScores]]:
+        """The step's sampled rows (None: none sample) and the prompt scores its rows compute."""
         if not prepared.layout.decode and not prepared.layout.lanes:  # every lane of the step is on the ANE lane
-            return None
+            return None, []
         hidden = self._forward(prepared)
-        if not prepared.sample_ids:  # prefill only: only the KV writes are needed (MLX skips the unused last MLP)
-            return self._queue(None, ())
-        return self._queue(self._logits(hidden[prepared.sample_rows]), prepared.sample_ids)
+        scores = self.scorer.queue(hidden, prepared.scored, self._logits) if prepared.scored else []
+        # prefill only: only the KV writes are needed (MLX skips the unused last MLP)
+        logits = self._logits(hidden[prepared.sample_rows]) if prepared.sample_ids else None
+        return self._queue(logits, prepared.sample_ids, scores), scores
 
     def _submit_compiled(
         self, lanes: list[Lane], previous: InFlightStep | None
@@ -463,13 +482,16 @@ class ModelRunner:
             logits = logits[mx.array(sampling, dtype=mx.int32)]
         return sample_ids, self._queue(logits if sample_ids else None, sample_ids)
 
-    def _queue(self, logits: mx.array | None, sample_ids: tuple[str, ...]) -> SampledRows | None:
-        """Sample the step's rows (if any) and queue the step on the device with its KV writes."""
+    def _queue(
+        self, logits: mx.array | None, sample_ids: tuple[str, ...], scores: Sequence[QueuedScores] = ()
+    ) -> SampledRows | None:
+        """Sample the step's rows (if any) and queue the step on the device with its KV writes (and prompt scores)."""
+        outputs = score_arrays(scores)
         if logits is None:
-            mx.async_eval(self.pool.state())
+            mx.async_eval(*outputs, self.pool.state())
             return None
         sampled = sample_rows(logits, [self.samplers[rid] for rid in sample_ids])
-        mx.async_eval(sampled.tokens, self.pool.state())
+        mx.async_eval(sampled.tokens, *outputs, self.pool.state())
         return sampled
 
     def _elapsed_ms(self, step: InFlightStep) -> float:
@@ -492,6 +514,7 @@ class ModelRunner:
             self._last_end_ns = None  # the failed step has no end to time the next one from
             raise
         spans = self._collect_ane(step, samples) if step.ane else []
+        prompt_logprobs = self.scorer.read(step.scores) if step.scores else {}
         if step.sampled is None or step.ane:
             # nothing read back proves the KV writes done. Such a step is never left in flight, so the pool's
             # arrays are still its own; a sampled step's tokens depend on every layer's writes already
@@ -503,7 +526,7 @@ class ModelRunner:
             self.compiled_mixed.record_run(step.timed_shape, elapsed_ms)
         outcome = StepOutcome({rid: s.token_id for rid, s in samples.items()}, elapsed_ms, ane_elapsed_ms=ane_ms,
                               auxiliary=step.one_off, compiled=step.compiled)  # fmt: skip
-        return RunnerOutput(outcome, samples, {**step.phases, "consumption": (t3 - t2) * 1e3}, spans)
+        return RunnerOutput(outcome, samples, {**step.phases, "consumption": (t3 - t2) * 1e3}, spans, prompt_logprobs)
 
     def _collect_ane(self, step: InFlightStep, samples: dict[str, SampledToken]) -> list:
         """Finish the step's ANE chunks; a chunk the lane failed reruns here on the GPU path."""
@@ -531,8 +554,11 @@ class ModelRunner:
         lanes: list[LaneRows] = []
         sample_rows: list[int] = []
         sample_ids: list[str] = []
+        scored: list[ScoredRows] = []
         row_start = 0
         for lane in ordered:
+            if (rows := self.scorer.rows(lane, row_start)) is not None:
+                scored.append(rows)
             positions.extend(range(lane.start, lane.end))
             write_slots.append(slot_array(lane.block_ids, lane.start, lane.end, block_size))
             if lane.rows != 1 and self.kv_bucket:
@@ -562,6 +588,7 @@ class ModelRunner:
             layout=layout,
             sample_rows=mx.array(sample_rows, dtype=mx.int32),
             sample_ids=tuple(sample_ids),
+            scored=tuple(scored),
         )
 
     def _input_tokens(self, lanes: list[Lane], previous: InFlightStep | None) -> mx.array:

@@ -25,6 +25,9 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None  # None: none; 0: the chosen token's; k: plus the top k alternatives
     grammar: str | None = None  # an llguidance grammar every token must follow (`grammar`, from response_format)
+    # None: none; k >= 0: each prompt token's log-probability given the tokens before it (raw, before any
+    # processor), plus the top k alternatives (scoring a text, as `echo` with `logprobs` does)
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -51,8 +54,10 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise bad(name, f"must be in [-2, 2], got {getattr(self, name)}")
-        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20):
-            raise bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 20):
+                raise bad(name, f"must be an integer in [0, 20], got {value!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", f"must be an integer, got {self.seed!r}")
         for token, bias in (self.logit_bias or {}).items():
@@ -84,6 +89,16 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptLogprob:
+    """A prompt token's log-probability given the tokens before it (None for the first), with its top alternatives
+    (None where not asked for, and for the first token)."""
+
+    token_id: int
+    logprob: float | None
+    top_logprobs: tuple[TokenLogprob, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Usage:
     prompt_tokens: int
     completion_tokens: int
@@ -111,6 +126,8 @@ class TokenEvent:
     usage: Usage | None = None
     error: str | None = None
     index: int = 0  # this token's index in the output
+    # on the first token's event of a request that asked for them: one entry per prompt token, in order
+    prompt_logprobs: tuple[PromptLogprob, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +140,7 @@ class Completion:
     finish_reason: str
     usage: Usage
     logprobs: tuple[float, ...] | None = None
+    prompt_logprobs: tuple[PromptLogprob, ...] | None = None
     ttft_s: float | None = None
     total_s: float | None = None
     error: str | None = None

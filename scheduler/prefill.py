@@ -215,6 +215,8 @@ class PrefillPlanner:
         if any(r.in_flight_path == Path.ANE.value for r in self.scheduler.running_requests()):
             return lanes
         candidate = lanes[-1]
+        if self.scheduler.get(candidate.request_id).gpu_only:
+            return lanes
         model = self.scheduler.cost_model
         gpu_chunks = tuple(PrefillChunk(lane.rows, lane.history) for lane in lanes)
         gpu_ms = model.predict(StepShape(gpu_chunks, len(self.decode_lanes), Path.GPU))

@@ -62,6 +62,9 @@ class Request:
     hashed_tokens: bytearray = field(default_factory=bytearray, repr=False)  # those blocks' tokens, packed as hashed
     num_published_blocks: int = 0  # leading blocks already offered to the prefix cache
     arrival_seq: int = 0  # order of add() calls: ties and overtakes are judged by it
+    # its prompt is scored row by row (prompt log-probabilities): every row's hidden state is needed, which the ANE
+    # lane does not return, so its chunks stay on the GPU path
+    gpu_only: bool = False
 
     @property
     def num_tokens(self) -> int:

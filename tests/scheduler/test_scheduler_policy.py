@@ -3,6 +3,7 @@ and the trace of every decision."""
 
 from __future__ import annotations
 
+import pytest
 from scheduler_helpers import fake_outcome, make_request, run_step
 
 from scheduler import LaneKind, Path, Priority, Scheduler, SchedulerConfig, StepOutcome
@@ -105,6 +106,27 @@ def test_ane_lane_takes_a_chunk_predicted_faster_and_trains_the_committed_path()
     scheduler.update(plan, outcome, 0.3)
     assert model.samples[ane_cell] == before[0] + 1
     assert model.samples[gpu_cell] == before[1]  # 40 rows: too few to train, and never the ANE's time
+
+
+@pytest.mark.parametrize("gpu_only", [False, True])
+def test_a_gpu_only_request_never_takes_the_ane_lane(gpu_only: bool) -> None:
+    """The same step as above: the long chunk predicted faster on the ANE stays on the GPU when its request is
+    `gpu_only` (its prompt is scored: every row's hidden state is needed)."""
+    config = SchedulerConfig(num_blocks=1024, cost_model="bucketed", ane_lane=True, step_target_ms=5000.0)
+    scheduler = Scheduler(config)
+    gpu_shape = StepShape((PrefillChunk(40, 0), PrefillChunk(600, 0)), 1)
+    ane_shape = StepShape((PrefillChunk(600, 0),), 0, Path.ANE)
+    for _ in range(3):
+        scheduler.cost_model.observe(gpu_shape, 2.0 * gpu_shape.prefill_rows)
+        scheduler.cost_model.observe(ane_shape, 0.5 * ane_shape.prefill_rows)
+    scheduler.add(make_request("stream", 10, max_tokens=50))
+    run_step(scheduler, 0.0)
+    scheduler.add(make_request("short", 40, base=3000))
+    long_request = make_request("long", 600, base=5000)
+    long_request.gpu_only = gpu_only
+    scheduler.add(long_request)
+    paths = {lane.request_id: lane.path for lane in scheduler.schedule(0.01).lanes}
+    assert paths["long"] is (Path.GPU if gpu_only else Path.ANE)
 
 
 def test_every_decision_is_traced() -> None:
