@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mlx_serve.errors import MlxServeError
 from mlx_serve.server.tools import ToolCallSplitter, parse_tool_calls
-from mlx_serve.types import TokenEvent, Usage
+from mlx_serve.types import PromptLogprob, TokenEvent, Usage
 
 
 class GenerationFailed(MlxServeError):
@@ -42,6 +42,10 @@ class ChoiceState:
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
     usage: Usage | None = None
+    counts_prompt: bool = True  # the first choice of its prompt: usage counts the prompt once
+    echo: str | None = None  # the prompt's text, put before the answer (completions' `echo`)
+    echo_only: bool = False  # the answer is the echoed prompt alone (the token made with it is dropped)
+    entry_chars: int = 0  # characters of the logprob entries' tokens so far: the next entry's text offset
 
     def add(self, event: TokenEvent) -> Delta:
         if event.finish_reason == "error":
@@ -50,13 +54,24 @@ class ChoiceState:
         calls = parse_tool_calls(self.tokenizer, call_texts, self.tools, len(self.tool_calls))
         wants_entry = self.want_logprobs and event.token_id is not None and event.logprob is not None
         entries = [logprob_entry(self.tokenizer, event)] if wants_entry else []
+        if self.echo_only:
+            text, entries = "", []
+        if self.echo is not None and event.token_id is not None:
+            text, entries = self.echo + text, self._prompt_entries(event) + entries
+            self.echo = None
         self.text += text
         self.tool_calls += calls
         self.logprobs += entries
+        self.entry_chars += sum(len(entry["token"]) for entry in entries)
         if event.finish_reason is not None:
             self.finish_reason = _finish_reason(event.finish_reason, bool(self.tool_calls))
-            self.usage = event.usage
+            self.usage = replace(event.usage, completion_tokens=0) if self.echo_only and event.usage else event.usage
         return Delta(text, calls, entries)
+
+    def _prompt_entries(self, event: TokenEvent) -> list[dict[str, Any]]:
+        if not self.want_logprobs or event.prompt_logprobs is None:
+            return []
+        return [prompt_entry(self.tokenizer, entry) for entry in event.prompt_logprobs]
 
     def _split(self, event: TokenEvent) -> tuple[str, list[str]]:
         """Visible text and finished tool-call texts (everything is text when no tools were offered)."""
@@ -87,6 +102,16 @@ def logprob_entry(tokenizer: Any, event: TokenEvent) -> dict[str, Any]:
     return {"token": token, "logprob": event.logprob, "bytes": list(token.encode()), "top_logprobs": top}
 
 
+def prompt_entry(tokenizer: Any, entry: PromptLogprob) -> dict[str, Any]:
+    """A logprob entry for a prompt token (the first one has neither a logprob nor alternatives)."""
+    token = token_text(tokenizer, entry.token_id)
+    top = None if entry.logprob is None else [
+        {"token": (alt := token_text(tokenizer, t.token_id)), "logprob": t.logprob, "bytes": list(alt.encode())}
+        for t in entry.top_logprobs or ()
+    ]  # fmt: skip
+    return {"token": token, "logprob": entry.logprob, "bytes": list(token.encode()), "top_logprobs": top}
+
+
 def completion_logprobs(entries: Sequence[dict[str, Any]], text_offset: int = 0) -> dict[str, Any]:
     """The legacy completions logprobs object from chat-style entries."""
     offsets = []
@@ -96,17 +121,19 @@ def completion_logprobs(entries: Sequence[dict[str, Any]], text_offset: int = 0)
     return {
         "tokens": [e["token"] for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "top_logprobs": [None if e["top_logprobs"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]}
+                         for e in entries],
         "text_offset": offsets,
     }
 
 
 def usage_body(choices: Sequence[ChoiceState]) -> dict[str, Any]:
-    """Usage over all choices: the prompt is counted once (as OpenAI does for n > 1)."""
+    """Usage over all choices: each prompt is counted once (as OpenAI does for n > 1)."""
     usages = [c.usage for c in choices if c.usage is not None]
-    prompt = usages[0].prompt_tokens if usages else 0
+    firsts = [c.usage for c in choices if c.usage is not None and c.counts_prompt]
+    prompt = sum(u.prompt_tokens for u in firsts)
     completion = sum(u.completion_tokens for u in usages)
-    cached = usages[0].cached_tokens if usages else 0
+    cached = sum(u.cached_tokens for u in firsts)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
 

@@ -24,7 +24,7 @@ from mlx_serve.server.protocol import (
     parse_json_object,
     read_bool,
     read_int,
-    read_prompt_ids,
+    read_prompts,
     read_stream_options,
 )
 from mlx_serve.server.streaming import EventStreamResponse, collect_events, merge_events, sse
@@ -47,7 +47,7 @@ def parse_chat(body: dict[str, Any], tokenizer: Any, model: ModelInfo) -> Job:
                               max_token_fields=("max_completion_tokens", "max_tokens"),
                               n=read_int(body, "n", 1, low=1, high=MAX_CHOICES),
                               grammar=_grammar(body, tools, tokenizer))
-    return Job(requests, stream, read_stream_options(body, stream), want_logprobs, tools)
+    return Job(requests, stream, read_stream_options(body, stream), want_logprobs, tools, n=len(requests))
 
 
 def _grammar(body: dict[str, Any], tools: list[dict[str, Any]] | None, tokenizer: Any) -> str | None:
@@ -65,11 +65,22 @@ def parse_completion(body: dict[str, Any], tokenizer: Any, model: ModelInfo) -> 
     stream = read_bool(body, "stream")
     if "prompt" not in body:
         raise InvalidRequest("prompt is required", param="prompt")
-    prompt = read_prompt_ids(body["prompt"], tokenizer, model.vocab_size)
+    prompts = read_prompts(body["prompt"], tokenizer, model.vocab_size)
     top = read_int(body, "logprobs", low=0, high=20)
-    requests = build_requests(body, prompt, model, logprobs=top, max_token_fields=("max_tokens",),
-                              n=read_int(body, "n", 1, low=1, high=MAX_CHOICES), prompt_param="prompt")
-    return Job(requests, stream, read_stream_options(body, stream), top is not None)
+    n = read_int(body, "n", 1, low=1, high=MAX_CHOICES)
+    echo = read_bool(body, "echo")
+    # echo with max_tokens 0 scores the prompt alone (lm-eval's loglikelihood): one token is made and dropped
+    echo_only = echo and body.get("max_tokens") == 0
+    fields = {**body, "max_tokens": 1} if echo_only else body
+    requests = tuple(
+        request
+        for prompt in prompts
+        for request in build_requests(fields, prompt.ids, model, logprobs=top, max_token_fields=("max_tokens",), n=n,
+                                      prompt_param="prompt", prompt_logprobs=top if echo else None)
+    )  # fmt: skip
+    echoed = tuple(prompt.text for prompt in prompts for _ in range(n)) if echo else None
+    return Job(requests, stream, read_stream_options(body, stream), top is not None, n=n, echo=echoed,
+               echo_only=echo_only)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -108,8 +119,10 @@ async def _serve(request: Request, parse: Callable[..., Job], prefix: str, strea
 
 
 def _choices(job: Job, tokenizer: Any) -> list[fmt.ChoiceState]:
-    return [fmt.ChoiceState(i, tokenizer, job.want_logprobs, make_splitter(tokenizer, job.tools), job.tools)
-            for i in range(len(job.requests))]
+    return [fmt.ChoiceState(i, tokenizer, job.want_logprobs, make_splitter(tokenizer, job.tools), job.tools,
+                            counts_prompt=i % job.n == 0, echo=job.echo[i] if job.echo else None,
+                            echo_only=job.echo_only)
+            for i in range(len(job.requests))]  # fmt: skip
 
 
 async def _chat_stream(job: Job, handles: Sequence[Any], tokenizer: Any, job_id: str, model: str,
@@ -144,7 +157,7 @@ async def _completion_stream(job: Job, handles: Sequence[Any], tokenizer: Any, j
     choices = _choices(job, tokenizer)
     async for index, event in merge_events(handles):
         choice = choices[index]
-        offset = len(choice.text)
+        offset = choice.entry_chars  # offsets count the entries' token texts, as the whole answer's do
         try:
             delta = choice.add(event)
         except fmt.GenerationFailed as exc:

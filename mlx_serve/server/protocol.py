@@ -16,6 +16,7 @@ from mlx_serve.errors import ContextLengthExceeded, InvalidRequest, MlxServeErro
 from mlx_serve.types import GenerationRequest, SamplingParams
 
 MAX_CHOICES = 16
+MAX_PROMPTS = 64  # prompts in one /v1/completions call (a batch: lm-eval's, for one)
 MAX_STOP_STRINGS = 16
 
 
@@ -159,12 +160,12 @@ def read_max_tokens(body: Mapping[str, Any], prompt_len: int, model: ModelInfo, 
 def build_requests(body: Mapping[str, Any], prompt_ids: list[int], model: ModelInfo, *,
                    logprobs: int | None, max_token_fields: tuple[str, ...], stop_field: str = "stop",
                    n: int = 1, prompt_param: str = "messages", grammar: str | None = None,
-                   ) -> tuple[GenerationRequest, ...]:
+                   prompt_logprobs: int | None = None) -> tuple[GenerationRequest, ...]:
     """One `GenerationRequest` per choice; a given seed becomes seed + i for choice i. `grammar`: what every
-    token must follow (`mlx_serve.grammar`)."""
+    token must follow (`mlx_serve.grammar`); `prompt_logprobs`: score the prompt's tokens too (top k)."""
     if not prompt_ids:
         raise InvalidRequest("The prompt is empty", param=prompt_param)
-    sampling = replace(read_sampling(body, logprobs), grammar=grammar)
+    sampling = replace(read_sampling(body, logprobs), grammar=grammar, prompt_logprobs=prompt_logprobs)
     sampling.validate(model.vocab_size)
     base = GenerationRequest(
         prompt_ids=tuple(prompt_ids),
@@ -194,15 +195,35 @@ def _is_token_id(value: object, vocab_size: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
 
 
-def read_prompt_ids(value: object, tokenizer: Any, vocab_size: int) -> list[int]:
-    """A completions prompt: a string, a list of token ids, or a one-element list of either."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """One prompt of a completions call: its token ids and its text (as given, or decoded from the ids)."""
+
+    ids: list[int]
+    text: str
+
+
+def read_prompts(value: object, tokenizer: Any, vocab_size: int) -> list[Prompt]:
+    """A completions `prompt`: a string, a list of token ids, or a list of either (a batch of prompts)."""
+    if isinstance(value, str) or (isinstance(value, list) and value and all(isinstance(t, int) for t in value)):
+        value = [value]
+    if not isinstance(value, list) or not value or not all(isinstance(p, (str, list)) for p in value):
+        raise _type_error("prompt", "a string, a list of token ids, or a list of either", value)
+    if len(value) > MAX_PROMPTS:
+        raise InvalidRequest(f"prompt takes at most {MAX_PROMPTS} prompts, got {len(value)}", param="prompt")
+    return [_read_prompt(p, tokenizer, vocab_size) for p in value]
+
+
+def _read_prompt(value: str | list, tokenizer: Any, vocab_size: int) -> Prompt:
     if isinstance(value, str):
-        return list(tokenizer.encode(value))
-    if isinstance(value, list) and value and all(_is_token_id(t, vocab_size) for t in value):
-        return list(value)
-    raise _type_error("prompt", "a string or a list of token ids (one prompt per request)", value)
+        return Prompt(list(tokenizer.encode(value)), value)
+    if not value or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise _type_error("prompt", "a non-empty list of integer token ids", value)
+    outside = [t for t in value if not _is_token_id(t, vocab_size)]
+    if outside:
+        raise InvalidRequest(f"prompt token ids outside the vocabulary (0..{vocab_size - 1}): {outside[:5]}",
+                             param="prompt")
+    return Prompt(list(value), tokenizer.decode(value))
 
 
 def openai_error_body(exc: MlxServeError) -> dict[str, Any]:
@@ -236,6 +257,9 @@ class Job:
     include_usage: bool = False
     want_logprobs: bool = False
     tools: list[dict[str, Any]] | None = None
+    n: int = 1  # choices a prompt: requests i * n ... i * n + n - 1 share prompt i
+    echo: tuple[str, ...] | None = None  # completions with `echo`: each request's prompt text, put before its answer
+    echo_only: bool = False  # `echo` with max_tokens 0: the answer is the prompt alone (one token is made, dropped)
 
 
 def read_stream_options(body: Mapping[str, Any], stream: bool) -> bool:

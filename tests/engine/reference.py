@@ -6,6 +6,7 @@ import functools
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 
 @functools.lru_cache(maxsize=8)
@@ -27,6 +28,14 @@ def reference_tokens(path: Path, prompt_ids: list[int], max_tokens: int) -> list
         if token in eos:
             break
     return out
+
+
+def reference_prompt_logprobs(path: Path, prompt_ids: list[int]) -> np.ndarray:
+    """mlx-lm's log-softmax of every prompt row `[n, V]` (float32), one forward over the whole prompt: row p scores
+    the prompt token at p + 1."""
+    model, _ = load_reference(str(path))
+    logits = model(mx.array(prompt_ids)[None])[0].astype(mx.float32)
+    return np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
 
 def generate_in_cuda_layout(engine, prompts: list[list[int]], max_tokens: int, gather=None) -> list[list[int]]:

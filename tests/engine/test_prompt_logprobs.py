@@ -3,7 +3,6 @@ before it, equal to mlx-lm's model run over the whole prompt at once, however th
 
 from __future__ import annotations
 
-import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -12,22 +11,15 @@ from mlx_serve.errors import InvalidRequest
 from mlx_serve.kernels.paged_gather import table_gather
 from mlx_serve.outputs import RequestStream
 from mlx_serve.types import GenerationRequest, PromptLogprob, SamplingParams
-from tests.engine.reference import StreamReaders, load_reference, prompt_of, reference_tokens
+from tests.engine.reference import StreamReaders, prompt_of, reference_prompt_logprobs, reference_tokens
 from tracing.events import Span, StepPlanned
 from tracing.sink import MemorySink
-
-
-def _reference(path, prompt: list[int]) -> np.ndarray:
-    """mlx-lm's log-softmax of every prompt row `[n, V]`, one forward over the whole prompt."""
-    model, _ = load_reference(str(path))
-    logits = model(mx.array(prompt)[None])[0].astype(mx.float32)
-    return np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
 
 def _check(path, prompt: list[int], entries, top: int) -> None:
     """The entries are mlx-lm's: the first has none, entry p scores prompt[p] under row p - 1, and its top `top`
     are the row's most likely tokens, most likely first."""
-    reference = _reference(path, prompt)
+    reference = reference_prompt_logprobs(path, prompt)
     assert [e.token_id for e in entries] == prompt
     assert entries[0].logprob is None and entries[0].top_logprobs is None
     got = np.array([e.logprob for e in entries[1:]])

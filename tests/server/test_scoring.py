@@ -1,0 +1,117 @@
+"""/v1/completions for scoring and batches, through the official `openai` client against a real server: `echo` with
+`logprobs` (the prompt's tokens scored, as lm-eval's loglikelihood asks for them), `max_tokens` 0 with `echo`, and a
+list of prompts in one call. Every figure is compared with mlx-lm's model on the same token ids."""
+
+from __future__ import annotations
+
+import numpy as np
+import openai
+import pytest
+
+from tests.engine.reference import prompt_of, reference_prompt_logprobs
+from tests.server.reference import greedy_text
+
+
+@pytest.fixture(scope="module")
+def client(served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def _assert_scored(served, prompt: list[int], logprobs, top: int) -> None:
+    """The first len(prompt) entries are the prompt's tokens scored as mlx-lm scores them."""
+    tokenizer = served.engine.tokenizer
+    reference = reference_prompt_logprobs(served.model_path, prompt)
+    n = len(prompt)
+    assert logprobs.tokens[:n] == [tokenizer.decode([t]) for t in prompt]
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    want = reference[np.arange(n - 1), prompt[1:]]
+    np.testing.assert_allclose(logprobs.token_logprobs[1:n], want, atol=2e-5)
+    for row, alternatives in enumerate(logprobs.top_logprobs[1:n]):
+        assert len(alternatives) == top
+        if top:
+            assert max(alternatives.values()) == pytest.approx(float(reference[row].max()), abs=2e-5)
+
+
+def test_echo_with_max_tokens_0_scores_a_batch_of_prompts(served, client):
+    prompts = [prompt_of(40, seed=400), prompt_of(23, seed=401)]
+    reply = client.completions.create(model=served.engine.model_id, prompt=prompts, max_tokens=0, echo=True,
+                                      logprobs=2, temperature=0)  # fmt: skip
+    assert [c.index for c in reply.choices] == [0, 1]
+    for choice, prompt in zip(reply.choices, prompts):
+        assert choice.text == served.engine.tokenizer.decode(prompt)
+        assert len(choice.logprobs.tokens) == len(prompt)  # the prompt alone
+        _assert_scored(served, prompt, choice.logprobs, 2)
+        assert choice.finish_reason == "length"
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (63, 0)
+
+
+def test_a_loglikelihood_request_as_lm_eval_sends_it(served, client):
+    """Context and continuation as one token prompt, max_tokens 1, echo, logprobs 1: the continuation's summed
+    log-probability and whether it is greedy are mlx-lm's."""
+    context, continuation = prompt_of(30, seed=410), prompt_of(6, seed=411)
+    prompt = context + continuation
+    reply = client.completions.create(model=served.engine.model_id, prompt=[prompt], max_tokens=1, echo=True,
+                                      logprobs=1, temperature=0, seed=1234)  # fmt: skip
+    logprobs = reply.choices[0].logprobs
+    reference = reference_prompt_logprobs(served.model_path, prompt)
+    positions = np.arange(len(context), len(prompt))
+    want = float(reference[positions - 1, np.array(continuation)].sum())
+    assert sum(logprobs.token_logprobs[len(context) : len(prompt)]) == pytest.approx(want, abs=1e-4)
+    greedy = all(reference[p - 1].argmax() == prompt[p] for p in positions)
+    tops = logprobs.top_logprobs[len(context) : len(prompt)]
+    assert greedy == all(max(top, key=top.get) == token for top, token in zip(tops, logprobs.tokens[len(context) :]))
+    assert len(logprobs.tokens) == len(prompt) + 1  # and the one generated token
+
+
+def test_echo_puts_the_prompt_before_mlx_lms_answer_streaming_and_not(served, client):
+    tokenizer = served.engine.tokenizer
+    prompt = prompt_of(25, seed=420)
+    text, n_tokens, _ = greedy_text(served.model_path, tokenizer, prompt, 6)
+    reply = client.completions.create(model=served.engine.model_id, prompt=prompt, max_tokens=6, echo=True,
+                                      logprobs=0, temperature=0)  # fmt: skip
+    choice = reply.choices[0]
+    assert choice.text == tokenizer.decode(prompt) + text
+    assert len(choice.logprobs.tokens) == len(prompt) + n_tokens
+    _assert_scored(served, prompt, choice.logprobs, 0)
+    chunks = list(client.completions.create(model=served.engine.model_id, prompt=prompt, max_tokens=6, echo=True,
+                                            logprobs=0, temperature=0, stream=True))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    streamed = [lp for c in chunks if c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs]
+    assert streamed == choice.logprobs.token_logprobs
+    offsets = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert offsets == choice.logprobs.text_offset
+
+
+def test_echo_without_logprobs_scores_nothing_and_text_prompts_echo_as_given(served, client):
+    reply = client.completions.create(model=served.engine.model_id, prompt="Once upon a time", max_tokens=3,
+                                      echo=True, temperature=0)  # fmt: skip
+    assert reply.choices[0].text.startswith("Once upon a time") and reply.choices[0].logprobs is None
+
+
+def test_a_batch_with_n_orders_choices_by_prompt_and_counts_each_prompt_once(served, client):
+    tokenizer = served.engine.tokenizer
+    prompts = [prompt_of(12, seed=430), prompt_of(17, seed=431), prompt_of(9, seed=432)]
+    reply = client.completions.create(model=served.engine.model_id, prompt=prompts, max_tokens=5, n=2,
+                                      temperature=0)  # fmt: skip
+    assert [c.index for c in reply.choices] == list(range(6))
+    expected = [greedy_text(served.model_path, tokenizer, p, 5) for p in prompts]
+    assert [c.text for c in reply.choices] == [e[0] for e in expected for _ in range(2)]
+    assert reply.usage.prompt_tokens == 12 + 17 + 9
+    assert reply.usage.completion_tokens == 2 * sum(e[1] for e in expected)
+
+
+@pytest.mark.parametrize(("prompt", "message"), [
+    ([], "a string, a list of token ids, or a list of either"),
+    ([[]], "a non-empty list of integer token ids"),
+    ([[1, 2], [3, 10**9]], "outside the vocabulary"),
+    (["x"] * 65, "at most 64 prompts"),
+])  # fmt: skip
+def test_bad_prompts_are_refused_with_the_reason(served, client, prompt, message):
+    with pytest.raises(openai.BadRequestError, match=message) as caught:
+        client.completions.create(model=served.engine.model_id, prompt=prompt, max_tokens=1)
+    assert caught.value.body["param"] == "prompt"
+
+
+def test_max_tokens_0_without_echo_is_refused(served, client):
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=served.engine.model_id, prompt="hi", max_tokens=0)
