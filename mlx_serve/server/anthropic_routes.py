@@ -1,4 +1,4 @@
-"""Anthropic Messages API: POST /v1/messages, streaming and not.
+"""Anthropic Messages API: POST /v1/messages, streaming and not, and POST /v1/messages/count_tokens.
 
 Messages and tools are converted to the OpenAI shapes that chat templates understand, so one rendering
 and one tool-call path serve both APIs.
@@ -37,13 +37,31 @@ def parse_messages(body: dict[str, Any], tokenizer: Any, model: ModelInfo) -> Jo
     model.check_name(body.get("model"))
     if body.get("max_tokens") is None:
         raise InvalidRequest("max_tokens is required", param="max_tokens")
-    tools = validate_tools(_openai_tools(body.get("tools")))
-    messages = _system_messages(body.get("system")) + _openai_messages(body.get("messages"))
-    prompt = render_chat(tokenizer, normalize_messages(messages), tools)
+    prompt, tools = _render(body, tokenizer)
     requests = build_requests(body, prompt, model, logprobs=None, max_token_fields=("max_tokens",),
                               stop_field="stop_sequences",
                               grammar=_tool_grammar(body.get("tool_choice"), tools, tokenizer))
     return Job(requests, stream=read_bool(body, "stream"), tools=tools)
+
+
+def _render(body: dict[str, Any], tokenizer: Any) -> tuple[list[int], list[dict[str, Any]] | None]:
+    """The prompt's token ids as the chat template renders system, messages and tools; and the tools."""
+    tools = validate_tools(_openai_tools(body.get("tools")))
+    messages = _system_messages(body.get("system")) + _openai_messages(body.get("messages"))
+    return render_chat(tokenizer, normalize_messages(messages), tools), tools
+
+
+def count_prompt_tokens(body: dict[str, Any], tokenizer: Any, model: ModelInfo) -> int:
+    model.check_name(body.get("model"))
+    return len(_render(body, tokenizer)[0])
+
+
+async def count_tokens(request: Request) -> Response:
+    """The prompt's length as /v1/messages would render it (Anthropic's token-counting endpoint)."""
+    engine, model = request.state.engine, request.state.model
+    body = parse_json_object(await request.body())
+    tokens = await run_in_threadpool(count_prompt_tokens, body, engine.tokenizer, model)
+    return JSONResponse({"input_tokens": tokens})
 
 
 def _tool_grammar(choice: object, tools: list[dict[str, Any]] | None, tokenizer: Any) -> str | None:

@@ -1,4 +1,4 @@
-"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models."""
+"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models (and one model by id)."""
 
 from __future__ import annotations
 
@@ -92,10 +92,19 @@ async def completions(request: Request) -> Response:
 
 
 async def list_models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [_model_object(request.state.model)]})
+
+
+async def retrieve_model(request: Request) -> Response:
+    """The served model by its id or an alias (OpenAI's models.retrieve); 404 for any other name."""
     model: ModelInfo = request.state.model
-    return JSONResponse({"object": "list", "data": [
-        {"id": model.model_id, "object": "model", "created": 0, "owned_by": "mlx_serve",
-         "max_model_len": model.context_length}]})
+    model.check_name(request.path_params["model_id"])
+    return JSONResponse(_model_object(model))
+
+
+def _model_object(model: ModelInfo) -> dict[str, Any]:
+    return {"id": model.model_id, "object": "model", "created": 0, "owned_by": "mlx_serve",
+            "max_model_len": model.context_length}
 
 
 async def _serve(request: Request, parse: Callable[..., Job], prefix: str, stream: Callable[..., Any],

@@ -55,3 +55,12 @@ def test_stop_sequence_is_reported(served, client, expected):
                                      max_tokens=MAX_TOKENS, stop_sequences=[stop], extra_body=GREEDY)
     assert message.content[0].text == text[: text.find(stop)]
     assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", stop)
+
+
+def test_count_tokens_is_the_prompt_a_message_would_take(served, client, expected):
+    counted = client.messages.count_tokens(model=served.engine.model_id, system=SYSTEM, messages=MESSAGES)
+    assert counted.input_tokens == expected[3]
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.count_tokens(model="no-such-model", messages=MESSAGES)
+    with pytest.raises(anthropic.BadRequestError):
+        client.messages.count_tokens(model=served.engine.model_id, messages=[{"role": "wizard", "content": "x"}])

@@ -194,3 +194,12 @@ def test_cache_salt_keeps_prefixes_apart(served, client):
     other = client.completions.create(model=served.engine.model_id, prompt=prompt, max_tokens=1,
                                       extra_body={"cache_salt": "b"})
     assert other.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_a_model_is_retrieved_by_id_or_alias_and_others_are_not_found(served, client):
+    model = client.models.retrieve(served.engine.model_id)
+    assert (model.id, model.object) == (served.engine.model_id, "model")
+    assert client.models.retrieve("default").id == served.engine.model_id
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("no-such-model")
+    assert caught.value.body["code"] == "model_not_found"
