@@ -369,8 +369,9 @@ class ModelRunner:
         phases = {"preparation": (t1 - t0) * 1e3, "submission": (t2 - t1) * 1e3}
         rows = {rid: i for i, rid in enumerate(sample_ids)}
         samplers = [self.samplers[rid] for rid in sample_ids]
-        # a stand-in's time is its padded shape's: the scheduler planned the step's own
-        one_off = (self._traced_shapes() != traced
+        # a stand-in's time is its padded shape's: the scheduler planned the step's own; a scoring step also runs the
+        # LM head over its scored rows, which no cost model prices
+        one_off = (scoring or self._traced_shapes() != traced
                    or (mixed and (self.compiled_mixed.first_run or self.compiled_mixed.stood_in))
                    or (not (compiled or mixed) and self._first_eager_shape(gpu_lanes)))  # fmt: skip
         if mixable and not mixed:

@@ -12,7 +12,7 @@ from mlx_serve.kernels.paged_gather import table_gather
 from mlx_serve.outputs import RequestStream
 from mlx_serve.types import GenerationRequest, PromptLogprob, SamplingParams
 from tests.engine.reference import StreamReaders, prompt_of, reference_prompt_logprobs, reference_tokens
-from tracing.events import Span, StepPlanned
+from tracing.events import Span, StepExecuted, StepPlanned
 from tracing.sink import MemorySink
 
 
@@ -43,9 +43,11 @@ def _score(engine: Engine, prompt: list[int], top: int = 0, **kwargs):
 
 def test_prompt_logprobs_in_small_chunks_beside_decoding_streams_are_mlx_lms(tiny_qwen3):
     """A 150-token prompt read in chunks of at most 16 rows while two streams decode: every entry is mlx-lm's, the
-    generated tokens too, and the streams keep theirs."""
+    generated tokens too, and the streams keep theirs. Steps that score rows (an LM head over each) do not teach
+    the cost model: they are traced as auxiliary."""
+    sink = MemorySink()
     engine = Engine.load(EngineConfig(model=str(tiny_qwen3), block_size=16, kv_blocks=256, row_ceiling=16,
-                                      row_floor=1))  # fmt: skip
+                                      row_floor=1, trace=sink))  # fmt: skip
     try:
         streams = [prompt_of(20, seed=300 + i) for i in range(2)]
         handles = engine.submit_all([GenerationRequest(prompt_ids=tuple(p), max_tokens=40) for p in streams])
@@ -58,6 +60,10 @@ def test_prompt_logprobs_in_small_chunks_beside_decoding_streams_are_mlx_lms(tin
         engine.shutdown()
     _check(tiny_qwen3, prompt, completion.prompt_logprobs, 3)
     assert list(completion.token_ids) == reference_tokens(tiny_qwen3, prompt, 4)
+    scoring = {e.step_id for e in sink.events if isinstance(e, StepPlanned)
+               for lane in e.lanes if lane.request_id == completion.request_id and lane.kind == "prefill"}  # fmt: skip
+    executed = {e.step_id: e.auxiliary for e in sink.events if isinstance(e, StepExecuted)}
+    assert len(scoring) >= 10 and all(executed[step] for step in scoring)
     for i, prompt_ids in enumerate(streams):
         assert tokens[i] == reference_tokens(tiny_qwen3, prompt_ids, 40)
 
