@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -28,6 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     parser.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
                         help="answer with JSON that follows this JSON Schema, enforced token by token")
+    parser.add_argument("--score", action="store_true",
+                        help="also score the prompt: its log-probability and perplexity (with --json, each token's)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
             messages = [{"role": "user", "content": args.prompt}]
             prompt_ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         sampling = SamplingParams(
-            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, grammar=grammar
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, grammar=grammar,
+            prompt_logprobs=0 if args.score else None,
         )
         request = GenerationRequest(
             prompt_ids=tuple(prompt_ids), max_tokens=args.max_tokens, sampling=sampling, stop=tuple(args.stop)
@@ -53,9 +57,10 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         handle = engine.submit(request)
         token_ids, pieces, first = [], [], None
-        finish, error = None, None
+        finish, error, scores = None, None, None
         for event in handle:
             first = first or time.perf_counter()
+            scores = scores or event.prompt_logprobs
             if event.token_id is not None:
                 token_ids.append(event.token_id)
             pieces.append(event.text)
@@ -69,11 +74,13 @@ def run(args: argparse.Namespace) -> int:
     if error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    score = _prompt_score(scores) if args.score else {}
     if args.json:
         decode_s = total - (first - t0) if first else 0.0
         print(
             json.dumps(
                 {
+                    **score,
                     "token_ids": token_ids,
                     "text": "".join(pieces),
                     "finish_reason": finish,
@@ -89,7 +96,19 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         print()
+        if score:
+            print(f"prompt: {len(prompt_ids)} tokens, log-probability {score['prompt_logprob']:.4f}, "
+                  f"perplexity {score['prompt_perplexity']:.4f}", file=sys.stderr)
     return 0
+
+
+def _prompt_score(entries: tuple) -> dict:
+    """The prompt's summed log-probability (its first token is not scored), perplexity over the tokens scored,
+    and each token's entry."""
+    logprobs = [e.logprob for e in entries[1:]]
+    total = sum(logprobs)
+    return {"prompt_logprob": total, "prompt_perplexity": math.exp(-total / len(logprobs)) if logprobs else None,
+            "prompt_logprobs": [[e.token_id, e.logprob] for e in entries]}
 
 
 def _schema_grammar(path: Path) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import threading
@@ -13,7 +14,7 @@ import pytest
 from mlx_serve.engine import Engine, EngineConfig
 from mlx_serve.errors import ContextLengthExceeded, InvalidRequest, QueueFull
 from mlx_serve.types import GenerationRequest, SamplingParams
-from tests.engine.reference import load_reference, prompt_of, reference_tokens
+from tests.engine.reference import load_reference, prompt_of, reference_prompt_logprobs, reference_tokens
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +209,23 @@ def test_generate_cli_json(tiny_qwen3):
     assert result["token_ids"] == reference_tokens(tiny_qwen3, prompt, 6)
     assert result["finish_reason"] in ("length", "stop")
     assert set(result["timings"]) >= {"ttft_s", "total_s"}
+
+
+def test_generate_cli_scores_the_prompt_as_mlx_lm(tiny_qwen3):
+    out = subprocess.run(
+        [sys.executable, "-m", "mlx_serve", "generate", "--model", str(tiny_qwen3), "--prompt", "hello there friend",
+         "--raw", "--max-tokens", "2", "--score", "--json"],
+        capture_output=True, text=True, timeout=300, check=True,
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    _, tokenizer = load_reference(str(tiny_qwen3))
+    prompt = tokenizer.encode("hello there friend")
+    reference = reference_prompt_logprobs(tiny_qwen3, prompt)
+    want = [float(reference[i, prompt[i + 1]]) for i in range(len(prompt) - 1)]
+    assert [t for t, _ in result["prompt_logprobs"]] == prompt
+    assert [lp for _, lp in result["prompt_logprobs"]] == pytest.approx([None, *want], abs=2e-5)
+    assert result["prompt_logprob"] == pytest.approx(sum(want), abs=1e-4)
+    assert result["prompt_perplexity"] == pytest.approx(math.exp(-sum(want) / len(want)), rel=1e-4)
 
 
 def test_generate_cli_bad_model_exits_non_zero(tmp_path):
