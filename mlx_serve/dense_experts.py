@@ -47,6 +47,9 @@ MAX_ROWS = 1024
 TILES_FROM_ROWS = 65
 
 
+MOE_FAMILIES = ("mlx_lm.models.qwen3_moe",)  # whose blocks `route` routes exactly as mlx-lm does
+
+
 def warm_up_rows() -> tuple[int, ...]:
     """A row count in each form's range and each expert-tile size: a decode batch, the tiles' first step, the
     first step of the large tiles."""
@@ -54,7 +57,10 @@ def warm_up_rows() -> tuple[int, ...]:
 
 
 def supports(mlp: Any) -> bool:
-    """A softmax-routed block over an unquantized, bias-free SwitchGLU (Qwen3-MoE's shape)."""
+    """Qwen3-MoE's block over an unquantized, bias-free SwitchGLU. Other families route otherwise (Mixtral's
+    top-k before the softmax, Qwen2-MoE's shared expert, PhiMoE's sparsemixer): they keep mlx-lm's block."""
+    if type(mlp).__module__ not in MOE_FAMILIES:
+        return False
     glu = getattr(mlp, "switch_mlp", None)
     if not isinstance(glu, SwitchGLU) or not isinstance(glu.activation, SwiGLU):
         return False

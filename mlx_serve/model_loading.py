@@ -50,13 +50,17 @@ def describe_model(
     model: Any, tokenizer: Any, model_config: dict, model_id: str, config: EngineConfig, path: Path | None = None
 ) -> LoadedModel:
     """What the engine needs to know about a loaded mlx-lm model (also for models built in memory)."""
-    from mlx_serve.model_source import weight_bytes
+    from mlx_serve.model_source import check_attention_caches, weight_bytes
 
+    check_attention_caches(model)
+    # arrays a module keeps outside its parameters (SuScaledRoPE's frequencies) are still lazy: made on this thread,
+    # MLX cannot evaluate them on the engine's
+    mx.eval(module_buffers(model))
     args = model.args
     n_heads = args.num_attention_heads
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // n_heads
     kv_heads = getattr(args, "num_key_value_heads", None) or n_heads
-    dtype = model.model.layers[0].input_layernorm.weight.dtype
+    dtype = activation_dtype(model)
     layout = KVLayout(len(model.model.layers), kv_heads, head_dim, dtype)
     context = config.max_model_len or int(model_config.get("max_position_embeddings", 4096))
     return LoadedModel(
@@ -70,6 +74,18 @@ def describe_model(
         context_length=context,
         vocab_size=int(args.vocab_size),
     )
+
+
+def module_buffers(model: Any) -> list[mx.array]:
+    """Arrays the model's modules hold in private attributes (not parameters, so not loaded or evaluated)."""
+    return [value for _, module in model.named_modules() for key, value in module.items()
+            if key.startswith("_") and isinstance(value, mx.array)]  # fmt: skip
+
+
+def activation_dtype(model: Any) -> mx.Dtype:
+    """The dtype hidden states (and so K/V) take: the final norm's weights (floating even when quantized; every
+    family served has one; some have no per-layer input norm)."""
+    return model.model.norm.weight.dtype
 
 
 def _materialize(model: Any, show_progress: bool, label: str) -> None:

@@ -12,8 +12,15 @@ from typing import Any
 
 from mlx_serve.errors import ModelNotFound, UnsupportedModel
 
-# model_type values whose mlx-lm model classes the engine drives (mistral loads through mlx-lm's llama)
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")
+# model_type values whose mlx-lm model classes the engine drives (mistral loads through mlx-lm's llama), each proven
+# token- and log-probability-identical to mlx-lm on a dummy checkpoint (tests/engine/test_families.py). The CUDA
+# fast paths (fused forwards, dense and tiled experts) apply to the first four only; the others run mlx-lm's layers
+SUPPORTED_MODEL_TYPES = (
+    "llama", "qwen2", "qwen3", "qwen3_moe", "mistral",
+    "phi3", "phimoe", "granite", "granitemoe", "starcoder2", "glm", "glm4", "stablelm", "mixtral", "qwen2_moe",
+    "olmoe", "olmo2", "internlm2", "internlm3", "minicpm", "helium", "seed_oss", "nemotron", "gemma", "cohere",
+    "smollm3", "hunyuan_v1_dense", "ernie4_5",
+)  # fmt: skip
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _TRUE = {"1", "true", "yes", "on"}
@@ -81,6 +88,20 @@ def _download(repo_id: str, where: str) -> Path:
     except Exception as exc:  # the Hub raises many kinds (network, auth, missing repo); all mean "not found"
         message = f"model {repo_id!r} not found: {where}, and downloading it failed: {exc}"
         raise ModelNotFound(message, param="model") from exc
+
+
+def check_attention_caches(model: Any) -> None:
+    """Raise UnsupportedModel if a layer keeps anything but a full KV cache (a sliding window, a recurrent state):
+    the engine's paged attention reads every earlier token, so such a layer would not give mlx-lm's output."""
+    from mlx_lm.models.cache import KVCache
+
+    kinds = {type(c).__name__ for c in model.make_cache()} if hasattr(model, "make_cache") else set()
+    if kinds - {KVCache.__name__}:
+        raise UnsupportedModel(
+            f"this checkpoint has layers with {', '.join(sorted(kinds - {KVCache.__name__}))} (sliding-window or "
+            "recurrent attention), which the engine does not serve; every layer must attend to every earlier token",
+            param="model",
+        )
 
 
 def check_supported(config: dict) -> None:

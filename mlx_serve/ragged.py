@@ -277,10 +277,13 @@ def _dispatching_sdpa(original):
 
 
 def install_ragged_attention(model: Any) -> None:
-    """Route the model module's attention through the dispatcher (idempotent, per model module)."""
-    module = sys.modules[type(model).__module__]
-    current = getattr(module, "scaled_dot_product_attention", None)
-    if current is None:
-        raise RuntimeError(f"{module.__name__} has no scaled_dot_product_attention to route")
-    if not getattr(current, "ragged_dispatcher", False):
-        module.scaled_dot_product_attention = _dispatching_sdpa(current)
+    """Route the attention of every mlx-lm module the model's layers come from through the dispatcher (idempotent,
+    per module): a family may reuse another's attention class (SmolLM3 runs Llama's)."""
+    names = {type(model).__module__} | {type(m).__module__ for _, m in model.named_modules()}
+    modules = [sys.modules[n] for n in sorted(names) if hasattr(sys.modules.get(n), "scaled_dot_product_attention")]
+    if not modules:
+        raise RuntimeError(f"{type(model).__module__} has no scaled_dot_product_attention to route")
+    for module in modules:
+        current = module.scaled_dot_product_attention
+        if not getattr(current, "ragged_dispatcher", False):
+            module.scaled_dot_product_attention = _dispatching_sdpa(current)

@@ -26,6 +26,7 @@ from mlx_serve.grouped_experts import TileMatmul
 from mlx_serve.kernels.paged_attention import cuda_available
 from mlx_serve.kernels.step_clock import CONTINUITY_S, GpuStepClock, StepClock, step_interval_ms
 from mlx_serve.kv_pool import KVPool, slot_array
+from mlx_serve.model_head import family_head, plain_head
 from mlx_serve.prompt_scores import PromptScorer, QueuedScores, ScoredRows, score_arrays
 from mlx_serve.quantized_rows import (
     DequantizedRows,
@@ -165,6 +166,8 @@ class ModelRunner:
         if dense_moe or expert_tiles is not None:  # MoE blocks pick their form by the step's rows
             dense_experts.install(model, dense=dense_moe, tiles=expert_tiles)
         self._tied = bool(getattr(getattr(model, "args", None), "tie_word_embeddings", False))
+        # other families' heads scale, cap or always tie: their own forward's tail runs over the hidden states
+        self._family_head = None if plain_head(model) else family_head(model)
         # single-row steps replay one compiled graph; the reference attention reads per-lane slot lists instead
         use_compiled = compile_decode and not self._decode_lane_slots
         # a tied output projection of this many rows runs dense too (the quantized linears were folded above)
@@ -653,6 +656,8 @@ class ModelRunner:
 
     def _logits(self, hidden: mx.array) -> mx.array:
         # the LM head runs only on sampling rows: prefill rows never need vocabulary-sized logits
+        if self._family_head is not None:
+            return self._family_head(hidden)
         if self._tied:
             return self.dequantize.embedding_as_linear(self.model.model.embed_tokens, hidden)
         return self.model.lm_head(hidden)

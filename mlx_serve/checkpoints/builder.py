@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mlx_serve.checkpoints.presets import model_config
+from mlx_serve.checkpoints.presets import MLX_FAMILIES, model_config
 from mlx_serve.checkpoints.shards import plan_shards, write_shards
 from mlx_serve.checkpoints.tokenizer import EOS_TOKENS, PAD_TOKEN, token_ids, write_tokenizer
 from mlx_serve.checkpoints.weights import hf_tensor_specs, random_shard_maker
@@ -42,6 +42,11 @@ def write_float_checkpoint(out_dir: Path, arch: str, preset: str, seed: int, dty
     write_json(out_dir / "config.json", config)
     write_json(out_dir / "generation_config.json", generation_config(config))
     write_tokenizer(out_dir, config["vocab_size"])
+    if arch in MLX_FAMILIES:  # mlx-lm's own layout, from its model class
+        from mlx_serve.checkpoints.families import write_family_weights
+
+        write_family_weights(out_dir, config, seed, dtype)
+        return out_dir
     shards = plan_shards(hf_tensor_specs(config, dtype))
     write_shards(out_dir, shards, random_shard_maker(seed, dtype))
     return out_dir

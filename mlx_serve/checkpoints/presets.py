@@ -8,12 +8,63 @@ from __future__ import annotations
 
 from mlx_serve.errors import InvalidRequest
 
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")
+HF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")  # real-size presets, Hugging Face's layout
 PRESETS = ("tiny", "0.6b", "8b", "30b-a3b")
 DTYPES = ("bfloat16", "float16", "float32")
 
 TINY_VOCAB = 2048
 TINY_CONTEXT = 4096
+
+_FAMILY_BASE = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    vocab_size=TINY_VOCAB,
+    max_position_embeddings=TINY_CONTEXT,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    hidden_act="silu",
+    attention_bias=False,
+    mlp_bias=False,
+    tie_word_embeddings=False,
+)
+_MOE = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
+_GRANITE = dict(logits_scaling=8.0, attention_multiplier=0.05, embedding_multiplier=12.0, residual_multiplier=0.22)
+
+# mlx-lm families served beyond the five above, at the tiny size only, written in mlx-lm's layout (`families`):
+# model_type -> the keys its config adds to the base. Head scalings sit away from 1 where the family has them, so a
+# test of log-probabilities sees them
+MLX_FAMILIES: dict[str, dict] = {
+    "phi3": dict(rope_scaling={"type": "longrope", "short_factor": [1.0] * 16, "long_factor": [1.5] * 16},
+                 original_max_position_embeddings=1024, partial_rotary_factor=1.0),
+    "phimoe": dict(_MOE, rope_scaling=None),
+    "granite": dict(_GRANITE),
+    "granitemoe": dict(_GRANITE, **_MOE),
+    "starcoder2": dict(norm_epsilon=1e-5, use_bias=True, hidden_act="gelu_pytorch_tanh"),
+    "glm": dict(partial_rotary_factor=0.5),
+    "glm4": dict(partial_rotary_factor=0.5),
+    "stablelm": dict(partial_rotary_factor=0.25, layer_norm_eps=1e-5, use_qkv_bias=True),
+    "mixtral": dict(_MOE),
+    "qwen2_moe": dict(_MOE, shared_expert_intermediate_size=128, decoder_sparse_step=1, mlp_only_layers=[]),
+    "olmoe": dict(_MOE, norm_topk_prob=False),
+    "olmo2": dict(),
+    "internlm2": dict(bias=False),
+    "internlm3": dict(bias=False, qkv_bias=False),
+    "minicpm": dict(dim_model_base=32, scale_depth=1.4, scale_emb=12.0),
+    "helium": dict(),
+    "seed_oss": dict(attention_out_bias=False),
+    "nemotron": dict(hidden_act="relu2", norm_eps=1e-5, partial_rotary_factor=0.5),
+    "gemma": dict(hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True),
+    "cohere": dict(logit_scale=0.0625, layer_norm_eps=1e-5, use_qk_norm=True, tie_word_embeddings=True),
+    "smollm3": dict(no_rope_layer_interval=2),
+    "hunyuan_v1_dense": dict(use_qk_norm=True),
+    "ernie4_5": dict(use_bias=False),
+}
+
+ARCHS = (*HF_ARCHS, *MLX_FAMILIES)
 
 _HF_CLASS = {
     "llama": "LlamaForCausalLM",
@@ -214,6 +265,8 @@ def check_combo(arch: str, preset: str, dtype: str = "float32") -> None:
         raise InvalidRequest(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     if dtype not in DTYPES:
         raise InvalidRequest(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if arch in MLX_FAMILIES and preset != "tiny":
+        raise InvalidRequest(f"--arch {arch} has only --preset tiny (its real sizes are not among the presets)")
     if (arch, preset) in _REFUSALS:
         raise InvalidRequest(f"--arch {arch} --preset {preset} makes no sense: {_REFUSALS[arch, preset]}")
 
@@ -221,6 +274,8 @@ def check_combo(arch: str, preset: str, dtype: str = "float32") -> None:
 def model_config(arch: str, preset: str, dtype: str = "float32") -> dict:
     """The config.json of the checkpoint (without tokenizer ids, which `token_ids_config` adds)."""
     check_combo(arch, preset, dtype)
+    if arch in MLX_FAMILIES:
+        return {"model_type": arch, **_FAMILY_BASE, **MLX_FAMILIES[arch], "torch_dtype": dtype}
     shape = _tiny_shape(arch) if preset == "tiny" else dict(_REAL_SHAPES[arch, preset])
     config = {"architectures": [_HF_CLASS[arch]], "model_type": arch, **_family_defaults(arch), **shape}
     config["torch_dtype"] = dtype

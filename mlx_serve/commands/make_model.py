@@ -5,10 +5,39 @@ from __future__ import annotations
 import argparse
 import json
 
-HELP = "Write a random-weight checkpoint of a real architecture (llama, qwen2, qwen3, qwen3_moe, mistral)."
+HELP = "Write a random-weight checkpoint of a real architecture (llama, qwen2, qwen3, qwen3_moe, mistral at real sizes; 23 more mlx-lm families at a tiny size)."
 
 # Kept here, not imported, so `--help` does not import MLX; tests check they match mlx_serve.checkpoints.
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")
+ARCHS = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "mistral",
+    "phi3",
+    "phimoe",
+    "granite",
+    "granitemoe",
+    "starcoder2",
+    "glm",
+    "glm4",
+    "stablelm",
+    "mixtral",
+    "qwen2_moe",
+    "olmoe",
+    "olmo2",
+    "internlm2",
+    "internlm3",
+    "minicpm",
+    "helium",
+    "seed_oss",
+    "nemotron",
+    "gemma",
+    "cohere",
+    "smollm3",
+    "hunyuan_v1_dense",
+    "ernie4_5",
+)
 PRESETS = ("tiny", "0.6b", "8b", "30b-a3b")
 DTYPES = ("bfloat16", "float16", "float32")
 RECIPES = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")

@@ -1,0 +1,102 @@
+"""The mlx-lm families served beyond the five with real-size presets: on a dummy checkpoint of each (mlx-lm's layout,
+written by `make_checkpoint`), staggered prompts read in chunks beside decoding streams give mlx-lm's greedy tokens,
+and a scored prompt gives mlx-lm's log-probabilities (so each family's own head: Granite's logit scaling, MiniCPM's
+hidden scaling, Cohere's logit scale, tied embeddings). What the engine cannot serve is refused at load."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mlx_serve.checkpoints import make_checkpoint
+from mlx_serve.checkpoints.presets import ARCHS, HF_ARCHS, MLX_FAMILIES
+from mlx_serve.engine import Engine, EngineConfig
+from mlx_serve.errors import UnsupportedModel
+from mlx_serve.kernels.paged_gather import table_gather
+from mlx_serve.model_source import SUPPORTED_MODEL_TYPES
+from mlx_serve.types import GenerationRequest, SamplingParams
+from tests.engine.reference import (
+    generate_in_cuda_layout,
+    prompt_of,
+    reference_prompt_logprobs,
+    reference_tokens,
+    run_staggered,
+)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    return {family: make_checkpoint(root / family, arch=family, seed=1) for family in MLX_FAMILIES}
+
+
+def test_every_served_family_has_a_dummy_checkpoint_and_back():
+    assert set(SUPPORTED_MODEL_TYPES) == set(ARCHS) == set(HF_ARCHS) | set(MLX_FAMILIES)
+
+
+@pytest.mark.parametrize("family", list(MLX_FAMILIES))
+def test_a_family_serves_mlx_lms_tokens_and_log_probabilities(checkpoints, family):
+    path = checkpoints[family]
+    prompts = [prompt_of(n, seed=500 + i) for i, n in enumerate((9, 70, 33))]
+    engine = Engine.load(EngineConfig(model=str(path), block_size=16, kv_blocks=128, row_ceiling=24, row_floor=4))
+    try:
+        tokens = run_staggered(engine, prompts, first=1, max_tokens=10)
+        scored = prompt_of(45, seed=510)
+        request = GenerationRequest(prompt_ids=tuple(scored), max_tokens=1, sampling=SamplingParams(prompt_logprobs=0))
+        [completion] = engine.generate([request])
+    finally:
+        engine.shutdown()
+    for i, prompt in enumerate(prompts):
+        assert tokens[i] == reference_tokens(path, prompt, 10), f"prompt {i}"
+    reference = reference_prompt_logprobs(path, scored)
+    want = reference[np.arange(len(scored) - 1), scored[1:]]
+    np.testing.assert_allclose([e.logprob for e in completion.prompt_logprobs[1:]], want, atol=2e-5)
+
+
+def test_a_quantized_mixture_of_experts_family_matches_mlx_lm(tmp_path):
+    path = make_checkpoint(tmp_path / "mixtral-4bit", arch="mixtral", seed=2, quantize_bits=4, group_size=32)
+    prompts = [prompt_of(n, seed=520 + i) for i, n in enumerate((12, 50))]
+    engine = Engine.load(EngineConfig(model=str(path), block_size=16, kv_blocks=64, row_ceiling=16, row_floor=4))
+    try:
+        completions = engine.generate([GenerationRequest(prompt_ids=tuple(p), max_tokens=8) for p in prompts])
+    finally:
+        engine.shutdown()
+    for prompt, completion in zip(prompts, completions):
+        assert list(completion.token_ids) == reference_tokens(path, prompt, 8)
+
+
+def test_sliding_window_layers_are_refused_at_load(tmp_path):
+    """A Llama config with sliding-window layers (mlx-lm gives them rotating caches): the engine's attention reads
+    every earlier token, so it refuses the checkpoint instead of giving other tokens than mlx-lm."""
+    path = make_checkpoint(tmp_path / "llama", arch="llama", seed=0)
+    config = json.loads((path / "config.json").read_text())
+    config.update(sliding_window=16, layer_types=["sliding_attention", "full_attention"])
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModel, match="RotatingKVCache"):
+        Engine.load(EngineConfig(model=str(path), kv_blocks=16))
+
+
+def test_an_unserved_family_is_refused_with_the_list(tmp_path):
+    path = make_checkpoint(tmp_path / "qwen3", arch="qwen3", seed=0)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "gemma3_text"}))
+    with pytest.raises(UnsupportedModel, match="'gemma3_text' is not supported; supported model types: llama"):
+        Engine.load(EngineConfig(model=str(path), kv_blocks=16))
+
+
+@pytest.mark.parametrize("family", ["granite", "cohere", "internlm2", "mixtral"])
+def test_a_family_in_the_cuda_layout_with_compiled_decode_steps(checkpoints, family):
+    """As on CUDA: decode steps replay one compiled graph (the family's head traced in it), prefill history in
+    buckets read through the block table. mlx-lm's tokens."""
+    path = checkpoints[family]
+    prompts = [prompt_of(n, seed=530 + i) for i, n in enumerate((20, 41, 7))]
+    engine = Engine.load(EngineConfig(model=str(path), row_ceiling=16, row_floor=4, compile_decode="on",
+                                      warm_up=False))  # fmt: skip
+    assert engine.runner.compiled is not None
+    tokens = generate_in_cuda_layout(engine, prompts, 10, table_gather)
+    assert engine.runner.compiled.shapes, "no decode step replayed a compiled graph"
+    for prompt, got in zip(prompts, tokens):
+        assert got == reference_tokens(path, prompt, 10)
