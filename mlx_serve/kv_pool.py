@@ -19,6 +19,12 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: mx.Dtype
+    # each layer's attention window in tokens (None: every earlier token); empty: none windowed. A windowed layer's
+    # KV is still kept whole: only its attention looks back no further
+    windows: tuple[int | None, ...] = ()
+
+    def window(self, layer: int) -> int | None:
+        return self.windows[layer] if self.windows else None
 
     def bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.size

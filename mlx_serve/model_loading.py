@@ -41,6 +41,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     model_config = read_config(path)
     check_supported(model_config)
     model, tokenizer = mlx_lm.load(str(path), lazy=True)
+    model = text_model(model)
     _materialize(model, show_progress=config.progress, label=f"loading {path.name}")
     model_id = config.model or f"mlx-serve/{path.name}"
     return describe_model(model, tokenizer, model_config, model_id, config, path)
@@ -50,9 +51,10 @@ def describe_model(
     model: Any, tokenizer: Any, model_config: dict, model_id: str, config: EngineConfig, path: Path | None = None
 ) -> LoadedModel:
     """What the engine needs to know about a loaded mlx-lm model (also for models built in memory)."""
-    from mlx_serve.model_source import check_attention_caches, weight_bytes
+    from mlx_serve.model_source import layer_windows, weight_bytes
 
-    check_attention_caches(model)
+    model = text_model(model)
+    windows = layer_windows(model)
     # arrays a module keeps outside its parameters (SuScaledRoPE's frequencies) are still lazy: made on this thread,
     # MLX cannot evaluate them on the engine's
     mx.eval(module_buffers(model))
@@ -61,7 +63,7 @@ def describe_model(
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // n_heads
     kv_heads = getattr(args, "num_key_value_heads", None) or n_heads
     dtype = activation_dtype(model)
-    layout = KVLayout(len(model.model.layers), kv_heads, head_dim, dtype)
+    layout = KVLayout(len(model.model.layers), kv_heads, head_dim, dtype, windows)
     context = config.max_model_len or int(model_config.get("max_position_embeddings", 4096))
     return LoadedModel(
         model=model,
@@ -74,6 +76,13 @@ def describe_model(
         context_length=context,
         vocab_size=int(args.vocab_size),
     )
+
+
+def text_model(model: Any) -> Any:
+    """A multimodal wrapper's language model (Gemma 3, Mistral 3: the checkpoint's text half, which the wrapper's
+    forward only passes through); any other model as it is."""
+    inner = getattr(model, "language_model", None)
+    return inner if inner is not None and hasattr(getattr(inner, "model", None), "layers") else model
 
 
 def module_buffers(model: Any) -> list[mx.array]:

@@ -19,7 +19,7 @@ SUPPORTED_MODEL_TYPES = (
     "llama", "qwen2", "qwen3", "qwen3_moe", "mistral",
     "phi3", "phimoe", "granite", "granitemoe", "starcoder2", "glm", "glm4", "stablelm", "mixtral", "qwen2_moe",
     "olmoe", "olmo2", "internlm2", "internlm3", "minicpm", "helium", "seed_oss", "nemotron", "gemma", "cohere",
-    "smollm3", "hunyuan_v1_dense", "ernie4_5",
+    "smollm3", "hunyuan_v1_dense", "ernie4_5", "gemma3_text", "gemma3", "olmo3", "cohere2", "ministral3", "mistral3",
 )  # fmt: skip
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -90,18 +90,23 @@ def _download(repo_id: str, where: str) -> Path:
         raise ModelNotFound(message, param="model") from exc
 
 
-def check_attention_caches(model: Any) -> None:
-    """Raise UnsupportedModel if a layer keeps anything but a full KV cache (a sliding window, a recurrent state):
-    the engine's paged attention reads every earlier token, so such a layer would not give mlx-lm's output."""
-    from mlx_lm.models.cache import KVCache
+def layer_windows(model: Any) -> tuple[int | None, ...]:
+    """Each layer's attention window as mlx-lm's caches for the model say (a `RotatingKVCache` of `max_size` tokens
+    keeping none: a sliding window of that many; a `KVCache`: None); () when no layer is windowed. Raises
+    UnsupportedModel for any other cache (a recurrent state, chunked attention, kept sink tokens)."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-    kinds = {type(c).__name__ for c in model.make_cache()} if hasattr(model, "make_cache") else set()
-    if kinds - {KVCache.__name__}:
+    caches = model.make_cache() if hasattr(model, "make_cache") else []
+    other = sorted({type(c).__name__ for c in caches if type(c) not in (KVCache, RotatingKVCache)})
+    kept = [c for c in caches if type(c) is RotatingKVCache and c.keep]
+    if other or kept:
         raise UnsupportedModel(
-            f"this checkpoint has layers with {', '.join(sorted(kinds - {KVCache.__name__}))} (sliding-window or "
-            "recurrent attention), which the engine does not serve; every layer must attend to every earlier token",
+            f"this checkpoint has layers with {', '.join(other) or 'RotatingKVCache keeping sink tokens'}, which the "
+            "engine does not serve: every layer must attend to every earlier token or to a plain sliding window",
             param="model",
         )
+    windows = tuple(c.max_size if type(c) is RotatingKVCache else None for c in caches)
+    return windows if any(w is not None for w in windows) else ()
 
 
 def check_supported(config: dict) -> None:

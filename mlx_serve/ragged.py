@@ -36,7 +36,8 @@ class LaneRows:
     kv_len: int = 0
     # with a mask: the query rows attention runs with, `rows` padded so a shape repeats (0: exactly `rows`)
     query_rows: int = 0
-    # with a `table`: each query row's position (pad rows repeat the last), for attention that reads the pool itself
+    # with a mask: each query row's position (pad rows repeat the last), for attention that reads the pool itself
+    # (with a `table`) and for a sliding window's mask
     positions: mx.array | None = None
 
 
@@ -191,6 +192,7 @@ class RaggedLayerCache:
         self.layer = layer
         self.step = step
         self.offset = step.positions
+        self.window = pool.layout.window(layer)  # a sliding-window layer's (None: it attends to every earlier token)
 
     def make_mask(self, *args: Any, **kwargs: Any) -> None:
         return None
@@ -202,6 +204,8 @@ class RaggedLayerCache:
 
     def attention(self, queries: mx.array, scale: float) -> mx.array:
         """Each lane attends causally to its own request's KV. queries: [T, heads, 1, head_dim]."""
+        if self.window is not None:
+            return self._windowed(queries, scale)
         outputs = []
         decode = self.step.decode
         if decode is not None:
@@ -254,8 +258,57 @@ class RaggedLayerCache:
             keys, values = self.step.prefill_gather(pool_keys, pool_values, lane, size)
         else:
             keys, values = self.pool.gather(self.layer, lane.kv_slots)
+        if self.window is not None:
+            return attention(q, keys, values, scale, windowed_lane_mask(lane, keys.shape[2], self.window, q.dtype))
         mask = lane.mask if lane.mask is not None else ("causal" if lane.rows > 1 else None)
         return attention(q, keys, values, scale, mask)
+
+    def _windowed(self, queries: mx.array, scale: float) -> mx.array:
+        """A sliding-window layer: decode rows over their last `window` positions, lanes over their gathered history
+        behind a windowed causal mask (the paged kernels have no window: MLX's own attention runs these)."""
+        outputs = []
+        decode = self.step.decode
+        if decode is not None:
+            pool_keys, pool_values = self.pool.keys[self.layer], self.pool.values[self.layer]
+            outputs.append(windowed_decode_attention(queries[: decode.count], pool_keys, pool_values, decode, scale,
+                                                     self.window))  # fmt: skip
+        for lane in self.step.lanes:
+            q = queries[lane.row_start : lane.row_start + lane.rows].transpose(2, 1, 0, 3)  # [1, H, n, D]
+            if lane.query_rows > lane.rows:
+                q = mx.pad(q, [(0, 0), (0, 0), (0, lane.query_rows - lane.rows), (0, 0)])
+            out = self._gathered(q, lane, scale)[:, :, : lane.rows]
+            outputs.append(out.transpose(2, 1, 0, 3))
+        return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
+
+
+def windowed_decode_attention(queries: mx.array, pool_keys: mx.array, pool_values: mx.array, rows: DecodeRows,
+                              scale: float, window: int) -> mx.array:  # fmt: skip
+    """Single-row lanes `[n, H, 1, D]` each over the `window` positions up to its own (fewer at a sequence's start,
+    masked), read from the pool through the block tables on the device: one batched SDPA."""
+    size = rows.block_size
+    positions = rows.lengths[:, None] - window + mx.arange(window, dtype=mx.int32)[None]  # [n, window]
+    kept = positions >= 0
+    positions = mx.maximum(positions, 0)
+    blocks = mx.take_along_axis(rows.block_tables, positions // size, axis=1)
+    slots = blocks * size + positions % size
+    keys = pool_keys[slots].transpose(0, 2, 1, 3)  # [n, kv_heads, window, D]
+    values = pool_values[slots].transpose(0, 2, 1, 3)
+    dtype = queries.dtype
+    mask = mx.where(kept, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))[:, None, None, :]
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+def windowed_lane_mask(lane: LaneRows, keys: int, window: int, dtype: mx.Dtype) -> mx.array:
+    """The additive mask `[1, 1, rows, keys]` of a lane's query rows over its `keys` gathered positions: each row
+    sees the `window` positions up to its own (a padded lane's own mask hides its padding too)."""
+    key_positions = mx.arange(keys, dtype=mx.int32)[None, :]
+    if lane.positions is not None:
+        query_positions = lane.positions[:, None]
+    else:  # exact slots: the lane's rows are the last of its `keys` positions
+        query_positions = (keys - lane.rows + mx.arange(lane.rows, dtype=mx.int32))[:, None]
+    outside = (key_positions > query_positions) | (key_positions <= query_positions - window)
+    mask = mx.where(outside, mx.array(mx.finfo(dtype).min, dtype), mx.array(0, dtype))[None, None]
+    return mask if lane.mask is None else mx.minimum(mask, lane.mask)
 
 
 def _leads(head: mx.array, rows: mx.array, row_start: int) -> bool:

@@ -634,7 +634,7 @@ class ModelRunner:
             return LaneRows(row_start, lane.rows, self._no_slots, mask, table, length, padded, queries, query_pos)
         slots = np.zeros(padded, dtype=np.int32)
         slots[: lane.end] = slot_array(lane.block_ids, 0, lane.end, self.pool.block_size)
-        return LaneRows(row_start, lane.rows, mx.array(slots), mask, query_rows=queries)
+        return LaneRows(row_start, lane.rows, mx.array(slots), mask, query_rows=queries, positions=query_pos)
 
     def _decode_rows(self, plan_lanes: list, rows: list[LaneRows]) -> DecodeRows:
         width = max(len(lane.block_ids) for lane in plan_lanes)

@@ -32,6 +32,10 @@ _FAMILY_BASE = dict(
     tie_word_embeddings=False,
 )
 _MOE = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
+_GEMMA3 = dict(sliding_window=16, sliding_window_pattern=2, query_pre_attn_scalar=32, rope_local_base_freq=10000.0,
+               rms_norm_eps=1e-6)
+_MINISTRAL3 = dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"], rope_parameters={
+    "rope_type": "default", "rope_theta": 10000.0, "llama_4_scaling_beta": 0.1, "original_max_position_embeddings": 32})
 _GRANITE = dict(logits_scaling=8.0, attention_multiplier=0.05, embedding_multiplier=12.0, residual_multiplier=0.22)
 
 # mlx-lm families served beyond the five above, at the tiny size only, written in mlx-lm's layout (`families`):
@@ -62,6 +66,14 @@ MLX_FAMILIES: dict[str, dict] = {
     "smollm3": dict(no_rope_layer_interval=2),
     "hunyuan_v1_dense": dict(use_qk_norm=True),
     "ernie4_5": dict(use_bias=False),
+    # sliding-window layers (16 tokens here, so tests' prompts cross them)
+    "gemma3_text": dict(_GEMMA3),
+    "gemma3": dict(text_config={"model_type": "gemma3_text", **_FAMILY_BASE, **_GEMMA3}),  # a multimodal wrapper
+    "olmo3": dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"]),
+    "cohere2": dict(sliding_window=16, sliding_window_pattern=2, logit_scale=0.0625, layer_norm_eps=1e-5,
+                    tie_word_embeddings=True),
+    "ministral3": dict(_MINISTRAL3),
+    "mistral3": dict(text_config={"model_type": "ministral3", **_FAMILY_BASE, **_MINISTRAL3}),  # a multimodal wrapper
 }
 
 ARCHS = (*HF_ARCHS, *MLX_FAMILIES)

@@ -16,7 +16,7 @@ from mlx_serve.checkpoints.presets import ARCHS, HF_ARCHS, MLX_FAMILIES
 from mlx_serve.engine import Engine, EngineConfig
 from mlx_serve.errors import UnsupportedModel
 from mlx_serve.kernels.paged_gather import table_gather
-from mlx_serve.model_source import SUPPORTED_MODEL_TYPES
+from mlx_serve.model_source import SUPPORTED_MODEL_TYPES, layer_windows
 from mlx_serve.types import GenerationRequest, SamplingParams
 from tests.engine.reference import (
     generate_in_cuda_layout,
@@ -68,26 +68,49 @@ def test_a_quantized_mixture_of_experts_family_matches_mlx_lm(tmp_path):
         assert list(completion.token_ids) == reference_tokens(path, prompt, 8)
 
 
-def test_sliding_window_layers_are_refused_at_load(tmp_path):
-    """A Llama config with sliding-window layers (mlx-lm gives them rotating caches): the engine's attention reads
-    every earlier token, so it refuses the checkpoint instead of giving other tokens than mlx-lm."""
+def test_a_llama_config_with_sliding_window_layers_matches_mlx_lm(tmp_path):
+    """Llama's `layer_types` (mlx-lm gives its sliding layers rotating caches of `sliding_window` tokens): prompts
+    longer than the window, read in chunks beside a decoding stream, give mlx-lm's tokens."""
     path = make_checkpoint(tmp_path / "llama", arch="llama", seed=0)
     config = json.loads((path / "config.json").read_text())
     config.update(sliding_window=16, layer_types=["sliding_attention", "full_attention"])
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModel, match="RotatingKVCache"):
-        Engine.load(EngineConfig(model=str(path), kv_blocks=16))
+    prompts = [prompt_of(n, seed=540 + i) for i, n in enumerate((30, 75))]
+    engine = Engine.load(EngineConfig(model=str(path), block_size=16, kv_blocks=64, row_ceiling=24, row_floor=4))
+    try:
+        assert engine.pool.layout.windows == (16, None)
+        tokens = run_staggered(engine, prompts, first=1, max_tokens=24)
+    finally:
+        engine.shutdown()
+    for i, prompt in enumerate(prompts):
+        assert tokens[i] == reference_tokens(path, prompt, 24)
+
+
+def test_caches_other_than_full_or_sliding_are_refused():
+    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+    class Recurrent:
+        def make_cache(self):
+            return [KVCache(), ArraysCache(2)]
+
+    class KeepsSinks:
+        def make_cache(self):
+            return [RotatingKVCache(max_size=64, keep=4)]
+
+    for model in (Recurrent(), KeepsSinks()):
+        with pytest.raises(UnsupportedModel, match="engine does not serve"):
+            layer_windows(model)
 
 
 def test_an_unserved_family_is_refused_with_the_list(tmp_path):
     path = make_checkpoint(tmp_path / "qwen3", arch="qwen3", seed=0)
     config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "model_type": "gemma3_text"}))
-    with pytest.raises(UnsupportedModel, match="'gemma3_text' is not supported; supported model types: llama"):
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "gemma2"}))
+    with pytest.raises(UnsupportedModel, match="'gemma2' is not supported; supported model types: llama"):
         Engine.load(EngineConfig(model=str(path), kv_blocks=16))
 
 
-@pytest.mark.parametrize("family", ["granite", "cohere", "internlm2", "mixtral"])
+@pytest.mark.parametrize("family", ["granite", "cohere", "internlm2", "mixtral", "gemma3", "cohere2"])
 def test_a_family_in_the_cuda_layout_with_compiled_decode_steps(checkpoints, family):
     """As on CUDA: decode steps replay one compiled graph (the family's head traced in it), prefill history in
     buckets read through the block table. mlx-lm's tokens."""
