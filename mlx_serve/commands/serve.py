@@ -91,6 +91,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
                       help="extra name clients may use in the `model` field (repeatable); the model id, "
                            "its folder name and \"default\" are always accepted")
+    http.add_argument("--reasoning", choices=("split", "raw"), default="split",
+                      help="a thinking model's reasoning (between its think markers) in chat answers: split puts it in "
+                           "reasoning_content (as mlx-lm's and vLLM's servers do), raw leaves it in content "
+                           "(default: %(default)s)")
     http.add_argument("--drain-timeout", type=nonnegative_float_arg, default=10.0, metavar="SECONDS",
                       help="on Ctrl-C/SIGTERM, stop accepting and let open requests finish for this long, then "
                            "cancel the rest (default: %(default)s)")
@@ -313,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
     check_listen(args.host, args.port)  # before the model loads: a taken port is known in a millisecond
     metrics = ServerMetrics()
     engine = load_engine(args, observer=metrics)
-    app = create_app(engine, metrics, aliases=args.served_model_name)
+    app = create_app(engine, metrics, aliases=args.served_model_name, split_reasoning=args.reasoning == "split")
     log = logging.getLogger("mlx_serve.server")
     log.info("model %s loaded; serving on http://%s:%d", engine.model_id, args.host, args.port)
     host = f"[{args.host}]" if ":" in args.host else args.host  # IPv6 literals need brackets

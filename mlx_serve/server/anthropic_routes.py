@@ -27,6 +27,7 @@ from mlx_serve.server.protocol import (
     parse_json_object,
     read_bool,
 )
+from mlx_serve.server.reasoning import make_reasoning_splitter
 from mlx_serve.server.streaming import EventStreamResponse, collect_events, merge_events, sse
 from mlx_serve.server.tools import make_splitter, normalize_messages, render_chat, validate_tools
 
@@ -145,7 +146,9 @@ async def messages(request: Request) -> Response:
     job = await run_in_threadpool(parse_messages, body, engine.tokenizer, model)
     message_id = f"msg_{uuid.uuid4().hex}"
     handles = engine.submit_all([replace(job.requests[0], request_id=message_id)])
-    choice = ChoiceState(0, engine.tokenizer, False, make_splitter(engine.tokenizer, job.tools), job.tools)
+    reasoner = make_reasoning_splitter(engine.tokenizer, job.requests[0].prompt_ids, model.split_reasoning)
+    choice = ChoiceState(0, engine.tokenizer, False, make_splitter(engine.tokenizer, job.tools), job.tools,
+                         reasoner=reasoner)
     if job.stream:
         chunks = _message_stream(handles, choice, job, message_id, model.model_id)
         return EventStreamResponse(chunks, handles)
@@ -160,8 +163,10 @@ async def messages(request: Request) -> Response:
 
 
 def _content_blocks(choice: ChoiceState) -> list[dict[str, Any]]:
+    """A thinking block (a thinking model's reasoning), the text, then tool_use blocks."""
+    thinking = [{"type": "thinking", "thinking": choice.reasoning, "signature": ""}] if choice.reasoning else []
     blocks = [{"type": "text", "text": choice.text}] if choice.text or not choice.tool_calls else []
-    return blocks + [_tool_use_block(call) for call in choice.tool_calls]
+    return thinking + blocks + [_tool_use_block(call) for call in choice.tool_calls]
 
 
 def _tool_use_block(call: dict[str, Any]) -> dict[str, Any]:
@@ -205,7 +210,8 @@ async def _message_stream(handles: list[Any], choice: ChoiceState, job: Job, mes
         except GenerationFailed as exc:
             yield sse(anthropic_error_body(exc), "error")
             return
-        for chunk in blocks.text(delta.text) + [c for call in delta.tool_calls for c in blocks.tool_use(call)]:
+        chunks = blocks.thinking(delta.reasoning) + blocks.text(delta.text)
+        for chunk in chunks + [c for call in delta.tool_calls for c in blocks.tool_use(call)]:
             yield chunk
     for chunk in blocks.close():
         yield chunk
@@ -216,19 +222,25 @@ async def _message_stream(handles: list[Any], choice: ChoiceState, job: Job, mes
 
 
 class _BlockWriter:
-    """Numbers content blocks and opens/closes the text block around tool_use blocks."""
+    """Numbers content blocks and opens/closes the thinking and text blocks around each other and tool_use blocks."""
 
     def __init__(self) -> None:
         self.index = -1
-        self.text_open = False
+        self.open_kind: str | None = None  # "thinking" or "text" while such a block is open
 
     def text(self, text: str) -> list[bytes]:
+        return self._delta("text", {"type": "text", "text": ""}, {"type": "text_delta", "text": text}, text)
+
+    def thinking(self, text: str) -> list[bytes]:
+        block = {"type": "thinking", "thinking": "", "signature": ""}
+        return self._delta("thinking", block, {"type": "thinking_delta", "thinking": text}, text)
+
+    def _delta(self, kind: str, block: dict[str, Any], delta: dict[str, Any], text: str) -> list[bytes]:
         if not text:
             return []
-        out = [] if self.text_open else self._start({"type": "text", "text": ""})
-        self.text_open = True
-        return out + [sse({"type": "content_block_delta", "index": self.index,
-                           "delta": {"type": "text_delta", "text": text}}, "content_block_delta")]
+        out = [] if self.open_kind == kind else self.close() + self._start(block)
+        self.open_kind = kind
+        return out + [sse({"type": "content_block_delta", "index": self.index, "delta": delta}, "content_block_delta")]
 
     def tool_use(self, call: dict[str, Any]) -> list[bytes]:
         block = _tool_use_block(call)
@@ -238,9 +250,9 @@ class _BlockWriter:
                           "content_block_delta")] + self.close(force=True)
 
     def close(self, force: bool = False) -> list[bytes]:
-        if not (self.text_open or force):
+        if not (self.open_kind or force):
             return []
-        self.text_open = False
+        self.open_kind = None
         return [sse({"type": "content_block_stop", "index": self.index}, "content_block_stop")]
 
     def _start(self, block: dict[str, Any]) -> list[bytes]:

@@ -28,19 +28,21 @@ from mlx_serve.server.streaming import ClientDisconnected
 log = logging.getLogger("mlx_serve.server")
 
 
-def model_info(engine: Any, aliases: Iterable[str] = ()) -> ModelInfo:
+def model_info(engine: Any, aliases: Iterable[str] = (), split_reasoning: bool = True) -> ModelInfo:
     """The served model's names: its id, the checkpoint folder's name, "default", and any aliases given."""
     names = {Path(engine.model_id).name, "default", *aliases}
     kv = engine.status()["kv"]
     return ModelInfo(engine.model_id, frozenset(names), engine.context_length, engine.vocab_size,
-                     kv_capacity=kv["blocks_total"] * kv["block_size"])
+                     kv_capacity=kv["blocks_total"] * kv["block_size"], split_reasoning=split_reasoning)
 
 
-def create_app(engine: Any, metrics: ServerMetrics | None = None, aliases: Iterable[str] = ()) -> Starlette:
-    """The HTTP app over a loaded engine. `metrics` should be the engine's observer, so histograms fill."""
+def create_app(engine: Any, metrics: ServerMetrics | None = None, aliases: Iterable[str] = (),
+               split_reasoning: bool = True) -> Starlette:
+    """The HTTP app over a loaded engine. `metrics` should be the engine's observer, so histograms fill;
+    `split_reasoning`: chat answers put a thinking model's reasoning in `reasoning_content`."""
     metrics = metrics or ServerMetrics()
     metrics.watch(engine.stats)
-    shared = {"engine": engine, "model": model_info(engine, aliases), "metrics": metrics}
+    shared = {"engine": engine, "model": model_info(engine, aliases, split_reasoning), "metrics": metrics}
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:

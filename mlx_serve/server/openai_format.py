@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mlx_serve.errors import MlxServeError
+from mlx_serve.server.reasoning import ReasoningSplitter
 from mlx_serve.server.tools import ToolCallSplitter, parse_tool_calls
 from mlx_serve.types import PromptLogprob, TokenEvent, Usage
 
@@ -17,15 +18,16 @@ class GenerationFailed(MlxServeError):
 
 @dataclass(frozen=True, slots=True)
 class Delta:
-    """What one event adds to a choice: visible text, finished tool calls, logprob entries."""
+    """What one event adds to a choice: visible text, finished tool calls, logprob entries, reasoning text."""
 
     text: str
     tool_calls: list[dict[str, Any]]
     logprobs: list[dict[str, Any]]
+    reasoning: str = ""
 
     @property
     def empty(self) -> bool:
-        return not (self.text or self.tool_calls or self.logprobs)
+        return not (self.text or self.tool_calls or self.logprobs or self.reasoning)
 
 
 @dataclass(slots=True)
@@ -46,11 +48,14 @@ class ChoiceState:
     echo: str | None = None  # the prompt's text, put before the answer (completions' `echo`)
     echo_only: bool = False  # the answer is the echoed prompt alone (the token made with it is dropped)
     entry_chars: int = 0  # characters of the logprob entries' tokens so far: the next entry's text offset
+    reasoner: ReasoningSplitter | None = None  # a thinking model's reasoning goes apart from its answer
+    reasoning: str = ""
 
     def add(self, event: TokenEvent) -> Delta:
         if event.finish_reason == "error":
             raise GenerationFailed(f"generation failed: {event.error or 'unknown engine error'}")
-        text, call_texts = self._split(event)
+        reasoning, text = self._reason(event)
+        text, call_texts = self._split(text, event.finish_reason is not None)
         calls = parse_tool_calls(self.tokenizer, call_texts, self.tools, len(self.tool_calls))
         wants_entry = self.want_logprobs and event.token_id is not None and event.logprob is not None
         entries = [logprob_entry(self.tokenizer, event)] if wants_entry else []
@@ -60,25 +65,36 @@ class ChoiceState:
             text, entries = self.echo + text, self._prompt_entries(event) + entries
             self.echo = None
         self.text += text
+        self.reasoning += reasoning
         self.tool_calls += calls
         self.logprobs += entries
         self.entry_chars += sum(len(entry["token"]) for entry in entries)
         if event.finish_reason is not None:
             self.finish_reason = _finish_reason(event.finish_reason, bool(self.tool_calls))
             self.usage = replace(event.usage, completion_tokens=0) if self.echo_only and event.usage else event.usage
-        return Delta(text, calls, entries)
+        return Delta(text, calls, entries, reasoning)
 
     def _prompt_entries(self, event: TokenEvent) -> list[dict[str, Any]]:
         if not self.want_logprobs or event.prompt_logprobs is None:
             return []
         return [prompt_entry(self.tokenizer, entry) for entry in event.prompt_logprobs]
 
-    def _split(self, event: TokenEvent) -> tuple[str, list[str]]:
+    def _reason(self, event: TokenEvent) -> tuple[str, str]:
+        """The event's reasoning text and the rest (all the rest when the model does not think aloud)."""
+        if self.reasoner is None:
+            return "", event.text
+        answer, reasoning = self.reasoner.feed(event.text)
+        if event.finish_reason is not None:
+            tail, last = self.reasoner.finish()
+            answer, reasoning = answer + tail, reasoning + last
+        return reasoning, answer
+
+    def _split(self, text: str, last: bool) -> tuple[str, list[str]]:
         """Visible text and finished tool-call texts (everything is text when no tools were offered)."""
         if self.splitter is None:
-            return event.text, []
-        text, call_texts = self.splitter.feed(event.text)
-        if event.finish_reason is not None:
+            return text, []
+        text, call_texts = self.splitter.feed(text)
+        if last:
             tail, last_calls = self.splitter.finish()
             text, call_texts = text + tail, call_texts + last_calls
         return text, call_texts
@@ -138,8 +154,14 @@ def usage_body(choices: Sequence[ChoiceState]) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def reasoning_fields(text: str) -> dict[str, str]:
+    """A message's or delta's reasoning, under the name DeepSeek's API and vLLM use and the one mlx-lm's server
+    uses (clients read one or the other)."""
+    return {"reasoning_content": text, "reasoning": text} if text else {}
+
+
 def chat_message(choice: ChoiceState) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": choice.text or None}
+    message: dict[str, Any] = {"role": "assistant", "content": choice.text or None, **reasoning_fields(choice.reasoning)}
     if choice.tool_calls:
         message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in choice.tool_calls]
     elif message["content"] is None:

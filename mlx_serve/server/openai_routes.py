@@ -27,6 +27,7 @@ from mlx_serve.server.protocol import (
     read_prompts,
     read_stream_options,
 )
+from mlx_serve.server.reasoning import make_reasoning_splitter
 from mlx_serve.server.streaming import EventStreamResponse, collect_events, merge_events, sse
 from mlx_serve.server.tools import make_splitter, normalize_messages, render_chat, validate_tools
 
@@ -47,7 +48,8 @@ def parse_chat(body: dict[str, Any], tokenizer: Any, model: ModelInfo) -> Job:
                               max_token_fields=("max_completion_tokens", "max_tokens"),
                               n=read_int(body, "n", 1, low=1, high=MAX_CHOICES),
                               grammar=_grammar(body, tools, tokenizer))
-    return Job(requests, stream, read_stream_options(body, stream), want_logprobs, tools, n=len(requests))
+    return Job(requests, stream, read_stream_options(body, stream), want_logprobs, tools, n=len(requests),
+               split_reasoning=model.split_reasoning)
 
 
 def _grammar(body: dict[str, Any], tools: list[dict[str, Any]] | None, tokenizer: Any) -> str | None:
@@ -130,8 +132,9 @@ async def _serve(request: Request, parse: Callable[..., Job], prefix: str, strea
 def _choices(job: Job, tokenizer: Any) -> list[fmt.ChoiceState]:
     return [fmt.ChoiceState(i, tokenizer, job.want_logprobs, make_splitter(tokenizer, job.tools), job.tools,
                             counts_prompt=i % job.n == 0, echo=job.echo[i] if job.echo else None,
-                            echo_only=job.echo_only)
-            for i in range(len(job.requests))]  # fmt: skip
+                            echo_only=job.echo_only,
+                            reasoner=make_reasoning_splitter(tokenizer, request.prompt_ids, job.split_reasoning))
+            for i, request in enumerate(job.requests)]  # fmt: skip
 
 
 async def _chat_stream(job: Job, handles: Sequence[Any], tokenizer: Any, job_id: str, model: str,
@@ -151,6 +154,7 @@ async def _chat_stream(job: Job, handles: Sequence[Any], tokenizer: Any, job_id:
             return
         if not delta.empty:
             body: dict[str, Any] = {"content": delta.text} if delta.text else {}
+            body.update(fmt.reasoning_fields(delta.reasoning))
             if delta.tool_calls:
                 body["tool_calls"] = delta.tool_calls
             yield chunk(index, body, logprobs=delta.logprobs)

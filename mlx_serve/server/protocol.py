@@ -29,6 +29,7 @@ class ModelInfo:
     context_length: int
     vocab_size: int
     kv_capacity: int  # tokens the KV pool holds: a request can never use more
+    split_reasoning: bool = True  # chat answers put a thinking model's reasoning apart (`--reasoning split`)
 
 
     def check_name(self, name: object) -> None:
@@ -260,6 +261,7 @@ class Job:
     n: int = 1  # choices a prompt: requests i * n ... i * n + n - 1 share prompt i
     echo: tuple[str, ...] | None = None  # completions with `echo`: each request's prompt text, put before its answer
     echo_only: bool = False  # `echo` with max_tokens 0: the answer is the prompt alone (one token is made, dropped)
+    split_reasoning: bool = False  # a thinking model's reasoning goes to `reasoning_content` (chat answers)
 
 
 def read_stream_options(body: Mapping[str, Any], stream: bool) -> bool:

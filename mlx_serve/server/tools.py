@@ -115,7 +115,7 @@ class ToolCallSplitter:
             self._held = self._held[at + len(marker):]
             self._in_call = not self._in_call
         if not self._in_call:
-            keep = _partial_suffix(self._held, self.start)
+            keep = partial_suffix(self._held, self.start)
             plain += self._held[: len(self._held) - keep]
             self._held = self._held[len(self._held) - keep:]
         self.calls.extend(done)
@@ -130,7 +130,7 @@ class ToolCallSplitter:
         return ("" if self._in_call else held), []
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
     for size in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-size:]):
