@@ -115,11 +115,15 @@ def _convert_message(message: dict[str, Any], param: str) -> list[dict[str, Any]
         return [{"role": message["role"], "content": content}]
     if not isinstance(content, list):
         raise InvalidRequest(f"{param}.content must be a string or a list of blocks", param=f"{param}.content")
-    text, calls, results = "", [], []
+    text, thinking, calls, results = "", "", [], []
     for block in content:
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
             text += str(block.get("text", ""))
+        elif kind == "thinking":  # an earlier answer's thinking, sent back: the template decides what it keeps
+            thinking += str(block.get("thinking", ""))
+        elif kind == "redacted_thinking":
+            continue
         elif kind == "tool_use":
             calls.append({"id": block.get("id"), "type": "function",
                           "function": {"name": block.get("name"), "arguments": block.get("input") or {}}})
@@ -128,8 +132,9 @@ def _convert_message(message: dict[str, Any], param: str) -> list[dict[str, Any]
                             "content": _text_of(block.get("content", ""), f"{param}.content")})
         else:
             raise InvalidRequest(f"{param}: unsupported content block type {kind!r}", param=f"{param}.content")
-    own = [{"role": message["role"], "content": text, **({"tool_calls": calls} if calls else {})}]
-    return results + (own if text or calls else [])
+    own = [{"role": message["role"], "content": text, **({"tool_calls": calls} if calls else {}),
+            **({"reasoning_content": thinking} if thinking else {})}]
+    return results + (own if text or calls or thinking else [])
 
 
 def _openai_tools(tools: object) -> object:

@@ -112,3 +112,18 @@ def test_an_anthropic_stream_sends_thinking_then_text_blocks(fake_engine, fake_c
     deltas = [e["delta"] for e in events if e["type"] == "content_block_delta"]
     assert "".join(d.get("thinking", "") for d in deltas) == "\nThe user wants the weather.\n"
     assert "".join(d.get("text", "") for d in deltas) == "\n\nSunny in Paris."
+
+
+def test_thinking_blocks_sent_back_reach_the_template(fake_engine, fake_client, tiny_tokenizer):
+    """A client replays the last answer with its thinking block: accepted, and given to the chat template as the
+    assistant message's reasoning_content (Qwen3's template keeps the last turn's)."""
+    fake_engine.script = tiny_tokenizer.encode("ok")
+    turn = {"role": "assistant", "content": [{"type": "thinking", "thinking": "it is sunny", "signature": ""},
+                                             {"type": "redacted_thinking", "data": "x"},
+                                             {"type": "text", "text": "Sunny."}]}  # fmt: skip
+    body = {**ANTHROPIC, "messages": [*ANTHROPIC["messages"], turn, {"role": "user", "content": "thanks"}]}
+    assert fake_client.post("/v1/messages", json=body).status_code == 200
+    from mlx_serve.server.anthropic_routes import _openai_messages
+
+    assert _openai_messages(body["messages"])[1] == {"role": "assistant", "content": "Sunny.",
+                                                     "reasoning_content": "it is sunny"}  # fmt: skip
