@@ -8,7 +8,7 @@ import json
 import re
 
 from anthropic.types import Message
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
@@ -26,8 +26,8 @@ def _sse(text: str) -> list[dict]:
 def _split(text: str, start: str = "<think>", end: str = "</think>", opened: bool = False) -> tuple[str, str]:
     """(answer, reasoning) of a whole text, by regular expression."""
     text = start + text if opened else text
-    blocks = re.findall(re.escape(start) + "(.*?)(?:" + re.escape(end) + "|$)", text, flags=re.S)
-    answer = re.sub(re.escape(start) + ".*?(?:" + re.escape(end) + "|$)", "", text, flags=re.S)
+    blocks = re.findall(re.escape(start) + "(.*?)(?:" + re.escape(end) + r"|\Z)", text, flags=re.S)
+    answer = re.sub(re.escape(start) + ".*?(?:" + re.escape(end) + r"|\Z)", "", text, flags=re.S)
     return answer, "".join(blocks)
 
 
@@ -80,6 +80,8 @@ TEXT = st.lists(st.sampled_from(PIECES), max_size=30).map("".join)
 
 
 @given(TEXT, st.lists(st.integers(min_value=0, max_value=200), max_size=8), st.booleans())
+@example("\n", [], True)  # reasoning that ends in a newline (a regular expression's `$` once stopped before it)
+@example("<th", [2], False)  # a marker's start that never completes
 def test_any_chunking_splits_as_the_whole_text_does(text, cuts, opened):
     splitter = ReasoningSplitter("<think>", "</think>", in_reasoning=opened)
     answer, reasoning = "", ""
