@@ -49,7 +49,10 @@ def _render(body: dict[str, Any], tokenizer: Any) -> tuple[list[int], list[dict[
     """The prompt's token ids as the chat template renders system, messages and tools; and the tools."""
     tools = validate_tools(_openai_tools(body.get("tools")))
     messages = _system_messages(body.get("system")) + _openai_messages(body.get("messages"))
-    return render_chat(tokenizer, normalize_messages(messages), tools), tools
+    # a last assistant message is a prefilled answer: the model continues it (Anthropic's prefill)
+    last = messages[-1]
+    prefilled = last["role"] == "assistant" and bool(last["content"]) and not last.get("tool_calls")
+    return render_chat(tokenizer, normalize_messages(messages), tools, continue_final=prefilled), tools
 
 
 def count_prompt_tokens(body: dict[str, Any], tokenizer: Any, model: ModelInfo) -> int:

@@ -39,7 +39,9 @@ def parse_chat(body: dict[str, Any], tokenizer: Any, model: ModelInfo) -> Job:
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise InvalidRequest("chat_template_kwargs must be an object", param="chat_template_kwargs")
-    prompt = render_chat(tokenizer, normalize_messages(body.get("messages")), tools, kwargs)
+    # vLLM's extension: a prefilled answer the model continues (the last message is the assistant's, left open)
+    continue_final = read_bool(body, "continue_final_message")
+    prompt = render_chat(tokenizer, normalize_messages(body.get("messages")), tools, kwargs, continue_final)
     want_logprobs = read_bool(body, "logprobs")
     top = read_int(body, "top_logprobs", low=0, high=20)
     if top is not None and not want_logprobs:

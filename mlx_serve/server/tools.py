@@ -77,14 +77,19 @@ def validate_tools(tools: object) -> list[dict[str, Any]] | None:
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    """Token ids of the conversation plus the assistant's generation prompt."""
+                template_kwargs: dict[str, Any] | None = None, continue_final: bool = False) -> list[int]:
+    """Token ids of the conversation plus the assistant's generation prompt; with `continue_final`, the last
+    (assistant) message left open instead, for the answer to continue it (a prefilled answer)."""
+    if continue_final and messages[-1]["role"] != "assistant":
+        raise InvalidRequest("continuing the final message needs the last message to be the assistant's",
+                             param="messages")
     if not getattr(tokenizer, "has_chat_template", False):
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-        return list(tokenizer.encode(text))
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return list(tokenizer.encode(text[:-1] if continue_final else text + "assistant: "))
     try:
-        return list(tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                  tokenize=True, **(template_kwargs or {})))
+        return list(tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=not continue_final,
+                                                  continue_final_message=continue_final, tokenize=True,
+                                                  **(template_kwargs or {})))
     except Exception as exc:  # jinja raises its own errors (raise_exception in templates)
         raise InvalidRequest(f"The chat template rejected the messages: {exc}", param="messages") from None
 

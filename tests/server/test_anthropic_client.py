@@ -5,6 +5,7 @@ from __future__ import annotations
 import anthropic
 import pytest
 
+from mlx_serve.server.tools import normalize_messages, render_chat
 from tests.server.reference import chat_prompt_ids, greedy_text
 
 MAX_TOKENS = 8
@@ -64,3 +65,16 @@ def test_count_tokens_is_the_prompt_a_message_would_take(served, client, expecte
         client.messages.count_tokens(model="no-such-model", messages=MESSAGES)
     with pytest.raises(anthropic.BadRequestError):
         client.messages.count_tokens(model=served.engine.model_id, messages=[{"role": "wizard", "content": "x"}])
+
+
+def test_a_prefilled_assistant_turn_is_continued(served, client):
+    """Anthropic's prefill: a last assistant message is the start of the answer; the reply holds what follows."""
+    messages = [*MESSAGES, {"role": "assistant", "content": "My colour is"}]
+    openai_messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a colour."},
+                       {"role": "assistant", "content": "My colour is"}]  # fmt: skip
+    ids = render_chat(served.engine.tokenizer, normalize_messages(openai_messages), None, continue_final=True)
+    text, n_tokens, _ = greedy_text(served.model_path, served.engine.tokenizer, ids, MAX_TOKENS)
+    message = client.messages.create(model=served.engine.model_id, system=SYSTEM, messages=messages,
+                                     max_tokens=MAX_TOKENS, extra_body=GREEDY)  # fmt: skip
+    assert message.content[0].text == text
+    assert (message.usage.input_tokens, message.usage.output_tokens) == (len(ids), n_tokens)

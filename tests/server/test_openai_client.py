@@ -10,6 +10,7 @@ import asyncio
 import openai
 import pytest
 
+from mlx_serve.server.tools import normalize_messages, render_chat
 from tests.server.reference import chat_prompt_ids, greedy_text
 
 MAX_TOKENS = 8
@@ -203,3 +204,18 @@ def test_a_model_is_retrieved_by_id_or_alias_and_others_are_not_found(served, cl
     with pytest.raises(openai.NotFoundError) as caught:
         client.models.retrieve("no-such-model")
     assert caught.value.body["code"] == "model_not_found"
+
+
+def test_a_prefilled_answer_is_continued_as_mlx_lm_continues_it(served, client):
+    """vLLM's `continue_final_message`: the last (assistant) message is left open and the answer continues it."""
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+    ids = render_chat(served.engine.tokenizer, normalize_messages(messages), None, continue_final=True)
+    assert served.engine.tokenizer.decode(ids).endswith("The colour is")
+    text, n_tokens, _ = greedy_text(served.model_path, served.engine.tokenizer, ids, MAX_TOKENS)
+    reply = client.chat.completions.create(model=served.engine.model_id, messages=messages, max_tokens=MAX_TOKENS,
+                                           temperature=0, extra_body={"continue_final_message": True})  # fmt: skip
+    assert reply.choices[0].message.content == text
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(ids), n_tokens)
+    with pytest.raises(openai.BadRequestError, match="last message to be the assistant's"):
+        client.chat.completions.create(model=served.engine.model_id, messages=messages[:1], max_tokens=2,
+                                       extra_body={"continue_final_message": True})  # fmt: skip
