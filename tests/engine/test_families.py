@@ -56,10 +56,18 @@ def test_a_family_serves_mlx_lms_tokens_and_log_probabilities(checkpoints, famil
     np.testing.assert_allclose([e.logprob for e in completion.prompt_logprobs[1:]], want, atol=2e-5)
 
 
-def test_a_quantized_mixture_of_experts_family_matches_mlx_lm(tmp_path):
-    path = make_checkpoint(tmp_path / "mixtral-4bit", arch="mixtral", seed=2, quantize_bits=4, group_size=32)
+# the quantized products as CUDA runs them (K-split, dense from 16 rows, the tile and GEMV forms' CPU stand-ins)
+CUDA_QUANTIZED = dict(split_quantized_k="on", dequantize_rows=16, compile_decode="on", quantized_tiles="on",
+                      quantized_gemv="on")  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gemma3", "granite"])
+@pytest.mark.parametrize("options", [{}, CUDA_QUANTIZED], ids=["default", "cuda-quantized"])
+def test_a_4_bit_family_matches_mlx_lm(tmp_path, family, options):
+    path = make_checkpoint(tmp_path / f"{family}-4bit", arch=family, seed=2, quantize_bits=4, group_size=32)
     prompts = [prompt_of(n, seed=520 + i) for i, n in enumerate((12, 50))]
-    engine = Engine.load(EngineConfig(model=str(path), block_size=16, kv_blocks=64, row_ceiling=16, row_floor=4))
+    engine = Engine.load(EngineConfig(model=str(path), block_size=16, kv_blocks=64, row_ceiling=16, row_floor=4,
+                                      warm_up=False, **options))  # fmt: skip
     try:
         completions = engine.generate([GenerationRequest(prompt_ids=tuple(p), max_tokens=8) for p in prompts])
     finally:
