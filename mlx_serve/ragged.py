@@ -202,10 +202,11 @@ class RaggedLayerCache:
         self.pool.write(self.layer, self.step.write_slots, keys[:, :, 0, :], values[:, :, 0, :])
         return keys, values
 
-    def attention(self, queries: mx.array, scale: float) -> mx.array:
-        """Each lane attends causally to its own request's KV. queries: [T, heads, 1, head_dim]."""
-        if self.window is not None:
-            return self._windowed(queries, scale)
+    def attention(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
+        """Each lane attends causally to its own request's KV. queries: [T, heads, 1, head_dim]. `sinks`: a
+        per-head logit every softmax also counts (gpt-oss)."""
+        if self.window is not None or sinks is not None:
+            return self._masked(queries, scale, sinks)
         outputs = []
         decode = self.step.decode
         if decode is not None:
@@ -258,36 +259,49 @@ class RaggedLayerCache:
             keys, values = self.step.prefill_gather(pool_keys, pool_values, lane, size)
         else:
             keys, values = self.pool.gather(self.layer, lane.kv_slots)
-        if self.window is not None:
-            return attention(q, keys, values, scale, windowed_lane_mask(lane, keys.shape[2], self.window, q.dtype))
         mask = lane.mask if lane.mask is not None else ("causal" if lane.rows > 1 else None)
         return attention(q, keys, values, scale, mask)
 
-    def _windowed(self, queries: mx.array, scale: float) -> mx.array:
-        """A sliding-window layer: decode rows over their last `window` positions, lanes over their gathered history
-        behind a windowed causal mask (the paged kernels have no window: MLX's own attention runs these)."""
+    def _masked(self, queries: mx.array, scale: float, sinks: mx.array | None) -> mx.array:
+        """A sliding-window layer, or one with attention sinks: decode rows over their window (or whole history)
+        read through the block tables, lanes over their gathered history behind a (windowed) causal mask, all through
+        MLX's own attention (the paged kernels have neither windows nor sinks)."""
         outputs = []
         decode = self.step.decode
+        pool_keys, pool_values = self.pool.keys[self.layer], self.pool.values[self.layer]
         if decode is not None:
-            pool_keys, pool_values = self.pool.keys[self.layer], self.pool.values[self.layer]
-            outputs.append(windowed_decode_attention(queries[: decode.count], pool_keys, pool_values, decode, scale,
-                                                     self.window))  # fmt: skip
+            outputs.append(masked_decode_attention(queries[: decode.count], pool_keys, pool_values, decode, scale,
+                                                   self.window, sinks))  # fmt: skip
         for lane in self.step.lanes:
             q = queries[lane.row_start : lane.row_start + lane.rows].transpose(2, 1, 0, 3)  # [1, H, n, D]
             if lane.query_rows > lane.rows:
                 q = mx.pad(q, [(0, 0), (0, 0), (0, lane.query_rows - lane.rows), (0, 0)])
-            out = self._gathered(q, lane, scale)[:, :, : lane.rows]
-            outputs.append(out.transpose(2, 1, 0, 3))
+            if lane.table is not None:
+                keys, values = self.step.prefill_gather(pool_keys, pool_values, lane, self.pool.block_size)
+            else:
+                keys, values = self.pool.gather(self.layer, lane.kv_slots)
+            if self.window is not None:
+                mask = windowed_lane_mask(lane, keys.shape[2], self.window, q.dtype)
+            else:
+                mask = lane.mask if lane.mask is not None else ("causal" if lane.rows > 1 else None)
+            out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask, sinks=sinks)
+            outputs.append(out[:, :, : lane.rows].transpose(2, 1, 0, 3))
         return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
 
 
-def windowed_decode_attention(queries: mx.array, pool_keys: mx.array, pool_values: mx.array, rows: DecodeRows,
-                              scale: float, window: int) -> mx.array:  # fmt: skip
+def masked_decode_attention(queries: mx.array, pool_keys: mx.array, pool_values: mx.array, rows: DecodeRows,
+                            scale: float, window: int | None, sinks: mx.array | None = None) -> mx.array:  # fmt: skip
     """Single-row lanes `[n, H, 1, D]` each over the `window` positions up to its own (fewer at a sequence's start,
-    masked), read from the pool through the block tables on the device: one batched SDPA."""
+    masked), or with no window over every position its block table holds (those past its length masked), read from
+    the pool through the block tables on the device: one batched SDPA, with `sinks` where given."""
     size = rows.block_size
-    positions = rows.lengths[:, None] - window + mx.arange(window, dtype=mx.int32)[None]  # [n, window]
-    kept = positions >= 0
+    if window is not None:
+        positions = rows.lengths[:, None] - window + mx.arange(window, dtype=mx.int32)[None]  # [n, window]
+        kept = positions >= 0
+    else:
+        span = rows.block_tables.shape[1] * size
+        positions = mx.broadcast_to(mx.arange(span, dtype=mx.int32)[None], (rows.count, span))  # [n, table]
+        kept = positions < rows.lengths[:, None]
     positions = mx.maximum(positions, 0)
     blocks = mx.take_along_axis(rows.block_tables, positions // size, axis=1)
     slots = blocks * size + positions % size
@@ -295,7 +309,7 @@ def windowed_decode_attention(queries: mx.array, pool_keys: mx.array, pool_value
     values = pool_values[slots].transpose(0, 2, 1, 3)
     dtype = queries.dtype
     mask = mx.where(kept, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))[:, None, None, :]
-    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
 
 def windowed_lane_mask(lane: LaneRows, keys: int, window: int, dtype: mx.Dtype) -> mx.array:
@@ -320,9 +334,7 @@ def _leads(head: mx.array, rows: mx.array, row_start: int) -> bool:
 def _dispatching_sdpa(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, **kwargs):
         if isinstance(cache, RaggedLayerCache):
-            if kwargs.get("sinks") is not None:
-                raise NotImplementedError("attention sinks are not supported by ragged steps")
-            return cache.attention(queries, scale)
+            return cache.attention(queries, scale, kwargs.get("sinks"))
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
 
     scaled_dot_product_attention.ragged_dispatcher = True

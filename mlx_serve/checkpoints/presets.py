@@ -74,6 +74,9 @@ MLX_FAMILIES: dict[str, dict] = {
                     tie_word_embeddings=True),
     "ministral3": dict(_MINISTRAL3),
     "mistral3": dict(text_config={"model_type": "ministral3", **_FAMILY_BASE, **_MINISTRAL3}),  # a multimodal wrapper
+    # and attention sinks (a per-head logit in every softmax)
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=16, rope_scaling=None,
+                    layer_types=["sliding_attention", "full_attention"]),
 }
 
 ARCHS = (*HF_ARCHS, *MLX_FAMILIES)
