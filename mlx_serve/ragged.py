@@ -253,14 +253,16 @@ class RaggedLayerCache:
     def _gathered(self, q: mx.array, lane: LaneRows, scale: float) -> mx.array:
         """A multi-row lane's attention `[1, H, n, D]` over its history gathered (through the block table, or the
         lane's slots) and itself."""
-        attention, size = self.step.chunk_attention, self.pool.block_size
-        if lane.table is not None:
-            pool_keys, pool_values = self.pool.keys[self.layer], self.pool.values[self.layer]
-            keys, values = self.step.prefill_gather(pool_keys, pool_values, lane, size)
-        else:
-            keys, values = self.pool.gather(self.layer, lane.kv_slots)
+        keys, values = self._lane_kv(lane)
         mask = lane.mask if lane.mask is not None else ("causal" if lane.rows > 1 else None)
-        return attention(q, keys, values, scale, mask)
+        return self.step.chunk_attention(q, keys, values, scale, mask)
+
+    def _lane_kv(self, lane: LaneRows) -> tuple[mx.array, mx.array]:
+        """A multi-row lane's history and own rows `[1, kv_heads, kv_len, D]`: through its block table, or its slots."""
+        if lane.table is None:
+            return self.pool.gather(self.layer, lane.kv_slots)
+        pool_keys, pool_values = self.pool.keys[self.layer], self.pool.values[self.layer]
+        return self.step.prefill_gather(pool_keys, pool_values, lane, self.pool.block_size)
 
     def _masked(self, queries: mx.array, scale: float, sinks: mx.array | None) -> mx.array:
         """A sliding-window layer, or one with attention sinks: decode rows over their window (or whole history)
@@ -276,10 +278,7 @@ class RaggedLayerCache:
             q = queries[lane.row_start : lane.row_start + lane.rows].transpose(2, 1, 0, 3)  # [1, H, n, D]
             if lane.query_rows > lane.rows:
                 q = mx.pad(q, [(0, 0), (0, 0), (0, lane.query_rows - lane.rows), (0, 0)])
-            if lane.table is not None:
-                keys, values = self.step.prefill_gather(pool_keys, pool_values, lane, self.pool.block_size)
-            else:
-                keys, values = self.pool.gather(self.layer, lane.kv_slots)
+            keys, values = self._lane_kv(lane)
             if self.window is not None:
                 mask = windowed_lane_mask(lane, keys.shape[2], self.window, q.dtype)
             else:
