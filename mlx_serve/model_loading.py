@@ -64,7 +64,9 @@ def describe_model(
     kv_heads = getattr(args, "num_key_value_heads", None) or n_heads
     dtype = activation_dtype(model)
     layout = KVLayout(len(model.model.layers), kv_heads, head_dim, dtype, windows)
-    context = config.max_model_len or int(model_config.get("max_position_embeddings", 4096))
+    # the text model's own (a multimodal checkpoint keeps it in text_config), else config.json's
+    trained = getattr(args, "max_position_embeddings", None) or model_config.get("max_position_embeddings", 4096)
+    context = config.max_model_len or int(trained)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

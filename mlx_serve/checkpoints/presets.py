@@ -290,7 +290,10 @@ def model_config(arch: str, preset: str, dtype: str = "float32") -> dict:
     """The config.json of the checkpoint (without tokenizer ids, which `token_ids_config` adds)."""
     check_combo(arch, preset, dtype)
     if arch in MLX_FAMILIES:
-        return {"model_type": arch, **_FAMILY_BASE, **MLX_FAMILIES[arch], "torch_dtype": dtype}
+        family = MLX_FAMILIES[arch]
+        # a multimodal wrapper's config holds the text model's keys in text_config, as real ones do
+        base = {"vocab_size": TINY_VOCAB} if "text_config" in family else _FAMILY_BASE
+        return {"model_type": arch, **base, **family, "torch_dtype": dtype}
     shape = _tiny_shape(arch) if preset == "tiny" else dict(_REAL_SHAPES[arch, preset])
     config = {"architectures": [_HF_CLASS[arch]], "model_type": arch, **_family_defaults(arch), **shape}
     config["torch_dtype"] = dtype

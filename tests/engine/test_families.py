@@ -131,3 +131,18 @@ def test_a_family_in_the_cuda_layout_with_compiled_decode_steps(checkpoints, fam
     assert engine.runner.compiled.shapes, "no decode step replayed a compiled graph"
     for prompt, got in zip(prompts, tokens):
         assert got == reference_tokens(path, prompt, 10)
+
+
+def test_a_multimodal_checkpoint_takes_its_text_models_context(tmp_path):
+    """Gemma 3's multimodal config keeps max_position_embeddings in text_config: the context is that one."""
+    path = make_checkpoint(tmp_path / "gemma3", arch="gemma3", seed=0)
+    config = json.loads((path / "config.json").read_text())
+    assert "max_position_embeddings" not in config
+    config["text_config"]["max_position_embeddings"] = 3000
+    (path / "config.json").write_text(json.dumps(config))
+    engine = Engine.load(EngineConfig(model=str(path), kv_blocks=16))
+    try:
+        assert engine.context_length == 3000
+    finally:
+        engine.shutdown()
+
