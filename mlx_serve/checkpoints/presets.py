@@ -66,6 +66,13 @@ MLX_FAMILIES: dict[str, dict] = {
     "smollm3": dict(no_rope_layer_interval=2),
     "hunyuan_v1_dense": dict(use_qk_norm=True),
     "ernie4_5": dict(use_bias=False),
+    "ernie4_5_moe": dict(use_bias=False, moe_num_experts=4, moe_k=2, moe_intermediate_size=64,
+                         moe_layer_start_index=0),
+    "deepseek": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1,
+                     first_k_dense_replace=1, moe_layer_freq=1),
+    "mimo": dict(),
+    "telechat3": dict(),
+    "apertus": dict(post_norm=False, qk_norm=True, hidden_act="xielu"),
     # sliding-window layers (16 tokens here, so tests' prompts cross them)
     "gemma3_text": dict(_GEMMA3),
     "gemma3": dict(text_config={"model_type": "gemma3_text", **_FAMILY_BASE, **_GEMMA3}),  # a multimodal wrapper

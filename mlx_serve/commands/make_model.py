@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-HELP = "Write a random-weight checkpoint of a real architecture (llama, qwen2, qwen3, qwen3_moe, mistral at real sizes; 30 more mlx-lm families at a tiny size)."
+HELP = "Write a random-weight checkpoint of a real architecture (llama, qwen2, qwen3, qwen3_moe, mistral at real sizes; 35 more mlx-lm families at a tiny size)."
 
 # Kept here, not imported, so `--help` does not import MLX; tests check they match mlx_serve.checkpoints.
 ARCHS = (
@@ -37,6 +37,11 @@ ARCHS = (
     "smollm3",
     "hunyuan_v1_dense",
     "ernie4_5",
+    "ernie4_5_moe",
+    "deepseek",
+    "mimo",
+    "telechat3",
+    "apertus",
     "gemma3_text",
     "gemma3",
     "olmo3",
