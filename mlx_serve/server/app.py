@@ -58,6 +58,8 @@ def create_app(engine: Any, metrics: ServerMetrics | None = None, aliases: Itera
         Route("/v1/messages", anthropic_routes.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", anthropic_routes.count_tokens, methods=["POST"]),
         Route("/v1/status", status, methods=["GET"]),
+        Route("/tokenize", openai_routes.tokenize, methods=["POST"]),
+        Route("/detokenize", openai_routes.detokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus_metrics, methods=["GET"]),
     ]

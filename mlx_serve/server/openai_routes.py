@@ -32,16 +32,21 @@ from mlx_serve.server.streaming import EventStreamResponse, collect_events, merg
 from mlx_serve.server.tools import make_splitter, normalize_messages, render_chat, validate_tools
 
 
-def parse_chat(body: dict[str, Any], tokenizer: Any, model: ModelInfo) -> Job:
-    model.check_name(body.get("model"))
-    stream = read_bool(body, "stream")
+def render_chat_body(body: dict[str, Any], tokenizer: Any) -> tuple[list[int], list[dict[str, Any]] | None]:
+    """A chat request's prompt ids (messages, tools, template kwargs) and its tools."""
     tools = None if body.get("tool_choice") == "none" else validate_tools(body.get("tools"))
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise InvalidRequest("chat_template_kwargs must be an object", param="chat_template_kwargs")
     # vLLM's extension: a prefilled answer the model continues (the last message is the assistant's, left open)
     continue_final = read_bool(body, "continue_final_message")
-    prompt = render_chat(tokenizer, normalize_messages(body.get("messages")), tools, kwargs, continue_final)
+    return render_chat(tokenizer, normalize_messages(body.get("messages")), tools, kwargs, continue_final), tools
+
+
+def parse_chat(body: dict[str, Any], tokenizer: Any, model: ModelInfo) -> Job:
+    model.check_name(body.get("model"))
+    stream = read_bool(body, "stream")
+    prompt, tools = render_chat_body(body, tokenizer)
     want_logprobs = read_bool(body, "logprobs")
     top = read_int(body, "top_logprobs", low=0, high=20)
     if top is not None and not want_logprobs:
@@ -93,6 +98,45 @@ async def chat_completions(request: Request) -> Response:
 
 async def completions(request: Request) -> Response:
     return await _serve(request, parse_completion, "cmpl", _completion_stream, fmt.completion_response)
+
+
+def tokenized(body: dict[str, Any], tokenizer: Any, model: ModelInfo) -> dict[str, Any]:
+    """vLLM's /tokenize: a prompt's ids (`prompt`, as /v1/completions reads it; or `messages`, rendered as
+    /v1/chat/completions renders them), their count and the context length."""
+    model.check_name(body.get("model"))
+    if ("messages" in body) == ("prompt" in body):
+        raise InvalidRequest("give either prompt or messages", param="prompt")
+    if "messages" in body:
+        ids = render_chat_body(body, tokenizer)[0]
+    else:
+        [prompt] = read_prompts(body["prompt"] if isinstance(body["prompt"], str) else [body["prompt"]], tokenizer,
+                                model.vocab_size)  # fmt: skip
+        ids = prompt.ids
+    return {"count": len(ids), "max_model_len": model.context_length, "tokens": ids}
+
+
+def detokenized(body: dict[str, Any], tokenizer: Any, model: ModelInfo) -> dict[str, Any]:
+    """vLLM's /detokenize: the text of `tokens`."""
+    model.check_name(body.get("model"))
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise InvalidRequest("tokens must be a list of token ids", param="tokens")
+    outside = [t for t in tokens if not 0 <= t < model.vocab_size]
+    if outside:
+        raise InvalidRequest(f"tokens outside the vocabulary (0..{model.vocab_size - 1}): {outside[:5]}",
+                             param="tokens")
+    return {"prompt": tokenizer.decode(tokens)}
+
+
+async def tokenize(request: Request) -> Response:
+    body = parse_json_object(await request.body())
+    return JSONResponse(await run_in_threadpool(tokenized, body, request.state.engine.tokenizer, request.state.model))
+
+
+async def detokenize(request: Request) -> Response:
+    body = parse_json_object(await request.body())
+    return JSONResponse(await run_in_threadpool(detokenized, body, request.state.engine.tokenizer,
+                                                request.state.model))  # fmt: skip
 
 
 async def list_models(request: Request) -> Response:
