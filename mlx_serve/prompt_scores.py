@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from mlx_serve.sampling import top_logprobs
 from mlx_serve.types import PromptLogprob, TokenLogprob
 from scheduler import Lane
 
@@ -102,10 +103,7 @@ def _score_slice(logits: mx.array, targets: np.ndarray, top: int) -> tuple[mx.ar
     chosen = mx.take_along_axis(logprobs, mx.array(targets)[:, None], axis=-1)[:, 0]
     if not top:
         return chosen, None, None
-    ids = mx.argpartition(-logprobs, kth=top - 1, axis=-1)[:, :top]
-    values = mx.take_along_axis(logprobs, ids, axis=-1)
-    order = mx.argsort(-values, axis=-1)
-    return chosen, mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
+    return chosen, *top_logprobs(logprobs, top)
 
 
 def score_arrays(queued: Sequence[QueuedScores]) -> list[mx.array]:

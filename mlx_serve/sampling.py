@@ -112,8 +112,8 @@ def sample_rows(logits: mx.array, samplers: list[RequestSampler]) -> SampledRows
 
 
 def top_logprobs(logprobs: mx.array, k: int) -> tuple[mx.array, mx.array]:
-    """The k most likely token ids and their log-probabilities for one row `[V]`, most likely first."""
-    ids = mx.argpartition(-logprobs, kth=k - 1)[:k]
-    values = logprobs[ids]
-    order = mx.argsort(-values)
-    return ids[order], values[order]
+    """The k most likely token ids and their log-probabilities of each row of `[..., V]`, most likely first."""
+    ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[..., :k]
+    values = mx.take_along_axis(logprobs, ids, axis=-1)
+    order = mx.argsort(-values, axis=-1)
+    return mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
