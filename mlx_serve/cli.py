@@ -16,6 +16,7 @@ COMMANDS = {
     "generate": "generate",
     "chat": "chat",
     "make-model": "make_model",
+    "make-adapter": "make_adapter",
     "bench": "bench",
     "ane": "ane",
     "check-backend": "check_backend",

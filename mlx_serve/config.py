@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from mlx_serve.adapter_specs import AdapterSpec
+
 # `step_target_ms="auto"`: a contended step may take 3 decode steps (scheduler/step_target.py). 4 until the chunk
 # kernel's two row tiles (twenty-sixth run): at 3, 8B's 16k TTFT under 8 streams went from 1.57x solo to 1.32x and
 # 8B 4-bit's to 1.45x, and 30B-A3B, whose decode step is long, keeps its gaps near 3x the median (3.0-3.1, 4.2 at 4)
@@ -14,6 +16,9 @@ AUTO_STEP_FACTOR = 3.0
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = None  # local dir or hub id; None = the built-in tiny dummy model
+    adapter_path: str | None = None  # an mlx_lm.lora adapter applied to the model itself (as mlx_lm.load does)
+    adapters: tuple[AdapterSpec, ...] = ()  # LoRA adapters requests choose by name (`GenerationRequest.adapter`)
+    chat_template: str | None = None  # a Jinja chat template (or a file of one) in place of the checkpoint's
     memory_budget_gb: float | None = None  # weights + KV pool; None = a share of the machine's memory
     kv_blocks: int | None = None  # exact pool size in blocks (overrides the budget; tests use it)
     block_size: int = 16

@@ -58,6 +58,7 @@ class _Submission:
     stream: RequestStream
     handle: RequestHandle
     sampling: Any
+    adapter: int = 0  # the adapter's slot in the adapted linears (0: the base model)
 
 
 class Engine:
@@ -75,6 +76,7 @@ class Engine:
         self.trace = config.trace if config.trace is not None else sink_from_env()  # $MLX_SERVE_TRACE
         self.observer = config.observer or NullObserver()
         self.pool = KVPool(loaded.layout, num_blocks, config.block_size)
+        self.adapters: tuple[str, ...] = loaded.adapters.names if loaded.adapters is not None else ()
         compiled = engine_setup.compile_decode(config.compile_decode)
         self.runner = ModelRunner(
             loaded.model,
@@ -98,6 +100,7 @@ class Engine:
             quantized_tiles=engine_setup.quantized_tiles(config.quantized_tiles),
             quantized_gemv=engine_setup.quantized_gemv(config.quantized_gemv),
             chunk_attention=engine_setup.chunk_attention(config.chunk_attention),
+            adapters=loaded.adapters,
         )
         self.scheduler = Scheduler(
             engine_setup.scheduler_config(
@@ -161,6 +164,7 @@ class Engine:
             raise EngineStopped("the engine is shutting down")
         capacity = self.pool.num_blocks * self.pool.block_size
         engine_setup.validate_request(request, self.vocab_size, self.context_length, capacity)
+        engine_setup.check_adapter(request.adapter, self.adapters)
         if request.sampling.grammar is not None:
             self.grammars.check(request.sampling.grammar)
         self.delivery.reserve(self.config.queue_limit + self.config.max_running, self.config.queue_limit)
@@ -174,18 +178,22 @@ class Engine:
         salt = request.cache_salt
         if request.sampling.prompt_logprobs is not None:
             salt = f"{salt or ''}\x00prompt-logprobs:{request_id}"
+        if request.adapter is not None:  # an adapter's KV is its own
+            salt = f"{salt or ''}\x00adapter:{request.adapter}"
         sched_request = Request(
             request_id=request_id,
             prompt_ids=list(request.prompt_ids),
             max_tokens=request.max_tokens,
             priority=request.priority,
             cache_salt=salt,
-            gpu_only=request.sampling.prompt_logprobs is not None,
+            # the ANE lane's Core ML model scores all rows alike and has no adapters
+            gpu_only=request.sampling.prompt_logprobs is not None or request.adapter is not None,
             stop_token_ids=stop_ids,
             arrival_time=now,
         )
         stream = RequestStream(request_id, request, self.tokenizer.detokenizer, arrival=now)
-        self._submissions.put(_Submission(sched_request, stream, handle, request.sampling))
+        adapter = self.loaded.adapters.slot(request.adapter) if request.adapter is not None else 0
+        self._submissions.put(_Submission(sched_request, stream, handle, request.sampling, adapter))
         self._wakeup.set()
         return handle
 
@@ -313,7 +321,7 @@ class Engine:
             self.delivery.open(sub.stream, sub.handle)
             self.delivery.finish(rid, "error", None, error=str(exc))
             return
-        self.runner.add_request(rid, sub.sampling, constraint, sub.request.prompt_ids)
+        self.runner.add_request(rid, sub.sampling, constraint, sub.request.prompt_ids, sub.adapter)
         self.delivery.open(sub.stream, sub.handle)
         if self.trace.enabled:
             r = sub.request

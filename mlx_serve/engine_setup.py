@@ -5,8 +5,9 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from mlx_serve.adapter_specs import check_specs
 from mlx_serve.config import AUTO_STEP_FACTOR, EngineConfig
-from mlx_serve.errors import ContextLengthExceeded, InvalidRequest
+from mlx_serve.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
 from mlx_serve.types import GenerationRequest
 from scheduler import SchedulerConfig
 
@@ -42,6 +43,14 @@ def check_settings(c: EngineConfig) -> None:
     chunk_attention(c.chunk_attention)
     dequantize_rows(c.dequantize_rows)
     _check_count(c.trace_neighbour_shapes, "trace_neighbour_shapes")
+    check_specs(c.adapters)
+    if c.chat_template is not None:
+        from mlx_serve.model_loading import chat_template_text
+
+        chat_template_text(c.chat_template)
+    if c.adapter_path is not None and c.ane_lane == "ane":  # the Core ML package is built from the base weights
+        raise InvalidRequest("--adapter-path cannot run with --ane-lane ane: the Core ML package has no adapter",
+                             param="adapter_path")  # fmt: skip
     if c.row_quantum != "auto":
         row_quantum(c.row_quantum, False)
     try:
@@ -400,3 +409,10 @@ def validate_request(request: GenerationRequest, vocab_size: int, context_length
             f"{kv_capacity} (raise --memory-budget-gb or lower max_tokens)",
             param="max_tokens",
         )
+
+
+def check_adapter(name: str | None, served: tuple[str, ...]) -> None:
+    """Refuse an adapter the engine does not serve, naming those it does (the `model` field chose it)."""
+    if name is not None and name not in served:
+        offered = f"adapters served: {', '.join(served)}" if served else "this engine serves no adapters"
+        raise ModelNotFound(f"adapter {name!r} is not served; {offered}", param="model")

@@ -51,12 +51,21 @@ def unsupported_reason(model: Any) -> str | None:
         attn = block.self_attn
         if getattr(block, "use_sliding", False):
             return "sliding-window layers"
+        if not all(isinstance(m, (nn.Linear, nn.QuantizedLinear)) for m in _linear_leaves(block)):
+            return "adapter layers (LoRA) on its linears"
         if type(attn.rope) is not nn.RoPE or attn.rope.dims != _head_dim(attn):
             return f"RoPE {type(attn.rope).__name__} over {attn.rope.dims} dims"
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
         if len({type(p) for p in projections}) != 1 or len({_quantization(p) for p in projections}) != 1:
             return "q/k/v projections of different kinds"
     return None
+
+
+def _linear_leaves(block: nn.Module) -> list[nn.Module]:
+    """The block's projections: attention's q/k/v/o, and a dense MLP's gate/up/down."""
+    attn, mlp = block.self_attn, block.mlp
+    names = ("gate_proj", "up_proj", "down_proj") if type(mlp).__name__ == "MLP" else ()
+    return [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, *(getattr(mlp, name) for name in names)]
 
 
 def fuse_layers(model: Any) -> list[FusedLayer]:

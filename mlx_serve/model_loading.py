@@ -11,8 +11,9 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlx_serve.adapters import AdapterSet, install_adapters
 from mlx_serve.config import EngineConfig
-from mlx_serve.errors import MlxServeError
+from mlx_serve.errors import InvalidRequest, MlxServeError, ModelNotFound
 from mlx_serve.kv_pool import KVLayout
 
 GIB = 1 << 30
@@ -29,18 +30,17 @@ class LoadedModel:
     layout: KVLayout
     context_length: int
     vocab_size: int
+    adapters: AdapterSet | None = None  # LoRA adapters requests choose by name
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
-    import mlx_lm
-
     from mlx_serve.checkpoints import default_model_path
     from mlx_serve.model_source import check_supported, resolve_model
 
     path = resolve_model(config.model) if config.model else default_model_path()
     model_config = read_config(path)
     check_supported(model_config)
-    model, tokenizer = mlx_lm.load(str(path), lazy=True)
+    model, tokenizer = _load(path, config.adapter_path, chat_template_text(config.chat_template))
     model = text_model(model)
     _materialize(model, show_progress=config.progress, label=f"loading {path.name}")
     model_id = config.model or f"mlx-serve/{path.name}"
@@ -54,6 +54,7 @@ def describe_model(
     from mlx_serve.model_source import layer_windows, weight_bytes
 
     model = text_model(model)
+    adapters = install_adapters(model, config.adapters)
     windows = layer_windows(model)
     # arrays a module keeps outside its parameters (SuScaledRoPE's frequencies) are still lazy: made on this thread,
     # MLX cannot evaluate them on the engine's
@@ -77,7 +78,48 @@ def describe_model(
         layout=layout,
         context_length=context,
         vocab_size=int(args.vocab_size),
+        adapters=adapters,
     )
+
+
+def chat_template_text(spec: str | None) -> str | None:
+    """`--chat-template`: a file's contents, or the template itself; checked to render a conversation."""
+    if spec is None:
+        return None
+    file = Path(spec).expanduser()
+    try:
+        text = file.read_text() if "{" not in spec and file.is_file() else spec
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"chat template {file}: {exc}", param="chat_template") from None
+    if "{" not in text:
+        raise InvalidRequest(f"chat template {spec!r} is neither a file nor a Jinja template", param="chat_template")
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise InvalidRequest(f"chat template: line {exc.lineno}: {exc.message}", param="chat_template") from None
+    return text
+
+
+def _load(path: Path, adapter_path: str | None, chat_template: str | None = None) -> tuple[Any, Any]:
+    """mlx-lm's model and tokenizer, with `adapter_path`'s fine-tune applied as mlx-lm applies it and
+    `chat_template` in place of the checkpoint's."""
+    import mlx_lm
+
+    kwargs: dict[str, Any] = {"lazy": True}
+    if chat_template is not None:
+        kwargs["tokenizer_config"] = {"chat_template": chat_template}
+    if adapter_path is None:
+        return mlx_lm.load(str(path), **kwargs)
+    adapter = Path(adapter_path).expanduser()
+    if not (adapter / "adapter_config.json").is_file() or not (adapter / "adapters.safetensors").is_file():
+        raise ModelNotFound(f"adapter path {adapter}: no adapter_config.json and adapters.safetensors there",
+                            param="adapter_path")  # fmt: skip
+    try:
+        return mlx_lm.load(str(path), adapter_path=str(adapter), **kwargs)
+    except (ValueError, KeyError) as exc:  # mlx-lm's word for a mismatched or malformed adapter
+        raise InvalidRequest(f"adapter path {adapter}: {exc}", param="adapter_path") from None
 
 
 def text_model(model: Any) -> Any:

@@ -19,6 +19,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlx_serve import ane_chunks, dense_experts, ragged
+from mlx_serve.adapters import AdapterSet
 from mlx_serve.compiled_mixed import CompiledMixed, MixedShape, TracedMixedShapes, compilable
 from mlx_serve.compiled_step import CompiledDecode, lane_bucket
 from mlx_serve.fused_decode import FusedDecode, split_fused_projections, viewed_projections
@@ -110,6 +111,7 @@ class _PreparedStep:
     sample_rows: mx.array  # [S] row index of each sampling lane's last row
     sample_ids: tuple[str, ...]  # request id of each sampling row
     scored: tuple[ScoredRows, ...] = ()  # rows whose prompt log-probabilities were asked for
+    adapter_rows: mx.array | None = None  # [T] each row's adapter slot; None: no row has an adapter
 
 
 class ModelRunner:
@@ -138,8 +140,11 @@ class ModelRunner:
         split_k: str = "off",
         chunk_attention: ChunkAttention | None = None,
         clock: StepClock | None | str = "auto",
+        adapters: AdapterSet | None = None,
     ) -> None:
         self.model = model
+        self.adapters = adapters  # LoRA adapters chosen per request (`mlx_serve.adapters`)
+        self._adapter_of: dict[str, int] = {}  # request id -> its adapter's slot, for requests with one
         self.pool = pool
         self.decode_attention = decode_attention or reference_decode_attention
         # only the reference reads each decode lane's slots; the paged paths read the block tables
@@ -310,11 +315,14 @@ class ModelRunner:
 
     # request lifecycle -------------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, params: SamplingParams, constraint: Any = None, prompt_ids: Sequence[int] = ()
+        self, request_id: str, params: SamplingParams, constraint: Any = None, prompt_ids: Sequence[int] = (),
+        adapter: int = 0,
     ) -> None:
         """`constraint`: a `grammar.Constraint` the request's every token must satisfy (None: free text);
-        `prompt_ids`: the prompt whose tokens `params.prompt_logprobs` scores."""
+        `prompt_ids`: the prompt whose tokens `params.prompt_logprobs` scores; `adapter`: its adapter's slot."""
         self.samplers[request_id] = RequestSampler.create(params, constraint)
+        if adapter:
+            self._adapter_of[request_id] = adapter
         if params.prompt_logprobs is not None:
             self.scorer.add(request_id, prompt_ids, params.prompt_logprobs)
 
@@ -334,6 +342,7 @@ class ModelRunner:
         """Forget a finished request's sampling state (a preempted one keeps it: its seed chain goes on)."""
         self.samplers.pop(request_id, None)
         self.scorer.discard(request_id)
+        self._adapter_of.pop(request_id, None)
 
     # the step ----------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> RunnerOutput:
@@ -350,11 +359,13 @@ class ModelRunner:
         gpu_lanes, ane_lanes = ane_chunks.split_lanes(plan.lanes, self.prefill_lane)
         # compiled steps give the last row's logits only: rows that score a prompt run eager (the scheduler keeps
         # them off the ANE lane: `Request.gpu_only`)
+        # rows of an adapter run eager too: compiled traces and the fused forward are the base model's
         scoring = self.scorer.wants(gpu_lanes)
+        eager_only = scoring or any(lane.request_id in self._adapter_of for lane in gpu_lanes)
         chunks = ane_chunks.submit(self.prefill_lane, ane_lanes, self.pool) if ane_lanes else []
         compiled = (self.compiled is not None and bool(gpu_lanes) and all(lane.rows == 1 for lane in gpu_lanes)
-                    and not scoring)  # fmt: skip
-        mixable = not compiled and self._mixed_on and compilable(gpu_lanes) and not scoring
+                    and not eager_only)  # fmt: skip
+        mixable = not compiled and self._mixed_on and compilable(gpu_lanes) and not eager_only
         mixed_shape = self._mixed_ready(gpu_lanes, plan.limit_ms) if mixable else None
         mixed = mixed_shape is not None
         prepared = None if compiled or mixed else self._prepare(gpu_lanes, previous)
@@ -559,6 +570,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_ids: list[str] = []
         scored: list[ScoredRows] = []
+        adapter_rows: list[int] = []
         row_start = 0
         for lane in ordered:
             if (rows := self.scorer.rows(lane, row_start)) is not None:
@@ -574,6 +586,7 @@ class ModelRunner:
             if lane.samples:
                 sample_rows.append(row_start + lane.rows - 1)
                 sample_ids.append(lane.request_id)
+            adapter_rows.extend([self._adapter_of.get(lane.request_id, 0)] * lane.rows)
             row_start += lane.rows
         inputs = self._input_tokens(ordered, previous)
         self._observe(ordered, inputs, [rows.row_start for rows in lanes])
@@ -593,6 +606,7 @@ class ModelRunner:
             sample_rows=mx.array(sample_rows, dtype=mx.int32),
             sample_ids=tuple(sample_ids),
             scored=tuple(scored),
+            adapter_rows=mx.array(adapter_rows, dtype=mx.uint32) if any(adapter_rows) else None,
         )
 
     def _input_tokens(self, lanes: list[Lane], previous: InFlightStep | None) -> mx.array:
@@ -649,10 +663,24 @@ class ModelRunner:
 
     def _forward(self, prepared: _PreparedStep) -> mx.array:
         """Hidden states after the final norm, `[T, hidden]`."""
+        if prepared.adapter_rows is not None:
+            return self._adapted_forward(prepared)
         if self.fused_mixed is not None:
             return self.fused_mixed.mixed(prepared.inputs[:, 0], prepared.layout, self.pool)
+        return self._module_forward(prepared)
+
+    def _module_forward(self, prepared: _PreparedStep) -> mx.array:
         caches = [RaggedLayerCache(self.pool, layer, prepared.layout) for layer in range(len(self.pool.keys))]
         return self.model.model(prepared.inputs, cache=caches)[:, 0, :]
+
+    def _adapted_forward(self, prepared: _PreparedStep) -> mx.array:
+        """The model's own modules, each adapted linear adding its rows' adapters (read while the graph is built)."""
+        selection = self.adapters.selection
+        selection.rows = prepared.adapter_rows
+        try:
+            return self._module_forward(prepared)
+        finally:
+            selection.rows = None
 
     def _logits(self, hidden: mx.array) -> mx.array:
         # the LM head runs only on sampling rows: prefill rows never need vocabulary-sized logits

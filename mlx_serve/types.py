@@ -80,6 +80,7 @@ class GenerationRequest:
     priority: int = 1  # 0 high, 1 normal, 2 low
     cache_salt: str | None = None
     request_id: str | None = None
+    adapter: str | None = None  # a LoRA adapter the engine serves (`EngineConfig.adapters`) by name; None: the base
 
 
 @dataclass(frozen=True, slots=True)

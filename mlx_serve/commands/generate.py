@@ -16,6 +16,10 @@ HELP = "generate text for one prompt (offline, through the engine)"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model directory or hub id (default: the built-in tiny dummy model)")
+    parser.add_argument("--adapter-path", default=None, metavar="DIR",
+                        help="an mlx_lm.lora adapter applied to the model, as mlx_lm.load applies it")
+    parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                        help="a Jinja chat template, or a file holding one, in place of the checkpoint's")
     parser.add_argument("--prompt", required=True, help="the user message (the chat template is applied)")
     parser.add_argument("--raw", action="store_true", help="use the prompt as is, without the chat template")
     parser.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
@@ -39,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
 
     grammar = _schema_grammar(args.json_schema) if args.json_schema else None
     t_load = time.perf_counter()
-    engine = Engine.load(EngineConfig(model=args.model, memory_budget_gb=args.memory_budget_gb))
+    engine = Engine.load(EngineConfig(model=args.model, adapter_path=args.adapter_path,
+                                      chat_template=args.chat_template, memory_budget_gb=args.memory_budget_gb))
     load_s = time.perf_counter() - t_load
     try:
         if args.raw:

@@ -82,6 +82,17 @@ def row_quantum_arg(text: str) -> int | str:
     return text if text == "auto" else whole_number_arg(1, expected="a whole number or auto")(text)
 
 
+def lora_arg(text: str) -> Any:
+    """`--lora NAME=DIR`: an `AdapterSpec`."""
+    from mlx_serve.adapter_specs import parse_adapter_spec
+    from mlx_serve.errors import InvalidRequest
+
+    try:
+        return parse_adapter_spec(text)
+    except InvalidRequest as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     http = parser.add_argument_group("HTTP")
@@ -108,6 +119,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model and engine")
     g.add_argument("--model", default=None, metavar="DIR_OR_ID",
                    help="model directory or Hugging Face id (default: the built-in tiny dummy model)")
+    g.add_argument("--adapter-path", default=None, metavar="DIR",
+                   help="an mlx_lm.lora adapter (LoRA, DoRA or full) applied to the model itself, as mlx_lm.load "
+                        "applies it")
+    g.add_argument("--lora", action="append", type=lora_arg, default=[], metavar="NAME=DIR",
+                   help="a LoRA adapter requests choose by giving NAME as `model` (repeatable): rows of every "
+                        "adapter and of the base model share each step")
+    g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template, or a file holding one, used in place of the checkpoint's")
     g.add_argument("--memory-budget-gb", type=positive_float_arg, default=None, metavar="GB",
                    help="memory for weights plus the KV pool; sizes the pool (default: a share of the machine)")
     g.add_argument("--kv-blocks", type=whole_number_arg(1), default=None, metavar="N",
@@ -266,7 +285,8 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
     from tracing import sink_from_env
 
     return EngineConfig(
-        model=args.model, memory_budget_gb=args.memory_budget_gb, kv_blocks=args.kv_blocks,
+        model=args.model, adapter_path=args.adapter_path, adapters=tuple(args.lora), chat_template=args.chat_template,
+        memory_budget_gb=args.memory_budget_gb, kv_blocks=args.kv_blocks,
         block_size=args.block_size, max_running=args.max_running, queue_limit=args.queue_limit,
         max_model_len=args.max_model_len, step_target_ms=args.step_target_ms,
         step_target_factor=args.step_target_factor, step_target_floor_ms=args.step_target_floor_ms,

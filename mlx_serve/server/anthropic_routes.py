@@ -157,14 +157,15 @@ async def messages(request: Request) -> Response:
     reasoner = make_reasoning_splitter(engine.tokenizer, job.requests[0].prompt_ids, model.split_reasoning)
     choice = ChoiceState(0, engine.tokenizer, False, make_splitter(engine.tokenizer, job.tools), job.tools,
                          reasoner=reasoner)
+    served = job.requests[0].adapter or model.model_id  # an adapter answers under its own name
     if job.stream:
-        chunks = _message_stream(handles, choice, job, message_id, model.model_id)
+        chunks = _message_stream(handles, choice, job, message_id, served)
         return EventStreamResponse(chunks, handles)
     (events,) = await collect_events(handles, request)
     for event in events:
         choice.add(event)
     return JSONResponse({
-        "id": message_id, "type": "message", "role": "assistant", "model": model.model_id,
+        "id": message_id, "type": "message", "role": "assistant", "model": served,
         "content": _content_blocks(choice), **_stop_fields(choice, job, events, engine.tokenizer),
         "usage": _usage(choice, len(job.requests[0].prompt_ids)),
     })

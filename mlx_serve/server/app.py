@@ -33,7 +33,8 @@ def model_info(engine: Any, aliases: Iterable[str] = (), split_reasoning: bool =
     names = {Path(engine.model_id).name, "default", *aliases}
     kv = engine.status()["kv"]
     return ModelInfo(engine.model_id, frozenset(names), engine.context_length, engine.vocab_size,
-                     kv_capacity=kv["blocks_total"] * kv["block_size"], split_reasoning=split_reasoning)
+                     kv_capacity=kv["blocks_total"] * kv["block_size"], split_reasoning=split_reasoning,
+                     adapters=tuple(getattr(engine, "adapters", ())))  # fmt: skip
 
 
 def create_app(engine: Any, metrics: ServerMetrics | None = None, aliases: Iterable[str] = (),

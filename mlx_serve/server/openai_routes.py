@@ -140,19 +140,21 @@ async def detokenize(request: Request) -> Response:
 
 
 async def list_models(request: Request) -> Response:
-    return JSONResponse({"object": "list", "data": [_model_object(request.state.model)]})
+    """The base model, then each adapter served beside it (its `parent` the base, as vLLM lists them)."""
+    model: ModelInfo = request.state.model
+    return JSONResponse({"object": "list", "data": [_model_object(model, name) for name in (None, *model.adapters)]})
 
 
 async def retrieve_model(request: Request) -> Response:
-    """The served model by its id or an alias (OpenAI's models.retrieve); 404 for any other name."""
+    """The served model by its id or an alias, or an adapter (OpenAI's models.retrieve); 404 for any other name."""
     model: ModelInfo = request.state.model
-    model.check_name(request.path_params["model_id"])
-    return JSONResponse(_model_object(model))
+    return JSONResponse(_model_object(model, model.adapter_for(request.path_params["model_id"])))
 
 
-def _model_object(model: ModelInfo) -> dict[str, Any]:
-    return {"id": model.model_id, "object": "model", "created": 0, "owned_by": "mlx_serve",
+def _model_object(model: ModelInfo, adapter: str | None = None) -> dict[str, Any]:
+    card = {"id": adapter or model.model_id, "object": "model", "created": 0, "owned_by": "mlx_serve",
             "max_model_len": model.context_length}
+    return {**card, "parent": model.model_id} if adapter else card
 
 
 async def _serve(request: Request, parse: Callable[..., Job], prefix: str, stream: Callable[..., Any],
@@ -165,14 +167,15 @@ async def _serve(request: Request, parse: Callable[..., Job], prefix: str, strea
     requests = [replace(r, request_id=f"{job_id}-{i}") for i, r in enumerate(job.requests)]
     handles = engine.submit_all(requests)
     created = int(time.time())
+    served = job.requests[0].adapter or model.model_id  # an adapter answers under its own name
     if job.stream:
-        chunks = stream(job, handles, engine.tokenizer, job_id, model.model_id, created)
+        chunks = stream(job, handles, engine.tokenizer, job_id, served, created)
         return EventStreamResponse(chunks, handles)
     choices = _choices(job, engine.tokenizer)
     for index, events in enumerate(await collect_events(handles, request)):
         for event in events:
             choices[index].add(event)
-    return JSONResponse(respond(job_id, model.model_id, created, choices, job.want_logprobs))
+    return JSONResponse(respond(job_id, served, created, choices, job.want_logprobs))
 
 
 def _choices(job: Job, tokenizer: Any) -> list[fmt.ChoiceState]:

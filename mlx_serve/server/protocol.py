@@ -30,16 +30,24 @@ class ModelInfo:
     vocab_size: int
     kv_capacity: int  # tokens the KV pool holds: a request can never use more
     split_reasoning: bool = True  # chat answers put a thinking model's reasoning apart (`--reasoning split`)
-
+    adapters: tuple[str, ...] = ()  # LoRA adapters served beside the base model, each a `model` name of its own
 
     def check_name(self, name: object) -> None:
+        self.adapter_for(name)
+
+    def adapter_for(self, name: object) -> str | None:
+        """The adapter a request's `model` names; None for the base model (its id, an alias, or no name)."""
         if name is None:
-            return
+            return None
         if not isinstance(name, str):
             raise InvalidRequest(f"model must be a string, got {type(name).__name__}", param="model")
+        if name in self.adapters:
+            return name
         if name != self.model_id and name not in self.aliases:
-            raise ModelNotFound(f"The model '{name}' does not exist; this server serves '{self.model_id}'",
+            also = f" and the adapters {', '.join(self.adapters)}" if self.adapters else ""
+            raise ModelNotFound(f"The model '{name}' does not exist; this server serves '{self.model_id}'{also}",
                                 param="model")
+        return None
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
@@ -177,6 +185,7 @@ def build_requests(body: Mapping[str, Any], prompt_ids: list[int], model: ModelI
         ignore_eos=read_bool(body, "ignore_eos"),
         priority=read_int(body, "priority", 1, low=0, high=2),
         cache_salt=read_str(body, "cache_salt"),
+        adapter=model.adapter_for(body.get("model")),
     )
     if sampling.seed is None:
         return (base,) * n

@@ -30,6 +30,26 @@ def reference_tokens(path: Path, prompt_ids: list[int], max_tokens: int) -> list
     return out
 
 
+@functools.lru_cache(maxsize=8)
+def load_adapted_reference(path: str, adapter_path: str):
+    import mlx_lm
+
+    return mlx_lm.load(path, adapter_path=adapter_path)
+
+
+def reference_adapter_tokens(path: Path, adapter_path: Path, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """Greedy tokens from mlx-lm's generate_step with an adapter loaded as mlx-lm loads it, cut after the first eos."""
+    from mlx_lm.generate import generate_step
+
+    model, tokenizer = load_adapted_reference(str(path), str(adapter_path))
+    out: list[int] = []
+    for token, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens):
+        out.append(int(token))
+        if token in tokenizer.eos_token_ids:
+            break
+    return out
+
+
 def reference_prompt_logprobs(path: Path, prompt_ids: list[int]) -> np.ndarray:
     """mlx-lm's log-softmax of every prompt row `[n, V]` (float32), one forward over the whole prompt: row p scores
     the prompt token at p + 1."""

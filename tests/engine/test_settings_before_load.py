@@ -29,6 +29,9 @@ MISSING = "/nonexistent/model-dir"
         ({"floor_slack": "wide"}, "floor_slack must be a number >= 1 or 'auto'"),
         ({"max_prefill_slowdown": 0.5}, "max_prefill_slowdown must be 0"),
         ({"trace_neighbour_shapes": -1}, "trace_neighbour_shapes must be a whole number"),
+        ({"chat_template": "{% for m in messages %}{{ m.content }}"}, "chat template: line 1: Unexpected end"),
+        ({"chat_template": "/no/such/template.jinja"}, "is neither a file nor a Jinja template"),
+        ({"adapter_path": "/a", "ane_lane": "ane"}, "--adapter-path cannot run with --ane-lane ane"),
     ],
 )
 def test_bad_settings_fail_before_the_model_loads(setting, message):
@@ -78,3 +81,16 @@ def test_floor_slack_auto_is_wider_only_where_the_fill_is_checked(floor_slack, q
                               context_length=4096, quantum=quantum, kv_bucket=1024)  # fmt: skip
     assert config.floor_slack == resolved
     assert (config.row_quantum, config.checked_fill) == (quantum, checked_fill)
+
+
+def test_a_chat_template_file_replaces_the_checkpoints(tmp_path, tiny_qwen3):
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}[assistant] {% endif %}")
+    engine = Engine.load(EngineConfig(model=str(tiny_qwen3), kv_blocks=16, chat_template=str(template)))
+    try:
+        rendered = engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                                        add_generation_prompt=True)  # fmt: skip
+    finally:
+        engine.shutdown()
+    assert rendered == "[user] hi\n[assistant] "

@@ -1,0 +1,108 @@
+"""LoRA adapters over HTTP: each served adapter is a `model` name of its own (listed with the base as its parent), a
+request naming it gets mlx-lm's tokens with that adapter loaded, and answers under that name; the official `openai`
+and `anthropic` clients are the callers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import anthropic
+import openai
+import pytest
+
+from mlx_serve.adapter_specs import AdapterSpec
+from mlx_serve.checkpoints.adapters import make_adapter
+from mlx_serve.server import ServerMetrics, create_app
+from tests.engine.reference import reference_adapter_tokens
+from tests.server.conftest import Served
+from tests.server.reference import chat_prompt_ids, greedy_text
+
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("served-adapters")
+    return {"alpha": make_adapter(tiny_qwen3, root / "alpha", seed=1),
+            "beta": make_adapter(tiny_qwen3, root / "beta", rank=4, seed=2, keys=("mlp.down_proj",))}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def served(tiny_qwen3: Path, adapter_dirs: dict[str, Path]) -> Iterator[Served]:
+    from mlx_serve.engine import Engine, EngineConfig
+    from mlx_serve.server.http import BackgroundServer
+
+    metrics = ServerMetrics()
+    specs = tuple(AdapterSpec(name, str(path)) for name, path in adapter_dirs.items())
+    engine = Engine.load(EngineConfig(model=str(tiny_qwen3), kv_blocks=512, observer=metrics, adapters=specs))
+    server = BackgroundServer(create_app(engine, metrics))
+    try:
+        yield Served(server.url, engine, metrics, tiny_qwen3)
+    finally:
+        server.close()
+        engine.shutdown(timeout_s=2.0)
+
+
+@pytest.fixture(scope="module")
+def client(served: Served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served.base_url, api_key="unused", max_retries=0)
+
+
+def adapted_text(served: Served, adapter: Path, prompt_ids: list[int]) -> str:
+    """mlx-lm's text with the adapter loaded, through its streaming detokenizer (as mlx_lm.generate prints it)."""
+    tokenizer = served.engine.tokenizer
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    for token in reference_adapter_tokens(served.model_path, adapter, prompt_ids, MAX_TOKENS):
+        if token not in tokenizer.eos_token_ids:
+            detokenizer.add_token(token)
+    detokenizer.finalize()
+    return detokenizer.text
+
+
+def test_models_lists_each_adapter_with_the_base_as_parent(client, served):
+    cards = {card.id: card for card in client.models.list()}
+    assert set(cards) == {served.engine.model_id, "alpha", "beta"}
+    assert cards["alpha"].parent == served.engine.model_id and cards["beta"].parent == served.engine.model_id
+    assert client.models.retrieve("beta").parent == served.engine.model_id
+    with pytest.raises(openai.NotFoundError, match="adapters alpha, beta"):
+        client.models.retrieve("gamma")
+
+
+def test_chat_streams_of_the_base_and_two_adapters_side_by_side_give_mlx_lms_text(client, served, adapter_dirs):
+    messages = [{"role": "user", "content": "Tell me about colours."}]
+    prompt = chat_prompt_ids(served.engine.tokenizer, messages)
+
+    def stream(model: str) -> tuple[str, set[str]]:
+        chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS,
+                                                     temperature=0, stream=True))  # fmt: skip
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        return text, {c.model for c in chunks}
+
+    with ThreadPoolExecutor(3) as pool:
+        base, alpha, beta = pool.map(stream, ["default", "alpha", "beta"])
+    assert base == (greedy_text(served.model_path, served.engine.tokenizer, prompt, MAX_TOKENS)[0],
+                    {served.engine.model_id})  # fmt: skip
+    assert alpha == (adapted_text(served, adapter_dirs["alpha"], prompt), {"alpha"})
+    assert beta == (adapted_text(served, adapter_dirs["beta"], prompt), {"beta"})
+    assert len({base[0], alpha[0], beta[0]}) == 3
+
+
+def test_completions_and_anthropic_messages_take_an_adapter_by_name(client, served, adapter_dirs):
+    prompt = [11, 12, 13, 14, 15, 16]
+    answer = client.completions.create(model="beta", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+    assert answer.model == "beta" and answer.choices[0].text == adapted_text(served, adapter_dirs["beta"], prompt)
+
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    reply = anthropic.Anthropic(base_url=served.url, api_key="unused", max_retries=0).messages.create(
+        model="alpha", max_tokens=MAX_TOKENS, messages=messages, extra_body={"temperature": 0})
+    prompt = chat_prompt_ids(served.engine.tokenizer, messages)
+    assert reply.model == "alpha" and reply.content[0].text == adapted_text(served, adapter_dirs["alpha"], prompt)
+
+
+def test_an_unknown_model_names_the_adapters_served(client):
+    with pytest.raises(openai.NotFoundError, match="serves '.*' and the adapters alpha, beta") as caught:
+        client.chat.completions.create(model="gamma", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert caught.value.body["param"] == "model"
