@@ -202,11 +202,14 @@ class RaggedLayerCache:
         self.pool.write(self.layer, self.step.write_slots, keys[:, :, 0, :], values[:, :, 0, :])
         return keys, values
 
-    def attention(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
+    def attention(
+        self, queries: mx.array, scale: float, sinks: mx.array | None = None, softcap: float | None = None
+    ) -> mx.array:
         """Each lane attends causally to its own request's KV. queries: [T, heads, 1, head_dim]. `sinks`: a
-        per-head logit every softmax also counts (gpt-oss)."""
-        if self.window is not None or sinks is not None:
-            return self._masked(queries, scale, sinks)
+        per-head logit every softmax also counts (gpt-oss). `softcap`: scores pass through `softcapped_attention`'s
+        tanh cap (Gemma 2, `softcap_attention`)."""
+        if self.window is not None or sinks is not None or softcap is not None:
+            return self._masked(queries, scale, sinks, softcap)
         outputs = []
         decode = self.step.decode
         if decode is not None:
@@ -264,16 +267,17 @@ class RaggedLayerCache:
         pool_keys, pool_values = self.pool.keys[self.layer], self.pool.values[self.layer]
         return self.step.prefill_gather(pool_keys, pool_values, lane, self.pool.block_size)
 
-    def _masked(self, queries: mx.array, scale: float, sinks: mx.array | None) -> mx.array:
-        """A sliding-window layer, or one with attention sinks: decode rows over their window (or whole history)
-        read through the block tables, lanes over their gathered history behind a (windowed) causal mask, all through
-        MLX's own attention (the paged kernels have neither windows nor sinks)."""
+    def _masked(self, queries: mx.array, scale: float, sinks: mx.array | None,
+                softcap: float | None = None) -> mx.array:  # fmt: skip
+        """A sliding-window layer, or one with attention sinks or soft-capped scores: decode rows over their window
+        (or whole history) read through the block tables, lanes over their gathered history behind a (windowed)
+        causal mask, all through MLX's own attention (the paged kernels have no windows, sinks or caps)."""
         outputs = []
         decode = self.step.decode
         pool_keys, pool_values = self.pool.keys[self.layer], self.pool.values[self.layer]
         if decode is not None:
             outputs.append(masked_decode_attention(queries[: decode.count], pool_keys, pool_values, decode, scale,
-                                                   self.window, sinks))  # fmt: skip
+                                                   self.window, sinks, softcap))  # fmt: skip
         for lane in self.step.lanes:
             q = queries[lane.row_start : lane.row_start + lane.rows].transpose(2, 1, 0, 3)  # [1, H, n, D]
             if lane.query_rows > lane.rows:
@@ -283,16 +287,18 @@ class RaggedLayerCache:
                 mask = windowed_lane_mask(lane, keys.shape[2], self.window, q.dtype)
             else:
                 mask = lane.mask if lane.mask is not None else ("causal" if lane.rows > 1 else None)
-            out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask, sinks=sinks)
+            out = _masked_attention(q, keys, values, scale, mask, sinks, softcap)
             outputs.append(out[:, :, : lane.rows].transpose(2, 1, 0, 3))
         return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
 
 
 def masked_decode_attention(queries: mx.array, pool_keys: mx.array, pool_values: mx.array, rows: DecodeRows,
-                            scale: float, window: int | None, sinks: mx.array | None = None) -> mx.array:  # fmt: skip
+                            scale: float, window: int | None, sinks: mx.array | None = None,
+                            softcap: float | None = None) -> mx.array:  # fmt: skip
     """Single-row lanes `[n, H, 1, D]` each over the `window` positions up to its own (fewer at a sequence's start,
     masked), or with no window over every position its block table holds (those past its length masked), read from
-    the pool through the block tables on the device: one batched SDPA, with `sinks` where given."""
+    the pool through the block tables on the device: one batched SDPA, with `sinks` where given (or, with `softcap`,
+    one `softcapped_attention`)."""
     size = rows.block_size
     if window is not None:
         positions = rows.lengths[:, None] - window + mx.arange(window, dtype=mx.int32)[None]  # [n, window]
@@ -308,7 +314,46 @@ def masked_decode_attention(queries: mx.array, pool_keys: mx.array, pool_values:
     values = pool_values[slots].transpose(0, 2, 1, 3)
     dtype = queries.dtype
     mask = mx.where(kept, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))[:, None, None, :]
-    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+    return _masked_attention(queries, keys, values, scale, mask, sinks, softcap)
+
+
+def _masked_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any,
+                      sinks: mx.array | None, softcap: float | None) -> mx.array:  # fmt: skip
+    """MLX's fused attention, or with `softcap` the soft-capped form (which has no sinks: no family has both)."""
+    if softcap is None:
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask, sinks=sinks)
+    if sinks is not None:
+        raise ValueError("soft-capped attention with sinks")
+    return softcapped_attention(q, keys, values, scale, softcap, mask)
+
+
+def softcapped_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, softcap: float,
+                         mask: Any) -> mx.array:  # fmt: skip
+    """`[B, H, L, D]` queries over `[B, kv_heads, S, D]` KV with scores capped to (-softcap, softcap) by a tanh
+    before the mask and softmax, in mlx-lm's gemma2 op order (so its tokens). `mask`: as MLX's fused attention takes
+    (additive or boolean `[.., L, S]`, "causal" with the queries as the last L of S positions, or None)."""
+    batch, heads, rows, head_dim = q.shape
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    repeats = heads // kv_heads
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unknown mask {mask!r}")
+        mask = mx.arange(length - rows, length)[:, None] >= mx.arange(length)[None]
+    q = q * scale
+    if repeats > 1:  # each kv head's query heads as one more axis, as mlx-lm does (no repeated KV)
+        q = q.reshape(batch, kv_heads, repeats, rows, head_dim)
+        keys, values = mx.expand_dims(keys, 2), mx.expand_dims(values, 2)
+        mask = mx.expand_dims(mask, 2) if mask is not None and mask.ndim == 4 else mask
+    scores = q @ keys.swapaxes(-1, -2)
+    scores = mx.tanh(scores / softcap)
+    scores *= softcap
+    if mask is not None:
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+        else:
+            scores = scores + mask
+    out = mx.softmax(scores, precise=True, axis=-1) @ values
+    return out.reshape(batch, heads, rows, head_dim) if repeats > 1 else out
 
 
 def windowed_lane_mask(lane: LaneRows, keys: int, window: int, dtype: mx.Dtype) -> mx.array:
@@ -342,10 +387,14 @@ def _dispatching_sdpa(original):
 
 def install_ragged_attention(model: Any) -> None:
     """Route the attention of every mlx-lm module the model's layers come from through the dispatcher (idempotent,
-    per module): a family may reuse another's attention class (SmolLM3 runs Llama's)."""
+    per module): a family may reuse another's attention class (SmolLM3 runs Llama's). Attention written out by hand
+    (Gemma 2's soft-capped scores) gets a forward of its own that routes the same way (`softcap_attention`)."""
+    from mlx_serve.softcap_attention import install_softcapped_forwards  # it imports this module
+
+    softcapped = install_softcapped_forwards(model)
     names = {type(model).__module__} | {type(m).__module__ for _, m in model.named_modules()}
     modules = [sys.modules[n] for n in sorted(names) if hasattr(sys.modules.get(n), "scaled_dot_product_attention")]
-    if not modules:
+    if not modules and not softcapped:
         raise RuntimeError(f"{type(model).__module__} has no scaled_dot_product_attention to route")
     for module in modules:
         current = module.scaled_dot_product_attention

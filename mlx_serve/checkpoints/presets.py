@@ -62,6 +62,9 @@ MLX_FAMILIES: dict[str, dict] = {
     "seed_oss": dict(attention_out_bias=False),
     "nemotron": dict(hidden_act="relu2", norm_eps=1e-5, partial_rotary_factor=0.5),
     "gemma": dict(hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True),
+    # attention scores and logits soft-capped by tanh: caps this low change the tokens and log-probabilities
+    "gemma2": dict(hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True, query_pre_attn_scalar=32,
+                   attn_logit_softcapping=3.0, final_logit_softcapping=4.0),
     "cohere": dict(logit_scale=0.0625, layer_norm_eps=1e-5, use_qk_norm=True, tie_word_embeddings=True),
     "smollm3": dict(no_rope_layer_interval=2),
     "hunyuan_v1_dense": dict(use_qk_norm=True),

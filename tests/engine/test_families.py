@@ -1,7 +1,8 @@
 """The mlx-lm families served beyond the five with real-size presets: on a dummy checkpoint of each (mlx-lm's layout,
 written by `make_checkpoint`), staggered prompts read in chunks beside decoding streams give mlx-lm's greedy tokens,
 and a scored prompt gives mlx-lm's log-probabilities (so each family's own head: Granite's logit scaling, MiniCPM's
-hidden scaling, Cohere's logit scale, tied embeddings). What the engine cannot serve is refused at load."""
+hidden scaling, Cohere's logit scale, Gemma 2's logit soft-cap, tied embeddings). What the engine cannot serve is
+refused at load."""
 
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ CUDA_QUANTIZED = dict(split_quantized_k="on", dequantize_rows=16, compile_decode
                       quantized_gemv="on")  # fmt: skip
 
 
-@pytest.mark.parametrize("family", ["mixtral", "gemma3", "granite"])
+@pytest.mark.parametrize("family", ["mixtral", "gemma3", "granite", "gemma2"])
 @pytest.mark.parametrize("options", [{}, CUDA_QUANTIZED], ids=["default", "cuda-quantized"])
 def test_a_4_bit_family_matches_mlx_lm(tmp_path, family, options):
     path = make_checkpoint(tmp_path / f"{family}-4bit", arch=family, seed=2, quantize_bits=4, group_size=32)
@@ -113,12 +114,13 @@ def test_caches_other_than_full_or_sliding_are_refused():
 def test_an_unserved_family_is_refused_with_the_list(tmp_path):
     path = make_checkpoint(tmp_path / "qwen3", arch="qwen3", seed=0)
     config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "model_type": "gemma2"}))
-    with pytest.raises(UnsupportedModel, match="'gemma2' is not supported; supported model types: llama"):
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "qwen3_next"}))
+    with pytest.raises(UnsupportedModel, match="'qwen3_next' is not supported; supported model types: llama"):
         Engine.load(EngineConfig(model=str(path), kv_blocks=16))
 
 
-@pytest.mark.parametrize("family", ["granite", "cohere", "internlm2", "mixtral", "gemma3", "cohere2", "gpt_oss"])
+@pytest.mark.parametrize("family", ["granite", "cohere", "internlm2", "mixtral", "gemma3", "cohere2", "gpt_oss",
+                                    "gemma2"])
 def test_a_family_in_the_cuda_layout_with_compiled_decode_steps(checkpoints, family):
     """As on CUDA: decode steps replay one compiled graph (the family's head traced in it), prefill history in
     buckets read through the block table. mlx-lm's tokens."""
