@@ -1,4 +1,5 @@
-"""Constrained decoding: OpenAI's `response_format` as a grammar that masks every sampled token (llguidance).
+"""Constrained decoding: OpenAI's `response_format` (and vLLM's guided decoding: a schema, a regular expression, a
+choice of strings, a lark grammar) as a grammar that masks every sampled token (llguidance).
 
 The HTTP layer turns `response_format` into an llguidance grammar (`grammar_for_response_format`); the engine
 checks it against the tokenizer when the request is submitted (`Grammars.check`, a 400 for what cannot compile)
@@ -46,6 +47,49 @@ def grammar_for_response_format(response_format: object) -> str | None:
     raise InvalidRequest(
         f"response_format.type must be text, json_object or json_schema, not {kind!r}", param="response_format"
     )
+
+
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # vLLM's extensions
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")  # vLLM's newer `structured_outputs` object, the same four
+
+
+def grammar_for_guided(body: Mapping[str, Any]) -> str | None:
+    """vLLM's guided decoding: `guided_json` (a JSON schema), `guided_regex`, `guided_choice` (one of the strings)
+    or `guided_grammar` (lark), or the same as `structured_outputs: {json | regex | choice | grammar}`; at most one.
+    None where none is given."""
+    given = {name.removeprefix("guided_"): (name, body[name]) for name in GUIDED_FIELDS if body.get(name) is not None}
+    structured = body.get("structured_outputs")
+    if structured is not None:
+        if not isinstance(structured, Mapping):
+            raise InvalidRequest("structured_outputs must be an object", param="structured_outputs")
+        for kind in STRUCTURED_KINDS:
+            if structured.get(kind) is not None:
+                given.setdefault(kind, ("structured_outputs", structured[kind]))
+    if len(given) > 1:
+        raise InvalidRequest(f"give one kind of guided decoding, not {', '.join(sorted(given))}",
+                             param=next(iter(given.values()))[0])  # fmt: skip
+    if not given:
+        return None
+    kind, (param, value) = next(iter(given.items()))
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise InvalidRequest(f"{param}: not a JSON schema: {exc}", param=param) from None
+        if not isinstance(value, Mapping):
+            raise InvalidRequest(f"{param} must be a JSON schema object", param=param)
+        return _json_grammar(dict(value), param)
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise InvalidRequest(f"{param} must be a list of non-empty strings", param=param)
+        lark = "start: " + " | ".join(json.dumps(choice) for choice in value) + "\n"
+        return _validated(LLMatcher.grammar_from_lark(lark), param, "the choices")
+    if not isinstance(value, str) or not value:
+        raise InvalidRequest(f"{param} must be a non-empty string", param=param)
+    if kind == "regex":
+        return _validated(LLMatcher.grammar_from_regex(value), param, "the regular expression")
+    return _validated(LLMatcher.grammar_from_lark(value), param, "the lark grammar")
 
 
 def grammar_for_tool_choice(
@@ -100,12 +144,12 @@ def _marker(tokenizer: Any, text: str) -> str:
     return text if text in added else json.dumps(text)
 
 
-def _json_grammar(schema: dict) -> str:
+def _json_grammar(schema: dict, param: str = "response_format") -> str:
     try:
         grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
     except (ValueError, TypeError) as exc:
-        raise InvalidRequest(f"response_format: the JSON schema cannot be used: {exc}", param="response_format") from exc
-    return _validated(grammar, "response_format", "the JSON schema")
+        raise InvalidRequest(f"{param}: the JSON schema cannot be used: {exc}", param=param) from exc
+    return _validated(grammar, param, "the JSON schema")
 
 
 def _validated(grammar: str, param: str, what: str) -> str:

@@ -13,7 +13,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from mlx_serve.errors import InvalidRequest
-from mlx_serve.grammar import grammar_for_response_format, grammar_for_tool_choice
+from mlx_serve.grammar import (
+    GUIDED_FIELDS,
+    grammar_for_guided,
+    grammar_for_response_format,
+    grammar_for_tool_choice,
+)
 from mlx_serve.server import openai_format as fmt
 from mlx_serve.server.protocol import (
     MAX_CHOICES,
@@ -59,14 +64,21 @@ def parse_chat(body: dict[str, Any], tokenizer: Any, model: ModelInfo) -> Job:
                split_reasoning=model.split_reasoning)
 
 
-def _grammar(body: dict[str, Any], tools: list[dict[str, Any]] | None, tokenizer: Any) -> str | None:
-    """What the answer must follow: `response_format`, or tool calls only for `tool_choice` required / named."""
-    formatted = grammar_for_response_format(body.get("response_format"))
+def _grammar(body: dict[str, Any], tools: list[dict[str, Any]] | None = None, tokenizer: Any = None) -> str | None:
+    """What the answer must follow: `response_format`, vLLM's guided decoding, or tool calls only for `tool_choice`
+    required / named (at most one of them)."""
     parallel = read_bool(body, "parallel_tool_calls", True)
-    calls = grammar_for_tool_choice(body.get("tool_choice"), tools, tokenizer, parallel)
-    if formatted is not None and calls is not None:
-        raise InvalidRequest("response_format and a forced tool_choice cannot both be enforced", param="tool_choice")
-    return formatted or calls
+    given = {
+        "response_format": grammar_for_response_format(body.get("response_format")),
+        "guided decoding": grammar_for_guided(body),
+        "tool_choice": grammar_for_tool_choice(body.get("tool_choice"), tools, tokenizer, parallel),
+    }
+    chosen = [name for name, grammar in given.items() if grammar is not None]
+    if len(chosen) > 1:
+        guided = next((f for f in (*GUIDED_FIELDS, "structured_outputs") if body.get(f) is not None), "tool_choice")
+        param = "tool_choice" if chosen[-1] == "tool_choice" else guided
+        raise InvalidRequest(f"{' and '.join(chosen)} cannot both be enforced", param=param)
+    return given[chosen[0]] if chosen else None
 
 
 def parse_completion(body: dict[str, Any], tokenizer: Any, model: ModelInfo) -> Job:
@@ -80,12 +92,14 @@ def parse_completion(body: dict[str, Any], tokenizer: Any, model: ModelInfo) -> 
     echo = read_bool(body, "echo")
     # echo with max_tokens 0 scores the prompt alone (lm-eval's loglikelihood): one token is made and dropped
     echo_only = echo and body.get("max_tokens") == 0
+    grammar = _grammar(body)
     fields = {**body, "max_tokens": 1} if echo_only else body
     requests = tuple(
         request
         for prompt in prompts
         for request in build_requests(fields, prompt.ids, model, logprobs=top, max_token_fields=("max_tokens",), n=n,
-                                      prompt_param="prompt", prompt_logprobs=top if echo else None)
+                                      prompt_param="prompt", prompt_logprobs=top if echo else None,
+                                      grammar=grammar)
     )  # fmt: skip
     echoed = tuple(prompt.text for prompt in prompts for _ in range(n)) if echo else None
     return Job(requests, stream, read_stream_options(body, stream), top is not None, n=n, echo=echoed,

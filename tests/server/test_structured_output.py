@@ -181,3 +181,41 @@ def test_a_tool_schema_that_cannot_be_enforced_blames_tools(served, client):
         client.chat.completions.create(model=served.engine.model_id, messages=_messages(6), max_tokens=4,
                                        tools=tools, tool_choice="required")
     assert "objectx" in str(info.value) and info.value.body["param"] == "tools"
+
+
+# vLLM's guided decoding: a regular expression, a choice, a lark grammar, a schema (also as `structured_outputs`)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_guided_regex_choice_grammar_and_json_hold_on_chat_and_completions(served, client, temperature):
+    import re
+
+    common = dict(model=served.engine.model_id, max_tokens=40, temperature=temperature, seed=5)
+    chat = dict(common, messages=_messages(1))
+    reply = client.chat.completions.create(**chat, extra_body={"guided_regex": "[a-z]{3}-[0-9]{2}"})
+    assert re.fullmatch("[a-z]{3}-[0-9]{2}", reply.choices[0].message.content)
+    reply = client.completions.create(**common, prompt="Pick:", extra_body={"guided_choice": ["yes", "no", "maybe"]})
+    assert reply.choices[0].text in ("yes", "no", "maybe") and reply.choices[0].finish_reason == "stop"
+    lark = 'start: "(" num ("+" num)* ")"\nnum: /[1-9][0-9]?/'
+    reply = client.chat.completions.create(**chat, extra_body={"guided_grammar": lark})
+    assert re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)", reply.choices[0].message.content)
+    reply = client.completions.create(**common, prompt="JSON:", extra_body={"structured_outputs": {"json": SCHEMA}})
+    _valid(reply.choices[0].text)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "message"),
+    [
+        ({"guided_regex": "(("}, "guided_regex", "the regular expression cannot be enforced"),
+        ({"guided_choice": []}, "guided_choice", "a list of non-empty strings"),
+        ({"guided_grammar": "start: foo"}, "guided_grammar", "the lark grammar cannot be enforced"),
+        ({"guided_json": "{not json"}, "guided_json", "not a JSON schema"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex", "one kind of guided decoding"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex",
+         "response_format and guided decoding cannot both"),
+        ({"structured_outputs": "regex"}, "structured_outputs", "must be an object"),
+    ],
+)  # fmt: skip
+def test_bad_guided_decoding_is_a_400_naming_the_field(served, client, extra, param, message):
+    with pytest.raises(openai.BadRequestError, match=message) as caught:
+        client.chat.completions.create(model=served.engine.model_id, messages=_messages(2), max_tokens=5,
+                                       extra_body=extra)  # fmt: skip
+    assert caught.value.body["param"] == param
