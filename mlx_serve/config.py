@@ -48,6 +48,10 @@ class EngineConfig:
     # a waiting request waits for a running prefill computing this many of its next prompt tokens; 0: off
     shared_prefill_tokens: int = 256
     decode_debt: bool = True
+    # speculative decoding by prompt lookup: a greedy request's decode lane also verifies up to this many tokens that
+    # followed an earlier occurrence of its last `speculative_ngram` tokens (0: off)
+    speculative_tokens: int = 0
+    speculative_ngram: int = 3
     pipeline: bool = True  # keep a sampling step in flight while the next one is planned and queued
     decode_attention: str = "auto"  # "auto" | "reference" | "batched" | "kernel": attention of single-row lanes
     compile_decode: str = "auto"  # "auto" (on with MLX's CUDA backend) | "on" | "off": mx.compile single-row steps

@@ -76,13 +76,14 @@ class Delivery:
             if stream is not None:
                 stream.add_prompt_logprobs(first, entries)
 
-    def publish(self, request: Request, sample: Any) -> None:
-        """The event for the request's newest committed token; the final one when the request is done."""
+    def publish(self, request: Request, sample: Any, last: bool = True) -> None:
+        """The event for a committed token: the request's newest (`last`; the final event when the request is done),
+        or one before it in the same step (accepted drafts)."""
         rid = request.request_id
         stream = self._streams.get(rid)
         if stream is None or sample is None:
             return
-        finished = request.state is RequestState.FINISHED
+        finished = last and request.state is RequestState.FINISHED
         reason = request.finish_reason.value if finished and request.finish_reason else None
         is_stop_token = finished and request.finish_reason is FinishReason.STOP
         gap_from = stream.last_token_time

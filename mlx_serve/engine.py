@@ -17,7 +17,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from mlx_serve import engine_setup, introspection
@@ -188,6 +188,7 @@ class Engine:
             cache_salt=salt,
             # the ANE lane's Core ML model scores all rows alike and has no adapters
             gpu_only=request.sampling.prompt_logprobs is not None or request.adapter is not None,
+            speculate=self.config.speculative_tokens if request.sampling.draftable else 0,
             stop_token_ids=stop_ids,
             arrival_time=now,
         )
@@ -321,7 +322,8 @@ class Engine:
             self.delivery.open(sub.stream, sub.handle)
             self.delivery.finish(rid, "error", None, error=str(exc))
             return
-        self.runner.add_request(rid, sub.sampling, constraint, sub.request.prompt_ids, sub.adapter)
+        self.runner.add_request(rid, sub.sampling, constraint, sub.request.prompt_ids, sub.adapter,
+                                speculate=sub.request.speculate > 0)
         self.delivery.open(sub.stream, sub.handle)
         if self.trace.enabled:
             r = sub.request
@@ -362,9 +364,19 @@ class Engine:
             advanced = self.scheduler.update(plan, output.outcome, time.perf_counter())
         self.delivery.add_prompt_logprobs(output.prompt_logprobs)
         for request in advanced:
-            self.delivery.publish(request, output.samples.get(request.request_id))
+            self._publish(request, output.samples.get(request.request_id))
         self._account(plan, output, t0, t1, t2)
         return True
+
+    def _publish(self, request: Request, sample: Any) -> None:
+        """The events of the tokens the step committed: its sample, after the drafts it accepted (if any)."""
+        if request.new_tokens <= 1 or sample is None:
+            self.delivery.publish(request, sample)
+            return
+        tokens = request.output_ids[-request.new_tokens :]
+        for token in tokens[:-1]:
+            self.delivery.publish(request, replace(sample, token_id=token), last=False)
+        self.delivery.publish(request, replace(sample, token_id=tokens[-1]))  # a stop token may end it early
 
     def _complete_in_flight(self) -> bool:
         """Read back the step left in flight: put its real tokens where the placeholders are, then publish."""

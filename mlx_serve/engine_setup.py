@@ -43,6 +43,7 @@ def check_settings(c: EngineConfig) -> None:
     chunk_attention(c.chunk_attention)
     dequantize_rows(c.dequantize_rows)
     _check_count(c.trace_neighbour_shapes, "trace_neighbour_shapes")
+    _check_count(c.speculative_tokens, "speculative_tokens")
     check_specs(c.adapters)
     if c.chat_template is not None:
         from mlx_serve.model_loading import chat_template_text
@@ -138,6 +139,7 @@ def scheduler_config(
         max_prefill_slowdown=c.max_prefill_slowdown,
         cost_model=c.cost_model,
         cost_trust_factor=c.cost_trust_factor,
+        speculative_ngram=c.speculative_ngram,
         max_overtakes=c.max_overtakes,
         decode_debt=c.decode_debt,
         enable_prefix_cache=c.enable_prefix_cache,

@@ -43,6 +43,8 @@ def status(scheduler: Scheduler, model_id: str, block_size: int) -> dict:
             "prefix_hit_tokens": stats.prefix_hit_tokens,
             "recalled_hash_blocks": stats.recalled_hash_blocks,
             "shared_prefill_waits": stats.shared_prefill_waits,
+            "draft_tokens": stats.draft_tokens,
+            "accepted_draft_tokens": stats.accepted_draft_tokens,
         },
         "step_target_ms": round(scheduler.step_target.ms, 2),  # the one contended steps are cut to now
         "kv": {
@@ -71,6 +73,8 @@ def stats(scheduler: Scheduler, prompt_tokens: int, generation_tokens: int) -> d
         "budget_halvings_total": s.budget_halvings,
         "traces_wanted_total": s.traces_wanted,
         "preemptions_total": s.preemptions,
+        "draft_tokens_total": s.draft_tokens,
+        "accepted_draft_tokens_total": s.accepted_draft_tokens,
     }
 
 

@@ -102,6 +102,8 @@ class InFlightStep:
     compiled: bool = False  # it replays a compiled trace (the scheduler's cost model prices the two forms apart)
     timed_shape: MixedShape | None = None  # an ordinary run of this compiled mixed shape: its time goes to `stand_in`
     scores: tuple[QueuedScores, ...] = ()  # prompt log-probabilities its rows computed
+    verify: mx.array | None = None  # the model's greedy token at each drafted row (speculative decoding)
+    drafted: tuple[tuple[str, tuple[int, ...]], ...] = ()  # each drafted lane's request id and drafts, in row order
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +114,8 @@ class _PreparedStep:
     sample_ids: tuple[str, ...]  # request id of each sampling row
     scored: tuple[ScoredRows, ...] = ()  # rows whose prompt log-probabilities were asked for
     adapter_rows: mx.array | None = None  # [T] each row's adapter slot; None: no row has an adapter
+    verify_rows: mx.array | None = None  # rows whose next token checks a draft (speculative decoding)
+    drafted: tuple[tuple[str, tuple[int, ...]], ...] = ()  # each drafted lane's request id and drafts
 
 
 class ModelRunner:
@@ -145,6 +149,7 @@ class ModelRunner:
         self.model = model
         self.adapters = adapters  # LoRA adapters chosen per request (`mlx_serve.adapters`)
         self._adapter_of: dict[str, int] = {}  # request id -> its adapter's slot, for requests with one
+        self._speculating: set[str] = set()  # requests whose decode lanes carry drafts: read back every step
         self.pool = pool
         self.decode_attention = decode_attention or reference_decode_attention
         # only the reference reads each decode lane's slots; the paged paths read the block tables
@@ -316,20 +321,23 @@ class ModelRunner:
     # request lifecycle -------------------------------------------------------------------------------
     def add_request(
         self, request_id: str, params: SamplingParams, constraint: Any = None, prompt_ids: Sequence[int] = (),
-        adapter: int = 0,
+        adapter: int = 0, speculate: bool = False,
     ) -> None:
         """`constraint`: a `grammar.Constraint` the request's every token must satisfy (None: free text);
         `prompt_ids`: the prompt whose tokens `params.prompt_logprobs` scores; `adapter`: its adapter's slot."""
         self.samplers[request_id] = RequestSampler.create(params, constraint)
         if adapter:
             self._adapter_of[request_id] = adapter
+        if speculate:
+            self._speculating.add(request_id)
         if params.prompt_logprobs is not None:
             self.scorer.add(request_id, prompt_ids, params.prompt_logprobs)
 
     def can_stay_in_flight(self, step: InFlightStep) -> bool:
         """Whether the engine may queue the next step before reading this one back: it samples (its tokens prove
         its KV writes done), has no ANE chunk (collected on the host) and no lane whose next mask needs its token."""
-        return step.sampled is not None and not step.ane and not self.constrained(step.plan)
+        return (step.sampled is not None and not step.ane and not self.constrained(step.plan)
+                and not any(lane.request_id in self._speculating for lane in step.plan.lanes))  # fmt: skip
 
     def constrained(self, plan: StepPlan) -> bool:
         """Whether a lane of the step samples under a grammar (its next mask needs this token on the host)."""
@@ -343,6 +351,7 @@ class ModelRunner:
         self.samplers.pop(request_id, None)
         self.scorer.discard(request_id)
         self._adapter_of.pop(request_id, None)
+        self._speculating.discard(request_id)
 
     # the step ----------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> RunnerOutput:
@@ -361,7 +370,8 @@ class ModelRunner:
         # them off the ANE lane: `Request.gpu_only`)
         # rows of an adapter run eager too: compiled traces and the fused forward are the base model's
         scoring = self.scorer.wants(gpu_lanes)
-        eager_only = scoring or any(lane.request_id in self._adapter_of for lane in gpu_lanes)
+        drafted = any(lane.drafts for lane in gpu_lanes)  # every drafted row's logits are read
+        eager_only = scoring or drafted or any(lane.request_id in self._adapter_of for lane in gpu_lanes)
         chunks = ane_chunks.submit(self.prefill_lane, ane_lanes, self.pool) if ane_lanes else []
         compiled = (self.compiled is not None and bool(gpu_lanes) and all(lane.rows == 1 for lane in gpu_lanes)
                     and not eager_only)  # fmt: skip
@@ -372,12 +382,13 @@ class ModelRunner:
         traced = self._traced_shapes()
         t1 = time.perf_counter()
         scores: list[QueuedScores] = []
+        verify = None
         if compiled:
             sample_ids, sampled = self._submit_compiled(gpu_lanes, previous)
         elif mixed:
             sample_ids, sampled = self._submit_compiled_mixed(gpu_lanes, previous, mixed_shape)
         else:
-            sample_ids, (sampled, scores) = prepared.sample_ids, self._submit_eager(prepared)
+            sample_ids, (sampled, scores, verify) = prepared.sample_ids, self._submit_eager(prepared)
         stamp = self._stamp(sampled) if gpu_lanes else None
         t2 = time.perf_counter()
         phases = {"preparation": (t1 - t0) * 1e3, "submission": (t2 - t1) * 1e3}
@@ -385,7 +396,7 @@ class ModelRunner:
         samplers = [self.samplers[rid] for rid in sample_ids]
         # a stand-in's time is its padded shape's: the scheduler planned the step's own; a scoring step also runs the
         # LM head over its scored rows, which no cost model prices
-        one_off = (scoring or self._traced_shapes() != traced
+        one_off = (scoring or drafted or self._traced_shapes() != traced
                    or (mixed and (self.compiled_mixed.first_run or self.compiled_mixed.stood_in))
                    or (not (compiled or mixed) and self._first_eager_shape(gpu_lanes)))  # fmt: skip
         if mixable and not mixed:
@@ -393,7 +404,7 @@ class ModelRunner:
         timed = mixed_shape if mixed and not one_off else None
         return InFlightStep(
             plan, sample_ids, samplers, sampled, rows, t0, phases, tuple(chunks), stamp, one_off, compiled or mixed,
-            timed, tuple(scores),
+            timed, tuple(scores), verify, prepared.drafted if prepared is not None else (),
         )
 
     def _mixed_ready(self, lanes: list[Lane], limit_ms: float | None) -> MixedShape | None:
@@ -462,15 +473,23 @@ class ModelRunner:
             return None
         return self.clock.stamp(sampled.tokens if sampled is not None else self.pool.state()[-1])
 
-    def _submit_eager(self, prepared: _PreparedStep) -> tuple[SampledRows | None, list[QueuedScores]]:
-        """The step's sampled rows (None: none sample) and the prompt scores its rows compute."""
+    def _submit_eager(
+        self, prepared: _PreparedStep
+    ) -> tuple[SampledRows | None, list[QueuedScores], mx.array | None]:
+        """The step's sampled rows (None: none sample), the prompt scores its rows compute and the model's greedy
+        token at each drafted row."""
         if not prepared.layout.decode and not prepared.layout.lanes:  # every lane of the step is on the ANE lane
-            return None, []
+            return None, [], None
         hidden = self._forward(prepared)
         scores = self.scorer.queue(hidden, prepared.scored, self._logits) if prepared.scored else []
+        verify = None
         # prefill only: only the KV writes are needed (MLX skips the unused last MLP)
         logits = self._logits(hidden[prepared.sample_rows]) if prepared.sample_ids else None
-        return self._queue(logits, prepared.sample_ids, scores), scores
+        if prepared.verify_rows is not None:  # one LM head over the drafted rows and the sampled ones (one weight read)
+            both = self._logits(hidden[mx.concatenate([prepared.verify_rows, prepared.sample_rows])])
+            drafted = prepared.verify_rows.size
+            verify, logits = mx.argmax(both[:drafted], axis=-1), both[drafted:]  # drafting requests sample greedily
+        return self._queue(logits, prepared.sample_ids, scores, verify), scores, verify
 
     def _submit_compiled(
         self, lanes: list[Lane], previous: InFlightStep | None
@@ -498,10 +517,12 @@ class ModelRunner:
         return sample_ids, self._queue(logits if sample_ids else None, sample_ids)
 
     def _queue(
-        self, logits: mx.array | None, sample_ids: tuple[str, ...], scores: Sequence[QueuedScores] = ()
+        self, logits: mx.array | None, sample_ids: tuple[str, ...], scores: Sequence[QueuedScores] = (),
+        verify: mx.array | None = None,
     ) -> SampledRows | None:
-        """Sample the step's rows (if any) and queue the step on the device with its KV writes (and prompt scores)."""
-        outputs = score_arrays(scores)
+        """Sample the step's rows (if any) and queue the step on the device with its KV writes (and prompt scores
+        and draft checks)."""
+        outputs = [*score_arrays(scores), *([verify] if verify is not None else [])]
         if logits is None:
             mx.async_eval(*outputs, self.pool.state())
             return None
@@ -525,6 +546,7 @@ class ModelRunner:
         t2 = time.perf_counter()
         try:
             samples = self._read_samples(step.sample_ids, step.samplers, step.sampled)
+            accepted = self._accept_drafts(step, samples)
         except Exception:
             self._last_end_ns = None  # the failed step has no end to time the next one from
             raise
@@ -540,8 +562,25 @@ class ModelRunner:
         if step.timed_shape is not None and math.isfinite(elapsed_ms):
             self.compiled_mixed.record_run(step.timed_shape, elapsed_ms)
         outcome = StepOutcome({rid: s.token_id for rid, s in samples.items()}, elapsed_ms, ane_elapsed_ms=ane_ms,
-                              auxiliary=step.one_off, compiled=step.compiled)  # fmt: skip
+                              auxiliary=step.one_off, compiled=step.compiled, accepted_drafts=accepted)  # fmt: skip
         return RunnerOutput(outcome, samples, {**step.phases, "consumption": (t3 - t2) * 1e3}, spans, prompt_logprobs)
+
+    @staticmethod
+    def _accept_drafts(step: InFlightStep, samples: dict[str, SampledToken]) -> dict[str, tuple[int, ...]]:
+        """Each drafted lane's drafts up to the first the model disagrees with; there the model's own token replaces
+        the lane's sample (which, past all drafts, is the token after the last)."""
+        if step.verify is None:
+            return {}
+        picks = step.verify.tolist()
+        accepted, offset = {}, 0
+        for request_id, drafts in step.drafted:
+            model = picks[offset : offset + len(drafts)]
+            offset += len(drafts)
+            agreed = next((i for i, (pick, draft) in enumerate(zip(model, drafts)) if pick != draft), len(drafts))
+            accepted[request_id] = drafts[:agreed]
+            if agreed < len(drafts):
+                samples[request_id] = SampledToken(model[agreed], None, None)
+        return accepted
 
     def _collect_ane(self, step: InFlightStep, samples: dict[str, SampledToken]) -> list:
         """Finish the step's ANE chunks; a chunk the lane failed reruns here on the GPU path."""
@@ -571,6 +610,8 @@ class ModelRunner:
         sample_ids: list[str] = []
         scored: list[ScoredRows] = []
         adapter_rows: list[int] = []
+        verify_rows: list[int] = []
+        drafted: list[tuple[str, tuple[int, ...]]] = []
         row_start = 0
         for lane in ordered:
             if (rows := self.scorer.rows(lane, row_start)) is not None:
@@ -587,6 +628,9 @@ class ModelRunner:
                 sample_rows.append(row_start + lane.rows - 1)
                 sample_ids.append(lane.request_id)
             adapter_rows.extend([self._adapter_of.get(lane.request_id, 0)] * lane.rows)
+            if lane.drafts:  # row i's next token checks draft i + 1
+                verify_rows.extend(range(row_start, row_start + lane.drafts))
+                drafted.append((lane.request_id, lane.token_ids[1:]))
             row_start += lane.rows
         inputs = self._input_tokens(ordered, previous)
         self._observe(ordered, inputs, [rows.row_start for rows in lanes])
@@ -607,6 +651,8 @@ class ModelRunner:
             sample_ids=tuple(sample_ids),
             scored=tuple(scored),
             adapter_rows=mx.array(adapter_rows, dtype=mx.uint32) if any(adapter_rows) else None,
+            verify_rows=mx.array(verify_rows, dtype=mx.int32) if verify_rows else None,
+            drafted=tuple(drafted),
         )
 
     def _input_tokens(self, lanes: list[Lane], previous: InFlightStep | None) -> mx.array:

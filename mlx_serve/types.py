@@ -33,6 +33,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def draftable(self) -> bool:
+        """Whether speculative decoding may serve it: greedy over the raw logits (no bias, penalty or grammar), no
+        log-probabilities asked (a step's accepted drafts are known by their tokens only)."""
+        return (self.greedy and not self.logit_bias and self.repetition_penalty == 1.0 and not self.presence_penalty
+                and not self.frequency_penalty and self.grammar is None and self.logprobs is None)  # fmt: skip
+
     def validate(self, vocab_size: int) -> None:
         def bad(param: str, why: str) -> InvalidRequest:
             return InvalidRequest(f"{param} {why}", param=param)

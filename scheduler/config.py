@@ -77,6 +77,9 @@ class SchedulerConfig:
     # takes its hashes by comparing tokens instead of hashing every block again (`chain_memo.py`); 0: off
     recent_chain_tokens: int = 1 << 18
     ane_lane: bool = False  # whether prefill chunks may be placed on Path.ANE
+    # speculative decoding's drafts (`speculation.NgramIndex`) match a request's last `speculative_ngram` tokens, down
+    # to 2 (or 1 where this is 1), against its earlier tokens; how many a step drafts is each request's `speculate`
+    speculative_ngram: int = 3
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1:
@@ -107,6 +110,8 @@ class SchedulerConfig:
             raise ValueError(f"plan_headroom must be in (0, 1], got {self.plan_headroom}")
         if not (self.cost_trust_factor == 0 or self.cost_trust_factor >= 1):
             raise ValueError(f"cost_trust_factor must be 0 (off) or >= 1, got {self.cost_trust_factor}")
+        if self.speculative_ngram < 1:
+            raise ValueError(f"speculative_ngram must be >= 1, got {self.speculative_ngram}")
         if self.cost_model not in COST_MODELS:
             raise ValueError(f"cost_model must be one of {COST_MODELS}, got {self.cost_model!r}")
 

@@ -25,6 +25,7 @@ from scheduler.learning import predict_planned_gpu_ms, train_cost_model
 from scheduler.plan import Lane, LaneKind, StepOutcome, StepPlan
 from scheduler.prefill import PrefillPlanner
 from scheduler.request import FinishReason, Request, RequestState
+from scheduler.speculation import NgramIndex
 from scheduler.stats import SchedulerStats
 from scheduler.step_target import StepTarget
 from scheduler.traced_shapes import TracedShapes
@@ -163,7 +164,12 @@ class Scheduler:
                 self._finish(request, FinishReason.ERROR)
                 continue
             self.stats.count_lane(lane, plan.contended)
-            request.num_computed = lane.end
+            # a draft's KV counts where the model agreed with it; the rest is written over by the next rows
+            accepted = outcome.accepted_drafts.get(lane.request_id, ())[: lane.drafts]
+            request.num_computed = lane.end - lane.drafts + len(accepted)
+            self.stats.accepted_draft_tokens += len(accepted)
+            if lane.drafts and request.ngrams is not None:
+                request.ngrams.observe(len(accepted))
             self._publish_full_blocks(request)
             if not lane.samples:
                 request.state = RequestState.PREFILLING
@@ -172,7 +178,12 @@ class Scheduler:
             if token is None:
                 self._finish(request, FinishReason.ERROR)
                 continue
-            self._append_token(request, token, now)
+            before = len(request.output_ids)
+            for committed in (*accepted, token):
+                self._append_token(request, committed, now)
+                if request.state is RequestState.FINISHED:
+                    break
+            request.new_tokens = len(request.output_ids) - before
             got_token.append(request)
         for request_id in outcome.failed:
             if request_id in self._live:
@@ -221,10 +232,11 @@ class Scheduler:
     # ---- internals
     def _plan_decodes(self, preempted: list[str]) -> list[Lane]:
         """One lane per decoding stream, oldest admission first; the newest running request is preempted
-        whenever a stream cannot get the block its next row needs."""
+        whenever a stream cannot get the block its next row needs (never for a draft's rows)."""
         lanes: list[Lane] = []
+        rows = 0
         for request in list(self._running):
-            if len(lanes) >= self.config.row_ceiling:
+            if rows >= self.config.row_ceiling:
                 break
             if request.state is not RequestState.DECODING or request.in_flight_path is not None:
                 continue
@@ -233,8 +245,22 @@ class Scheduler:
                 if request.state is not RequestState.DECODING:
                     break
             if request.state is RequestState.DECODING:
-                lanes.append(self.make_lane(request, LaneKind.DECODE, 1))
+                drafts = self._drafts(request, self.config.row_ceiling - rows - 1)
+                lanes.append(self.make_lane(request, LaneKind.DECODE, 1, drafts))
+                rows += 1 + len(drafts)
         return lanes
+
+    def _drafts(self, request: Request, most_rows: int) -> tuple[int, ...]:
+        """Tokens to verify after the request's next row: as many as it may still generate past the next one, within
+        the rows left and the blocks free (a draft never preempts)."""
+        most = min(request.speculate, most_rows, request.max_tokens - len(request.output_ids) - 1,
+                   self.max_len - request.num_tokens - 1)  # fmt: skip
+        if most <= 0:
+            return ()
+        if request.ngrams is None:
+            request.ngrams = NgramIndex(min(2, self.config.speculative_ngram), self.config.speculative_ngram)
+        drafts = request.ngrams.propose(request, most)
+        return drafts if drafts and self.grow(request, request.num_computed + 1 + len(drafts)) else ()
 
     def _choose_budget(self, planner: PrefillPlanner, decode_lanes: list[Lane], now: float) -> BudgetDecision:
         in_debt = False
@@ -288,16 +314,17 @@ class Scheduler:
         request.block_ids.extend(fresh)
         return True
 
-    def make_lane(self, request: Request, kind: LaneKind, rows: int) -> Lane:
+    def make_lane(self, request: Request, kind: LaneKind, rows: int, drafts: tuple[int, ...] = ()) -> Lane:
         start = request.num_computed
         end = start + rows
         return Lane(
             request_id=request.request_id,
             kind=kind,
-            token_ids=request.tokens(start, end),
+            token_ids=request.tokens(start, end) + drafts,
             start=start,
-            block_ids=tuple(request.block_ids[: -(-end // self.config.block_size)]),
+            block_ids=tuple(request.block_ids[: -(-(end + len(drafts)) // self.config.block_size)]),
             samples=end == request.num_tokens,
+            drafts=len(drafts),
         )
 
     def _preempt(self, request: Request) -> Request:

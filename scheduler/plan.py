@@ -36,6 +36,9 @@ class Lane:
     block_ids: tuple[int, ...]  # KV blocks covering positions [0, start + rows)
     samples: bool  # the last row's logits pick the request's next token
     path: Path = Path.GPU
+    # a decode lane's trailing rows that are drafted tokens (speculative decoding): every row's logits are read, and
+    # the drafts the model agrees with are kept (`StepOutcome.accepted_drafts`)
+    drafts: int = 0
 
     @property
     def rows(self) -> int:
@@ -92,3 +95,5 @@ class StepOutcome:
     ane_elapsed_ms: float | None = None
     auxiliary: bool = False
     compiled: bool = False  # the GPU lanes ran through a compiled trace (the affine model prices the two forms apart)
+    # request_id -> the drafted tokens the model agreed with, in order; `sampled_tokens` then follows them
+    accepted_drafts: Mapping[str, tuple[int, ...]] = field(default_factory=dict)

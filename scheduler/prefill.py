@@ -135,7 +135,7 @@ class PrefillPlanner:
         """The prefill lanes for `row_budget` rows, and the requests overtaken by them."""
         if row_budget <= 0:
             return [], []
-        left = min(row_budget, self.config.row_ceiling - len(self.decode_lanes))
+        left = min(row_budget, self.config.row_ceiling - sum(lane.rows for lane in self.decode_lanes))
         lanes: list[Lane] = []
         eligible: list[Request] = []  # could have run this step: only these can be overtaken
         admitting = True

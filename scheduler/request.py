@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class RequestState(enum.Enum):
@@ -65,6 +66,11 @@ class Request:
     # its prompt is scored row by row (prompt log-probabilities): every row's hidden state is needed, which the ANE
     # lane does not return, so its chunks stay on the GPU path
     gpu_only: bool = False
+    # speculative decoding: at most this many drafted tokens a step, verified by the model (0: none; the engine sets
+    # it for greedy requests without logits processors); `ngrams` finds them (`speculation.NgramIndex`)
+    speculate: int = 0
+    ngrams: Any = field(default=None, repr=False)
+    new_tokens: int = 0  # tokens the last update appended (more than one where drafts were accepted)
 
     @property
     def num_tokens(self) -> int:

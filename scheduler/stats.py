@@ -21,11 +21,14 @@ class SchedulerStats:
     overtakes: int = 0
     decode_debt_steps: int = 0
     traces_wanted: int = 0  # steps whose budget was cut only because their larger shape had no compiled trace yet
+    draft_tokens: int = 0  # drafted tokens verified (speculative decoding)
+    accepted_draft_tokens: int = 0  # ... of which the model agreed with
 
     def count_lane(self, lane: Lane, contended: bool) -> None:
         """Count a lane whose outcome was applied (committed rows only)."""
         if lane.kind is LaneKind.DECODE:
             self.decode_rows += lane.rows
+            self.draft_tokens += lane.drafts
             return
         self.prefill_rows += lane.rows
         if contended:

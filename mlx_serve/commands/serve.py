@@ -272,6 +272,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-warm-up", action="store_true",
                    help="skip building the prefill attention shapes at start (CUDA: the first chunk of each shape "
                         "then stalls the streams for tens of ms)")
+    g.add_argument("--speculative-tokens", type=whole_number_arg(0), default=0, metavar="K",
+                   help="speculative decoding by prompt lookup: a greedy request also verifies up to K tokens that "
+                        "followed an earlier occurrence of its last few tokens (its prompt or its output) in the "
+                        "same step; its tokens stay the model's own (default: 0, off)")
+    g.add_argument("--speculative-ngram", type=whole_number_arg(1), default=3, metavar="N",
+                   help="with --speculative-tokens: match the last N tokens, down to 2 (default: %(default)s)")
     g.add_argument("--no-pipeline", action="store_true",
                    help="read every step back before planning the next (normally a step that samples stays in "
                         "flight while the next is queued)")
@@ -294,6 +300,7 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
         row_quantum=args.row_quantum, budget_midpoints=args.budget_midpoints == "on", traced_midpoints=args.traced_midpoints == "on", checked_fill=args.checked_fill, plan_headroom=args.plan_headroom, floor_slack=args.floor_slack, max_prefill_slowdown=args.max_prefill_slowdown, plan_padding=args.plan_padding == "on", cost_model=args.prefill_cost_model, cost_trust_factor=args.cost_trust_factor, max_overtakes=args.max_overtakes,
         enable_prefix_cache=not args.no_prefix_cache, shared_prefill_tokens=args.shared_prefill_tokens,
         decode_debt=not args.no_decode_debt,
+        speculative_tokens=args.speculative_tokens, speculative_ngram=args.speculative_ngram,
         ane_lane=args.ane_lane, ane_package=args.ane_package, ane_timeout_s=args.ane_timeout_s,
         decode_attention=args.decode_attention, compile_decode=args.compile_decode, fuse_decode=args.fuse_decode,
         dense_experts=args.dense_experts, expert_tiles=args.expert_tiles, fuse_mixed=args.fuse_mixed, compile_mixed=args.compile_mixed, defer_mixed_traces=args.defer_mixed_traces == "on", stand_in_traces=args.stand_in_traces == "on", trace_neighbour_shapes=args.trace_neighbour_shapes, split_quantized_k=args.split_quantized_k, chunk_attention=args.chunk_attention, dequantize_rows=args.dequantize_rows, quantized_tiles=args.quantized_tiles, quantized_gemv=args.quantized_gemv, warm_up=not args.no_warm_up,

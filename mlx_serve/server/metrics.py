@@ -38,6 +38,8 @@ STAT_COUNTERS = {
     "traces_wanted_total": ("traces_wanted",
                             "Contended steps cut smaller only because their larger shape had no compiled trace yet"),
     "preemptions_total": ("preemptions", "Requests preempted by recomputation"),
+    "draft_tokens_total": ("draft_tokens", "Drafted tokens verified by speculative decoding"),
+    "accepted_draft_tokens_total": ("accepted_draft_tokens", "Drafted tokens the model agreed with (kept)"),
 }
 
 

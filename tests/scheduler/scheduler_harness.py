@@ -24,7 +24,8 @@ class Harness:
         return self.scheduler.config
 
     # ---- one step with checks
-    def step(self, now: float, elapsed_ms: float, token_for: dict[str, int] | None = None) -> StepPlan:
+    def step(self, now: float, elapsed_ms: float, token_for: dict[str, int] | None = None, accept: int = 0) -> StepPlan:
+        """One step; a drafted lane's first `accept` drafts are agreed with (speculative decoding)."""
         before = {r.request_id: prefill_order_key(r, self.config.max_overtakes) for r in self.scheduler.requests()}
         decoding_before = {r.request_id for r in self.scheduler.requests() if r.state is RequestState.DECODING}
         plan = self.scheduler.schedule(now)
@@ -36,7 +37,9 @@ class Harness:
         self.check_blocks()
         self.write_kv(plan)
         sampled = {lane.request_id: (token_for or {}).get(lane.request_id, 3) for lane in plan.lanes if lane.samples}
-        got = self.scheduler.update(plan, StepOutcome(sampled, elapsed_ms), now + 0.001)
+        accepted = {lane.request_id: lane.token_ids[1 : 1 + min(accept, lane.drafts)] for lane in plan.lanes
+                    if lane.drafts}  # fmt: skip
+        got = self.scheduler.update(plan, StepOutcome(sampled, elapsed_ms, accepted_drafts=accepted), now + 0.001)
         self.track_streams(plan, decoding_before, got)
         self.check_blocks()
         return plan
@@ -76,16 +79,21 @@ class Harness:
             request = self.scheduler.get(lane.request_id)
             assert request is not None and request.state in (RequestState.PREFILLING, RequestState.DECODING)
             assert lane.start == request.num_computed and lane.rows >= 1
-            assert lane.end <= request.num_tokens, "a lane never runs past the known tokens"
-            assert lane.samples == (lane.end == request.num_tokens)
-            assert lane.token_ids == request.tokens(lane.start, lane.end)
+            known = lane.end - lane.drafts  # drafted rows run past the known tokens; no other row does
+            assert known <= request.num_tokens, "a lane never runs past the known tokens"
+            assert lane.samples == (known == request.num_tokens)
+            assert lane.token_ids[: lane.rows - lane.drafts] == request.tokens(lane.start, known)
+            assert known + lane.drafts + len(request.output_ids) - request.num_tokens < request.max_tokens or not lane.drafts
+            assert request.num_tokens + lane.drafts < config.max_model_len or not lane.drafts
             assert len(lane.block_ids) == -(-lane.end // size)
             assert list(lane.block_ids) == request.block_ids[: len(lane.block_ids)]
             for position in range(lane.start if self.check_kv else 0):  # the history the lane attends to is this request's own tokens
                 held = self.kv.get((lane.block_ids[position // size], position % size))
                 assert held == (request.cache_salt, request.token_at(position)), f"KV mismatch at {position}"
             if lane.kind is LaneKind.DECODE:
-                assert lane.rows == 1
+                assert lane.rows == 1 + lane.drafts and lane.drafts <= request.speculate
+            else:
+                assert lane.drafts == 0
         self.check_prefill_order(plan, keys_before)
 
     def check_prefill_order(self, plan: StepPlan, keys_before: dict[str, tuple]) -> None:

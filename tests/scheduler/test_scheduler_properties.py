@@ -24,7 +24,8 @@ arrival = st.fixed_dictionaries(
         "prefix": st.integers(0, len(PREFIXES) - 1),
         "priority": st.integers(0, 2),
         "salt": st.sampled_from([None, None, "a", "b"]),
-        "max_tokens": st.integers(1, 12),
+        "max_tokens": st.integers(1, 24),
+        "speculate": st.sampled_from([0, 0, 2, 5]),  # drafted tokens a step (speculative decoding)
     }
 )
 step = st.fixed_dictionaries(
@@ -34,6 +35,7 @@ step = st.fixed_dictionaries(
             st.floats(1.0, 2000.0), st.sampled_from([0.0, -5.0, math.inf, math.nan])
         ),
         "stop": st.booleans(),
+        "accept": st.integers(0, 5),  # drafts the model agrees with
     }
 )
 cancel = st.fixed_dictionaries({"kind": st.just("cancel"), "index": st.integers(0, 200)})
@@ -102,6 +104,7 @@ def drive(config: SchedulerConfig, script: list[dict]) -> Harness:
                 priority=action["priority"],
                 cache_salt=action["salt"],
                 stop_token_ids=frozenset({STOP_TOKEN}),
+                speculate=action["speculate"],
             )
             scheduler.add(request)
             arrivals += 1
@@ -109,12 +112,12 @@ def drive(config: SchedulerConfig, script: list[dict]) -> Harness:
             scheduler.cancel(f"r{action['index'] % arrivals}")
         elif action["kind"] == "step":
             tokens = {r.request_id: STOP_TOKEN for r in scheduler.requests()} if action["stop"] else None
-            harness.step(now, action["elapsed_ms"], tokens)
+            harness.step(now, action["elapsed_ms"], tokens, action["accept"])
             now += 0.05
     stuck, steps = 0, 0
     while scheduler.has_work and stuck < 50 and steps < 3000:  # arrivals are finite: everything admitted must finish
         progress = _progress(harness)
-        harness.step(now, 30.0)
+        harness.step(now, 30.0, accept=steps % 4)
         now += 0.03
         stuck = stuck + 1 if _progress(harness) == progress else 0
         steps += 1

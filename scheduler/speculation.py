@@ -1,0 +1,58 @@
+"""Prompt-lookup drafts for speculative decoding: the tokens that followed the latest earlier occurrence of a
+request's last few tokens (in its prompt or its own output). A decode lane carries them as extra rows; one
+forward pass verifies them all, and the engine keeps the longest prefix the model agrees with (greedy), plus the
+model's own next token. Code edits, summaries and quoting repeat the prompt: several tokens a step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler.request import Request
+
+MOST_MISSES = 2  # rests stop growing at 2 ** 2 - 1 steps (a verified row is cheap on a GPU)
+
+
+@dataclass(slots=True)
+class NgramIndex:
+    """Where each n-gram (`shortest` to `longest` tokens) of a request's tokens last occurred with a token after it;
+    kept up to date as tokens are appended (each token is indexed once)."""
+
+    shortest: int
+    longest: int
+    ends: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> position of the token after it
+    indexed: int = 0  # positions below this have their n-grams (those ending there) indexed
+    misses: int = 0  # drafts rejected whole in a row
+    resting: int = 0  # steps to go without drafting
+
+    def propose(self, request: Request, most: int) -> tuple[int, ...]:
+        """Up to `most` tokens that followed the latest earlier occurrence of the request's longest matching tail."""
+        total = request.num_tokens
+        if self.resting > 0:
+            self.resting -= 1
+            return ()
+        if most <= 0 or total < self.shortest + 1:
+            return ()
+        self._index(request, total)
+        for n in range(min(self.longest, total), self.shortest - 1, -1):
+            after = self.ends.get(request.tokens(total - n, total))
+            if after is not None:
+                return request.tokens(after, min(after + most, total))
+        return ()
+
+    def observe(self, accepted: int) -> None:
+        """A verified draft's outcome: after each draft rejected whole, rest 1, then 3 steps (a verified row
+        costs compute, and a request whose answer does not repeat its input wastes it); any accepted draft resets."""
+        self.misses = 0 if accepted else self.misses + 1
+        self.resting = (1 << min(self.misses, MOST_MISSES)) - 1
+
+    def _index(self, request: Request, total: int) -> None:
+        """Index the n-grams ending at each position whose next token is known (not the tail itself)."""
+        start = max(self.indexed, self.shortest)
+        if start >= total:
+            return
+        window = request.tokens(max(0, start - self.longest), total)
+        offset = max(0, start - self.longest)
+        for end in range(start, total):
+            for n in range(self.shortest, min(self.longest, end) + 1):
+                self.ends[window[end - n - offset : end - offset]] = end
+        self.indexed = total
