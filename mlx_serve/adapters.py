@@ -86,69 +86,120 @@ class AdaptedLinear(nn.Module):
         return y + z.reshape(*y.shape[:-1], z.shape[-1]).astype(x.dtype)
 
 
+Entry = tuple[mx.array, mx.array, float]  # one adapter's lora_a, lora_b and scale for one linear
+
+
 @dataclass(slots=True)
 class AdapterSet:
-    """The adapters installed in a model: names in slot order (slot 0 is the base model) and the step's rows."""
+    """The adapters installed in a model: each one's slot (slot 0 is the base model; a removed adapter's slot is
+    free for the next), the LoRA matrices of every adapted linear by slot, and the step's rows. Changed only on the
+    engine thread (`Engine.load_adapter`), between steps."""
 
-    names: tuple[str, ...]
-    modules: int  # linears that carry at least one adapter
+    model: Any
+    slots: list[str | None] = field(default_factory=list)  # slot i + 1's adapter name; None: free
+    entries: dict[str, list[Entry | None]] = field(default_factory=dict)  # linear's path -> its matrices by slot - 1
     selection: AdapterRows = field(default_factory=AdapterRows)
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name in self.slots if name is not None)
+
+    @property
+    def modules(self) -> int:
+        return len(self.entries)
+
     def slot(self, name: str | None) -> int:
-        return 0 if name is None else self.names.index(name) + 1
+        return 0 if name is None else self.slots.index(name) + 1
+
+    def add(self, adapter: _Adapter) -> None:
+        """Serve `adapter` in a free slot (or a new one); every check passes before anything changes."""
+        if adapter.name in self.slots:
+            raise InvalidRequest(f"adapter {adapter.name!r} is already served", param="lora")
+        modules = dict(self.model.named_modules())
+        found = {path: _entry(modules, path, adapter) for path in _paths(adapter)}
+        slot = self.slots.index(None) if None in self.slots else len(self.slots)
+        grown = slot == len(self.slots)
+        self.slots[slot : slot + 1] = [adapter.name]
+        for path in found:
+            self.entries.setdefault(path, [None] * len(self.slots))
+        for path, entries in self.entries.items():
+            entries.extend([None] * (len(self.slots) - len(entries)))
+            entries[slot] = found.get(path)
+            if grown or path in found:  # a freed slot's matrices are zeros already
+                self._restack(modules, path)
+
+    def remove(self, name: str) -> None:
+        """Stop serving `name`: its slot's matrices become zeros (its requests must be done) and the slot free."""
+        slot = self.slot(name) - 1
+        self.slots[slot] = None
+        modules = dict(self.model.named_modules())
+        for path, entries in self.entries.items():
+            if entries[slot] is not None:
+                entries[slot] = None
+                self._restack(modules, path)
+
+    def _restack(self, modules: dict[str, Any], path: str) -> None:
+        """The linear at `path` as an `AdaptedLinear` whose stacks hold every slot's matrices (zeros where none)."""
+        current = modules[path]
+        base = current.base if isinstance(current, AdaptedLinear) else current
+        lora_a, lora_b, scales = _stacked(base, self.entries[path])
+        if isinstance(current, AdaptedLinear):
+            current.lora_a, current.lora_b, current.scales = lora_a, lora_b, scales
+        else:
+            self.model.update_modules(tree_unflatten([(path, AdaptedLinear(base, lora_a, lora_b, scales,
+                                                                           self.selection))]))  # fmt: skip
+        mx.eval(lora_a, lora_b, scales)
 
 
 def install_adapters(model: Any, specs: Sequence[AdapterSpec]) -> AdapterSet | None:
     """Read every adapter and wrap each linear one of them adapts; None when `specs` is empty."""
     if not specs:
         return None
-    adapters = [read_adapter(spec) for spec in specs]
-    modules = dict(model.named_modules())
-    paths = sorted({name.rsplit(".", 1)[0] for adapter in adapters for name in adapter.weights})
-    selection = AdapterRows()
-    wrapped = []
-    for path in paths:
-        own = path.removeprefix("language_model.")  # a multimodal checkpoint's text half is served alone
-        if not own.startswith("model.layers."):  # the output head runs after the step's rows are read
-            raise UnsupportedModel(f"adapters {_users(adapters, path)} adapt {path}; per-request adapters take "
-                                   "the decoder layers' linears only", param="lora")  # fmt: skip
-        module = modules.get(own)
-        if module is None:
-            raise InvalidRequest(f"adapters {_users(adapters, path)} adapt {path}, which this model has not",
-                                 param="lora")  # fmt: skip
-        lora_a, lora_b, scales = _stacked(module, path, adapters)
-        wrapped.append((own, AdaptedLinear(module, lora_a, lora_b, scales, selection)))
-    model.update_modules(tree_unflatten(wrapped))
-    mx.eval(model.parameters())
-    return AdapterSet(tuple(spec.name for spec in specs), len(wrapped), selection)
+    adapters = AdapterSet(model)
+    for spec in specs:
+        adapters.add(read_adapter(spec))
+    return adapters
 
 
-def _users(adapters: list[_Adapter], path: str) -> list[str]:
-    return [a.name for a in adapters if f"{path}.lora_a" in a.weights]
+def _paths(adapter: _Adapter) -> list[str]:
+    """The linears `adapter` adapts, as paths in the served (text) model."""
+    return sorted({name.rsplit(".", 1)[0].removeprefix("language_model.") for name in adapter.weights})
 
 
-def _stacked(module: Any, path: str, adapters: list[_Adapter]) -> tuple[mx.array, mx.array, mx.array]:
-    """The module's adapter matrices stacked by slot, ranks zero-padded to the largest (exact: the pad adds 0s)."""
-    if not isinstance(module, (nn.Linear, nn.QuantizedLinear)):
-        raise UnsupportedModel(f"adapters {_users(adapters, path)} adapt {path}, a {type(module).__name__}; "
-                               "per-request adapters take linear layers only", param="lora")  # fmt: skip
-    outputs, inputs = _dims(module)
-    pairs = []
-    for adapter in adapters:
-        a, b = adapter.weights.get(f"{path}.lora_a"), adapter.weights.get(f"{path}.lora_b")
-        if (a is None) != (b is None):
-            raise InvalidRequest(f"adapter {adapter.name!r} has one of {path}'s two LoRA matrices", param="lora")
-        if a is not None and (a.ndim != 2 or b.ndim != 2 or a.shape[0] != inputs or b.shape[1] != outputs
-                              or a.shape[1] != b.shape[0]):  # fmt: skip
-            raise InvalidRequest(f"adapter {adapter.name!r}: {path} lora_a {tuple(a.shape)} / lora_b "
-                                 f"{tuple(b.shape)} do not fit a {inputs} -> {outputs} linear", param="lora")
-        pairs.append((a, b, adapter.scale))
-    rank = max(a.shape[1] for a, _, _ in pairs if a is not None)
-    dtype = _widest([array for a, b, _ in pairs if a is not None for array in (a, b)])
+def _entry(modules: dict[str, Any], path: str, adapter: _Adapter) -> Entry:
+    """`adapter`'s matrices for the linear at `path`, checked against it."""
+    if not path.startswith("model.layers."):  # the output head runs after the step's rows are read
+        raise UnsupportedModel(f"adapter {adapter.name!r} adapts {path}; per-request adapters take the decoder "
+                               "layers' linears only", param="lora")  # fmt: skip
+    module = modules.get(path)
+    if module is None:
+        raise InvalidRequest(f"adapter {adapter.name!r} adapts {path}, which this model has not", param="lora")
+    base = module.base if isinstance(module, AdaptedLinear) else module
+    if not isinstance(base, (nn.Linear, nn.QuantizedLinear)):
+        raise UnsupportedModel(f"adapter {adapter.name!r} adapts {path}, a {type(base).__name__}; per-request "
+                               "adapters take linear layers only", param="lora")  # fmt: skip
+    prefix = next(p for p in (path, f"language_model.{path}") if f"{p}.lora_a" in adapter.weights
+                  or f"{p}.lora_b" in adapter.weights)  # fmt: skip
+    a, b = adapter.weights.get(f"{prefix}.lora_a"), adapter.weights.get(f"{prefix}.lora_b")
+    if a is None or b is None:
+        raise InvalidRequest(f"adapter {adapter.name!r} has one of {path}'s two LoRA matrices", param="lora")
+    outputs, inputs = _dims(base)
+    if a.ndim != 2 or b.ndim != 2 or a.shape[0] != inputs or b.shape[1] != outputs or a.shape[1] != b.shape[0]:
+        raise InvalidRequest(f"adapter {adapter.name!r}: {path} lora_a {tuple(a.shape)} / lora_b {tuple(b.shape)} "
+                             f"do not fit a {inputs} -> {outputs} linear", param="lora")  # fmt: skip
+    return a, b, adapter.scale
+
+
+def _stacked(base: Any, entries: list[Entry | None]) -> tuple[mx.array, mx.array, mx.array]:
+    """A linear's matrices stacked by slot (slot 0 and empty slots zeros), ranks zero-padded to the largest (exact:
+    the pad adds zeros)."""
+    outputs, inputs = _dims(base)
+    present = [entry for entry in entries if entry is not None]
+    rank = max((a.shape[1] for a, _, _ in present), default=1)
+    dtype = _widest([array for a, b, _ in present for array in (a, b)]) if present else mx.float32
     stack_a, stack_b, scales = [mx.zeros((inputs, rank), dtype)], [mx.zeros((rank, outputs), dtype)], [0.0]
-    for a, b, scale in pairs:
-        if a is None:
-            a, b, scale = mx.zeros((inputs, rank), dtype), mx.zeros((rank, outputs), dtype), 0.0
+    for entry in entries:
+        a, b, scale = entry or (mx.zeros((inputs, rank), dtype), mx.zeros((rank, outputs), dtype), 0.0)
         pad = rank - a.shape[1]
         stack_a.append(mx.pad(a.astype(dtype), [(0, 0), (0, pad)]))
         stack_b.append(mx.pad(b.astype(dtype), [(0, pad), (0, 0)]))

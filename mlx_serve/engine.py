@@ -16,14 +16,16 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from mlx_serve import engine_setup, introspection
+from mlx_serve.adapter_specs import AdapterSpec, check_specs
 from mlx_serve.config import EngineConfig
 from mlx_serve.delivery import Delivery, NullObserver
-from mlx_serve.errors import EngineStopped
+from mlx_serve.errors import EngineStopped, InvalidRequest, ModelNotFound
 from mlx_serve.grammar import Grammars
 from mlx_serve.handle import RequestHandle, submit_each
 from mlx_serve.kernels.paged_attention import cuda_available
@@ -52,6 +54,12 @@ class _InFlight:
     t1: float
 
 
+@dataclass(frozen=True, slots=True)
+class _Control:
+    work: Callable[[], Any]  # run on the engine thread between steps
+    done: Future
+
+
 @dataclass(slots=True)
 class _Submission:
     request: Request
@@ -76,7 +84,6 @@ class Engine:
         self.trace = config.trace if config.trace is not None else sink_from_env()  # $MLX_SERVE_TRACE
         self.observer = config.observer or NullObserver()
         self.pool = KVPool(loaded.layout, num_blocks, config.block_size)
-        self.adapters: tuple[str, ...] = loaded.adapters.names if loaded.adapters is not None else ()
         compiled = engine_setup.compile_decode(config.compile_decode)
         self.runner = ModelRunner(
             loaded.model,
@@ -112,7 +119,11 @@ class Engine:
             trace=self.trace,
             traced_shapes=self.runner.traced_shapes(),
         )
-        self.delivery = Delivery(self.observer, self.trace, self._finish_on_stop_string, self.runner.release_one)
+        self.delivery = Delivery(self.observer, self.trace, self._finish_on_stop_string, self._closed)
+        self._controls: queue.Queue[_Control] = queue.Queue()  # work for the engine thread between steps
+        self._adapter_lock = threading.Lock()  # guards the adapters' users against unloading
+        self._adapter_users: dict[str, int] = {}  # adapter name -> open requests naming it
+        self._adapter_of: dict[str, str] = {}  # request id -> its adapter's name
         self._eos_ids = frozenset(self.tokenizer.eos_token_ids)
         self._lock = threading.Lock()  # guards scheduler state read by status()/stats() from other threads
         self._submissions: queue.Queue[_Submission] = queue.Queue()
@@ -164,7 +175,6 @@ class Engine:
             raise EngineStopped("the engine is shutting down")
         capacity = self.pool.num_blocks * self.pool.block_size
         engine_setup.validate_request(request, self.vocab_size, self.context_length, capacity)
-        engine_setup.check_adapter(request.adapter, self.adapters)
         if request.sampling.grammar is not None:
             self.grammars.check(request.sampling.grammar)
         self.delivery.reserve(self.config.queue_limit + self.config.max_running, self.config.queue_limit)
@@ -193,10 +203,29 @@ class Engine:
             arrival_time=now,
         )
         stream = RequestStream(request_id, request, self.tokenizer.detokenizer, arrival=now)
-        adapter = self.loaded.adapters.slot(request.adapter) if request.adapter is not None else 0
+        adapter = self._use_adapter(request_id, request.adapter)
         self._submissions.put(_Submission(sched_request, stream, handle, request.sampling, adapter))
         self._wakeup.set()
         return handle
+
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        """The LoRA adapters served now, by name."""
+        adapters = self.runner.adapters
+        return adapters.names if adapters is not None else ()
+
+    def load_adapter(self, spec: AdapterSpec, timeout_s: float = 300.0) -> None:
+        """Serve another LoRA adapter, read and installed by the engine thread between steps; raises what
+        `--lora` would raise for it at start-up."""
+        check_specs([spec])
+        if self.runner.fused_mixed is not None or (self.runner.compiled and self.runner.compiled.fused):
+            raise InvalidRequest("adapters cannot be loaded into an engine running the fused forward (start with "
+                                 "--lora, or --fuse-decode off)", param="lora")  # fmt: skip
+        self._on_engine_thread(lambda: self._install_adapter(spec), timeout_s)
+
+    def unload_adapter(self, name: str, timeout_s: float = 60.0) -> None:
+        """Stop serving an adapter; refused (InvalidRequest) while requests naming it are open."""
+        self._on_engine_thread(lambda: self._remove_adapter(name), timeout_s)
 
     def cancel(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
         self._cancellations.put((request_id, reason))
@@ -271,6 +300,7 @@ class Engine:
 
     def _loop(self) -> None:
         while True:
+            self._run_controls()
             self._admit()
             if self._stopping and not self.delivery.open_ids():
                 return
@@ -285,6 +315,57 @@ class Engine:
             if not self._step():
                 self._wakeup.wait(0.01)  # nothing runnable (e.g. waiting for blocks): do not spin
                 self._wakeup.clear()
+
+    def _on_engine_thread(self, work: Callable[[], None], timeout_s: float) -> None:
+        """Run `work` on the engine thread between steps and wait for it; its exception is raised here."""
+        if self._stopping:
+            raise EngineStopped("the engine is shutting down")
+        done: Future = Future()
+        self._controls.put(_Control(work, done))
+        self._wakeup.set()
+        done.result(timeout_s)
+
+    def _run_controls(self) -> None:
+        for control in _drain(self._controls):
+            try:
+                control.done.set_result(control.work())
+            except Exception as exc:  # the caller gets it; the engine goes on
+                control.done.set_exception(exc)
+
+    def _install_adapter(self, spec: AdapterSpec) -> None:
+        from mlx_serve.adapters import AdapterSet, read_adapter
+
+        adapter = read_adapter(spec)
+        if self.runner.adapters is None:
+            self.runner.adapters = AdapterSet(self.loaded.model)
+        with self._adapter_lock:
+            self.runner.adapters.add(adapter)
+        log.info("serving adapter %s from %s", spec.name, spec.path)
+
+    def _remove_adapter(self, name: str) -> None:
+        with self._adapter_lock:
+            if name not in self.adapters:
+                raise ModelNotFound(f"adapter {name!r} is not served", param="lora_name")
+            if users := self._adapter_users.get(name, 0):
+                raise InvalidRequest(f"adapter {name!r} is in use by {users} open requests", param="lora_name")
+            self.runner.adapters.remove(name)
+        log.info("stopped serving adapter %s", name)
+
+    def _use_adapter(self, request_id: str, name: str | None) -> int:
+        """The slot of the adapter a request names (0: none), held until the request closes."""
+        if name is None:
+            return 0
+        with self._adapter_lock:
+            engine_setup.check_adapter(name, self.adapters)
+            self._adapter_users[name] = self._adapter_users.get(name, 0) + 1
+            self._adapter_of[request_id] = name
+            return self.runner.adapters.slot(name)
+
+    def _closed(self, request_id: str) -> None:
+        self.runner.release_one(request_id)
+        if (name := self._adapter_of.pop(request_id, None)) is not None:
+            with self._adapter_lock:
+                self._adapter_users[name] -= 1
 
     def _trace_deferred(self) -> bool:
         """With nothing to run: trace one compiled shape a step met (its steps ran eager meanwhile)."""

@@ -106,6 +106,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="a thinking model's reasoning (between its think markers) in chat answers: split puts it in "
                            "reasoning_content (as mlx-lm's and vLLM's servers do), raw leaves it in content "
                            "(default: %(default)s)")
+    http.add_argument("--allow-adapter-loading", action="store_true",
+                      help="add vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (they read adapter "
+                           "directories named by the client: only on a trusted network)")
     http.add_argument("--drain-timeout", type=nonnegative_float_arg, default=10.0, metavar="SECONDS",
                       help="on Ctrl-C/SIGTERM, stop accepting and let open requests finish for this long, then "
                            "cancel the rest (default: %(default)s)")
@@ -344,7 +347,8 @@ def run(args: argparse.Namespace) -> int:
     check_listen(args.host, args.port)  # before the model loads: a taken port is known in a millisecond
     metrics = ServerMetrics()
     engine = load_engine(args, observer=metrics)
-    app = create_app(engine, metrics, aliases=args.served_model_name, split_reasoning=args.reasoning == "split")
+    app = create_app(engine, metrics, aliases=args.served_model_name, split_reasoning=args.reasoning == "split",
+                     adapter_loading=args.allow_adapter_loading)
     log = logging.getLogger("mlx_serve.server")
     log.info("model %s loaded; serving on http://%s:%d", engine.model_id, args.host, args.port)
     host = f"[{args.host}]" if ":" in args.host else args.host  # IPv6 literals need brackets

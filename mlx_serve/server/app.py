@@ -34,13 +34,14 @@ def model_info(engine: Any, aliases: Iterable[str] = (), split_reasoning: bool =
     kv = engine.status()["kv"]
     return ModelInfo(engine.model_id, frozenset(names), engine.context_length, engine.vocab_size,
                      kv_capacity=kv["blocks_total"] * kv["block_size"], split_reasoning=split_reasoning,
-                     adapters=tuple(getattr(engine, "adapters", ())))  # fmt: skip
+                     adapter_names=lambda: tuple(getattr(engine, "adapters", ())))  # fmt: skip
 
 
 def create_app(engine: Any, metrics: ServerMetrics | None = None, aliases: Iterable[str] = (),
-               split_reasoning: bool = True) -> Starlette:
+               split_reasoning: bool = True, adapter_loading: bool = False) -> Starlette:
     """The HTTP app over a loaded engine. `metrics` should be the engine's observer, so histograms fill;
-    `split_reasoning`: chat answers put a thinking model's reasoning in `reasoning_content`."""
+    `split_reasoning`: chat answers put a thinking model's reasoning in `reasoning_content`; `adapter_loading`: the
+    routes that load and unload LoRA adapters (vLLM's) exist (they read paths on this machine: opt-in)."""
     metrics = metrics or ServerMetrics()
     metrics.watch(engine.stats)
     shared = {"engine": engine, "model": model_info(engine, aliases, split_reasoning), "metrics": metrics}
@@ -64,6 +65,9 @@ def create_app(engine: Any, metrics: ServerMetrics | None = None, aliases: Itera
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus_metrics, methods=["GET"]),
     ]
+    if adapter_loading:
+        routes += [Route("/v1/load_lora_adapter", openai_routes.load_lora_adapter, methods=["POST"]),
+                   Route("/v1/unload_lora_adapter", openai_routes.unload_lora_adapter, methods=["POST"])]
     handlers = {MlxServeError: api_error, HTTPException: http_error, ClientDisconnected: client_gone,
                 Exception: unexpected_error}
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)

@@ -10,8 +10,9 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
+from mlx_serve.adapter_specs import AdapterSpec
 from mlx_serve.errors import InvalidRequest
 from mlx_serve.grammar import (
     GUIDED_FIELDS,
@@ -151,6 +152,28 @@ async def detokenize(request: Request) -> Response:
     body = parse_json_object(await request.body())
     return JSONResponse(await run_in_threadpool(detokenized, body, request.state.engine.tokenizer,
                                                 request.state.model))  # fmt: skip
+
+
+async def load_lora_adapter(request: Request) -> Response:
+    """vLLM's: serve the adapter at `lora_path` as `lora_name` (`serve --allow-adapter-loading`)."""
+    body = parse_json_object(await request.body())
+    name, path = _read_name(body, "lora_name"), _read_name(body, "lora_path")
+    await run_in_threadpool(request.state.engine.load_adapter, AdapterSpec(name, path))
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def unload_lora_adapter(request: Request) -> Response:
+    """vLLM's: stop serving `lora_name` (refused while requests naming it are open)."""
+    name = _read_name(parse_json_object(await request.body()), "lora_name")
+    await run_in_threadpool(request.state.engine.unload_adapter, name)
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+def _read_name(body: dict[str, Any], field: str) -> str:
+    value = body.get(field)
+    if not isinstance(value, str) or not value:
+        raise InvalidRequest(f"{field} must be a non-empty string", param=field)
+    return value
 
 
 async def list_models(request: Request) -> Response:

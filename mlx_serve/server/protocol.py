@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -30,7 +30,12 @@ class ModelInfo:
     vocab_size: int
     kv_capacity: int  # tokens the KV pool holds: a request can never use more
     split_reasoning: bool = True  # chat answers put a thinking model's reasoning apart (`--reasoning split`)
-    adapters: tuple[str, ...] = ()  # LoRA adapters served beside the base model, each a `model` name of its own
+    # the LoRA adapters served now beside the base model, each a `model` name of its own (they may be loaded later)
+    adapter_names: Callable[[], tuple[str, ...]] = tuple
+
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        return self.adapter_names()
 
     def check_name(self, name: object) -> None:
         self.adapter_for(name)

@@ -4,6 +4,7 @@ and `anthropic` clients are the callers."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 from mlx_serve.adapter_specs import AdapterSpec
 from mlx_serve.checkpoints.adapters import make_adapter
 from mlx_serve.server import ServerMetrics, create_app
-from tests.engine.reference import reference_adapter_tokens
+from tests.engine.reference import reference_adapter_tokens, reference_tokens
 from tests.server.conftest import Served
 from tests.server.reference import chat_prompt_ids, greedy_text
 
@@ -50,12 +51,15 @@ def client(served: Served) -> openai.OpenAI:
     return openai.OpenAI(base_url=served.base_url, api_key="unused", max_retries=0)
 
 
-def adapted_text(served: Served, adapter: Path, prompt_ids: list[int]) -> str:
-    """mlx-lm's text with the adapter loaded, through its streaming detokenizer (as mlx_lm.generate prints it)."""
+def adapted_text(served: Served, adapter: Path | None, prompt_ids: list[int]) -> str:
+    """mlx-lm's text with the adapter loaded (None: the base model), through its streaming detokenizer (as
+    mlx_lm.generate prints it)."""
     tokenizer = served.engine.tokenizer
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
-    for token in reference_adapter_tokens(served.model_path, adapter, prompt_ids, MAX_TOKENS):
+    tokens = (reference_adapter_tokens(served.model_path, adapter, prompt_ids, MAX_TOKENS) if adapter is not None
+              else reference_tokens(served.model_path, prompt_ids, MAX_TOKENS))  # fmt: skip
+    for token in tokens:
         if token not in tokenizer.eos_token_ids:
             detokenizer.add_token(token)
     detokenizer.finalize()
@@ -106,3 +110,66 @@ def test_an_unknown_model_names_the_adapters_served(client):
     with pytest.raises(openai.NotFoundError, match="serves '.*' and the adapters alpha, beta") as caught:
         client.chat.completions.create(model="gamma", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert caught.value.body["param"] == "model"
+
+
+@pytest.fixture(scope="module")
+def loading(tiny_qwen3: Path) -> Iterator[Served]:
+    """A server started with no adapter that may load them (vLLM's runtime LoRA routes)."""
+    from mlx_serve.engine import Engine, EngineConfig
+    from mlx_serve.server.http import BackgroundServer
+
+    metrics = ServerMetrics()
+    engine = Engine.load(EngineConfig(model=str(tiny_qwen3), kv_blocks=512, observer=metrics))
+    server = BackgroundServer(create_app(engine, metrics, adapter_loading=True))
+    try:
+        yield Served(server.url, engine, metrics, tiny_qwen3)
+    finally:
+        server.close()
+        engine.shutdown(timeout_s=2.0)
+
+
+def test_adapters_load_and_unload_at_runtime_and_answer_as_mlx_lm_would(loading, adapter_dirs):
+    import httpx
+
+    client = openai.OpenAI(base_url=loading.base_url, api_key="unused", max_retries=0)
+    prompt = [21, 22, 23, 24, 25, 26, 27]
+    http = httpx.Client(base_url=loading.url, timeout=60)
+
+    def answer(model: str) -> str:
+        return client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0).choices[0].text
+
+    reply = http.post("/v1/load_lora_adapter", json={"lora_name": "gamma", "lora_path": str(adapter_dirs["alpha"])})
+    assert reply.status_code == 200 and "gamma" in reply.text
+    assert "gamma" in {card.id for card in client.models.list()}
+    assert answer("gamma") == adapted_text(loading, adapter_dirs["alpha"], prompt)
+    # the same name twice, a directory that is not an adapter: 4xx naming the field, nothing changed
+    again = http.post("/v1/load_lora_adapter", json={"lora_name": "gamma", "lora_path": str(adapter_dirs["beta"])})
+    assert again.status_code == 400 and "already served" in again.json()["error"]["message"]
+    missing = http.post("/v1/load_lora_adapter", json={"lora_name": "delta", "lora_path": "/nonexistent"})
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "lora"
+    # an adapter in use by an open stream stays until that stream is done
+    stream = client.completions.create(model="gamma", prompt=prompt, max_tokens=400, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})  # fmt: skip
+    next(iter(stream))
+    busy = http.post("/v1/unload_lora_adapter", json={"lora_name": "gamma"})
+    assert busy.status_code == 400 and "in use by 1 open requests" in busy.text
+    stream.close()
+    for _ in range(100):  # the engine frees the request once the closed connection is noticed
+        if http.post("/v1/unload_lora_adapter", json={"lora_name": "gamma"}).status_code == 200:
+            break
+        time.sleep(0.05)
+    assert "gamma" not in {card.id for card in client.models.list()}
+    with pytest.raises(openai.NotFoundError):
+        answer("gamma")
+    # the freed slot serves the next adapter, and the base model is untouched throughout
+    assert http.post("/v1/load_lora_adapter", json={"lora_name": "beta2", "lora_path": str(adapter_dirs["beta"])}
+                     ).status_code == 200  # fmt: skip
+    assert answer("beta2") == adapted_text(loading, adapter_dirs["beta"], prompt)
+    assert answer("default") == adapted_text(loading, None, prompt)
+
+
+def test_the_loading_routes_exist_only_when_allowed(served):
+    import httpx
+
+    reply = httpx.post(f"{served.url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/tmp"})
+    assert reply.status_code == 404
