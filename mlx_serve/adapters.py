@@ -104,10 +104,6 @@ class AdapterSet:
     def names(self) -> tuple[str, ...]:
         return tuple(name for name in self.slots if name is not None)
 
-    @property
-    def modules(self) -> int:
-        return len(self.entries)
-
     def slot(self, name: str | None) -> int:
         return 0 if name is None else self.slots.index(name) + 1
 

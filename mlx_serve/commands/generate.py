@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from mlx_serve.commands.serve import positive_float_arg
+from mlx_serve.commands.serve import positive_float_arg, whole_number_arg
 
 HELP = "generate text for one prompt (offline, through the engine)"
 
@@ -30,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--memory-budget-gb", type=positive_float_arg, default=None,
                         help="weights + KV pool budget in GiB")
+    parser.add_argument("--speculative-tokens", type=whole_number_arg(0), default=0, metavar="K",
+                        help="greedy only: verify up to K prompt-lookup drafts a step (default 0: off)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     parser.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
                         help="answer with JSON that follows this JSON Schema, enforced token by token")
@@ -44,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
     grammar = _schema_grammar(args.json_schema) if args.json_schema else None
     t_load = time.perf_counter()
     engine = Engine.load(EngineConfig(model=args.model, adapter_path=args.adapter_path,
-                                      chat_template=args.chat_template, memory_budget_gb=args.memory_budget_gb))
+                                      chat_template=args.chat_template, memory_budget_gb=args.memory_budget_gb,
+                                      speculative_tokens=args.speculative_tokens))
     load_s = time.perf_counter() - t_load
     try:
         if args.raw:
