@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,18 +48,24 @@ class Served:
         return f"{self.url}/v1"
 
 
-@pytest.fixture(scope="module")
-def served(request: pytest.FixtureRequest, tiny_qwen3: Path) -> Iterator[Served]:
-    """One server per test module; a module may set ENGINE_CONFIG (EngineConfig overrides)."""
+@contextmanager
+def serve_model(model_path: Path, app_settings: dict[str, Any] | None = None, **engine_settings: Any) -> Iterator[Served]:
+    """A real engine on `model_path` (EngineConfig `engine_settings`) behind a hypercorn server on loopback."""
     from mlx_serve.engine import Engine, EngineConfig
     from mlx_serve.server.http import BackgroundServer
 
-    overrides = {"kv_blocks": 1024, **getattr(request.module, "ENGINE_CONFIG", {})}
     metrics = ServerMetrics()
-    engine = Engine.load(EngineConfig(model=str(tiny_qwen3), observer=metrics, **overrides))
-    server = BackgroundServer(create_app(engine, metrics))
+    engine = Engine.load(EngineConfig(model=str(model_path), observer=metrics, **engine_settings))
+    server = BackgroundServer(create_app(engine, metrics, **(app_settings or {})))
     try:
-        yield Served(server.url, engine, metrics, tiny_qwen3)
+        yield Served(server.url, engine, metrics, model_path)
     finally:
         server.close()
         engine.shutdown(timeout_s=2.0)
+
+
+@pytest.fixture(scope="module")
+def served(request: pytest.FixtureRequest, tiny_qwen3: Path) -> Iterator[Served]:
+    """One server per test module; a module may set ENGINE_CONFIG (EngineConfig overrides)."""
+    with serve_model(tiny_qwen3, **{"kv_blocks": 1024, **getattr(request.module, "ENGINE_CONFIG", {})}) as served:
+        yield served

@@ -15,9 +15,8 @@ import pytest
 
 from mlx_serve.adapter_specs import AdapterSpec
 from mlx_serve.checkpoints.adapters import make_adapter
-from mlx_serve.server import ServerMetrics, create_app
 from tests.engine.reference import reference_adapter_tokens, reference_tokens
-from tests.server.conftest import Served
+from tests.server.conftest import Served, serve_model
 from tests.server.reference import chat_prompt_ids, greedy_text
 
 MAX_TOKENS = 10
@@ -32,18 +31,9 @@ def adapter_dirs(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 @pytest.fixture(scope="module")
 def served(tiny_qwen3: Path, adapter_dirs: dict[str, Path]) -> Iterator[Served]:
-    from mlx_serve.engine import Engine, EngineConfig
-    from mlx_serve.server.http import BackgroundServer
-
-    metrics = ServerMetrics()
     specs = tuple(AdapterSpec(name, str(path)) for name, path in adapter_dirs.items())
-    engine = Engine.load(EngineConfig(model=str(tiny_qwen3), kv_blocks=512, observer=metrics, adapters=specs))
-    server = BackgroundServer(create_app(engine, metrics))
-    try:
-        yield Served(server.url, engine, metrics, tiny_qwen3)
-    finally:
-        server.close()
-        engine.shutdown(timeout_s=2.0)
+    with serve_model(tiny_qwen3, kv_blocks=512, adapters=specs) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
@@ -115,17 +105,8 @@ def test_an_unknown_model_names_the_adapters_served(client):
 @pytest.fixture(scope="module")
 def loading(tiny_qwen3: Path) -> Iterator[Served]:
     """A server started with no adapter that may load them (vLLM's runtime LoRA routes)."""
-    from mlx_serve.engine import Engine, EngineConfig
-    from mlx_serve.server.http import BackgroundServer
-
-    metrics = ServerMetrics()
-    engine = Engine.load(EngineConfig(model=str(tiny_qwen3), kv_blocks=512, observer=metrics))
-    server = BackgroundServer(create_app(engine, metrics, adapter_loading=True))
-    try:
-        yield Served(server.url, engine, metrics, tiny_qwen3)
-    finally:
-        server.close()
-        engine.shutdown(timeout_s=2.0)
+    with serve_model(tiny_qwen3, {"adapter_loading": True}, kv_blocks=512) as served:
+        yield served
 
 
 def test_adapters_load_and_unload_at_runtime_and_answer_as_mlx_lm_would(loading, adapter_dirs):
