@@ -76,6 +76,12 @@ class Delivery:
             if stream is not None:
                 stream.add_prompt_logprobs(first, entries)
 
+    def add_embeddings(self, embeddings: dict[str, list[float]]) -> None:
+        """A step's finished embeddings, before its tokens."""
+        for rid, vector in embeddings.items():
+            if (stream := self._streams.get(rid)) is not None:
+                stream.embedding = tuple(vector)
+
     def publish(self, request: Request, sample: Any, last: bool = True) -> None:
         """The event for a committed token: the request's newest (`last`; the final event when the request is done),
         or one before it in the same step (accepted drafts)."""

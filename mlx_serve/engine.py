@@ -188,16 +188,18 @@ class Engine:
         salt = request.cache_salt
         if request.sampling.prompt_logprobs is not None:
             salt = f"{salt or ''}\x00prompt-logprobs:{request_id}"
+        if request.pooling == "mean":  # every prompt row's hidden state is needed: none may come from the cache
+            salt = f"{salt or ''}\x00mean-pooling:{request_id}"
         if request.adapter is not None:  # an adapter's KV is its own
             salt = f"{salt or ''}\x00adapter:{request.adapter}"
         sched_request = Request(
             request_id=request_id,
             prompt_ids=list(request.prompt_ids),
-            max_tokens=request.max_tokens,
+            max_tokens=1 if request.pooling else request.max_tokens,  # an embedding's one token is not used
             priority=request.priority,
             cache_salt=salt,
             # the ANE lane's Core ML model scores all rows alike and has no adapters
-            gpu_only=request.sampling.prompt_logprobs is not None or request.adapter is not None,
+            gpu_only=request.sampling.prompt_logprobs is not None or request.adapter is not None or bool(request.pooling),
             speculate=self.config.speculative_tokens if request.sampling.draftable else 0,
             stop_token_ids=stop_ids,
             arrival_time=now,
@@ -404,7 +406,7 @@ class Engine:
             self.delivery.finish(rid, "error", None, error=str(exc))
             return
         self.runner.add_request(rid, sub.sampling, constraint, sub.request.prompt_ids, sub.adapter,
-                                speculate=sub.request.speculate > 0)
+                                speculate=sub.request.speculate > 0, pooling=sub.stream.request.pooling)
         self.delivery.open(sub.stream, sub.handle)
         if self.trace.enabled:
             r = sub.request
@@ -444,6 +446,7 @@ class Engine:
         with self._lock:
             advanced = self.scheduler.update(plan, output.outcome, time.perf_counter())
         self.delivery.add_prompt_logprobs(output.prompt_logprobs)
+        self.delivery.add_embeddings(output.embeddings)
         for request in advanced:
             self._publish(request, output.samples.get(request.request_id))
         self._account(plan, output, t0, t1, t2)
@@ -470,6 +473,7 @@ class Engine:
             return True
         t2 = self.trace.now()
         self.delivery.add_prompt_logprobs(output.prompt_logprobs)
+        self.delivery.add_embeddings(output.embeddings)
         for request, index in in_flight.pending:
             sample = output.samples.get(request.request_id)
             if sample is None or not self.delivery.is_open(request.request_id):
@@ -550,6 +554,7 @@ def _completion(handle: RequestHandle) -> Completion:
     tokens = tuple(e.token_id for e in events if e.token_id is not None)
     logprobs = tuple(e.logprob for e in events if e.logprob is not None)
     prompt_logprobs = next((e.prompt_logprobs for e in events if e.prompt_logprobs is not None), None)
+    embedding = next((e.embedding for e in events if e.embedding is not None), None)
     return Completion(
         request_id=handle.request_id,
         token_ids=tokens,
@@ -558,5 +563,6 @@ def _completion(handle: RequestHandle) -> Completion:
         usage=last.usage,
         logprobs=logprobs or None,
         prompt_logprobs=prompt_logprobs,
+        embedding=embedding,
         error=last.error,
     )

@@ -397,7 +397,9 @@ def validate_request(request: GenerationRequest, vocab_size: int, context_length
     if bad:
         raise InvalidRequest(f"prompt token ids outside the vocabulary: {bad[:5]}", param="prompt")
     request.sampling.validate(vocab_size)
-    total = n + request.max_tokens
+    if request.pooling not in (None, "last", "mean"):
+        raise InvalidRequest(f"pooling must be last or mean, not {request.pooling!r}", param="pooling")
+    total = n + (1 if request.pooling else request.max_tokens)
     if total > context_length:
         raise ContextLengthExceeded(
             f"This model's maximum context length is {context_length} tokens. However, you requested "

@@ -38,6 +38,7 @@ class RequestStream:
     finished: bool = False
     # with `prompt_logprobs` asked for: the entries of the prompt's tokens so far (the first one has no logprob)
     prompt_logprobs: list[PromptLogprob] | None = None
+    embedding: tuple[float, ...] | None = None  # an embedding request's vector, sent on the first event
 
     def __post_init__(self) -> None:
         if self.request.sampling.prompt_logprobs is not None:
@@ -86,6 +87,7 @@ class RequestStream:
             finish_reason=finish_reason,
             index=index,
             prompt_logprobs=tuple(self.prompt_logprobs) if index == 0 and self.prompt_logprobs is not None else None,
+            embedding=self.embedding if index == 0 else None,
         )
         return event, stop_hit
 

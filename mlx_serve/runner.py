@@ -22,6 +22,7 @@ from mlx_serve import ane_chunks, dense_experts, ragged
 from mlx_serve.adapters import AdapterSet
 from mlx_serve.compiled_mixed import CompiledMixed, MixedShape, TracedMixedShapes, compilable
 from mlx_serve.compiled_step import CompiledDecode, lane_bucket
+from mlx_serve.embeddings import PooledRows, Pooler, QueuedEmbedding
 from mlx_serve.fused_decode import FusedDecode, split_fused_projections, viewed_projections
 from mlx_serve.grouped_experts import TileMatmul
 from mlx_serve.kernels.paged_attention import cuda_available
@@ -81,6 +82,7 @@ class RunnerOutput:
     lane_spans: list = field(default_factory=list)  # ANE chunk spans (host submit-to-ready intervals)
     # request id -> (the prompt position of its first entry, its prompt log-probabilities from this step)
     prompt_logprobs: dict[str, tuple[int, list[PromptLogprob]]] = field(default_factory=dict)
+    embeddings: dict[str, list[float]] = field(default_factory=dict)  # request id -> its pooled prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +106,7 @@ class InFlightStep:
     scores: tuple[QueuedScores, ...] = ()  # prompt log-probabilities its rows computed
     verify: mx.array | None = None  # the model's greedy token at each drafted row (speculative decoding)
     drafted: tuple[tuple[str, tuple[int, ...]], ...] = ()  # each drafted lane's request id and drafts, in row order
+    embeddings: tuple[QueuedEmbedding, ...] = ()  # embedding requests' vectors its rows finished
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +118,7 @@ class _PreparedStep:
     scored: tuple[ScoredRows, ...] = ()  # rows whose prompt log-probabilities were asked for
     adapter_rows: mx.array | None = None  # [T] each row's adapter slot; None: no row has an adapter
     verify_rows: mx.array | None = None  # rows whose next token checks a draft (speculative decoding)
+    pooled: tuple[PooledRows, ...] = ()  # rows an embedding request pools
     drafted: tuple[tuple[str, tuple[int, ...]], ...] = ()  # each drafted lane's request id and drafts
 
 
@@ -166,6 +170,7 @@ class ModelRunner:
         self.lane_timeout_s = lane_timeout_s
         self.samplers: dict[str, RequestSampler] = {}
         self.scorer = PromptScorer()  # requests that asked for their prompt's log-probabilities
+        self.pooler = Pooler()  # embedding requests
         # steps are timed on the device where it has a clock (see kernels/step_clock.py), else on the host
         self.clock = (GpuStepClock() if cuda_available() else None) if clock == "auto" else clock
         self._last_done = 0.0  # host time the last step was read back
@@ -321,7 +326,7 @@ class ModelRunner:
     # request lifecycle -------------------------------------------------------------------------------
     def add_request(
         self, request_id: str, params: SamplingParams, constraint: Any = None, prompt_ids: Sequence[int] = (),
-        adapter: int = 0, speculate: bool = False,
+        adapter: int = 0, speculate: bool = False, pooling: str | None = None,
     ) -> None:
         """`constraint`: a `grammar.Constraint` the request's every token must satisfy (None: free text);
         `prompt_ids`: the prompt whose tokens `params.prompt_logprobs` scores; `adapter`: its adapter's slot."""
@@ -330,6 +335,8 @@ class ModelRunner:
             self._adapter_of[request_id] = adapter
         if speculate:
             self._speculating.add(request_id)
+        if pooling is not None:
+            self.pooler.add(request_id, len(prompt_ids), pooling)
         if params.prompt_logprobs is not None:
             self.scorer.add(request_id, prompt_ids, params.prompt_logprobs)
 
@@ -352,6 +359,7 @@ class ModelRunner:
         self.scorer.discard(request_id)
         self._adapter_of.pop(request_id, None)
         self._speculating.discard(request_id)
+        self.pooler.discard(request_id)
 
     # the step ----------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> RunnerOutput:
@@ -369,7 +377,7 @@ class ModelRunner:
         # compiled steps give the last row's logits only: rows that score a prompt run eager (the scheduler keeps
         # them off the ANE lane: `Request.gpu_only`)
         # rows of an adapter run eager too: compiled traces and the fused forward are the base model's
-        scoring = self.scorer.wants(gpu_lanes)
+        scoring = self.scorer.wants(gpu_lanes) or self.pooler.wants(gpu_lanes)  # every row's hidden state is read
         drafted = any(lane.drafts for lane in gpu_lanes)  # every drafted row's logits are read
         eager_only = scoring or drafted or any(lane.request_id in self._adapter_of for lane in gpu_lanes)
         chunks = ane_chunks.submit(self.prefill_lane, ane_lanes, self.pool) if ane_lanes else []
@@ -382,13 +390,13 @@ class ModelRunner:
         traced = self._traced_shapes()
         t1 = time.perf_counter()
         scores: list[QueuedScores] = []
-        verify = None
+        verify, embeddings = None, []
         if compiled:
             sample_ids, sampled = self._submit_compiled(gpu_lanes, previous)
         elif mixed:
             sample_ids, sampled = self._submit_compiled_mixed(gpu_lanes, previous, mixed_shape)
         else:
-            sample_ids, (sampled, scores, verify) = prepared.sample_ids, self._submit_eager(prepared)
+            sample_ids, (sampled, scores, verify, embeddings) = prepared.sample_ids, self._submit_eager(prepared)
         stamp = self._stamp(sampled) if gpu_lanes else None
         t2 = time.perf_counter()
         phases = {"preparation": (t1 - t0) * 1e3, "submission": (t2 - t1) * 1e3}
@@ -404,7 +412,7 @@ class ModelRunner:
         timed = mixed_shape if mixed and not one_off else None
         return InFlightStep(
             plan, sample_ids, samplers, sampled, rows, t0, phases, tuple(chunks), stamp, one_off, compiled or mixed,
-            timed, tuple(scores), verify, prepared.drafted if prepared is not None else (),
+            timed, tuple(scores), verify, prepared.drafted if prepared is not None else (), tuple(embeddings),
         )
 
     def _mixed_ready(self, lanes: list[Lane], limit_ms: float | None) -> MixedShape | None:
@@ -475,13 +483,14 @@ class ModelRunner:
 
     def _submit_eager(
         self, prepared: _PreparedStep
-    ) -> tuple[SampledRows | None, list[QueuedScores], mx.array | None]:
-        """The step's sampled rows (None: none sample), the prompt scores its rows compute and the model's greedy
-        token at each drafted row."""
+    ) -> tuple[SampledRows | None, list[QueuedScores], mx.array | None, list[QueuedEmbedding]]:
+        """The step's sampled rows (None: none sample), the prompt scores its rows compute, the model's greedy
+        token at each drafted row and the embeddings its rows finish."""
         if not prepared.layout.decode and not prepared.layout.lanes:  # every lane of the step is on the ANE lane
-            return None, [], None
+            return None, [], None, []
         hidden = self._forward(prepared)
         scores = self.scorer.queue(hidden, prepared.scored, self._logits) if prepared.scored else []
+        embeddings, pooled = self.pooler.queue(hidden, prepared.pooled) if prepared.pooled else ([], [])
         verify = None
         # prefill only: only the KV writes are needed (MLX skips the unused last MLP)
         logits = self._logits(hidden[prepared.sample_rows]) if prepared.sample_ids else None
@@ -489,7 +498,8 @@ class ModelRunner:
             both = self._logits(hidden[mx.concatenate([prepared.verify_rows, prepared.sample_rows])])
             drafted = prepared.verify_rows.size
             verify, logits = mx.argmax(both[:drafted], axis=-1), both[drafted:]  # drafting requests sample greedily
-        return self._queue(logits, prepared.sample_ids, scores, verify), scores, verify
+        return self._queue(logits, prepared.sample_ids, scores, [*pooled, *([verify] if verify is not None else [])]
+                           ), scores, verify, embeddings  # fmt: skip
 
     def _submit_compiled(
         self, lanes: list[Lane], previous: InFlightStep | None
@@ -518,11 +528,11 @@ class ModelRunner:
 
     def _queue(
         self, logits: mx.array | None, sample_ids: tuple[str, ...], scores: Sequence[QueuedScores] = (),
-        verify: mx.array | None = None,
+        extra: Sequence[mx.array] = (),
     ) -> SampledRows | None:
-        """Sample the step's rows (if any) and queue the step on the device with its KV writes (and prompt scores
-        and draft checks)."""
-        outputs = [*score_arrays(scores), *([verify] if verify is not None else [])]
+        """Sample the step's rows (if any) and queue the step on the device with its KV writes (and prompt scores,
+        pooled rows and draft checks: `extra`)."""
+        outputs = [*score_arrays(scores), *extra]
         if logits is None:
             mx.async_eval(*outputs, self.pool.state())
             return None
@@ -552,6 +562,7 @@ class ModelRunner:
             raise
         spans = self._collect_ane(step, samples) if step.ane else []
         prompt_logprobs = self.scorer.read(step.scores) if step.scores else {}
+        embeddings = self.pooler.read(step.embeddings) if step.embeddings else {}
         if step.sampled is None or step.ane:
             # nothing read back proves the KV writes done. Such a step is never left in flight, so the pool's
             # arrays are still its own; a sampled step's tokens depend on every layer's writes already
@@ -563,7 +574,8 @@ class ModelRunner:
             self.compiled_mixed.record_run(step.timed_shape, elapsed_ms)
         outcome = StepOutcome({rid: s.token_id for rid, s in samples.items()}, elapsed_ms, ane_elapsed_ms=ane_ms,
                               auxiliary=step.one_off, compiled=step.compiled, accepted_drafts=accepted)  # fmt: skip
-        return RunnerOutput(outcome, samples, {**step.phases, "consumption": (t3 - t2) * 1e3}, spans, prompt_logprobs)
+        return RunnerOutput(outcome, samples, {**step.phases, "consumption": (t3 - t2) * 1e3}, spans, prompt_logprobs,
+                            embeddings)  # fmt: skip
 
     @staticmethod
     def _accept_drafts(step: InFlightStep, samples: dict[str, SampledToken]) -> dict[str, tuple[int, ...]]:
@@ -612,10 +624,13 @@ class ModelRunner:
         adapter_rows: list[int] = []
         verify_rows: list[int] = []
         drafted: list[tuple[str, tuple[int, ...]]] = []
+        pooled: list[PooledRows] = []
         row_start = 0
         for lane in ordered:
             if (rows := self.scorer.rows(lane, row_start)) is not None:
                 scored.append(rows)
+            if (part := self.pooler.rows(lane, row_start)) is not None:
+                pooled.append(part)
             positions.extend(range(lane.start, lane.end))
             write_slots.append(slot_array(lane.block_ids, lane.start, lane.end, block_size))
             if lane.rows != 1 and self.kv_bucket:
@@ -653,6 +668,7 @@ class ModelRunner:
             adapter_rows=mx.array(adapter_rows, dtype=mx.uint32) if any(adapter_rows) else None,
             verify_rows=mx.array(verify_rows, dtype=mx.int32) if verify_rows else None,
             drafted=tuple(drafted),
+            pooled=tuple(pooled),
         )
 
     def _input_tokens(self, lanes: list[Lane], previous: InFlightStep | None) -> mx.array:

@@ -88,6 +88,8 @@ class GenerationRequest:
     cache_salt: str | None = None
     request_id: str | None = None
     adapter: str | None = None  # a LoRA adapter the engine serves (`EngineConfig.adapters`) by name; None: the base
+    # "last" | "mean": an embedding request: its prompt's hidden states pooled into a unit vector (`TokenEvent.embedding`)
+    pooling: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +138,7 @@ class TokenEvent:
     index: int = 0  # this token's index in the output
     # on the first token's event of a request that asked for them: one entry per prompt token, in order
     prompt_logprobs: tuple[PromptLogprob, ...] | None = None
+    embedding: tuple[float, ...] | None = None  # on the first token's event of an embedding request
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +152,7 @@ class Completion:
     usage: Usage
     logprobs: tuple[float, ...] | None = None
     prompt_logprobs: tuple[PromptLogprob, ...] | None = None
+    embedding: tuple[float, ...] | None = None
     ttft_s: float | None = None
     total_s: float | None = None
     error: str | None = None

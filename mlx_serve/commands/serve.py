@@ -109,6 +109,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--allow-adapter-loading", action="store_true",
                       help="add vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (they read adapter "
                            "directories named by the client: only on a trusted network)")
+    http.add_argument("--pooling", choices=("last", "mean"), default="last",
+                      help="how /v1/embeddings pools a prompt's final hidden states: the last token's (decoder "
+                           "embedding models: Qwen3-Embedding, e5-mistral) or the mean (default: %(default)s)")
     http.add_argument("--drain-timeout", type=nonnegative_float_arg, default=10.0, metavar="SECONDS",
                       help="on Ctrl-C/SIGTERM, stop accepting and let open requests finish for this long, then "
                            "cancel the rest (default: %(default)s)")
@@ -348,7 +351,7 @@ def run(args: argparse.Namespace) -> int:
     metrics = ServerMetrics()
     engine = load_engine(args, observer=metrics)
     app = create_app(engine, metrics, aliases=args.served_model_name, split_reasoning=args.reasoning == "split",
-                     adapter_loading=args.allow_adapter_loading)
+                     adapter_loading=args.allow_adapter_loading, pooling=args.pooling)
     log = logging.getLogger("mlx_serve.server")
     log.info("model %s loaded; serving on http://%s:%d", engine.model_id, args.host, args.port)
     host = f"[{args.host}]" if ":" in args.host else args.host  # IPv6 literals need brackets

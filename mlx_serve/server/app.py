@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mlx_serve.errors import InvalidRequest, MlxServeError, RouteNotFound
-from mlx_serve.server import anthropic_routes, openai_routes
+from mlx_serve.server import anthropic_routes, embedding_routes, openai_routes
 from mlx_serve.server.metrics import ServerMetrics
 from mlx_serve.server.protocol import ModelInfo, anthropic_error_body, openai_error_body
 from mlx_serve.server.streaming import ClientDisconnected
@@ -28,23 +28,25 @@ from mlx_serve.server.streaming import ClientDisconnected
 log = logging.getLogger("mlx_serve.server")
 
 
-def model_info(engine: Any, aliases: Iterable[str] = (), split_reasoning: bool = True) -> ModelInfo:
+def model_info(engine: Any, aliases: Iterable[str] = (), split_reasoning: bool = True,
+               pooling: str = "last") -> ModelInfo:  # fmt: skip
     """The served model's names: its id, the checkpoint folder's name, "default", and any aliases given."""
     names = {Path(engine.model_id).name, "default", *aliases}
     kv = engine.status()["kv"]
     return ModelInfo(engine.model_id, frozenset(names), engine.context_length, engine.vocab_size,
-                     kv_capacity=kv["blocks_total"] * kv["block_size"], split_reasoning=split_reasoning,
+                     kv_capacity=kv["blocks_total"] * kv["block_size"], split_reasoning=split_reasoning, pooling=pooling,
                      adapter_names=lambda: tuple(getattr(engine, "adapters", ())))  # fmt: skip
 
 
 def create_app(engine: Any, metrics: ServerMetrics | None = None, aliases: Iterable[str] = (),
-               split_reasoning: bool = True, adapter_loading: bool = False) -> Starlette:
+               split_reasoning: bool = True, adapter_loading: bool = False, pooling: str = "last") -> Starlette:
     """The HTTP app over a loaded engine. `metrics` should be the engine's observer, so histograms fill;
     `split_reasoning`: chat answers put a thinking model's reasoning in `reasoning_content`; `adapter_loading`: the
-    routes that load and unload LoRA adapters (vLLM's) exist (they read paths on this machine: opt-in)."""
+    routes that load and unload LoRA adapters (vLLM's) exist (they read paths on this machine: opt-in); `pooling`:
+    how /v1/embeddings pools a prompt ("last" or "mean")."""
     metrics = metrics or ServerMetrics()
     metrics.watch(engine.stats)
-    shared = {"engine": engine, "model": model_info(engine, aliases, split_reasoning), "metrics": metrics}
+    shared = {"engine": engine, "model": model_info(engine, aliases, split_reasoning, pooling), "metrics": metrics}
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
@@ -55,6 +57,7 @@ def create_app(engine: Any, metrics: ServerMetrics | None = None, aliases: Itera
     routes = [
         Route("/v1/chat/completions", openai_routes.chat_completions, methods=["POST"]),
         Route("/v1/completions", openai_routes.completions, methods=["POST"]),
+        Route("/v1/embeddings", embedding_routes.embeddings, methods=["POST"]),
         Route("/v1/models", openai_routes.list_models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", openai_routes.retrieve_model, methods=["GET"]),
         Route("/v1/messages", anthropic_routes.messages, methods=["POST"]),

@@ -30,6 +30,7 @@ class ModelInfo:
     vocab_size: int
     kv_capacity: int  # tokens the KV pool holds: a request can never use more
     split_reasoning: bool = True  # chat answers put a thinking model's reasoning apart (`--reasoning split`)
+    pooling: str = "last"  # how /v1/embeddings pools a prompt's hidden states (`--pooling`)
     # the LoRA adapters served now beside the base model, each a `model` name of its own (they may be loaded later)
     adapter_names: Callable[[], tuple[str, ...]] = tuple
 
@@ -218,26 +219,28 @@ class Prompt:
     text: str
 
 
-def read_prompts(value: object, tokenizer: Any, vocab_size: int) -> list[Prompt]:
-    """A completions `prompt`: a string, a list of token ids, or a list of either (a batch of prompts)."""
+def read_prompts(value: object, tokenizer: Any, vocab_size: int, param: str = "prompt",
+                 most: int = MAX_PROMPTS) -> list[Prompt]:  # fmt: skip
+    """A completions `prompt` (or an embeddings `input`): a string, a list of token ids, or a list of either (a
+    batch of at most `most` prompts)."""
     if isinstance(value, str) or (isinstance(value, list) and value and all(isinstance(t, int) for t in value)):
         value = [value]
     if not isinstance(value, list) or not value or not all(isinstance(p, (str, list)) for p in value):
-        raise _type_error("prompt", "a string, a list of token ids, or a list of either", value)
-    if len(value) > MAX_PROMPTS:
-        raise InvalidRequest(f"prompt takes at most {MAX_PROMPTS} prompts, got {len(value)}", param="prompt")
-    return [_read_prompt(p, tokenizer, vocab_size) for p in value]
+        raise _type_error(param, "a string, a list of token ids, or a list of either", value)
+    if len(value) > most:
+        raise InvalidRequest(f"{param} takes at most {most} prompts, got {len(value)}", param=param)
+    return [_read_prompt(p, tokenizer, vocab_size, param) for p in value]
 
 
-def _read_prompt(value: str | list, tokenizer: Any, vocab_size: int) -> Prompt:
+def _read_prompt(value: str | list, tokenizer: Any, vocab_size: int, param: str) -> Prompt:
     if isinstance(value, str):
         return Prompt(list(tokenizer.encode(value)), value)
     if not value or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        raise _type_error("prompt", "a non-empty list of integer token ids", value)
+        raise _type_error(param, "a non-empty list of integer token ids", value)
     outside = [t for t in value if not _is_token_id(t, vocab_size)]
     if outside:
-        raise InvalidRequest(f"prompt token ids outside the vocabulary (0..{vocab_size - 1}): {outside[:5]}",
-                             param="prompt")
+        raise InvalidRequest(f"{param} token ids outside the vocabulary (0..{vocab_size - 1}): {outside[:5]}",
+                             param=param)
     return Prompt(list(value), tokenizer.decode(value))
 
 
