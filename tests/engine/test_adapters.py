@@ -210,3 +210,20 @@ def test_a_mismatched_adapter_path_is_a_clear_error(tmp_path, base, adapters):
                    weights=lambda w: {k: v[:, :-1] if k.endswith("lora_a") else v for k, v in w.items()})
     with pytest.raises(InvalidRequest, match="adapter path .*incompatible"):
         Engine.load(EngineConfig(model=str(base), kv_blocks=64, adapter_path=str(bad)))
+
+
+def test_adapters_in_the_cuda_layout(base, adapters):
+    """As on CUDA: prefill history in buckets read through the block table, base-only decode steps compiled."""
+    from mlx_serve.kernels.paged_gather import table_gather
+
+    prompts = [prompt_of(33, seed=18), prompt_of(47, seed=19)]
+    engine = engine_with(base, adapters, compile_decode="on", warm_up=False)
+    engine.runner.kv_bucket, engine.runner.prefill_gather = 32, table_gather
+    try:
+        done = engine.generate([GenerationRequest(prompt_ids=tuple(p), max_tokens=MAX_TOKENS, adapter=a)
+                                for p in prompts for a in (None, "alpha", "beta")])  # fmt: skip
+    finally:
+        engine.shutdown()
+    cases = [(p, a) for p in prompts for a in (None, "alpha", "beta")]
+    for (prompt, adapter), completion in zip(cases, done):
+        assert list(completion.token_ids) == adapter_tokens(base, adapters.get(adapter), prompt), f"adapter {adapter}"

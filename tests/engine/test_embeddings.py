@@ -61,3 +61,20 @@ def test_an_unknown_pooling_is_refused(tiny_qwen3):
             engine.submit(GenerationRequest(prompt_ids=(1, 2), pooling="max"))
     finally:
         engine.shutdown()
+
+
+def test_pooled_prompts_in_the_cuda_layout(tiny_qwen3):
+    """As on CUDA: prompt chunks padded to query and history buckets, their history read through the block table."""
+    from mlx_serve.kernels.paged_gather import table_gather
+
+    prompts = [prompt_of(n, seed=90 + i) for i, n in enumerate((37, 70))]
+    engine = Engine.load(EngineConfig(model=str(tiny_qwen3), kv_blocks=128, row_ceiling=16, row_floor=4,
+                                      compile_decode="on", warm_up=False))  # fmt: skip
+    engine.runner.kv_bucket, engine.runner.prefill_gather = 32, table_gather
+    try:
+        done = engine.generate([GenerationRequest(prompt_ids=tuple(p), pooling=pooling) for p in prompts
+                                for pooling in ("last", "mean")])  # fmt: skip
+    finally:
+        engine.shutdown()
+    for completion, (prompt, pooling) in zip(done, [(p, k) for p in prompts for k in ("last", "mean")]):
+        np.testing.assert_allclose(completion.embedding, reference_embedding(tiny_qwen3, prompt, pooling), atol=2e-5)

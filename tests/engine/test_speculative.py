@@ -118,3 +118,17 @@ def test_bad_speculative_settings_are_refused():
         Engine.load(EngineConfig(model="/nonexistent", speculative_tokens=-1))
     with pytest.raises(InvalidRequest, match="speculative_ngram must be >= 1"):
         Engine.load(EngineConfig(model="/nonexistent", speculative_ngram=0))
+
+
+def test_drafts_in_the_cuda_layout_keep_the_tokens(tiny_qwen3):
+    """As on CUDA: drafted lanes laid out as bucketed chunks reading their history through the block table, decode
+    steps without drafts replaying a compiled graph."""
+    from mlx_serve.kernels.paged_gather import table_gather
+    from tests.engine.reference import generate_in_cuda_layout
+
+    prompts = [prompt_of(30, seed=61), prompt_of(40, seed=49)]  # answers that loop: drafts are accepted
+    engine = speculative_engine(tiny_qwen3, compile_decode="on", warm_up=False)
+    tokens = generate_in_cuda_layout(engine, prompts, MAX_TOKENS, table_gather)
+    assert engine.status()["counters"]["accepted_draft_tokens"] > 0
+    for prompt, got in zip(prompts, tokens):
+        assert got == reference_tokens(tiny_qwen3, prompt, MAX_TOKENS)
