@@ -374,11 +374,11 @@ class ModelRunner:
         """
         t0 = time.perf_counter()
         gpu_lanes, ane_lanes = ane_chunks.split_lanes(plan.lanes, self.prefill_lane)
-        # compiled steps give the last row's logits only: rows that score a prompt run eager (the scheduler keeps
-        # them off the ANE lane: `Request.gpu_only`)
-        # rows of an adapter run eager too: compiled traces and the fused forward are the base model's
-        scoring = self.scorer.wants(gpu_lanes) or self.pooler.wants(gpu_lanes)  # every row's hidden state is read
-        drafted = any(lane.drafts for lane in gpu_lanes)  # every drafted row's logits are read
+        # compiled steps give the last row's logits only: rows that score or pool a prompt run eager (the scheduler
+        # keeps them off the ANE lane: `Request.gpu_only`); so do rows of an adapter (compiled traces and the fused
+        # forward are the base model's) and drafted rows (every one's logits are read)
+        scoring = self.scorer.wants(gpu_lanes) or self.pooler.wants(gpu_lanes)
+        drafted = any(lane.drafts for lane in gpu_lanes)
         eager_only = scoring or drafted or any(lane.request_id in self._adapter_of for lane in gpu_lanes)
         chunks = ane_chunks.submit(self.prefill_lane, ane_lanes, self.pool) if ane_lanes else []
         compiled = (self.compiled is not None and bool(gpu_lanes) and all(lane.rows == 1 for lane in gpu_lanes)
@@ -498,8 +498,8 @@ class ModelRunner:
             both = self._logits(hidden[mx.concatenate([prepared.verify_rows, prepared.sample_rows])])
             drafted = prepared.verify_rows.size
             verify, logits = mx.argmax(both[:drafted], axis=-1), both[drafted:]  # drafting requests sample greedily
-        return self._queue(logits, prepared.sample_ids, scores, [*pooled, *([verify] if verify is not None else [])]
-                           ), scores, verify, embeddings  # fmt: skip
+        extra = [*pooled, *([verify] if verify is not None else [])]
+        return self._queue(logits, prepared.sample_ids, scores, extra), scores, verify, embeddings
 
     def _submit_compiled(
         self, lanes: list[Lane], previous: InFlightStep | None
