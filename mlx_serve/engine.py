@@ -406,7 +406,8 @@ class Engine:
             self.delivery.finish(rid, "error", None, error=str(exc))
             return
         self.runner.add_request(rid, sub.sampling, constraint, sub.request.prompt_ids, sub.adapter,
-                                speculate=sub.request.speculate > 0, pooling=sub.stream.request.pooling)
+                                speculate=sub.request.speculate > 0, pooling=sub.stream.request.pooling,
+                                stop_ids=sub.request.stop_token_ids)
         self.delivery.open(sub.stream, sub.handle)
         if self.trace.enabled:
             r = sub.request

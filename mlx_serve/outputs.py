@@ -70,10 +70,12 @@ class RequestStream:
             self.detokenizer.finalize()
         text = self.detokenizer.text
         stop_hit = False
-        stops = self.request.stop
+        # stop strings act from the request's `min_tokens`-th token on (vLLM's rule)
+        stops = self.request.stop if len(self.token_ids) >= self.request.sampling.min_tokens else ()
         if stops:
-            cut = _find_stop(text, stops, max(0, self.emitted - max(len(s) for s in stops)))
-            if cut is not None:
+            found = _find_stop(text, stops, max(0, self.emitted - max(len(s) for s in stops)))
+            if found is not None:
+                cut = found[0] + (len(found[1]) if self.request.include_stop_str_in_output else 0)
                 text, stop_hit, finish_reason = text[:cut], True, "stop"
         end = len(text) if (finish_reason or not stops) else len(text) - _held_back(text, stops)
         delta = text[self.emitted : max(end, self.emitted)]
@@ -95,8 +97,9 @@ class RequestStream:
         return self.detokenizer.text
 
 
-def _find_stop(text: str, stops: tuple[str, ...], search_from: int) -> int | None:
-    hits = [i for i in (text.find(s, search_from) for s in stops) if i >= 0]
+def _find_stop(text: str, stops: tuple[str, ...], search_from: int) -> tuple[int, str] | None:
+    """The earliest stop string in `text` from `search_from` on: where it starts, and which it is."""
+    hits = [(i, s) for s in stops if (i := text.find(s, search_from)) >= 0]
     return min(hits) if hits else None
 
 

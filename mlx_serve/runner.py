@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -326,11 +326,11 @@ class ModelRunner:
     # request lifecycle -------------------------------------------------------------------------------
     def add_request(
         self, request_id: str, params: SamplingParams, constraint: Any = None, prompt_ids: Sequence[int] = (),
-        adapter: int = 0, speculate: bool = False, pooling: str | None = None,
+        adapter: int = 0, speculate: bool = False, pooling: str | None = None, stop_ids: Iterable[int] = (),
     ) -> None:
         """`constraint`: a `grammar.Constraint` the request's every token must satisfy (None: free text);
-        `prompt_ids`: the prompt whose tokens `params.prompt_logprobs` scores; `adapter`: its adapter's slot."""
-        self.samplers[request_id] = RequestSampler.create(params, constraint)
+        `prompt_ids`: the prompt whose tokens `params.prompt_logprobs` scores; `adapter`: its adapter's slot; `stop_ids`: the tokens that end it (held back for `params.min_tokens`)."""
+        self.samplers[request_id] = RequestSampler.create(params, constraint, stop_ids)
         if adapter:
             self._adapter_of[request_id] = adapter
         if speculate:

@@ -8,6 +8,7 @@ A seeded request draws from its own key chain, so its tokens do not depend on wh
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +29,8 @@ class RequestSampler:
     constraint: Any = None  # a grammar.Constraint (response_format): masks each sample, needs each token read
 
     @classmethod
-    def create(cls, params: SamplingParams, constraint: Any = None) -> RequestSampler:
+    def create(cls, params: SamplingParams, constraint: Any = None, stop_ids: Iterable[int] = ()) -> RequestSampler:
+        """`stop_ids`: the tokens that would end the request, held back for its first `params.min_tokens`."""
         processors = make_logits_processors(
             logit_bias=dict(params.logit_bias) if params.logit_bias else None,
             repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None,
@@ -38,6 +40,8 @@ class RequestSampler:
             frequency_penalty=params.frequency_penalty or None,
             frequency_context_size=params.penalty_context,
         )
+        if params.min_tokens and stop_ids:
+            processors.append(HoldStops(tuple(stop_ids), params.min_tokens))
         key = mx.random.key(params.seed) if params.seed is not None else None
         return cls(params=params, processors=processors, key=key, constraint=constraint)
 
@@ -68,6 +72,21 @@ class RequestSampler:
             return None
         self.key, sub = mx.random.split(self.key)
         return sub
+
+
+@dataclass(slots=True)
+class HoldStops:
+    """A logits processor (mlx-lm's signature) that forbids the stop tokens for the request's first `left` samples
+    (vLLM's `min_tokens`); it counts the samples it takes part in, one a token."""
+
+    stop_ids: tuple[int, ...]
+    left: int
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        if self.left <= 0:
+            return logits
+        self.left -= 1
+        return logits.at[..., mx.array(self.stop_ids)].add(-mx.inf)
 
 
 @dataclass(frozen=True, slots=True)

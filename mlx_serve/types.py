@@ -28,6 +28,7 @@ class SamplingParams:
     # None: none; k >= 0: each prompt token's log-probability given the tokens before it (raw, before any
     # processor), plus the top k alternatives (scoring a text, as `echo` with `logprobs` does)
     prompt_logprobs: int | None = None
+    min_tokens: int = 0  # no stop token (eos, stop_token_ids) or stop string ends the answer before this many tokens
 
     @property
     def greedy(self) -> bool:
@@ -38,7 +39,8 @@ class SamplingParams:
         """Whether speculative decoding may serve it: greedy over the raw logits (no bias, penalty or grammar), no
         log-probabilities asked (a step's accepted drafts are known by their tokens only)."""
         return (self.greedy and not self.logit_bias and self.repetition_penalty == 1.0 and not self.presence_penalty
-                and not self.frequency_penalty and self.grammar is None and self.logprobs is None)  # fmt: skip
+                and not self.frequency_penalty and self.grammar is None and self.logprobs is None
+                and not self.min_tokens)  # fmt: skip
 
     def validate(self, vocab_size: int) -> None:
         def bad(param: str, why: str) -> InvalidRequest:
@@ -61,6 +63,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise bad(name, f"must be in [-2, 2], got {getattr(self, name)}")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            raise bad("min_tokens", f"must be a non-negative integer, got {self.min_tokens!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 20):
@@ -84,6 +88,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()  # stop strings: output ends before the first match
     stop_token_ids: tuple[int, ...] = ()  # added to the model's own eos ids
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string that ended the answer stays in its text
     priority: int = 1  # 0 high, 1 normal, 2 low
     cache_salt: str | None = None
     request_id: str | None = None

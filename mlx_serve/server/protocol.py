@@ -154,6 +154,7 @@ def read_sampling(body: Mapping[str, Any], logprobs: int | None) -> SamplingPara
         logit_bias=read_logit_bias(body),
         seed=read_int(body, "seed"),
         logprobs=logprobs,
+        min_tokens=read_int(body, "min_tokens", 0, low=0),  # vLLM's extension
     )
 
 
@@ -182,13 +183,18 @@ def build_requests(body: Mapping[str, Any], prompt_ids: list[int], model: ModelI
         raise InvalidRequest("The prompt is empty", param=prompt_param)
     sampling = replace(read_sampling(body, logprobs), grammar=grammar, prompt_logprobs=prompt_logprobs)
     sampling.validate(model.vocab_size)
+    max_tokens = read_max_tokens(body, len(prompt_ids), model, max_token_fields, prompt_param)
+    if sampling.min_tokens > max_tokens:
+        raise InvalidRequest(f"min_tokens ({sampling.min_tokens}) must be at most max_tokens ({max_tokens})",
+                             param="min_tokens")  # fmt: skip
     base = GenerationRequest(
         prompt_ids=tuple(prompt_ids),
-        max_tokens=read_max_tokens(body, len(prompt_ids), model, max_token_fields, prompt_param),
+        max_tokens=max_tokens,
         sampling=sampling,
         stop=read_stop(body, stop_field),
         stop_token_ids=tuple(_read_token_ids(body, "stop_token_ids", model.vocab_size)),
         ignore_eos=read_bool(body, "ignore_eos"),
+        include_stop_str_in_output=read_bool(body, "include_stop_str_in_output"),
         priority=read_int(body, "priority", 1, low=0, high=2),
         cache_salt=read_str(body, "cache_salt"),
         adapter=model.adapter_for(body.get("model")),

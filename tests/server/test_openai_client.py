@@ -219,3 +219,18 @@ def test_a_prefilled_answer_is_continued_as_mlx_lm_continues_it(served, client):
     with pytest.raises(openai.BadRequestError, match="last message to be the assistant's"):
         client.chat.completions.create(model=served.engine.model_id, messages=messages[:1], max_tokens=2,
                                        extra_body={"continue_final_message": True})  # fmt: skip
+
+
+def test_min_tokens_and_include_stop_str_in_output_reach_the_engine(served, client):
+    prompt = list(range(30, 50))
+    whole = client.completions.create(model="default", prompt=prompt, max_tokens=24, temperature=0).choices[0].text
+    stop = whole[3:5]
+    kept = client.completions.create(model="default", prompt=prompt, max_tokens=24, temperature=0, stop=[stop],
+                                     extra_body={"include_stop_str_in_output": True}).choices[0]  # fmt: skip
+    assert kept.text == whole[: whole.index(stop) + len(stop)] and kept.finish_reason == "stop"
+    held = client.completions.create(model="default", prompt=prompt, max_tokens=24, temperature=0, stop=[stop],
+                                     extra_body={"min_tokens": 24})  # fmt: skip
+    assert held.usage.completion_tokens == 24
+    with pytest.raises(openai.BadRequestError, match="min_tokens") as caught:
+        client.completions.create(model="default", prompt=prompt, max_tokens=4, extra_body={"min_tokens": 5})
+    assert caught.value.body["param"] == "min_tokens"
