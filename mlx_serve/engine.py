@@ -22,10 +22,11 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from mlx_serve import engine_setup, introspection
+from mlx_serve.adapter_leases import AdapterLeases
 from mlx_serve.adapter_specs import AdapterSpec, check_specs
 from mlx_serve.config import EngineConfig
 from mlx_serve.delivery import Delivery, NullObserver
-from mlx_serve.errors import EngineStopped, InvalidRequest, ModelNotFound
+from mlx_serve.errors import EngineStopped, InvalidRequest
 from mlx_serve.grammar import Grammars
 from mlx_serve.handle import RequestHandle, submit_each
 from mlx_serve.kernels.paged_attention import cuda_available
@@ -121,9 +122,7 @@ class Engine:
         )
         self.delivery = Delivery(self.observer, self.trace, self._finish_on_stop_string, self._closed)
         self._controls: queue.Queue[_Control] = queue.Queue()  # work for the engine thread between steps
-        self._adapter_lock = threading.Lock()  # guards the adapters' users against unloading
-        self._adapter_users: dict[str, int] = {}  # adapter name -> open requests naming it
-        self._adapter_of: dict[str, str] = {}  # request id -> its adapter's name
+        self._leases = AdapterLeases()  # which open requests hold which adapter
         self._eos_ids = frozenset(self.tokenizer.eos_token_ids)
         self._lock = threading.Lock()  # guards scheduler state read by status()/stats() from other threads
         self._submissions: queue.Queue[_Submission] = queue.Queue()
@@ -205,7 +204,7 @@ class Engine:
             arrival_time=now,
         )
         stream = RequestStream(request_id, request, self.tokenizer.detokenizer, arrival=now)
-        adapter = self._use_adapter(request_id, request.adapter)
+        adapter = self._leases.take(request_id, request.adapter, self.runner.adapters)
         self._submissions.put(_Submission(sched_request, stream, handle, request.sampling, adapter))
         self._wakeup.set()
         return handle
@@ -340,34 +339,16 @@ class Engine:
         adapter = read_adapter(spec)
         if self.runner.adapters is None:
             self.runner.adapters = AdapterSet(self.loaded.model)
-        with self._adapter_lock:
-            self.runner.adapters.add(adapter)
+        self._leases.add(self.runner.adapters, adapter)
         log.info("serving adapter %s from %s", spec.name, spec.path)
 
     def _remove_adapter(self, name: str) -> None:
-        with self._adapter_lock:
-            if name not in self.adapters:
-                raise ModelNotFound(f"adapter {name!r} is not served", param="lora_name")
-            if users := self._adapter_users.get(name, 0):
-                raise InvalidRequest(f"adapter {name!r} is in use by {users} open requests", param="lora_name")
-            self.runner.adapters.remove(name)
+        self._leases.remove(self.runner.adapters, name)
         log.info("stopped serving adapter %s", name)
-
-    def _use_adapter(self, request_id: str, name: str | None) -> int:
-        """The slot of the adapter a request names (0: none), held until the request closes."""
-        if name is None:
-            return 0
-        with self._adapter_lock:
-            engine_setup.check_adapter(name, self.adapters)
-            self._adapter_users[name] = self._adapter_users.get(name, 0) + 1
-            self._adapter_of[request_id] = name
-            return self.runner.adapters.slot(name)
 
     def _closed(self, request_id: str) -> None:
         self.runner.release_one(request_id)
-        if (name := self._adapter_of.pop(request_id, None)) is not None:
-            with self._adapter_lock:
-                self._adapter_users[name] -= 1
+        self._leases.release(request_id)
 
     def _trace_deferred(self) -> bool:
         """With nothing to run: trace one compiled shape a step met (its steps ran eager meanwhile)."""

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from mlx_serve.adapter_specs import check_specs
 from mlx_serve.config import AUTO_STEP_FACTOR, EngineConfig
-from mlx_serve.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
+from mlx_serve.errors import ContextLengthExceeded, InvalidRequest
 from mlx_serve.types import GenerationRequest
 from scheduler import SchedulerConfig
 
@@ -413,10 +413,3 @@ def validate_request(request: GenerationRequest, vocab_size: int, context_length
             f"{kv_capacity} (raise --memory-budget-gb or lower max_tokens)",
             param="max_tokens",
         )
-
-
-def check_adapter(name: str | None, served: tuple[str, ...]) -> None:
-    """Refuse an adapter the engine does not serve, naming those it does (the `model` field chose it)."""
-    if name is not None and name not in served:
-        offered = f"adapters served: {', '.join(served)}" if served else "this engine serves no adapters"
-        raise ModelNotFound(f"adapter {name!r} is not served; {offered}", param="model")
