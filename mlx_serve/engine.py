@@ -18,7 +18,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from mlx_serve import engine_setup, introspection
@@ -131,6 +131,7 @@ class Engine:
         self._wakeup = threading.Event()
         self._prompt_rows = 0  # prompt rows computed (prefix-cache hits excluded)
         self._stopping = False
+        self.failure: str | None = None  # why the engine thread stopped on its own (a bug); None while it runs
         self._in_flight: _InFlight | None = None  # a step whose tokens are not read back yet
         self._busy_at = time.monotonic()  # when the loop last had work (deferred traces wait for quiet)
         self.warmed: tuple[int, float] = (0, 0.0)  # attention shapes built before serving, and the seconds it took
@@ -171,7 +172,7 @@ class Engine:
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue a request; raises InvalidRequest, ContextLengthExceeded or QueueFull at once."""
         if self._stopping:
-            raise EngineStopped("the engine is shutting down")
+            raise EngineStopped(self.failure or "the engine is shutting down")
         capacity = self.pool.num_blocks * self.pool.block_size
         engine_setup.validate_request(request, self.vocab_size, self.context_length, capacity)
         if request.sampling.grammar is not None:
@@ -207,6 +208,8 @@ class Engine:
         adapter = self._leases.take(request_id, request.adapter, self.runner.adapters)
         self._submissions.put(_Submission(sched_request, stream, handle, request.sampling, adapter))
         self._wakeup.set()
+        if self.failure is not None:  # the loop failed while this was queued: nobody else will finish it
+            self._fail_open_requests(self.failure)
         return handle
 
     @property
@@ -430,19 +433,20 @@ class Engine:
         self.delivery.add_prompt_logprobs(output.prompt_logprobs)
         self.delivery.add_embeddings(output.embeddings)
         for request in advanced:
-            self._publish(request, output.samples.get(request.request_id))
+            self._publish(request, output.samples.get(request.request_id), output.accepted.get(request.request_id))
         self._account(plan, output, t0, t1, t2)
         return True
 
-    def _publish(self, request: Request, sample: Any) -> None:
-        """The events of the tokens the step committed: its sample, after the drafts it accepted (if any)."""
+    def _publish(self, request: Request, sample: Any, accepted: list | None = None) -> None:
+        """The events of the tokens the step committed: the drafts it accepted (if any), then its sample; a token
+        that finished the request ends them."""
         if request.new_tokens <= 1 or sample is None:
-            self.delivery.publish(request, sample)
+            self.delivery.publish(request, accepted[0] if accepted and request.new_tokens == 1 else sample)
             return
-        tokens = request.output_ids[-request.new_tokens :]
-        for token in tokens[:-1]:
-            self.delivery.publish(request, replace(sample, token_id=token), last=False)
-        self.delivery.publish(request, replace(sample, token_id=tokens[-1]))  # a stop token may end it early
+        committed = [*(accepted or []), sample][: request.new_tokens]
+        for token in committed[:-1]:
+            self.delivery.publish(request, token, last=False)
+        self.delivery.publish(request, committed[-1])
 
     def _complete_in_flight(self) -> bool:
         """Read back the step left in flight: put its real tokens where the placeholders are, then publish."""
@@ -488,6 +492,17 @@ class Engine:
         if self.trace.enabled:
             trace_step(self.trace, plan, output, t0, t1, t2)
 
+    def _fail_open_requests(self, reason: str) -> None:
+        """Refuse new requests and finish every open and queued one with `reason` (the loop failed)."""
+        self.failure, self._stopping = reason, True
+        for sub in _drain(self._submissions):
+            self.delivery.open(sub.stream, sub.handle)
+        for request_id in self.delivery.open_ids():
+            try:
+                self.delivery.finish(request_id, "error", None, error=reason)
+            except Exception:  # the next request must still be told
+                log.exception("failing request %s", request_id)
+
     def _finish_on_stop_string(self, request_id: str) -> None:
         with self._lock:
             self.scheduler.cancel(request_id, FinishReason.STOP)
@@ -511,6 +526,9 @@ def _engine_thread(engine_ref: weakref.ref) -> None:
         try:
             engine._warm_up()
             engine._loop()
+        except Exception as exc:  # a bug outside any step: no request may hang on a loop that is gone
+            log.exception("the engine loop failed")
+            engine._fail_open_requests(f"the engine stopped: {type(exc).__name__}: {exc}")
         finally:
             engine._drained.set()
     del engine

@@ -83,6 +83,17 @@ class RunnerOutput:
     # request id -> (the prompt position of its first entry, its prompt log-probabilities from this step)
     prompt_logprobs: dict[str, tuple[int, list[PromptLogprob]]] = field(default_factory=dict)
     embeddings: dict[str, list[float]] = field(default_factory=dict)  # request id -> its pooled prompt
+    # request id -> the drafts the model agreed with, as committed tokens (log-probabilities where asked for)
+    accepted: dict[str, list[SampledToken]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class DraftCheck:
+    """The drafted rows' verdict, queued with the step: the model's greedy token at each, and (where a drafting
+    request asked for log-probabilities) each row's log-probabilities."""
+
+    tokens: mx.array  # [D]
+    logprobs: mx.array | None  # [D, V]
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +115,7 @@ class InFlightStep:
     compiled: bool = False  # it replays a compiled trace (the scheduler's cost model prices the two forms apart)
     timed_shape: MixedShape | None = None  # an ordinary run of this compiled mixed shape: its time goes to `stand_in`
     scores: tuple[QueuedScores, ...] = ()  # prompt log-probabilities its rows computed
-    verify: mx.array | None = None  # the model's greedy token at each drafted row (speculative decoding)
+    verify: DraftCheck | None = None  # the model's greedy token at each drafted row (speculative decoding)
     drafted: tuple[tuple[str, tuple[int, ...]], ...] = ()  # each drafted lane's request id and drafts, in row order
     embeddings: tuple[QueuedEmbedding, ...] = ()  # embedding requests' vectors its rows finished
 
@@ -483,7 +494,7 @@ class ModelRunner:
 
     def _submit_eager(
         self, prepared: _PreparedStep
-    ) -> tuple[SampledRows | None, list[QueuedScores], mx.array | None, list[QueuedEmbedding]]:
+    ) -> tuple[SampledRows | None, list[QueuedScores], DraftCheck | None, list[QueuedEmbedding]]:
         """The step's sampled rows (None: none sample), the prompt scores its rows compute, the model's greedy
         token at each drafted row and the embeddings its rows finish."""
         if not prepared.layout.decode and not prepared.layout.lanes:  # every lane of the step is on the ANE lane
@@ -497,8 +508,14 @@ class ModelRunner:
         if prepared.verify_rows is not None:  # one LM head over the drafted rows and the sampled ones (one weight read)
             both = self._logits(hidden[mx.concatenate([prepared.verify_rows, prepared.sample_rows])])
             drafted = prepared.verify_rows.size
-            verify, logits = mx.argmax(both[:drafted], axis=-1), both[drafted:]  # drafting requests sample greedily
-        extra = [*pooled, *([verify] if verify is not None else [])]
+            rows, logits = both[:drafted], both[drafted:]
+            wanted = any(self.samplers[rid].params.logprobs is not None for rid, _ in prepared.drafted)
+            # drafting requests sample greedily from raw logits: an argmax, log-probabilities as `sample_rows` has them
+            logprobs = rows - mx.logsumexp(rows, axis=-1, keepdims=True) if wanted else None
+            verify = DraftCheck(mx.argmax(rows, axis=-1), logprobs)
+        extra = list(pooled)
+        if verify is not None:
+            extra += [verify.tokens] + ([verify.logprobs] if verify.logprobs is not None else [])
         return self._queue(logits, prepared.sample_ids, scores, extra), scores, verify, embeddings
 
     def _submit_compiled(
@@ -573,26 +590,40 @@ class ModelRunner:
         if step.timed_shape is not None and math.isfinite(elapsed_ms):
             self.compiled_mixed.record_run(step.timed_shape, elapsed_ms)
         outcome = StepOutcome({rid: s.token_id for rid, s in samples.items()}, elapsed_ms, ane_elapsed_ms=ane_ms,
-                              auxiliary=step.one_off, compiled=step.compiled, accepted_drafts=accepted)  # fmt: skip
+                              auxiliary=step.one_off, compiled=step.compiled,
+                              accepted_drafts={rid: tuple(s.token_id for s in kept) for rid, kept in accepted.items()})
         return RunnerOutput(outcome, samples, {**step.phases, "consumption": (t3 - t2) * 1e3}, spans, prompt_logprobs,
-                            embeddings)  # fmt: skip
+                            embeddings, accepted)  # fmt: skip
 
-    @staticmethod
-    def _accept_drafts(step: InFlightStep, samples: dict[str, SampledToken]) -> dict[str, tuple[int, ...]]:
+    def _accept_drafts(self, step: InFlightStep, samples: dict[str, SampledToken]) -> dict[str, list[SampledToken]]:
         """Each drafted lane's drafts up to the first the model disagrees with; there the model's own token replaces
         the lane's sample (which, past all drafts, is the token after the last)."""
         if step.verify is None:
             return {}
-        picks = step.verify.tolist()
+        picks = step.verify.tokens.tolist()
         accepted, offset = {}, 0
         for request_id, drafts in step.drafted:
             model = picks[offset : offset + len(drafts)]
-            offset += len(drafts)
             agreed = next((i for i, (pick, draft) in enumerate(zip(model, drafts)) if pick != draft), len(drafts))
-            accepted[request_id] = drafts[:agreed]
+            top = self.samplers[request_id].params.logprobs if request_id in self.samplers else None
+            kept = [self._committed(step.verify, offset + i, draft, top) for i, draft in enumerate(drafts[:agreed])]
+            accepted[request_id] = kept
             if agreed < len(drafts):
-                samples[request_id] = SampledToken(model[agreed], None, None)
+                samples[request_id] = self._committed(step.verify, offset + agreed, model[agreed], top)
+            offset += len(drafts)
         return accepted
+
+    @staticmethod
+    def _committed(check: DraftCheck, row: int, token: int, top: int | None) -> SampledToken:
+        """A token committed at a drafted row, with its log-probability and top `top` alternatives where asked."""
+        if top is None or check.logprobs is None:
+            return SampledToken(token, None, None)
+        logprobs = check.logprobs[row]
+        alternatives = None
+        if top:
+            ids, values = top_logprobs(logprobs, top)
+            alternatives = tuple(TokenLogprob(t, lp) for t, lp in zip(ids.tolist(), values.tolist()))
+        return SampledToken(token, logprobs[token].item(), alternatives)
 
     def _collect_ane(self, step: InFlightStep, samples: dict[str, SampledToken]) -> list:
         """Finish the step's ANE chunks; a chunk the lane failed reruns here on the GPU path."""

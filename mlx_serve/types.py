@@ -36,11 +36,10 @@ class SamplingParams:
 
     @property
     def draftable(self) -> bool:
-        """Whether speculative decoding may serve it: greedy over the raw logits (no bias, penalty or grammar), no
-        log-probabilities asked (a step's accepted drafts are known by their tokens only)."""
+        """Whether speculative decoding may serve it: greedy over the raw logits (no bias, penalty, grammar or held
+        stop tokens), where a drafted row's argmax is the token the request would sample there."""
         return (self.greedy and not self.logit_bias and self.repetition_penalty == 1.0 and not self.presence_penalty
-                and not self.frequency_penalty and self.grammar is None and self.logprobs is None
-                and not self.min_tokens)  # fmt: skip
+                and not self.frequency_penalty and self.grammar is None and not self.min_tokens)  # fmt: skip
 
     def validate(self, vocab_size: int) -> None:
         def bad(param: str, why: str) -> InvalidRequest:

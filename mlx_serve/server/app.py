@@ -77,6 +77,11 @@ def create_app(engine: Any, metrics: ServerMetrics | None = None, aliases: Itera
 
 
 async def health(request: Request) -> Response:
+    """200 while the engine serves; 503 with the reason once its loop has stopped on its own."""
+    failure = getattr(request.state.engine, "failure", None)
+    if failure:
+        return JSONResponse({"status": "failed", "model": request.state.model.model_id, "error": failure},
+                            status_code=503)  # fmt: skip
     return JSONResponse({"status": "ok", "model": request.state.model.model_id})
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from mlx_serve.engine import Engine, EngineConfig
@@ -49,10 +50,10 @@ def test_a_stop_token_or_the_length_limit_inside_accepted_drafts_ends_the_answer
     ended_in_drafts = []  # requests whose last step committed accepted drafts as well
     publish = engine._publish
 
-    def recording(request, sample):
+    def recording(request, *committed):
         if request.is_finished and request.new_tokens > 1:
             ended_in_drafts.append(request.finish_reason.value)
-        publish(request, sample)
+        publish(request, *committed)
 
     engine._publish = recording
     try:
@@ -88,9 +89,9 @@ def test_a_stop_string_inside_accepted_drafts_cuts_the_text_as_without_drafts(ti
     assert (got.text, got.finish_reason) == (want.text, "stop") and stop not in got.text
 
 
-def test_sampled_or_scored_requests_are_never_drafted(tiny_qwen3):
+def test_sampled_or_processed_requests_are_never_drafted(tiny_qwen3):
     prompt = tuple(prompt_of(30, seed=43))
-    kinds = [SamplingParams(temperature=0.8, seed=1), SamplingParams(logprobs=2), SamplingParams(repetition_penalty=1.2),
+    kinds = [SamplingParams(temperature=0.8, seed=1), SamplingParams(min_tokens=5), SamplingParams(repetition_penalty=1.2),
              SamplingParams(logit_bias={5: 2.0})]  # fmt: skip
     engine = speculative_engine(tiny_qwen3)
     try:
@@ -132,3 +133,24 @@ def test_drafts_in_the_cuda_layout_keep_the_tokens(tiny_qwen3):
     assert engine.status()["counters"]["accepted_draft_tokens"] > 0
     for prompt, got in zip(prompts, tokens):
         assert got == reference_tokens(tiny_qwen3, prompt, MAX_TOKENS)
+
+
+def test_accepted_drafts_carry_the_log_probabilities_a_plain_step_gives(tiny_qwen3):
+    prompts = [prompt_of(30, seed=61), prompt_of(40, seed=49)]
+    requests = [GenerationRequest(prompt_ids=tuple(p), max_tokens=MAX_TOKENS, sampling=SamplingParams(logprobs=3))
+                for p in prompts]  # fmt: skip
+    results = {}
+    for drafts in (0, 4):
+        engine = speculative_engine(tiny_qwen3, speculative_tokens=drafts)
+        try:
+            handles = [engine.submit(r) for r in requests]
+            results[drafts] = [[e for e in h if e.token_id is not None] for h in handles]
+            accepted = engine.status()["counters"]["accepted_draft_tokens"]
+        finally:
+            engine.shutdown()
+    assert accepted > 0
+    for plain, drafted in zip(results[0], results[4]):
+        assert [e.token_id for e in drafted] == [e.token_id for e in plain]
+        np.testing.assert_allclose([e.logprob for e in drafted], [e.logprob for e in plain], atol=1e-5)
+        for a, b in zip(drafted, plain):
+            assert [t.token_id for t in a.top_logprobs] == [t.token_id for t in b.top_logprobs]
