@@ -495,6 +495,8 @@ class Engine:
     def _fail_open_requests(self, reason: str) -> None:
         """Refuse new requests and finish every open and queued one with `reason` (the loop failed)."""
         self.failure, self._stopping = reason, True
+        for control in _drain(self._controls):
+            control.done.set_exception(EngineStopped(reason))
         for sub in _drain(self._submissions):
             self.delivery.open(sub.stream, sub.handle)
         for request_id in self.delivery.open_ids():
