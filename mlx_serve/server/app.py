@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mlx_serve.errors import InvalidRequest, MlxServeError, RouteNotFound
-from mlx_serve.server import anthropic_routes, embedding_routes, openai_routes
+from mlx_serve.server import anthropic_routes, embedding_routes, openai_routes, responses_routes
 from mlx_serve.server.metrics import ServerMetrics
 from mlx_serve.server.protocol import ModelInfo, anthropic_error_body, openai_error_body
 from mlx_serve.server.streaming import ClientDisconnected
@@ -58,6 +58,7 @@ def create_app(engine: Any, metrics: ServerMetrics | None = None, aliases: Itera
         Route("/v1/chat/completions", openai_routes.chat_completions, methods=["POST"]),
         Route("/v1/completions", openai_routes.completions, methods=["POST"]),
         Route("/v1/embeddings", embedding_routes.embeddings, methods=["POST"]),
+        Route("/v1/responses", responses_routes.responses, methods=["POST"]),
         Route("/v1/models", openai_routes.list_models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", openai_routes.retrieve_model, methods=["GET"]),
         Route("/v1/messages", anthropic_routes.messages, methods=["POST"]),

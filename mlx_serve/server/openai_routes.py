@@ -208,14 +208,15 @@ async def _serve(request: Request, parse: Callable[..., Job], prefix: str, strea
     if job.stream:
         chunks = stream(job, handles, engine.tokenizer, job_id, served, created)
         return EventStreamResponse(chunks, handles)
-    choices = _choices(job, engine.tokenizer)
+    choices = choice_states(job, engine.tokenizer)
     for index, events in enumerate(await collect_events(handles, request)):
         for event in events:
             choices[index].add(event)
     return JSONResponse(respond(job_id, served, created, choices, job.want_logprobs))
 
 
-def _choices(job: Job, tokenizer: Any) -> list[fmt.ChoiceState]:
+def choice_states(job: Job, tokenizer: Any) -> list[fmt.ChoiceState]:
+    """One answer state per request of the job (tool-call and reasoning splitters as the job asks)."""
     return [fmt.ChoiceState(i, tokenizer, job.want_logprobs, make_splitter(tokenizer, job.tools), job.tools,
                             counts_prompt=i % job.n == 0, echo=job.echo[i] if job.echo else None,
                             echo_only=job.echo_only,
@@ -225,7 +226,7 @@ def _choices(job: Job, tokenizer: Any) -> list[fmt.ChoiceState]:
 
 async def _chat_stream(job: Job, handles: Sequence[Any], tokenizer: Any, job_id: str, model: str,
                        created: int) -> AsyncIterator[bytes]:
-    choices = _choices(job, tokenizer)
+    choices = choice_states(job, tokenizer)
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
         return sse(fmt.chat_chunk(job_id, model, created, index, delta, finish, logprobs, job.include_usage))
@@ -253,7 +254,7 @@ async def _chat_stream(job: Job, handles: Sequence[Any], tokenizer: Any, job_id:
 
 async def _completion_stream(job: Job, handles: Sequence[Any], tokenizer: Any, job_id: str, model: str,
                              created: int) -> AsyncIterator[bytes]:
-    choices = _choices(job, tokenizer)
+    choices = choice_states(job, tokenizer)
     async for index, event in merge_events(handles):
         choice = choices[index]
         offset = choice.entry_chars  # offsets count the entries' token texts, as the whole answer's do

@@ -1,0 +1,272 @@
+"""OpenAI's Responses API (`POST /v1/responses`), over the chat route's machinery.
+
+The input (a string, or message, function-call and function-call-output items), `instructions`, function `tools`,
+`tool_choice`, `text.format` (JSON schema) and the sampling fields become a chat request (`parse_chat`), so the
+template, tool parsing, grammar and reasoning split are the chat route's own. The answer comes back as output
+items: a reasoning item (a thinking model's reasoning), a message with its output text, then function calls;
+streamed as the API's typed events. Responses are not stored: `previous_response_id` is refused (send the
+conversation as input items instead).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from mlx_serve.errors import InvalidRequest
+from mlx_serve.server import openai_format as fmt
+from mlx_serve.server.openai_routes import choice_states, parse_chat
+from mlx_serve.server.protocol import Job, ModelInfo, openai_error_body, parse_json_object
+from mlx_serve.server.streaming import EventStreamResponse, collect_events, merge_events, sse
+
+PASSED_ON = ("temperature", "top_p", "top_k", "min_p", "seed", "stream", "parallel_tool_calls", "priority",
+             "cache_salt", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty",
+             "chat_template_kwargs", "min_tokens")  # fmt: skip
+
+
+def chat_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The chat-completions request a Responses request asks for."""
+    if body.get("previous_response_id") is not None:
+        raise InvalidRequest("responses are not stored here: send the conversation as input items",
+                             param="previous_response_id")  # fmt: skip
+    if "input" not in body:
+        raise InvalidRequest("input is required", param="input")
+    messages = _messages(body["input"])
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise InvalidRequest("instructions must be a string", param="instructions")
+        messages.insert(0, {"role": "system", "content": instructions})
+    chat = {name: body[name] for name in PASSED_ON if name in body}
+    chat.update(model=body.get("model"), messages=messages)
+    if body.get("max_output_tokens") is not None:
+        chat["max_completion_tokens"] = body["max_output_tokens"]
+    if body.get("tools") is not None:
+        chat["tools"] = _tools(body["tools"])
+    if body.get("tool_choice") is not None:
+        chat["tool_choice"] = _tool_choice(body["tool_choice"])
+    if (formatted := _response_format(body.get("text"))) is not None:
+        chat["response_format"] = formatted
+    return chat
+
+
+def _messages(value: object) -> list[dict[str, Any]]:
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise InvalidRequest("input must be a string or a non-empty list of items", param="input")
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise InvalidRequest(f"input[{i}] must be an object", param="input")
+        kind = item.get("type", "message")
+        if kind == "message":
+            messages.append({"role": item.get("role"), "content": _text(item.get("content"), i)})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}  # fmt: skip
+            if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
+                messages[-1]["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": output if isinstance(output, str) else json.dumps(output)})  # fmt: skip
+        elif kind != "reasoning":  # earlier reasoning is not fed back (the chat templates drop it too)
+            raise InvalidRequest(f"input[{i}]: unsupported item type {kind!r}", param="input")
+    return messages
+
+
+def _text(content: object, index: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        kinds = {p.get("type") for p in content} - {"input_text", "output_text", "text"}
+        if kinds:
+            raise InvalidRequest(f"input[{index}]: unsupported content part {sorted(map(str, kinds))}", param="input")
+        return "".join(str(p.get("text", "")) for p in content)
+    raise InvalidRequest(f"input[{index}].content must be a string or a list of text parts", param="input")
+
+
+def _tools(tools: object) -> list[dict[str, Any]]:
+    if not isinstance(tools, list):
+        raise InvalidRequest("tools must be a list", param="tools")
+    out = []
+    for tool in tools:
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise InvalidRequest("only function tools are served", param="tools")
+        spec = {key: tool[key] for key in ("name", "description", "parameters") if key in tool}
+        out.append({"type": "function", "function": spec})
+    return out
+
+
+def _tool_choice(choice: object) -> object:
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice
+
+
+def _response_format(text: object) -> dict[str, Any] | None:
+    if text is None:
+        return None
+    form = text.get("format") if isinstance(text, dict) else None
+    if form is None or (isinstance(form, dict) and form.get("type") == "text"):
+        return None
+    if not isinstance(form, dict) or form.get("type") not in ("json_schema", "json_object"):
+        raise InvalidRequest("text.format.type must be text, json_schema or json_object", param="text")
+    if form["type"] == "json_object":
+        return {"type": "json_object"}
+    return {"type": "json_schema", "json_schema": {"name": form.get("name", "answer"), "schema": form.get("schema", {})}}
+
+
+@dataclass(slots=True)
+class Output:
+    """The response being built: its items in order, and ids that stay the same while streaming."""
+
+    response_id: str
+    model: str
+    created: int
+    body: dict[str, Any]
+    message_id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
+    reasoning_id: str = field(default_factory=lambda: f"rs_{uuid.uuid4().hex}")
+
+    def items(self, choice: fmt.ChoiceState) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = []
+        if choice.reasoning:
+            items.append(self.reasoning_item(choice.reasoning))
+        if choice.text or not choice.tool_calls:
+            items.append(self.message_item(choice.text, "completed"))
+        items += [function_call_item(call) for call in choice.tool_calls]
+        return items
+
+    def reasoning_item(self, text: str) -> dict[str, Any]:
+        return {"type": "reasoning", "id": self.reasoning_id, "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}]}  # fmt: skip
+
+    def message_item(self, text: str | None, status: str) -> dict[str, Any]:
+        content = [] if text is None else [{"type": "output_text", "text": text, "annotations": []}]
+        return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": content}
+
+    def response(self, status: str, items: list[dict[str, Any]], choice: fmt.ChoiceState | None) -> dict[str, Any]:
+        usage = choice.usage if choice is not None else None
+        incomplete = choice is not None and choice.finish_reason == "length"
+        return {
+            "id": self.response_id, "object": "response", "created_at": self.created, "model": self.model,
+            "status": "incomplete" if incomplete and status == "completed" else status,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "error": None,
+            "output": items, "instructions": self.body.get("instructions"),
+            "max_output_tokens": self.body.get("max_output_tokens"), "temperature": self.body.get("temperature"),
+            "top_p": self.body.get("top_p"), "tools": self.body.get("tools") or [],
+            "tool_choice": self.body.get("tool_choice", "auto"),
+            "parallel_tool_calls": self.body.get("parallel_tool_calls", True), "previous_response_id": None,
+            "text": self.body.get("text") or {"format": {"type": "text"}}, "metadata": {}, "store": False,
+            "usage": None if usage is None else {
+                "input_tokens": usage.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},  # not counted
+                "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": usage.total_tokens,
+            },
+        }  # fmt: skip
+
+
+def function_call_item(call: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function_call", "id": f"fc_{call['id']}", "call_id": call["id"], "status": "completed",
+            "name": call["function"]["name"], "arguments": call["function"]["arguments"]}  # fmt: skip
+
+
+def parse_responses(body: dict[str, Any], tokenizer: Any, model: ModelInfo) -> Job:
+    job = parse_chat(chat_body(body), tokenizer, model)
+    if len(job.requests) != 1:
+        raise InvalidRequest("a response has one answer", param="n")
+    return job
+
+
+async def responses(request: Request) -> Response:
+    engine, model = request.state.engine, request.state.model
+    body = parse_json_object(await request.body())
+    job = await run_in_threadpool(parse_responses, body, engine.tokenizer, model)
+    response_id = f"resp_{uuid.uuid4().hex}"
+    handles = engine.submit_all([replace(job.requests[0], request_id=response_id)])
+    output = Output(response_id, job.requests[0].adapter or model.model_id, int(time.time()), body)
+    [choice] = choice_states(job, engine.tokenizer)
+    if job.stream:
+        return EventStreamResponse(_stream(output, choice, handles), handles)
+    for event in (await collect_events(handles, request))[0]:
+        choice.add(event)
+    return JSONResponse(output.response("completed", output.items(choice), choice))
+
+
+async def _stream(output: Output, choice: fmt.ChoiceState, handles: Sequence[Any]) -> AsyncIterator[bytes]:
+    """The API's typed events: created, then each output item added, its deltas, done; then completed."""
+    sequence = 0
+
+    def event(kind: str, **fields: Any) -> bytes:
+        nonlocal sequence
+        sequence += 1
+        return sse({"type": kind, "sequence_number": sequence - 1, **fields}, event=kind)
+
+    yield event("response.created", response=output.response("in_progress", [], None))
+    yield event("response.in_progress", response=output.response("in_progress", [], None))
+    opened: list[str] = []  # "reasoning", "message": the items streamed so far, in order
+
+    def open_item(kind: str) -> list[bytes]:
+        index = len(opened)
+        opened.append(kind)
+        if kind == "reasoning":
+            item = {**output.reasoning_item(""), "content": []}
+            part = {"type": "reasoning_text", "text": ""}
+            item_id = output.reasoning_id
+        else:
+            item, part, item_id = output.message_item(None, "in_progress"), {"type": "output_text", "text": "",
+                                                                              "annotations": []}, output.message_id
+        return [event("response.output_item.added", output_index=index, item=item),
+                event("response.content_part.added", item_id=item_id, output_index=index, content_index=0,
+                      part=part)]  # fmt: skip
+
+    async for _, token_event in merge_events(handles):
+        try:
+            delta = choice.add(token_event)
+        except fmt.GenerationFailed as exc:
+            yield event("error", **openai_error_body(exc)["error"])
+            return
+        if delta.reasoning:
+            if "reasoning" not in opened:
+                for chunk in open_item("reasoning"):
+                    yield chunk
+            yield event("response.reasoning_text.delta", item_id=output.reasoning_id,
+                        output_index=opened.index("reasoning"), content_index=0, delta=delta.reasoning)  # fmt: skip
+        if delta.text:
+            if "message" not in opened:
+                for chunk in open_item("message"):
+                    yield chunk
+            yield event("response.output_text.delta", item_id=output.message_id, output_index=opened.index("message"),
+                        content_index=0, delta=delta.text, logprobs=[])  # fmt: skip
+    items = output.items(choice)
+    for index, item in enumerate(items):
+        if item["type"] == "function_call":
+            yield event("response.output_item.added", output_index=index, item={**item, "arguments": ""})
+            yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                        delta=item["arguments"])  # fmt: skip
+            yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                        arguments=item["arguments"])  # fmt: skip
+        else:
+            if item["type"] not in opened:  # an empty message (the answer was tool calls only, or nothing)
+                for chunk in open_item(item["type"]):
+                    yield chunk
+            part = item["content"][0]
+            kind = "reasoning_text" if item["type"] == "reasoning" else "output_text"
+            yield event(f"response.{kind}.done", item_id=item["id"], output_index=index, content_index=0,
+                        text=part["text"], **({"logprobs": []} if kind == "output_text" else {}))  # fmt: skip
+            yield event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                        part=part)  # fmt: skip
+        yield event("response.output_item.done", output_index=index, item=item)
+    yield event("response.completed", response=output.response("completed", items, choice))
