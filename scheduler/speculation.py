@@ -9,18 +9,23 @@ from dataclasses import dataclass, field
 
 from scheduler.request import Request
 
+BACKLOG_PER_CALL = 4096  # prompt positions indexed a step (~4 ms of Python; a 32k prompt is indexed in 8 steps)
 MOST_MISSES = 2  # rests stop growing at 2 ** 2 - 1 steps (a verified row is cheap on a GPU)
 
 
 @dataclass(slots=True)
 class NgramIndex:
-    """Where each n-gram (`shortest` to `longest` tokens) of a request's tokens last occurred with a token after it;
-    kept up to date as tokens are appended (each token is indexed once)."""
+    """Where each n-gram (`shortest` to `longest` tokens) of a request's tokens last occurred with a token after it.
+    Tokens appended since the last call are indexed at once (they are the latest occurrences); the tokens before the
+    first call (the prompt) are indexed newest first, at most `backlog` positions a call, so that a long prompt's
+    index never holds one step (and every stream in it) for tens of milliseconds."""
 
     shortest: int
     longest: int
+    backlog: int = BACKLOG_PER_CALL
     ends: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> position of the token after it
-    indexed: int = 0  # positions below this have their n-grams (those ending there) indexed
+    low: int = -1  # positions [low, high) have their n-grams (those ending there) indexed; -1: no call yet
+    high: int = 0
     misses: int = 0  # drafts rejected whole in a row
     resting: int = 0  # steps to go without drafting
 
@@ -46,13 +51,26 @@ class NgramIndex:
         self.resting = (1 << min(self.misses, MOST_MISSES)) - 1
 
     def _index(self, request: Request, total: int) -> None:
-        """Index the n-grams ending at each position whose next token is known (not the tail itself)."""
-        start = max(self.indexed, self.shortest)
-        if start >= total:
+        """Index the n-grams ending at each position whose next token is known (not the tail itself): the new ones
+        overwriting (they are later), then some of the backlog, which never overwrites (it is earlier)."""
+        if self.low < 0:
+            self.low = self.high = total
+        self._add(request, range(self.high, total), overwrite=True)
+        self.high = total
+        stop = max(self.shortest, self.low - self.backlog)
+        self._add(request, range(self.low - 1, stop - 1, -1), overwrite=False)
+        self.low = min(self.low, stop)
+
+    def _add(self, request: Request, ends: range, overwrite: bool) -> None:
+        if not ends:
             return
-        window = request.tokens(max(0, start - self.longest), total)
-        offset = max(0, start - self.longest)
-        for end in range(start, total):
+        first, last = min(ends[0], ends[-1]), max(ends[0], ends[-1])
+        offset = max(0, first - self.longest)
+        window = request.tokens(offset, last)
+        for end in ends:
             for n in range(self.shortest, min(self.longest, end) + 1):
-                self.ends[window[end - n - offset : end - offset]] = end
-        self.indexed = total
+                key = window[end - n - offset : end - offset]
+                if overwrite:
+                    self.ends[key] = end
+                else:
+                    self.ends.setdefault(key, end)

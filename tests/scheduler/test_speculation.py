@@ -61,3 +61,25 @@ def test_rejected_drafts_rest_the_request_longer_each_time_until_one_is_accepted
     assert rests == [1, 3, 3, 3, 3]
     index.observe(1)
     assert index.propose(request, 2)  # an accepted draft ends the rest at once
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    prompt=st.lists(st.integers(0, 4), min_size=2, max_size=60),
+    outputs=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=3), max_size=10),
+    backlog=st.integers(1, 8),
+)
+def test_a_prompt_indexed_a_little_a_call_proposes_only_true_continuations_then_all(prompt, outputs, backlog):
+    request = Request("r", list(prompt), max_tokens=100)
+    index = NgramIndex(2, 3, backlog=backlog)
+    for chunk in [[], *outputs]:
+        request.output_ids.extend(chunk)
+        tokens = request.prompt_ids + request.output_ids
+        drafts = index.propose(request, 4)
+        if drafts:  # what it proposes followed an earlier occurrence of a tail of the tokens
+            assert any(tokens[end : end + len(drafts)] == list(drafts) and tokens[end - n : end] == tokens[-n:]
+                       for n in (3, 2) for end in range(n, len(tokens)))  # fmt: skip
+    while index.low > index.shortest:  # the backlog drains: then proposals are the full search's
+        index.propose(request, 4)
+    tokens = request.prompt_ids + request.output_ids
+    assert index.propose(request, 4) == brute_force(tokens, 2, 3, 4)
