@@ -48,7 +48,7 @@ class EngineConfig:
     # a waiting request waits for a running prefill computing this many of its next prompt tokens; 0: off
     shared_prefill_tokens: int = 256
     decode_debt: bool = True
-    # speculative decoding by prompt lookup: a greedy request's decode lane also verifies up to this many tokens that
+    # speculative decoding by prompt lookup: a request's decode lane also verifies up to this many tokens that
     # followed an earlier occurrence of its last `speculative_ngram` tokens (0: off)
     speculative_tokens: int = 0
     speculative_ngram: int = 3

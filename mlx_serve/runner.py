@@ -50,7 +50,7 @@ from mlx_serve.ragged import (
     reference_decode_attention,
     sdpa_chunk_attention,
 )
-from mlx_serve.sampling import RequestSampler, SampledRows, sample_rows, top_logprobs
+from mlx_serve.sampling import RequestSampler, SampledRows, draft_verdict, sample_rows, top_logprobs
 from mlx_serve.types import PromptLogprob, SamplingParams, TokenLogprob
 from scheduler import Lane, StepOutcome, StepPlan
 from scheduler.buckets import KV_BUCKET, history_bucket, query_bucket, query_buckets
@@ -92,7 +92,8 @@ class DraftCheck:
     """The drafted rows' verdict, queued with the step: the model's greedy token at each, and (where a drafting
     request asked for log-probabilities) each row's log-probabilities."""
 
-    tokens: mx.array  # [D]
+    kept: mx.array  # [D] whether each draft is kept (`sampling.draft_verdict`)
+    tokens: mx.array  # [D] the token that replaces each draft where it is not
     logprobs: mx.array | None  # [D, V]
 
 
@@ -509,14 +510,24 @@ class ModelRunner:
             both = self._logits(hidden[mx.concatenate([prepared.verify_rows, prepared.sample_rows])])
             drafted = prepared.verify_rows.size
             rows, logits = both[:drafted], both[drafted:]
-            wanted = any(self.samplers[rid].params.logprobs is not None for rid, _ in prepared.drafted)
-            # drafting requests sample greedily from raw logits: an argmax, log-probabilities as `sample_rows` has them
-            logprobs = rows - mx.logsumexp(rows, axis=-1, keepdims=True) if wanted else None
-            verify = DraftCheck(mx.argmax(rows, axis=-1), logprobs)
+            verify = self._draft_check(rows - mx.logsumexp(rows, axis=-1, keepdims=True), prepared.drafted)
         extra = list(pooled)
         if verify is not None:
-            extra += [verify.tokens] + ([verify.logprobs] if verify.logprobs is not None else [])
+            extra += [verify.kept, verify.tokens] + ([verify.logprobs] if verify.logprobs is not None else [])
         return self._queue(logits, prepared.sample_ids, scores, extra), scores, verify, embeddings
+
+    def _draft_check(self, logprobs: mx.array, drafted: Sequence[tuple[str, tuple[int, ...]]]) -> DraftCheck:
+        """Each drafted lane's verdict on its rows (drafting requests draw from raw logits: no processors), and the
+        rows' log-probabilities where a drafting request asked for them (as `sample_rows` gives them)."""
+        kept, tokens, offset = [], [], 0
+        for request_id, drafts in drafted:
+            rows = logprobs[offset : offset + len(drafts)]
+            lane_kept, lane_tokens = draft_verdict(self.samplers[request_id], rows, mx.array(drafts, dtype=mx.int32))
+            kept.append(lane_kept)
+            tokens.append(lane_tokens.astype(mx.int32))
+            offset += len(drafts)
+        wanted = any(self.samplers[rid].params.logprobs is not None for rid, _ in drafted)
+        return DraftCheck(mx.concatenate(kept), mx.concatenate(tokens), logprobs if wanted else None)
 
     def _submit_compiled(
         self, lanes: list[Lane], previous: InFlightStep | None
@@ -600,11 +611,12 @@ class ModelRunner:
         the lane's sample (which, past all drafts, is the token after the last)."""
         if step.verify is None:
             return {}
-        picks = step.verify.tokens.tolist()
+        picks, verdicts = step.verify.tokens.tolist(), step.verify.kept.tolist()
         accepted, offset = {}, 0
         for request_id, drafts in step.drafted:
             model = picks[offset : offset + len(drafts)]
-            agreed = next((i for i, (pick, draft) in enumerate(zip(model, drafts)) if pick != draft), len(drafts))
+            kept = verdicts[offset : offset + len(drafts)]
+            agreed = next((i for i, keep in enumerate(kept) if not keep), len(drafts))
             top = self.samplers[request_id].params.logprobs if request_id in self.samplers else None
             kept = [self._committed(step.verify, offset + i, draft, top) for i, draft in enumerate(drafts[:agreed])]
             accepted[request_id] = kept

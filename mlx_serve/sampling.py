@@ -109,13 +109,35 @@ def _draw(sampler: RequestSampler, logprobs: mx.array) -> mx.array:
     params = sampler.params
     if params.greedy:
         return mx.argmax(logprobs, axis=-1)
+    return mx.random.categorical(_target(params, logprobs), key=sampler.next_key())
+
+
+def _target(params: SamplingParams, logprobs: mx.array) -> mx.array:
+    """The (unnormalised) log-weights a sampled request draws from: top-p, min-p and top-k, then the temperature."""
     if 0 < params.top_p < 1.0:
         logprobs = apply_top_p(logprobs, params.top_p)
     if params.min_p > 0:
         logprobs = apply_min_p(logprobs, params.min_p)
     if 0 < params.top_k < logprobs.shape[-1]:
         logprobs = apply_top_k(logprobs, params.top_k)
-    return mx.random.categorical(logprobs * (1.0 / params.temperature), key=sampler.next_key())
+    return logprobs * (1.0 / params.temperature)
+
+
+def draft_verdict(sampler: RequestSampler, logprobs: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array]:
+    """Speculative sampling of one lane's drafted rows `[D, V]` (log-probabilities), row j checking `drafts[j]`:
+    whether each draft is kept, and the token that replaces it where it is not. Greedy: kept where it is the argmax,
+    replaced by the argmax. Sampled (a draft is one token with certainty): kept with the target's probability of it,
+    else replaced by a draw from the target without it, which leaves every emitted token distributed as the target
+    (Leviathan et al.'s rule with a one-hot proposal)."""
+    if sampler.params.greedy:
+        best = mx.argmax(logprobs, axis=-1)
+        return best == drafts, best
+    target = _target(sampler.params, logprobs)
+    target = target - mx.logsumexp(target, axis=-1, keepdims=True)
+    chance = mx.exp(mx.take_along_axis(target, drafts[:, None], axis=-1)[:, 0])
+    kept = mx.random.uniform(shape=chance.shape, key=sampler.next_key()) < chance
+    without = mx.put_along_axis(target, drafts[:, None], mx.array(-mx.inf, target.dtype), axis=-1)
+    return kept, mx.random.categorical(without, key=sampler.next_key())
 
 
 def sample_rows(logits: mx.array, samplers: list[RequestSampler]) -> SampledRows:

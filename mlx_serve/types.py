@@ -36,9 +36,9 @@ class SamplingParams:
 
     @property
     def draftable(self) -> bool:
-        """Whether speculative decoding may serve it: greedy over the raw logits (no bias, penalty, grammar or held
-        stop tokens), where a drafted row's argmax is the token the request would sample there."""
-        return (self.greedy and not self.logit_bias and self.repetition_penalty == 1.0 and not self.presence_penalty
+        """Whether speculative decoding may serve it: it draws from the raw logits (no bias, penalty, grammar or held
+        stop tokens), so a drafted row's target is known when the row is (`sampling.draft_verdict`)."""
+        return (not self.logit_bias and self.repetition_penalty == 1.0 and not self.presence_penalty
                 and not self.frequency_penalty and self.grammar is None and not self.min_tokens)  # fmt: skip
 
     def validate(self, vocab_size: int) -> None:

@@ -67,7 +67,7 @@ class Request:
     # lane does not return, so its chunks stay on the GPU path
     gpu_only: bool = False
     # speculative decoding: at most this many drafted tokens a step, verified by the model (0: none; the engine sets
-    # it for greedy requests without logits processors); `ngrams` finds them (`speculation.NgramIndex`)
+    # it for requests without logits processors or a grammar); `ngrams` finds them (`speculation.NgramIndex`)
     speculate: int = 0
     ngrams: Any = field(default=None, repr=False)
     new_tokens: int = 0  # tokens the last update appended (more than one where drafts were accepted)

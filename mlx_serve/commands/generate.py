@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-budget-gb", type=positive_float_arg, default=None,
                         help="weights + KV pool budget in GiB")
     parser.add_argument("--speculative-tokens", type=whole_number_arg(0), default=0, metavar="K",
-                        help="greedy only: verify up to K prompt-lookup drafts a step (default 0: off)")
+                        help="verify up to K prompt-lookup drafts a step (default 0: off)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     parser.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
                         help="answer with JSON that follows this JSON Schema, enforced token by token")

@@ -279,9 +279,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="skip building the prefill attention shapes at start (CUDA: the first chunk of each shape "
                         "then stalls the streams for tens of ms)")
     g.add_argument("--speculative-tokens", type=whole_number_arg(0), default=0, metavar="K",
-                   help="speculative decoding by prompt lookup: a greedy request also verifies up to K tokens that "
-                        "followed an earlier occurrence of its last few tokens (its prompt or its output) in the "
-                        "same step; its tokens stay the model's own (default: 0, off)")
+                   help="speculative decoding by prompt lookup: a request also verifies up to K tokens that followed "
+                        "an earlier occurrence of its last few tokens (its prompt or its output) in the same step; "
+                        "greedy answers stay token for token, sampled ones keep their distribution (default: 0, off)")
     g.add_argument("--speculative-ngram", type=whole_number_arg(1), default=3, metavar="N",
                    help="with --speculative-tokens: match the last N tokens, down to 2 (default: %(default)s)")
     g.add_argument("--no-pipeline", action="store_true",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -89,10 +90,10 @@ def test_a_stop_string_inside_accepted_drafts_cuts_the_text_as_without_drafts(ti
     assert (got.text, got.finish_reason) == (want.text, "stop") and stop not in got.text
 
 
-def test_sampled_or_processed_requests_are_never_drafted(tiny_qwen3):
-    prompt = tuple(prompt_of(30, seed=43))
-    kinds = [SamplingParams(temperature=0.8, seed=1), SamplingParams(min_tokens=5), SamplingParams(repetition_penalty=1.2),
-             SamplingParams(logit_bias={5: 2.0})]  # fmt: skip
+def test_requests_with_logits_processors_are_never_drafted(tiny_qwen3):
+    prompt = tuple(prompt_of(30, seed=61))  # its greedy answer loops: drafts would be proposed
+    kinds = [SamplingParams(min_tokens=5), SamplingParams(repetition_penalty=1.2), SamplingParams(logit_bias={5: 2.0}),
+             SamplingParams(presence_penalty=0.5)]  # fmt: skip
     engine = speculative_engine(tiny_qwen3)
     try:
         engine.generate([GenerationRequest(prompt_ids=prompt, max_tokens=40, sampling=s) for s in kinds])
@@ -154,3 +155,41 @@ def test_accepted_drafts_carry_the_log_probabilities_a_plain_step_gives(tiny_qwe
         np.testing.assert_allclose([e.logprob for e in drafted], [e.logprob for e in plain], atol=1e-5)
         for a, b in zip(drafted, plain):
             assert [t.token_id for t in a.top_logprobs] == [t.token_id for t in b.top_logprobs]
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.7), dict(temperature=1.3, top_k=5), dict(temperature=0.9,
+                                                                                                  top_p=0.8)])
+@pytest.mark.parametrize("draft", [0, 3, 7])
+def test_a_sampled_drafts_verdict_leaves_each_token_distributed_as_the_target(params, draft):
+    """Monte Carlo over 40,000 verdicts of one row: the emitted token (the draft where kept, else the replacement)
+    follows the request's own target distribution, whether the draft is likely, unlikely or filtered out."""
+    from mlx_serve.sampling import RequestSampler, _target, draft_verdict
+
+    mx.random.seed(0)
+    logits = mx.random.normal((1, 8)) * 2
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    sampler = RequestSampler.create(SamplingParams(seed=11, **params))
+    rows = mx.broadcast_to(logprobs, (40_000, 8))
+    kept, tokens = draft_verdict(sampler, rows, mx.full((40_000,), draft, dtype=mx.int32))
+    emitted = np.array(mx.where(kept, draft, tokens))
+    target = np.array(mx.softmax(_target(sampler.params, logprobs), axis=-1))[0]
+    np.testing.assert_allclose(np.bincount(emitted, minlength=8) / 40_000, target, atol=0.012)
+
+
+def test_sampled_requests_draft_too_deterministically_and_as_greedy_at_a_tiny_temperature(tiny_qwen3):
+    prompt = prompt_of(30, seed=61)
+    near_greedy = GenerationRequest(prompt_ids=tuple(prompt), max_tokens=MAX_TOKENS,
+                                    sampling=SamplingParams(temperature=1e-4, seed=3))  # fmt: skip
+    sampled = GenerationRequest(prompt_ids=tuple(prompt), max_tokens=MAX_TOKENS,
+                                sampling=SamplingParams(temperature=0.3, seed=5))  # fmt: skip
+    runs = []
+    for _ in range(2):
+        engine = speculative_engine(tiny_qwen3)
+        try:
+            runs.append([list(c.token_ids) for c in engine.generate([near_greedy, sampled])])
+            accepted = engine.status()["counters"]["accepted_draft_tokens"]
+        finally:
+            engine.shutdown()
+        assert accepted > 0
+    assert runs[0] == runs[1]  # a seed gives the same answer, drafts and all
+    assert runs[0][0] == reference_tokens(tiny_qwen3, prompt, MAX_TOKENS)
