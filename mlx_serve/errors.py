@@ -33,6 +33,13 @@ class ModelNotFound(MlxServeError):
     error_type = "not_found_error"
 
 
+class NotFound(MlxServeError):
+    """A stored object (a response) that does not exist, or no longer."""
+
+    status_code = 404
+    error_type = "invalid_request_error"
+
+
 class RouteNotFound(InvalidRequest):
     """No endpoint at this method and path (OpenAI answers "Invalid URL" as an invalid request, with a 404)."""
 

@@ -46,7 +46,8 @@ def create_app(engine: Any, metrics: ServerMetrics | None = None, aliases: Itera
     how /v1/embeddings pools a prompt ("last" or "mean")."""
     metrics = metrics or ServerMetrics()
     metrics.watch(engine.stats)
-    shared = {"engine": engine, "model": model_info(engine, aliases, split_reasoning, pooling), "metrics": metrics}
+    shared = {"engine": engine, "model": model_info(engine, aliases, split_reasoning, pooling), "metrics": metrics,
+              "responses": responses_routes.ResponseStore()}  # fmt: skip
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
@@ -59,6 +60,8 @@ def create_app(engine: Any, metrics: ServerMetrics | None = None, aliases: Itera
         Route("/v1/completions", openai_routes.completions, methods=["POST"]),
         Route("/v1/embeddings", embedding_routes.embeddings, methods=["POST"]),
         Route("/v1/responses", responses_routes.responses, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses_routes.retrieve_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}", responses_routes.delete_response, methods=["DELETE"]),
         Route("/v1/models", openai_routes.list_models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", openai_routes.retrieve_model, methods=["GET"]),
         Route("/v1/messages", anthropic_routes.messages, methods=["POST"]),

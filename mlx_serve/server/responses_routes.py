@@ -4,16 +4,19 @@ The input (a string, or message, function-call and function-call-output items), 
 `tool_choice`, `text.format` (JSON schema) and the sampling fields become a chat request (`parse_chat`), so the
 template, tool parsing, grammar and reasoning split are the chat route's own. The answer comes back as output
 items: a reasoning item (a thinking model's reasoning), a message with its output text, then function calls;
-streamed as the API's typed events. Responses are not stored: `previous_response_id` is refused (send the
-conversation as input items instead).
+streamed as the API's typed events. With `store` (the API's default) the last `MAX_STORED` responses are kept in
+memory, so `previous_response_id` continues a conversation and `GET /v1/responses/{id}` returns one; a restart
+forgets them.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -21,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from mlx_serve.errors import InvalidRequest
+from mlx_serve.errors import InvalidRequest, NotFound
 from mlx_serve.server import openai_format as fmt
 from mlx_serve.server.openai_routes import choice_states, parse_chat
 from mlx_serve.server.protocol import Job, ModelInfo, openai_error_body, parse_json_object
@@ -32,14 +35,55 @@ PASSED_ON = ("temperature", "top_p", "top_k", "min_p", "seed", "stream", "parall
              "chat_template_kwargs", "min_tokens")  # fmt: skip
 
 
-def chat_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The chat-completions request a Responses request asks for."""
-    if body.get("previous_response_id") is not None:
-        raise InvalidRequest("responses are not stored here: send the conversation as input items",
-                             param="previous_response_id")  # fmt: skip
+MAX_STORED = 1024  # responses kept for `previous_response_id` and GET
+
+
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    conversation: list[dict[str, Any]]  # its input and answer as chat messages (instructions are not carried on)
+    body: dict[str, Any]  # the response object as it was returned
+
+
+class ResponseStore:
+    """The last `most` stored responses, oldest forgotten first; shared by the event loop and worker threads."""
+
+    def __init__(self, most: int = MAX_STORED) -> None:
+        self._most = most
+        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, response_id: str, stored: StoredResponse) -> None:
+        with self._lock:
+            self._items[response_id] = stored
+            while len(self._items) > self._most:
+                self._items.popitem(last=False)
+
+    def get(self, response_id: str, param: str = "response_id") -> StoredResponse:
+        with self._lock:
+            stored = self._items.get(response_id)
+        if stored is None:
+            raise NotFound(f"no stored response {response_id!r} (responses are kept in memory, the last "
+                           f"{self._most})", param=param)  # fmt: skip
+        return stored
+
+    def delete(self, response_id: str) -> None:
+        with self._lock:
+            if self._items.pop(response_id, None) is None:
+                raise NotFound(f"no stored response {response_id!r}", param="response_id")
+
+
+def chat_body(body: dict[str, Any], store: ResponseStore | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The chat-completions request a Responses request asks for, and its conversation so far (without the
+    instructions): the previous response's, where `previous_response_id` names one, then this input."""
     if "input" not in body:
         raise InvalidRequest("input is required", param="input")
-    messages = _messages(body["input"])
+    earlier: list[dict[str, Any]] = []
+    if (previous := body.get("previous_response_id")) is not None:
+        if not isinstance(previous, str) or store is None:
+            raise InvalidRequest("previous_response_id must name a stored response", param="previous_response_id")
+        earlier = store.get(previous, param="previous_response_id").conversation
+    conversation = [*earlier, *_messages(body["input"])]
+    messages = list(conversation)
     instructions = body.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
@@ -55,7 +99,7 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
     if (formatted := _response_format(body.get("text"))) is not None:
         chat["response_format"] = formatted
-    return chat
+    return chat, conversation
 
 
 def _messages(value: object) -> list[dict[str, Any]]:
@@ -167,8 +211,10 @@ class Output:
             "max_output_tokens": self.body.get("max_output_tokens"), "temperature": self.body.get("temperature"),
             "top_p": self.body.get("top_p"), "tools": self.body.get("tools") or [],
             "tool_choice": self.body.get("tool_choice", "auto"),
-            "parallel_tool_calls": self.body.get("parallel_tool_calls", True), "previous_response_id": None,
-            "text": self.body.get("text") or {"format": {"type": "text"}}, "metadata": {}, "store": False,
+            "parallel_tool_calls": self.body.get("parallel_tool_calls", True),
+            "previous_response_id": self.body.get("previous_response_id"),
+            "text": self.body.get("text") or {"format": {"type": "text"}}, "metadata": {},
+            "store": self.body.get("store", True) is not False,
             "usage": None if usage is None else {
                 "input_tokens": usage.prompt_tokens,
                 "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},  # not counted
@@ -183,29 +229,58 @@ def function_call_item(call: dict[str, Any]) -> dict[str, Any]:
             "name": call["function"]["name"], "arguments": call["function"]["arguments"]}  # fmt: skip
 
 
-def parse_responses(body: dict[str, Any], tokenizer: Any, model: ModelInfo) -> Job:
-    job = parse_chat(chat_body(body), tokenizer, model)
+def parse_responses(body: dict[str, Any], tokenizer: Any, model: ModelInfo,
+                    store: ResponseStore | None = None) -> tuple[Job, list[dict[str, Any]]]:  # fmt: skip
+    chat, conversation = chat_body(body, store)
+    job = parse_chat(chat, tokenizer, model)
     if len(job.requests) != 1:
         raise InvalidRequest("a response has one answer", param="n")
-    return job
+    return job, conversation
 
 
 async def responses(request: Request) -> Response:
-    engine, model = request.state.engine, request.state.model
+    engine, model, store = request.state.engine, request.state.model, request.state.responses
     body = parse_json_object(await request.body())
-    job = await run_in_threadpool(parse_responses, body, engine.tokenizer, model)
+    job, conversation = await run_in_threadpool(parse_responses, body, engine.tokenizer, model, store)
     response_id = f"resp_{uuid.uuid4().hex}"
     handles = engine.submit_all([replace(job.requests[0], request_id=response_id)])
     output = Output(response_id, job.requests[0].adapter or model.model_id, int(time.time()), body)
     [choice] = choice_states(job, engine.tokenizer)
+    keep = store if body.get("store", True) is not False else None
+
+    def finished(response: dict[str, Any]) -> None:
+        if keep is not None:
+            keep.put(response_id, StoredResponse([*conversation, _answer_message(choice)], response))
+
     if job.stream:
-        return EventStreamResponse(_stream(output, choice, handles), handles)
+        return EventStreamResponse(_stream(output, choice, handles, finished), handles)
     for event in (await collect_events(handles, request))[0]:
         choice.add(event)
-    return JSONResponse(output.response("completed", output.items(choice), choice))
+    response = output.response("completed", output.items(choice), choice)
+    finished(response)
+    return JSONResponse(response)
 
 
-async def _stream(output: Output, choice: fmt.ChoiceState, handles: Sequence[Any]) -> AsyncIterator[bytes]:
+async def retrieve_response(request: Request) -> Response:
+    return JSONResponse(request.state.responses.get(request.path_params["response_id"]).body)
+
+
+async def delete_response(request: Request) -> Response:
+    response_id = request.path_params["response_id"]
+    request.state.responses.delete(response_id)
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+def _answer_message(choice: fmt.ChoiceState) -> dict[str, Any]:
+    """The answer as the assistant's chat message, for the conversation a later response continues."""
+    message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+    if choice.tool_calls:
+        message["tool_calls"] = choice.tool_calls
+    return message
+
+
+async def _stream(output: Output, choice: fmt.ChoiceState, handles: Sequence[Any],
+                  finished: Callable[[dict[str, Any]], None]) -> AsyncIterator[bytes]:  # fmt: skip
     """The API's typed events: created, then each output item added, its deltas, done; then completed."""
     sequence = 0
 
@@ -269,4 +344,6 @@ async def _stream(output: Output, choice: fmt.ChoiceState, handles: Sequence[Any
             yield event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
                         part=part)  # fmt: skip
         yield event("response.output_item.done", output_index=index, item=item)
-    yield event("response.completed", response=output.response("completed", items, choice))
+    response = output.response("completed", items, choice)
+    finished(response)
+    yield event("response.completed", response=response)

@@ -76,7 +76,6 @@ def test_tool_calls_become_function_call_items_and_stream_as_typed_events(fake_e
 
 
 @pytest.mark.parametrize(("body", "param"), [
-    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({}, "input"),
     ({"input": [{"type": "image_generation_call"}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
@@ -103,3 +102,31 @@ def test_a_thinking_models_reasoning_is_a_reasoning_item_before_the_message(fake
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning.content[0].text
     assert [e.output_index for e in events if e.type == "response.output_text.delta"][0] == 1
     assert [item.type for item in events[-1].response.output] == ["reasoning", "message"]
+
+
+def test_a_stored_response_is_continued_retrieved_and_deleted(served, client):
+    first = client.responses.create(model="default", input="Name a colour.", max_output_tokens=8, temperature=0)
+    second = client.responses.create(model="default", input="And another?", previous_response_id=first.id,
+                                     max_output_tokens=8, temperature=0)  # fmt: skip
+    chat = client.chat.completions.create(model="default", max_tokens=8, temperature=0, messages=[
+        {"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And another?"}])  # fmt: skip
+    assert second.output_text == chat.choices[0].message.content
+    assert second.previous_response_id == first.id and second.usage.input_tokens == chat.usage.prompt_tokens
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.responses.create(model="default", input="hi", previous_response_id=first.id, max_output_tokens=2)
+    assert caught.value.body["param"] == "previous_response_id"
+    unstored = client.responses.create(model="default", input="hi", max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_a_streamed_response_is_stored_when_it_completes(served, client):
+    events = list(client.responses.create(model="default", input="Name a fruit.", max_output_tokens=6,
+                                          temperature=0, stream=True))  # fmt: skip
+    done = events[-1].response
+    assert client.responses.retrieve(done.id).output_text == done.output_text
