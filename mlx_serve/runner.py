@@ -685,7 +685,8 @@ class ModelRunner:
             if lane.samples:
                 sample_rows.append(row_start + lane.rows - 1)
                 sample_ids.append(lane.request_id)
-            adapter_rows.extend([self._adapter_of.get(lane.request_id, 0)] * lane.rows)
+            if self._adapter_of:  # per row only while some request has an adapter (a 2k-row chunk: 2k entries)
+                adapter_rows.extend([self._adapter_of.get(lane.request_id, 0)] * lane.rows)
             if lane.drafts:  # row i's next token checks draft i + 1
                 verify_rows.extend(range(row_start, row_start + lane.drafts))
                 drafted.append((lane.request_id, lane.token_ids[1:]))

@@ -253,6 +253,8 @@ class Scheduler:
     def _drafts(self, request: Request, most_rows: int) -> tuple[int, ...]:
         """Tokens to verify after the request's next row: as many as it may still generate past the next one, within
         the rows left and the blocks free (a draft never preempts)."""
+        if not request.speculate:
+            return ()
         most = min(request.speculate, most_rows, request.max_tokens - len(request.output_ids) - 1,
                    self.max_len - request.num_tokens - 1)  # fmt: skip
         if most <= 0:
