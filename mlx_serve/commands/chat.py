@@ -20,11 +20,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                                   "(default: %(default)s)")
     c.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default: %(default)s)")
     c.add_argument("--seed", type=int, default=None, help="sampling seed, for reproducible replies")
+    c.add_argument("--adapter", default=None, metavar="NAME",
+                   help="answer through the --lora adapter of this name (default: the model itself)")
 
 
 def run(args: argparse.Namespace) -> int:
     from mlx_serve.commands.serve import load_engine
 
+    from mlx_serve.errors import InvalidRequest
+
+    if args.adapter is not None and args.adapter not in {spec.name for spec in args.lora}:
+        raise InvalidRequest(f"--adapter {args.adapter!r} names no --lora adapter", param="adapter")
     engine = load_engine(args)
     try:
         chat_loop(engine, args, sys.stdin, sys.stdout)
@@ -65,7 +71,7 @@ def stream_reply(engine: Any, history: list[dict[str, str]], args: argparse.Name
     room = max(1, engine.context_length - len(prompt))
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     handle = engine.submit(GenerationRequest(prompt_ids=tuple(prompt), max_tokens=min(args.max_tokens, room),
-                                             sampling=sampling))
+                                             sampling=sampling, adapter=getattr(args, "adapter", None)))
     print("model> ", end="", file=stdout, flush=True)
     pieces = []
     try:

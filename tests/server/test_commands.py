@@ -191,3 +191,29 @@ def test_scheduling_flags_reach_the_engine_config():
     assert config.traced_midpoints is True
     defaults = engine_config(build_parser().parse_args(["serve"]))
     assert (defaults.checked_fill, defaults.floor_slack, defaults.traced_midpoints) == ("on", "auto", False)
+
+
+def test_chat_answers_through_a_named_adapter_and_refuses_an_unknown_one(tiny_qwen3: Path, tmp_path: Path,
+                                                                        tiny_tokenizer) -> None:  # fmt: skip
+    import io
+
+    from mlx_serve.commands.chat import stream_reply
+    from mlx_serve.types import TokenEvent
+
+    refused = subprocess.run([sys.executable, "-m", "mlx_serve", "chat", "--model", str(tiny_qwen3), "--adapter",
+                              "sql", "--no-progress"], input="", capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and "--adapter 'sql' names no --lora adapter" in refused.stderr
+
+    class Engine:  # what stream_reply needs of an engine, recording the request it gets
+        tokenizer = tiny_tokenizer
+        context_length = 4096
+        submitted: list = []
+
+        def submit(self, request):
+            self.submitted.append(request)
+            return iter([TokenEvent(request.request_id, 5, "ok", finish_reason="stop")])
+
+    args = build_parser().parse_args(["chat", "--lora", f"sql={tmp_path}", "--adapter", "sql"])
+    engine = Engine()
+    assert stream_reply(engine, [{"role": "user", "content": "hi"}], args, io.StringIO()) == "ok"
+    assert engine.submitted[0].adapter == "sql"
