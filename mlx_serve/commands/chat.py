@@ -26,7 +26,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from mlx_serve.commands.serve import load_engine
-
     from mlx_serve.errors import InvalidRequest
 
     if args.adapter is not None and args.adapter not in {spec.name for spec in args.lora}:
