@@ -39,6 +39,9 @@ def parse_embeddings(body: dict[str, Any], tokenizer: Any, model: ModelInfo) -> 
     if "input" not in body:
         raise InvalidRequest("input is required", param="input")
     prompts = read_prompts(body["input"], tokenizer, model.vocab_size, param="input", most=MAX_INPUTS)
+    limit = min(model.context_length, model.kv_capacity)
+    if (longest := max(len(p.ids) for p in prompts)) >= limit:
+        raise InvalidRequest(f"an input has {longest} tokens; this model embeds at most {limit - 1}", param="input")
     encoding = body.get("encoding_format", "float")
     if encoding not in ("float", "base64"):
         raise InvalidRequest(f"encoding_format must be float or base64, not {encoding!r}", param="encoding_format")

@@ -24,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from mlx_serve.errors import InvalidRequest, NotFound
+from mlx_serve.errors import InvalidRequest, MlxServeError, NotFound
 from mlx_serve.server import openai_format as fmt
 from mlx_serve.server.openai_routes import choice_states, parse_chat
 from mlx_serve.server.protocol import Job, ModelInfo, openai_error_body, parse_json_object
@@ -229,10 +229,19 @@ def function_call_item(call: dict[str, Any]) -> dict[str, Any]:
             "name": call["function"]["name"], "arguments": call["function"]["arguments"]}  # fmt: skip
 
 
+# chat fields an error may name, and the Responses fields the caller wrote instead
+CHAT_FIELDS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+               "response_format": "text"}  # fmt: skip
+
+
 def parse_responses(body: dict[str, Any], tokenizer: Any, model: ModelInfo,
                     store: ResponseStore | None = None) -> tuple[Job, list[dict[str, Any]]]:  # fmt: skip
     chat, conversation = chat_body(body, store)
-    job = parse_chat(chat, tokenizer, model)
+    try:
+        job = parse_chat(chat, tokenizer, model)
+    except MlxServeError as exc:  # name the field as the caller wrote it
+        exc.param = CHAT_FIELDS.get(exc.param, exc.param)
+        raise
     if len(job.requests) != 1:
         raise InvalidRequest("a response has one answer", param="n")
     return job, conversation

@@ -44,6 +44,7 @@ def test_dimensions_keep_the_first_components_renormalised(served, client):
     ({"input": "a", "dimensions": 0}, "dimensions"),
     ({"input": "a", "dimensions": 100000}, "dimensions"),
     ({"input": "a", "model": "nope"}, "model"),
+    ({"input": [[5] * 100_000]}, "input"),
 ])  # fmt: skip
 def test_bad_input_is_a_4xx_naming_the_field(served, body, param):
     response = httpx.post(f"{served.url}/v1/embeddings", json=body, timeout=60)

@@ -130,3 +130,13 @@ def test_a_streamed_response_is_stored_when_it_completes(served, client):
                                           temperature=0, stream=True))  # fmt: skip
     done = events[-1].response
     assert client.responses.retrieve(done.id).output_text == done.output_text
+
+
+def test_errors_name_the_responses_fields(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model="default", input="x " * 100_000, max_output_tokens=4)
+    assert caught.value.body["param"] == "input"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model="default", input="hi", text={"format": {"type": "json_schema", "name": "a",
+                                                                              "schema": {"type": "nonsense"}}})
+    assert caught.value.body["param"] == "text"
