@@ -250,7 +250,7 @@ class Engine:
     def status(self) -> dict:
         with self._lock:
             status = introspection.status(self.scheduler, self.model_id, self.pool.block_size)
-        return {**status, "compiled_shapes": self.runner.compiled_shapes()}
+        return {**status, "compiled_shapes": self.runner.compiled_shapes(), "adapters": list(self.adapters)}
 
     def stats(self) -> dict:
         with self._lock:

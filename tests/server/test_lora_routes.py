@@ -122,6 +122,7 @@ def test_adapters_load_and_unload_at_runtime_and_answer_as_mlx_lm_would(loading,
     reply = http.post("/v1/load_lora_adapter", json={"lora_name": "gamma", "lora_path": str(adapter_dirs["alpha"])})
     assert reply.status_code == 200 and "gamma" in reply.text
     assert "gamma" in {card.id for card in client.models.list()}
+    assert http.get("/v1/status").json()["adapters"] == ["gamma"]
     assert answer("gamma") == adapted_text(loading, adapter_dirs["alpha"], prompt)
     # the same name twice, a directory that is not an adapter: 4xx naming the field, nothing changed
     again = http.post("/v1/load_lora_adapter", json={"lora_name": "gamma", "lora_path": str(adapter_dirs["beta"])})
