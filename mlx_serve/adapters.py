@@ -204,9 +204,12 @@ def _stacked(base: Any, entries: list[Entry | None]) -> tuple[mx.array, mx.array
 
 
 def _dims(module: Any) -> tuple[int, int]:
-    """(output, input) features of a linear, packed or not."""
-    out, width = module.weight.shape
-    return (out, width * 32 // module.bits) if isinstance(module, nn.QuantizedLinear) else (out, width)
+    """(output, input) features of a linear, packed or not (a split-K one holds its K in slices:
+    `quantized_rows.split_k`)."""
+    if isinstance(module, nn.QuantizedLinear):
+        scales = module.scales
+        return scales.shape[-2], scales.shape[-1] * module.group_size * getattr(module, "k_splits", 1)
+    return tuple(module.weight.shape)
 
 
 def _widest(arrays: list[mx.array]) -> mx.Dtype:

@@ -227,3 +227,24 @@ def test_adapters_in_the_cuda_layout(base, adapters):
     cases = [(p, a) for p in prompts for a in (None, "alpha", "beta")]
     for (prompt, adapter), completion in zip(cases, done):
         assert list(completion.token_ids) == adapter_tokens(base, adapters.get(adapter), prompt), f"adapter {adapter}"
+
+
+def test_an_adapter_loaded_at_runtime_over_split_k_quantized_linears(tmp_path):
+    """As a 4-bit model runs on CUDA: its products folded and split over K before any adapter comes (the engine
+    splits only products wide enough to gain from it; here every one is split in two, as it would be)."""
+    from mlx_serve.adapter_specs import AdapterSpec as Spec
+    from mlx_serve.quantized_rows import RowsQuantizedLinear, split_k
+
+    base = make_checkpoint(tmp_path / "q4", arch="qwen3", seed=6, quantize_bits=4, group_size=32)
+    adapter = make_adapter(base, tmp_path / "a", rank=8, seed=7, keys=("self_attn.o_proj", "mlp.down_proj"))
+    prompt = prompt_of(40, seed=20)
+    engine = Engine.load(EngineConfig(model=str(base), kv_blocks=128, split_quantized_k="on", dequantize_rows=16))
+    try:
+        for _, module in engine.loaded.model.named_modules():
+            if type(module) is RowsQuantizedLinear:
+                split_k(module, 2)
+        engine.load_adapter(Spec("a", str(adapter)))
+        [done] = engine.generate([GenerationRequest(prompt_ids=tuple(prompt), max_tokens=MAX_TOKENS, adapter="a")])
+    finally:
+        engine.shutdown()
+    assert list(done.token_ids) == adapter_tokens(base, adapter, prompt)
