@@ -30,29 +30,33 @@ def mlx_lm_run(model, prompt: list[int], max_tokens: int) -> tuple[list[int], fl
     return tokens, (len(tokens) - 1) / (stamps[-1] - stamps[0])
 
 
-def engine_run(path: Path, prompt: list[int], max_tokens: int, drafts: int) -> dict:
+def engine_runs(path: Path, prompts: list[list[int]], max_tokens: int, drafts: int) -> list[dict]:
+    """One engine (loaded once: on CUDA its warm-up takes seconds), each prompt run alone after a warm-up."""
     from mlx_serve.engine import Engine, EngineConfig
     from mlx_serve.types import GenerationRequest
 
     engine = Engine.load(EngineConfig(model=str(path), kv_blocks=512, speculative_tokens=drafts))
+    runs = []
     try:
-        engine.generate([GenerationRequest(prompt_ids=tuple(prompt), max_tokens=4)])  # warm-up
-        before = engine.status()["counters"]
-        stamps, tokens = [], []
-        for event in engine.submit(GenerationRequest(prompt_ids=tuple(prompt), max_tokens=max_tokens)):
-            if event.token_id is not None:
-                tokens.append(event.token_id)
-                stamps.append(time.perf_counter())
-        after = engine.status()["counters"]
+        for prompt in prompts:
+            engine.generate([GenerationRequest(prompt_ids=tuple(prompt), max_tokens=4)])  # warm-up
+            before = engine.status()["counters"]
+            stamps, tokens = [], []
+            for event in engine.submit(GenerationRequest(prompt_ids=tuple(prompt), max_tokens=max_tokens)):
+                if event.token_id is not None:
+                    tokens.append(event.token_id)
+                    stamps.append(time.perf_counter())
+            after = engine.status()["counters"]
+            runs.append({
+                "tokens": tokens,
+                "decode_tok_s": (len(tokens) - 1) / (stamps[-1] - stamps[0]),
+                "steps": after["steps"] - before["steps"],
+                "drafted": after["draft_tokens"] - before["draft_tokens"],
+                "accepted": after["accepted_draft_tokens"] - before["accepted_draft_tokens"],
+            })  # fmt: skip
     finally:
         engine.shutdown()
-    return {
-        "tokens": tokens,
-        "decode_tok_s": (len(tokens) - 1) / (stamps[-1] - stamps[0]),
-        "steps": after["steps"] - before["steps"],
-        "drafted": after["draft_tokens"] - before["draft_tokens"],
-        "accepted": after["accepted_draft_tokens"] - before["accepted_draft_tokens"],
-    }
+    return runs
 
 
 def main() -> None:
@@ -75,13 +79,18 @@ def main() -> None:
         fresh = [10 + (i * 104729) % 1000 for i in range(args.prompt_len)]
         answer, _ = mlx_lm_run(model, fresh, 2 * args.max_tokens)
         prompts = {"fresh": fresh, "continued": fresh + answer[: args.max_tokens]}
-        rows = []
+        peers = {}
         for name, prompt in prompts.items():
             mlx_lm_run(model, prompt, 8)  # warm-up
-            reference, peer = mlx_lm_run(model, prompt, args.max_tokens)
+            peers[name] = mlx_lm_run(model, prompt, args.max_tokens)
+        ours = {drafts: engine_runs(path, list(prompts.values()), args.max_tokens, drafts)
+                for drafts in (0, *args.draft_tokens)}  # fmt: skip
+        rows = []
+        for i, name in enumerate(prompts):
+            reference, peer = peers[name]
             rows.append({"prompt": name, "engine": "mlx-lm generate_step", "decode_tok_s": peer})
-            for drafts in (0, *args.draft_tokens):
-                run = engine_run(path, prompt, args.max_tokens, drafts)
+            for drafts, runs in ours.items():
+                run = runs[i]
                 rows.append({"prompt": name, "engine": f"mlx_serve, {drafts} drafts" if drafts else "mlx_serve",
                              "decode_tok_s": run["decode_tok_s"], "vs_peer": run["decode_tok_s"] / peer,
                              "steps": run["steps"], "drafted": run["drafted"], "accepted": run["accepted"],
