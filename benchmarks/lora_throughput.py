@@ -11,6 +11,7 @@ checked against mlx-lm's generate_step with the request's adapter loaded.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import tempfile
 import time
@@ -58,12 +59,19 @@ def engine_run(path: Path, adapters: dict[str, Path], prompts: list[list[int]], 
     return decoded / (last - first), [[token for token, _ in s] for s in streams]
 
 
+@functools.lru_cache(maxsize=8)
+def _reference_model(path: Path, adapter: Path | None):
+    """mlx-lm's model with `adapter` loaded, once per adapter (not once per prompt checked)."""
+    from mlx_lm import load
+
+    return load(str(path), adapter_path=str(adapter) if adapter else None)[0]
+
+
 def reference(path: Path, adapter: Path | None, prompt: list[int], max_tokens: int) -> list[int]:
     import mlx.core as mx
-    from mlx_lm import load
     from mlx_lm.generate import generate_step
 
-    model, _ = load(str(path), adapter_path=str(adapter) if adapter else None)
+    model = _reference_model(path, adapter)
     return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
 
 
