@@ -35,10 +35,10 @@ class AdapterLeases:
             with self._lock:
                 self._users[name] -= 1
 
-    def add(self, adapters: Any, adapter: Any) -> None:
-        """Serve `adapter` (read already) in `adapters`."""
+    def add(self, adapters: Any, adapter: Any, limit_bytes: int | None = None) -> None:
+        """Serve `adapter` (read already) in `adapters`, its stacks kept within `limit_bytes`."""
         with self._lock:
-            adapters.add(adapter)
+            adapters.add(adapter, limit_bytes)
 
     def remove(self, adapters: Any, name: str) -> None:
         """Stop serving `name`; InvalidRequest while requests naming it are open."""

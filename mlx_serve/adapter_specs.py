@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlx_serve.errors import InvalidRequest, ModelNotFound
+from mlx_serve.errors import InvalidRequest, ModelNotFound, UnsupportedModel
 
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:/")
 
@@ -17,6 +18,34 @@ class AdapterSpec:
 
     name: str
     path: str
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterSource:
+    """An adapter's files read and checked without MLX (on a caller's thread, so the engine thread never waits on
+    the disk): its scale and its weights file's bytes."""
+
+    name: str
+    scale: float
+    weights: bytes  # adapters.safetensors as mlx_lm.lora wrote it
+
+
+def read_adapter_source(spec: AdapterSpec) -> AdapterSource:
+    """The adapter's scale and weights; UnsupportedModel for kinds served only merged (DoRA, full)."""
+    config_path, weights_path = adapter_files(spec)
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"adapter {spec.name!r}: {config_path} is not JSON: {exc}", param="lora") from None
+    kind = config.get("fine_tune_type", "lora")
+    if kind != "lora":
+        raise UnsupportedModel(f"adapter {spec.name!r} is a {kind!r} fine-tune; per-request adapters are LoRA only "
+                               "(serve it merged into the base model with --adapter-path)", param="lora")  # fmt: skip
+    scale = (config.get("lora_parameters") or {}).get("scale")
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise InvalidRequest(f"adapter {spec.name!r}: lora_parameters.scale is missing or not a number",
+                             param="lora")  # fmt: skip
+    return AdapterSource(spec.name, float(scale), weights_path.read_bytes())
 
 
 def parse_adapter_spec(text: str) -> AdapterSpec:

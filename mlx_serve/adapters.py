@@ -11,7 +11,7 @@ adapted rows run eager through the model's modules.
 
 from __future__ import annotations
 
-import json
+import io
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from mlx_serve.adapter_specs import AdapterSpec, adapter_files
+from mlx_serve.adapter_specs import AdapterSource, AdapterSpec, read_adapter_source
 from mlx_serve.errors import InvalidRequest, UnsupportedModel
 
 ADAPTER_LEAVES = ("lora_a", "lora_b")
@@ -35,25 +35,21 @@ class _Adapter:
 
 def read_adapter(spec: AdapterSpec) -> _Adapter:
     """An adapter's scale and LoRA matrices; UnsupportedModel for kinds served only merged (DoRA, full)."""
-    config_path, weights_path = adapter_files(spec)
+    return parse_adapter(read_adapter_source(spec))
+
+
+def parse_adapter(source: AdapterSource) -> _Adapter:
+    """The LoRA matrices of an adapter whose files were read (`read_adapter_source`)."""
     try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise InvalidRequest(f"adapter {spec.name!r}: {config_path} is not JSON: {exc}", param="lora") from None
-    kind = config.get("fine_tune_type", "lora")
-    if kind != "lora":
-        raise UnsupportedModel(f"adapter {spec.name!r} is a {kind!r} fine-tune; per-request adapters are LoRA only "
-                               "(serve it merged into the base model with --adapter-path)", param="lora")  # fmt: skip
-    scale = (config.get("lora_parameters") or {}).get("scale")
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
-        raise InvalidRequest(f"adapter {spec.name!r}: lora_parameters.scale is missing or not a number",
-                             param="lora")  # fmt: skip
-    weights = mx.load(str(weights_path))
+        weights = mx.load(io.BytesIO(source.weights), format="safetensors")
+    except (ValueError, RuntimeError) as exc:
+        raise InvalidRequest(f"adapter {source.name!r}: adapters.safetensors cannot be read: {exc}",
+                             param="lora") from None  # fmt: skip
     strays = sorted(name for name in weights if name.rsplit(".", 1)[-1] not in ADAPTER_LEAVES)
     if strays:
-        raise UnsupportedModel(f"adapter {spec.name!r} holds tensors other than LoRA matrices: {strays[:3]}",
+        raise UnsupportedModel(f"adapter {source.name!r} holds tensors other than LoRA matrices: {strays[:3]}",
                                param="lora")  # fmt: skip
-    return _Adapter(spec.name, float(scale), weights)
+    return _Adapter(source.name, source.scale, weights)
 
 
 @dataclass(slots=True)
@@ -107,20 +103,33 @@ class AdapterSet:
     def slot(self, name: str | None) -> int:
         return 0 if name is None else self.slots.index(name) + 1
 
-    def add(self, adapter: _Adapter) -> None:
-        """Serve `adapter` in a free slot (or a new one); every check passes before anything changes."""
+    @property
+    def stack_bytes(self) -> int:
+        """Bytes the stacked matrices of every adapted linear hold (a freed slot's zeros included)."""
+        modules = dict(self.model.named_modules())
+        return sum(_stack_bytes(_base(modules[path]), entries) for path, entries in self.entries.items())
+
+    def add(self, adapter: _Adapter, limit_bytes: int | None = None) -> None:
+        """Serve `adapter` in a free slot (or a new one); every check, the stacks' bytes within `limit_bytes`
+        included, passes before anything changes."""
         if adapter.name in self.slots:
             raise InvalidRequest(f"adapter {adapter.name!r} is already served", param="lora")
         modules = dict(self.model.named_modules())
         found = {path: _entry(modules, path, adapter) for path in _paths(adapter)}
         slot = self.slots.index(None) if None in self.slots else len(self.slots)
         grown = slot == len(self.slots)
+        slots = len(self.slots) + grown
+        planned = {path: _placed(self.entries.get(path, []), slots, slot, found.get(path))
+                   for path in {*self.entries, *found}}  # fmt: skip
+        if limit_bytes is not None:
+            needed = sum(_stack_bytes(_base(modules[path]), entries) for path, entries in planned.items())
+            if needed > limit_bytes:
+                raise InvalidRequest(f"adapter {adapter.name!r} would bring the adapters' matrices to "
+                                     f"{needed / 2**20:.1f} MiB, over the {limit_bytes / 2**20:.1f} MiB kept for "
+                                     "them (raise --adapter-memory-gb)", param="lora")  # fmt: skip
         self.slots[slot : slot + 1] = [adapter.name]
-        for path in found:
-            self.entries.setdefault(path, [None] * len(self.slots))
-        for path, entries in self.entries.items():
-            entries.extend([None] * (len(self.slots) - len(entries)))
-            entries[slot] = found.get(path)
+        for path in sorted(planned):
+            self.entries[path] = planned[path]
             if grown or path in found:  # a freed slot's matrices are zeros already
                 self._restack(modules, path)
 
@@ -137,7 +146,7 @@ class AdapterSet:
     def _restack(self, modules: dict[str, Any], path: str) -> None:
         """The linear at `path` as an `AdaptedLinear` whose stacks hold every slot's matrices (zeros where none)."""
         current = modules[path]
-        base = current.base if isinstance(current, AdaptedLinear) else current
+        base = _base(current)
         lora_a, lora_b, scales = _stacked(base, self.entries[path])
         if isinstance(current, AdaptedLinear):
             current.lora_a, current.lora_b, current.scales = lora_a, lora_b, scales
@@ -170,7 +179,7 @@ def _entry(modules: dict[str, Any], path: str, adapter: _Adapter) -> Entry:
     module = modules.get(path)
     if module is None:
         raise InvalidRequest(f"adapter {adapter.name!r} adapts {path}, which this model has not", param="lora")
-    base = module.base if isinstance(module, AdaptedLinear) else module
+    base = _base(module)
     if not isinstance(base, (nn.Linear, nn.QuantizedLinear)):
         raise UnsupportedModel(f"adapter {adapter.name!r} adapts {path}, a {type(base).__name__}; per-request "
                                "adapters take linear layers only", param="lora")  # fmt: skip
@@ -186,13 +195,36 @@ def _entry(modules: dict[str, Any], path: str, adapter: _Adapter) -> Entry:
     return a, b, adapter.scale
 
 
+def _base(module: Any) -> Any:
+    return module.base if isinstance(module, AdaptedLinear) else module
+
+
+def _placed(entries: list[Entry | None], slots: int, slot: int, entry: Entry | None) -> list[Entry | None]:
+    """A linear's matrices by slot once `entry` takes `slot` of `slots`."""
+    placed = [*entries, *[None] * (slots - len(entries))]
+    placed[slot] = entry
+    return placed
+
+
+def _stack_form(entries: list[Entry | None]) -> tuple[int, mx.Dtype]:
+    """The rank and dtype a linear's stacks take: the largest rank, the adapters' one dtype."""
+    present = [entry for entry in entries if entry is not None]
+    rank = max((a.shape[1] for a, _, _ in present), default=1)
+    return rank, _widest([array for a, b, _ in present for array in (a, b)]) if present else mx.float32
+
+
+def _stack_bytes(base: Any, entries: list[Entry | None]) -> int:
+    """What `_stacked(base, entries)` holds, worked out without building it."""
+    outputs, inputs = _dims(base)
+    rank, dtype = _stack_form(entries)
+    return (len(entries) + 1) * (inputs * rank + rank * outputs + 1) * dtype.size
+
+
 def _stacked(base: Any, entries: list[Entry | None]) -> tuple[mx.array, mx.array, mx.array]:
     """A linear's matrices stacked by slot (slot 0 and empty slots zeros), ranks zero-padded to the largest (exact:
     the pad adds zeros)."""
     outputs, inputs = _dims(base)
-    present = [entry for entry in entries if entry is not None]
-    rank = max((a.shape[1] for a, _, _ in present), default=1)
-    dtype = _widest([array for a, b, _ in present for array in (a, b)]) if present else mx.float32
+    rank, dtype = _stack_form(entries)
     stack_a, stack_b, scales = [mx.zeros((inputs, rank), dtype)], [mx.zeros((rank, outputs), dtype)], [0.0]
     for entry in entries:
         a, b, scale = entry or (mx.zeros((inputs, rank), dtype), mx.zeros((rank, outputs), dtype), 0.0)

@@ -18,6 +18,7 @@ class EngineConfig:
     model: str | None = None  # local dir or hub id; None = the built-in tiny dummy model
     adapter_path: str | None = None  # an mlx_lm.lora adapter applied to the model itself (as mlx_lm.load does)
     adapters: tuple[AdapterSpec, ...] = ()  # LoRA adapters requests choose by name (`GenerationRequest.adapter`)
+    adapter_memory_gb: float = 0.0  # kept from the KV pool for adapters loaded while serving (`load_adapter`)
     chat_template: str | None = None  # a Jinja chat template (or a file of one) in place of the checkpoint's
     memory_budget_gb: float | None = None  # weights + KV pool; None = a share of the machine's memory
     kv_blocks: int | None = None  # exact pool size in blocks (overrides the budget; tests use it)

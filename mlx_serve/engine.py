@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from mlx_serve import engine_setup, introspection
 from mlx_serve.adapter_leases import AdapterLeases
-from mlx_serve.adapter_specs import AdapterSpec, check_specs
+from mlx_serve.adapter_specs import AdapterSource, AdapterSpec, check_specs, read_adapter_source
 from mlx_serve.config import EngineConfig
 from mlx_serve.delivery import Delivery, NullObserver
 from mlx_serve.errors import EngineStopped, InvalidRequest
@@ -123,6 +123,9 @@ class Engine:
         self.delivery = Delivery(self.observer, self.trace, self._finish_on_stop_string, self._closed)
         self._controls: queue.Queue[_Control] = queue.Queue()  # work for the engine thread between steps
         self._leases = AdapterLeases()  # which open requests hold which adapter
+        self.adapter_bytes = loaded.adapters.stack_bytes if loaded.adapters is not None else 0
+        # adapters loaded while serving may grow the stacks by the share of memory kept from the KV pool for them
+        self.adapter_limit_bytes = self.adapter_bytes + int(config.adapter_memory_gb * (1 << 30))
         self._eos_ids = frozenset(self.tokenizer.eos_token_ids)
         self._lock = threading.Lock()  # guards scheduler state read by status()/stats() from other threads
         self._submissions: queue.Queue[_Submission] = queue.Queue()
@@ -219,13 +222,15 @@ class Engine:
         return adapters.names if adapters is not None else ()
 
     def load_adapter(self, spec: AdapterSpec, timeout_s: float = 300.0) -> None:
-        """Serve another LoRA adapter, read and installed by the engine thread between steps; raises what
-        `--lora` would raise for it at start-up."""
+        """Serve another LoRA adapter: its files read here, installed by the engine thread between steps; raises
+        what `--lora` would raise for it at start-up, and InvalidRequest where the stacked adapters would outgrow
+        `adapter_memory_gb`."""
         check_specs([spec])
         if self.runner.fused_mixed is not None or (self.runner.compiled and self.runner.compiled.fused):
             raise InvalidRequest("adapters cannot be loaded into an engine running the fused forward (start with "
                                  "--lora, or --fuse-decode off)", param="lora")  # fmt: skip
-        self._on_engine_thread(lambda: self._install_adapter(spec), timeout_s)
+        source = read_adapter_source(spec)  # the disk read on this thread: the streams never wait on it
+        self._on_engine_thread(lambda: self._install_adapter(source, spec.path), timeout_s)
 
     def unload_adapter(self, name: str, timeout_s: float = 60.0) -> None:
         """Stop serving an adapter; refused (InvalidRequest) while requests naming it are open."""
@@ -250,7 +255,8 @@ class Engine:
     def status(self) -> dict:
         with self._lock:
             status = introspection.status(self.scheduler, self.model_id, self.pool.block_size)
-        return {**status, "compiled_shapes": self.runner.compiled_shapes(), "adapters": list(self.adapters)}
+        return {**status, "compiled_shapes": self.runner.compiled_shapes(), "adapters": list(self.adapters),
+                "adapter_memory": {"bytes": self.adapter_bytes, "limit_bytes": self.adapter_limit_bytes}}
 
     def stats(self) -> dict:
         with self._lock:
@@ -336,17 +342,20 @@ class Engine:
             except Exception as exc:  # the caller gets it; the engine goes on
                 control.done.set_exception(exc)
 
-    def _install_adapter(self, spec: AdapterSpec) -> None:
-        from mlx_serve.adapters import AdapterSet, read_adapter
+    def _install_adapter(self, source: AdapterSource, path: str) -> None:
+        from mlx_serve.adapters import AdapterSet, parse_adapter
 
-        adapter = read_adapter(spec)
+        adapter = parse_adapter(source)
         if self.runner.adapters is None:
             self.runner.adapters = AdapterSet(self.loaded.model)
-        self._leases.add(self.runner.adapters, adapter)
-        log.info("serving adapter %s from %s", spec.name, spec.path)
+        self._leases.add(self.runner.adapters, adapter, self.adapter_limit_bytes)
+        self.adapter_bytes = self.runner.adapters.stack_bytes
+        log.info("serving adapter %s from %s (adapters' matrices: %.1f of %.1f MiB)", source.name, path,
+                 self.adapter_bytes / 2**20, self.adapter_limit_bytes / 2**20)  # fmt: skip
 
     def _remove_adapter(self, name: str) -> None:
         self._leases.remove(self.runner.adapters, name)
+        self.adapter_bytes = self.runner.adapters.stack_bytes
         log.info("stopped serving adapter %s", name)
 
     def _closed(self, request_id: str) -> None:

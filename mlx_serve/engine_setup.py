@@ -45,6 +45,9 @@ def check_settings(c: EngineConfig) -> None:
     _check_count(c.trace_neighbour_shapes, "trace_neighbour_shapes")
     _check_count(c.speculative_tokens, "speculative_tokens")
     check_specs(c.adapters)
+    if not (isinstance(c.adapter_memory_gb, (int, float)) and c.adapter_memory_gb >= 0):
+        raise InvalidRequest(f"adapter_memory_gb must be a number >= 0, not {c.adapter_memory_gb!r}",
+                             param="adapter_memory_gb")  # fmt: skip
     if c.chat_template is not None:
         from mlx_serve.model_loading import chat_template_text
 

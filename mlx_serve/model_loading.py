@@ -173,14 +173,18 @@ def kv_pool_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
     if config.kv_blocks is not None:
         return config.kv_blocks
     budget = config.memory_budget_gb * GIB if config.memory_budget_gb else 0.5 * machine_memory_bytes()
-    # a tenth of what is left stays free for activations of the largest step
-    kv_bytes = (budget - loaded.weight_bytes) * 0.9
+    # a tenth of what is left stays free for activations of the largest step; adapters loaded later get their share
+    kv_bytes = (budget - loaded.weight_bytes - config.adapter_memory_gb * GIB) * 0.9
     blocks = min(int(kv_bytes // block_bytes), cap)
     needed = math.ceil(min(loaded.context_length, 2048) / config.block_size)
     if blocks < needed:
         raise MlxServeError(
             f"memory budget {budget / GIB:.2f} GiB leaves room for {max(blocks, 0)} KV blocks after "
-            f"{loaded.weight_bytes / GIB:.2f} GiB of weights; at least {needed} are needed "
+            f"{loaded.weight_bytes / GIB:.2f} GiB of weights{_adapter_share(config)}; at least {needed} are needed "
             f"({block_bytes} bytes per block of {config.block_size} tokens). Raise --memory-budget-gb."
         )
     return blocks
+
+
+def _adapter_share(config: EngineConfig) -> str:
+    return f" and {config.adapter_memory_gb:.2f} GiB kept for adapters" if config.adapter_memory_gb else ""

@@ -238,7 +238,8 @@ def test_an_adapter_loaded_at_runtime_over_split_k_quantized_linears(tmp_path):
     base = make_checkpoint(tmp_path / "q4", arch="qwen3", seed=6, quantize_bits=4, group_size=32)
     adapter = make_adapter(base, tmp_path / "a", rank=8, seed=7, keys=("self_attn.o_proj", "mlp.down_proj"))
     prompt = prompt_of(40, seed=20)
-    engine = Engine.load(EngineConfig(model=str(base), kv_blocks=128, split_quantized_k="on", dequantize_rows=16))
+    engine = Engine.load(EngineConfig(model=str(base), kv_blocks=128, split_quantized_k="on", dequantize_rows=16,
+                                      adapter_memory_gb=0.1))  # fmt: skip
     try:
         for _, module in engine.loaded.model.named_modules():
             if type(module) is RowsQuantizedLinear:
@@ -248,3 +249,60 @@ def test_an_adapter_loaded_at_runtime_over_split_k_quantized_linears(tmp_path):
     finally:
         engine.shutdown()
     assert list(done.token_ids) == adapter_tokens(base, adapter, prompt)
+
+
+def _held_bytes(engine: Engine) -> int:
+    """What the adapted linears' stacks hold, read off the model."""
+    from mlx_serve.adapters import AdaptedLinear
+
+    return sum(m.lora_a.nbytes + m.lora_b.nbytes + m.scales.nbytes
+               for _, m in engine.loaded.model.named_modules() if isinstance(m, AdaptedLinear))  # fmt: skip
+
+
+def test_adapters_loaded_at_runtime_stay_within_the_memory_kept_for_them(base, adapters):
+    """The stacks a load would build are priced before anything changes: at the limit it loads, a byte under it is
+    refused and the adapters served answer as before."""
+    prompt = prompt_of(30, seed=21)
+    engine = engine_with(base, {"alpha": adapters["alpha"]}, adapter_memory_gb=0.0)
+    try:
+        assert engine.adapter_bytes == engine.adapter_limit_bytes == _held_bytes(engine) > 0
+        with pytest.raises(InvalidRequest, match="would bring the adapters' matrices to .* MiB, over the .* MiB kept "
+                                                 "for them \\(raise --adapter-memory-gb\\)"):  # fmt: skip
+            engine.load_adapter(AdapterSpec("beta", str(adapters["beta"])))
+        assert engine.adapters == ("alpha",) and _held_bytes(engine) == engine.adapter_bytes  # nothing changed
+        # beta takes a new slot in alpha's stacks, and stacks of its own: priced exactly
+        engine.adapter_limit_bytes = 1 << 40
+        engine.load_adapter(AdapterSpec("beta", str(adapters["beta"])))
+        needed = engine.adapter_bytes
+        assert needed == _held_bytes(engine)
+        engine.unload_adapter("beta")
+        engine.unload_adapter("alpha")
+        assert engine.adapters == () and engine.adapter_bytes == _held_bytes(engine) < needed  # freed: rank-1 zeros
+        engine.adapter_limit_bytes = needed  # both again, in the freed slots: the same stacks, so they fit
+        engine.load_adapter(AdapterSpec("beta", str(adapters["beta"])))
+        engine.load_adapter(AdapterSpec("alpha", str(adapters["alpha"])))
+        assert _held_bytes(engine) == needed
+        done = engine.generate([GenerationRequest(prompt_ids=tuple(prompt), max_tokens=MAX_TOKENS, adapter=a)
+                                for a in ("alpha", "beta")])  # fmt: skip
+    finally:
+        engine.shutdown()
+    for adapter, completion in zip(("alpha", "beta"), done):
+        assert list(completion.token_ids) == adapter_tokens(base, adapters[adapter], prompt), adapter
+
+
+def test_the_memory_kept_for_adapters_comes_out_of_the_kv_pool(base):
+    from mlx_serve.model_loading import kv_pool_blocks
+
+    engine = Engine.load(EngineConfig(model=str(base), kv_blocks=16, warm_up=False))
+    engine.shutdown()
+    block_bytes = engine.loaded.layout.bytes_per_token() * 16
+
+    def blocks(kept_gb: float) -> int:
+        return kv_pool_blocks(EngineConfig(memory_budget_gb=0.25, max_running=10**6, adapter_memory_gb=kept_gb),
+                              engine.loaded)  # fmt: skip
+
+    assert blocks(0.0) - blocks(0.125) == pytest.approx(0.125 * 2**30 * 0.9 / block_bytes, abs=1)
+    with pytest.raises(Exception, match="and 0.25 GiB kept for adapters; at least"):
+        blocks(0.25)
+    with pytest.raises(InvalidRequest, match="adapter_memory_gb must be a number >= 0"):
+        Engine.load(EngineConfig(model=str(base), adapter_memory_gb=-1.0))

@@ -193,6 +193,17 @@ def test_scheduling_flags_reach_the_engine_config():
     assert (defaults.checked_fill, defaults.floor_slack, defaults.traced_midpoints) == ("on", "auto", False)
 
 
+def test_adapter_memory_is_kept_only_where_adapters_may_be_loaded():
+    from mlx_serve.commands.serve import engine_config
+
+    def kept(*flags: str) -> float:
+        return engine_config(build_parser().parse_args(["serve", *flags])).adapter_memory_gb
+
+    assert kept() == 0.0 and kept("--allow-adapter-loading") == 1.0
+    assert kept("--allow-adapter-loading", "--adapter-memory-gb", "0.25") == 0.25
+    assert kept("--adapter-memory-gb", "2") == 2.0  # for Engine.load_adapter from Python, or a later flag
+
+
 def test_chat_answers_through_a_named_adapter_and_refuses_an_unknown_one(tiny_qwen3: Path, tmp_path: Path,
                                                                         tiny_tokenizer) -> None:  # fmt: skip
     import io

@@ -105,7 +105,7 @@ def test_an_unknown_model_names_the_adapters_served(client):
 @pytest.fixture(scope="module")
 def loading(tiny_qwen3: Path) -> Iterator[Served]:
     """A server started with no adapter that may load them (vLLM's runtime LoRA routes)."""
-    with serve_model(tiny_qwen3, {"adapter_loading": True}, kv_blocks=512) as served:
+    with serve_model(tiny_qwen3, {"adapter_loading": True}, kv_blocks=512, adapter_memory_gb=0.01) as served:
         yield served
 
 
@@ -148,6 +148,14 @@ def test_adapters_load_and_unload_at_runtime_and_answer_as_mlx_lm_would(loading,
                      ).status_code == 200  # fmt: skip
     assert answer("beta2") == adapted_text(loading, adapter_dirs["beta"], prompt)
     assert answer("default") == adapted_text(loading, None, prompt)
+    # a load the memory kept for adapters cannot hold: 400 naming the flag, and nothing changed
+    kept, loading.engine.adapter_limit_bytes = loading.engine.adapter_limit_bytes, loading.engine.adapter_bytes
+    try:
+        full = http.post("/v1/load_lora_adapter", json={"lora_name": "big", "lora_path": str(adapter_dirs["alpha"])})
+    finally:
+        loading.engine.adapter_limit_bytes = kept
+    assert full.status_code == 400 and "raise --adapter-memory-gb" in full.json()["error"]["message"]
+    assert http.get("/v1/status").json()["adapters"] == ["beta2"]
 
 
 def test_the_loading_routes_exist_only_when_allowed(served):
