@@ -16,6 +16,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from mlx_serve.adapters import AdapterRows
 from mlx_serve.fused_decode import FusedDecode
 from mlx_serve.kv_pool import KVPool
 from mlx_serve.ragged import DecodeAttention, DecodeRows, RaggedLayerCache, StepLayout
@@ -80,22 +81,51 @@ class CompiledDecode:
         self.fused = fused  # the fused forward; None: mlx-lm's modules through ragged caches
         self.min_lanes = min_lanes  # a step of 2+ lanes is padded to at least this many (see ModelRunner)
         self._step = mx.compile(self._traced)
-        self.shapes: set[tuple[int, int]] = set()  # (lanes, width) buckets traced so far
+        # steps with rows of LoRA adapters replay traces of their own, which hold the adapters' stacks as constants:
+        # dropped whenever an adapter is loaded or unloaded (`forget_adapter_traces`)
+        self._adapted_step: Callable[..., Any] | None = None
+        self._selection: AdapterRows | None = None
+        self.shapes: set[tuple[int, ...]] = set()  # (lanes, width) buckets traced so far; (lanes, width, 1) adapted
 
-    def __call__(self, lanes: Sequence[Lane], tokens: mx.array) -> mx.array:
-        """`tokens` `[len(lanes)]` are the lanes' inputs (possibly still being computed by the previous step)."""
+    def __call__(
+        self, lanes: Sequence[Lane], tokens: mx.array, adapter_slots: Sequence[int] = (),
+        selection: AdapterRows | None = None,
+    ) -> mx.array:  # fmt: skip
+        """`tokens` `[len(lanes)]` are the lanes' inputs (possibly still being computed by the previous step);
+        `adapter_slots` each lane's adapter slot (0: the base) where some lane has one, read through `selection`."""
         n = len(lanes)
         count = max(lane_bucket(n), self.min_lanes) if n > 1 else 1
         meta = decode_tables(lanes, count, self.pool)
         if count > n:
             tokens = mx.concatenate([tokens, mx.zeros((count - n,), dtype=tokens.dtype)])
-        self.shapes.add((count, meta.tables.shape[1]))
-        logits, keys, values = self._step(
-            tokens, mx.array(meta.positions), mx.array(meta.slots), mx.array(meta.tables), mx.array(meta.lengths),
-            self.pool.keys, self.pool.values,
-        )  # fmt: skip
+        inputs = (tokens, mx.array(meta.positions), mx.array(meta.slots), mx.array(meta.tables),
+                  mx.array(meta.lengths), self.pool.keys, self.pool.values)  # fmt: skip
+        if adapter_slots:
+            if self._adapted_step is None:
+                self._adapted_step = mx.compile(self._traced_adapted)
+            self._selection = selection
+            slots = np.zeros(count, dtype=np.uint32)  # pad lanes run the base model
+            slots[:n] = adapter_slots
+            self.shapes.add((count, meta.tables.shape[1], 1))
+            logits, keys, values = self._adapted_step(mx.array(slots), *inputs)
+        else:
+            self.shapes.add((count, meta.tables.shape[1]))
+            logits, keys, values = self._step(*inputs)
         self.pool.keys[:], self.pool.values[:] = keys, values
         return logits[:n] if count > n else logits
+
+    def forget_adapter_traces(self) -> None:
+        """An adapter was loaded or unloaded: its stacks changed, so the traces holding the old ones go."""
+        self._adapted_step = None
+        self.shapes = {shape for shape in self.shapes if len(shape) == 2}
+
+    def _traced_adapted(self, adapter_slots: mx.array, *inputs: Any) -> tuple[mx.array, list[mx.array], list[mx.array]]:
+        """`_traced` with each row's adapter slot an input of the trace (the adapted linears read it as it is built)."""
+        self._selection.rows = adapter_slots
+        try:
+            return self._traced(*inputs)
+        finally:
+            self._selection.rows = None
 
     def _traced(
         self,

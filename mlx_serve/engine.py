@@ -349,14 +349,19 @@ class Engine:
         if self.runner.adapters is None:
             self.runner.adapters = AdapterSet(self.loaded.model)
         self._leases.add(self.runner.adapters, adapter, self.adapter_limit_bytes)
-        self.adapter_bytes = self.runner.adapters.stack_bytes
+        self._adapters_changed()
         log.info("serving adapter %s from %s (adapters' matrices: %.1f of %.1f MiB)", source.name, path,
                  self.adapter_bytes / 2**20, self.adapter_limit_bytes / 2**20)  # fmt: skip
 
     def _remove_adapter(self, name: str) -> None:
         self._leases.remove(self.runner.adapters, name)
-        self.adapter_bytes = self.runner.adapters.stack_bytes
+        self._adapters_changed()
         log.info("stopped serving adapter %s", name)
+
+    def _adapters_changed(self) -> None:
+        self.adapter_bytes = self.runner.adapters.stack_bytes
+        if self.runner.compiled is not None:  # its adapted traces hold the old stacks
+            self.runner.compiled.forget_adapter_traces()
 
     def _closed(self, request_id: str) -> None:
         self.runner.release_one(request_id)

@@ -387,15 +387,16 @@ class ModelRunner:
         t0 = time.perf_counter()
         gpu_lanes, ane_lanes = ane_chunks.split_lanes(plan.lanes, self.prefill_lane)
         # compiled steps give the last row's logits only: rows that score or pool a prompt run eager (the scheduler
-        # keeps them off the ANE lane: `Request.gpu_only`); so do rows of an adapter (compiled traces and the fused
-        # forward are the base model's) and drafted rows (every one's logits are read)
+        # keeps them off the ANE lane: `Request.gpu_only`); so do drafted rows (every one's logits are read), and
+        # prefill beside rows of an adapter (the mixed traces and the fused forward are the base model's)
         scoring = self.scorer.wants(gpu_lanes) or self.pooler.wants(gpu_lanes)
         drafted = any(lane.drafts for lane in gpu_lanes)
-        eager_only = scoring or drafted or any(lane.request_id in self._adapter_of for lane in gpu_lanes)
+        adapted = any(lane.request_id in self._adapter_of for lane in gpu_lanes)
+        eager_only = scoring or drafted
         chunks = ane_chunks.submit(self.prefill_lane, ane_lanes, self.pool) if ane_lanes else []
         compiled = (self.compiled is not None and bool(gpu_lanes) and all(lane.rows == 1 for lane in gpu_lanes)
                     and not eager_only)  # fmt: skip
-        mixable = not compiled and self._mixed_on and compilable(gpu_lanes) and not eager_only
+        mixable = not compiled and self._mixed_on and compilable(gpu_lanes) and not (eager_only or adapted)
         mixed_shape = self._mixed_ready(gpu_lanes, plan.limit_ms) if mixable else None
         mixed = mixed_shape is not None
         prepared = None if compiled or mixed else self._prepare(gpu_lanes, previous)
@@ -534,7 +535,11 @@ class ModelRunner:
     ) -> tuple[tuple[str, ...], SampledRows | None]:
         tokens = self._input_tokens(lanes, previous)
         self._observe(lanes, tokens, list(range(len(lanes))))
-        logits = self.compiled(lanes, tokens)
+        adapter_slots = [self._adapter_of.get(lane.request_id, 0) for lane in lanes] if self._adapter_of else []
+        if any(adapter_slots):
+            logits = self.compiled(lanes, tokens, adapter_slots, self.adapters.selection)
+        else:
+            logits = self.compiled(lanes, tokens)
         sampling = [i for i, lane in enumerate(lanes) if lane.samples]
         sample_ids = tuple(lanes[i].request_id for i in sampling)
         if 0 < len(sampling) < len(lanes):

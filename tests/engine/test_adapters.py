@@ -306,3 +306,34 @@ def test_the_memory_kept_for_adapters_comes_out_of_the_kv_pool(base):
         blocks(0.25)
     with pytest.raises(InvalidRequest, match="adapter_memory_gb must be a number >= 0"):
         Engine.load(EngineConfig(model=str(base), adapter_memory_gb=-1.0))
+
+
+def test_compiled_decode_steps_carry_adapter_rows_and_forget_their_traces_when_adapters_change(base, adapters):
+    """Decode steps with adapter rows replay compiled traces of their own; a trace holds the stacks it was built over,
+    so loading another adapter into a freed slot must not replay the old adapter's matrices."""
+    prompts = [prompt_of(26, seed=22), prompt_of(31, seed=23)]
+    engine = engine_with(base, {"alpha": adapters["alpha"]}, compile_decode="on", adapter_memory_gb=0.1)
+    eager_steps = []
+    adapted_forward = engine.runner._adapted_forward
+    engine.runner._adapted_forward = lambda prepared: eager_steps.append(prepared) or adapted_forward(prepared)
+
+    def run(adapter: str) -> list[list[int]]:
+        done = engine.generate([GenerationRequest(prompt_ids=tuple(p), max_tokens=MAX_TOKENS, adapter=a)
+                                for p in prompts for a in (adapter, None)])  # fmt: skip
+        return [list(c.token_ids) for c in done]
+
+    try:
+        first = run("alpha")
+        adapted_shapes = {shape for shape in engine.runner.compiled.shapes if len(shape) == 3}
+        steps_first = len(eager_steps)
+        engine.unload_adapter("alpha")
+        assert not any(len(shape) == 3 for shape in engine.runner.compiled.shapes)  # the traces went with it
+        engine.load_adapter(AdapterSpec("beta", str(adapters["beta"])))  # into alpha's slot
+        second = run("beta")
+    finally:
+        engine.shutdown()
+    assert adapted_shapes  # decode steps with alpha's rows replayed a trace
+    assert steps_first < MAX_TOKENS  # only the prompts' chunks ran eager, not a step per token
+    cases = [(p, a) for named in ("alpha", "beta") for p in prompts for a in (named, None)]
+    for tokens, (prompt, adapter) in zip(first + second, cases, strict=True):
+        assert tokens == adapter_tokens(base, adapters.get(adapter), prompt), adapter
