@@ -5,9 +5,9 @@ Each adapted linear holds every adapter's `lora_a` / `lora_b` stacked (slot 0: z
 `[T, 1]` step makes every row its own batch element, so rows of different adapters share one step. The sum is
 mlx-lm's `LoRALinear` forward, so a request's tokens are those of `mlx_lm.load(base, adapter_path=...)`.
 
-Steps where no row has an adapter run the base model alone (compiled and fused forwards included); decode steps
-with adapter rows replay compiled traces of their own (`compiled_step`), other steps with adapter rows run eager
-through the model's modules; no adapter takes the fused forward.
+Steps where no row has an adapter run the base model alone (compiled and fused forwards included: the fused forward
+reads the linears under the wrappers); decode steps with adapter rows replay compiled traces of their own through the
+model's modules (`compiled_step`), other steps with adapter rows run eager through them.
 """
 
 from __future__ import annotations

@@ -120,15 +120,20 @@ class CompiledDecode:
         self.shapes = {shape for shape in self.shapes if len(shape) == 2}
 
     def _traced_adapted(self, adapter_slots: mx.array, *inputs: Any) -> tuple[mx.array, list[mx.array], list[mx.array]]:
-        """`_traced` with each row's adapter slot an input of the trace (the adapted linears read it as it is built)."""
+        """`_traced` through the model's modules (the fused forward is the base model's), each row's adapter slot an
+        input of the trace (the adapted linears read it as the graph is built)."""
         self._selection.rows = adapter_slots
         try:
-            return self._traced(*inputs)
+            return self._run(None, *inputs)
         finally:
             self._selection.rows = None
 
-    def _traced(
+    def _traced(self, *inputs: Any) -> tuple[mx.array, list[mx.array], list[mx.array]]:
+        return self._run(self.fused, *inputs)
+
+    def _run(
         self,
+        fused: FusedDecode | None,
         tokens: mx.array,
         positions: mx.array,
         slots: mx.array,
@@ -139,8 +144,8 @@ class CompiledDecode:
     ) -> tuple[mx.array, list[mx.array], list[mx.array]]:
         pool = self.pool.view(keys, values)
         rows = DecodeRows(tables.shape[0], tables, lengths, pool.block_size, lanes=())
-        if self.fused is not None:
-            return self.logits(self.fused(tokens, positions, slots, rows, pool)), pool.keys, pool.values
+        if fused is not None:
+            return self.logits(fused(tokens, positions, slots, rows, pool)), pool.keys, pool.values
         layout = StepLayout(positions, slots, rows, lanes=(), decode_attention=self.attention)
         caches = [RaggedLayerCache(pool, layer, layout) for layer in range(len(keys))]
         hidden = self.model.model(tokens[:, None], cache=caches)[:, 0, :]

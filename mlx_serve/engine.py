@@ -26,7 +26,7 @@ from mlx_serve.adapter_leases import AdapterLeases
 from mlx_serve.adapter_specs import AdapterSource, AdapterSpec, check_specs, read_adapter_source
 from mlx_serve.config import EngineConfig
 from mlx_serve.delivery import Delivery, NullObserver
-from mlx_serve.errors import EngineStopped, InvalidRequest
+from mlx_serve.errors import EngineStopped
 from mlx_serve.grammar import Grammars
 from mlx_serve.handle import RequestHandle, submit_each
 from mlx_serve.kernels.paged_attention import cuda_available
@@ -226,9 +226,6 @@ class Engine:
         what `--lora` would raise for it at start-up, and InvalidRequest where the stacked adapters would outgrow
         `adapter_memory_gb`."""
         check_specs([spec])
-        if self.runner.fused_mixed is not None or (self.runner.compiled and self.runner.compiled.fused):
-            raise InvalidRequest("adapters cannot be loaded into an engine running the fused forward (start with "
-                                 "--lora, or --fuse-decode off)", param="lora")  # fmt: skip
         source = read_adapter_source(spec)  # the disk read on this thread: the streams never wait on it
         self._on_engine_thread(lambda: self._install_adapter(source, spec.path), timeout_s)
 

@@ -23,6 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
+from mlx_serve.adapters import AdaptedLinear
 from mlx_serve.kernels.add_norm import AddNorm, select_add_norm
 from mlx_serve.kernels.decode_qkv import HeadSpec, QKVRows, plain_qkv_rows, select_qkv_rows
 from mlx_serve.kv_pool import KVPool
@@ -52,20 +53,35 @@ def unsupported_reason(model: Any) -> str | None:
         if getattr(block, "use_sliding", False):
             return "sliding-window layers"
         if not all(isinstance(m, (nn.Linear, nn.QuantizedLinear)) for m in _linear_leaves(block)):
-            return "adapter layers (LoRA) on its linears"
+            return "linears of another kind"
         if type(attn.rope) is not nn.RoPE or attn.rope.dims != _head_dim(attn):
             return f"RoPE {type(attn.rope).__name__} over {attn.rope.dims} dims"
-        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        projections = _projections(attn)
         if len({type(p) for p in projections}) != 1 or len({_quantization(p) for p in projections}) != 1:
             return "q/k/v projections of different kinds"
     return None
 
 
 def _linear_leaves(block: nn.Module) -> list[nn.Module]:
-    """The block's projections: attention's q/k/v/o, and a dense MLP's gate/up/down."""
+    """The block's projections: attention's q/k/v/o, and a dense MLP's gate/up/down (under any LoRA adapters: the
+    fused forward runs steps without adapter rows, where an adapted linear is its base)."""
     attn, mlp = block.self_attn, block.mlp
     names = ("gate_proj", "up_proj", "down_proj") if type(mlp).__name__ == "MLP" else ()
-    return [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, *(getattr(mlp, name) for name in names)]
+    linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, *(getattr(mlp, name) for name in names)]
+    return [unadapted(linear) for linear in linears]
+
+
+def unadapted(linear: nn.Module) -> nn.Module:
+    """The linear under a LoRA adapter's wrapper (`adapters.AdaptedLinear`), or the linear itself."""
+    return linear.base if isinstance(linear, AdaptedLinear) else linear
+
+
+def _projections(attn: Any) -> list[nn.Module]:
+    return [unadapted(p) for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
+
+
+def _gate_up(mlp: Any) -> list[nn.Module]:
+    return [unadapted(mlp.gate_proj), unadapted(mlp.up_proj)]
 
 
 def fuse_layers(model: Any) -> list[FusedLayer]:
@@ -76,10 +92,10 @@ def fuse_layers(model: Any) -> list[FusedLayer]:
     layers = []
     for block in model.model.layers:
         attn = block.self_attn
-        qkv = _concatenate([attn.q_proj, attn.k_proj, attn.v_proj])
+        qkv = _concatenate(_projections(attn))
         mlp = block.mlp
-        dense = type(mlp).__name__ == "MLP" and _quantization(mlp.gate_proj) == _quantization(mlp.up_proj)
-        gate_up = _concatenate([mlp.gate_proj, mlp.up_proj]) if dense else None
+        dense = type(mlp).__name__ == "MLP" and len({_quantization(p) for p in _gate_up(mlp)}) == 1
+        gate_up = _concatenate(_gate_up(mlp)) if dense else None
         layers.append(FusedLayer(block, _spec(attn), qkv, gate_up))
     return layers
 
@@ -88,10 +104,9 @@ def viewed_projections(layers: list[FusedLayer]) -> set[int]:
     """Ids of the block projections that are views of the fused layers' arrays (`_concatenate`)."""
     ids = set()
     for layer in layers:
-        attn = layer.block.self_attn
-        ids.update(id(p) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+        ids.update(id(p) for p in _projections(layer.block.self_attn))
         if layer.gate_up is not None:
-            ids.update(id(p) for p in (layer.block.mlp.gate_proj, layer.block.mlp.up_proj))
+            ids.update(id(p) for p in _gate_up(layer.block.mlp))
     return ids
 
 
@@ -103,9 +118,9 @@ def split_fused_projections(layers: list[FusedLayer]) -> int:
     changed = 0
     for layer in layers:
         attn, mlp = layer.block.self_attn, layer.block.mlp
-        groups = [(layer.qkv, (attn.q_proj, attn.k_proj, attn.v_proj))]
+        groups = [(layer.qkv, _projections(attn))]
         if layer.gate_up is not None:
-            groups.append((layer.gate_up, (mlp.gate_proj, mlp.up_proj)))
+            groups.append((layer.gate_up, _gate_up(mlp)))
         for fused, parts in groups:
             widths = [part.weight.shape[-2] for part in parts]
             splits = split_where_worth_it(fused)
@@ -203,7 +218,7 @@ class FusedDecode:
 
 def _head_dim(attn: Any) -> int:
     # the weight's rows: [out, in], or [k_splits, out, in / k_splits] once split over K (`quantized_rows.split_k`)
-    return attn.q_proj.weight.shape[-2] // attn.n_heads if not hasattr(attn, "head_dim") else attn.head_dim
+    return unadapted(attn.q_proj).weight.shape[-2] // attn.n_heads if not hasattr(attn, "head_dim") else attn.head_dim
 
 
 def _spec(attn: Any) -> HeadSpec:

@@ -146,9 +146,35 @@ def test_a_cancelled_adapter_request_leaves_the_others_right(base, adapters):
     assert tokens == adapter_tokens(base, adapters["alpha"], prompt)
 
 
-def test_the_fused_forward_is_refused_over_adapted_linears(base, adapters):
-    with pytest.raises(InvalidRequest, match="cannot take the fused forward: adapter layers"):
-        engine_with(base, {"alpha": adapters["alpha"]}, compile_decode="on", fuse_decode="on")
+@pytest.mark.parametrize("bits", [None, 4])
+def test_base_rows_take_the_fused_forward_beside_adapters(tmp_path, base, adapters, bits):
+    """As on CUDA: steps with no adapter row run the fused forward (decode compiled, prefill in compiled mixed
+    traces), adapter rows the modules; an adapter loaded at runtime wraps the fused forward's views of q/k/v."""
+    if bits is not None:
+        base = make_checkpoint(tmp_path / "q4", arch="qwen3", seed=8, quantize_bits=bits, group_size=32)
+        adapters = {"alpha": make_adapter(base, tmp_path / "a", rank=8, seed=9),
+                    "beta": make_adapter(base, tmp_path / "b", rank=4, seed=10, keys=("self_attn.v_proj",
+                                                                                      "mlp.up_proj"))}  # fmt: skip
+    prompts = [prompt_of(29, seed=24), prompt_of(44, seed=25)]
+    engine = engine_with(base, {"alpha": adapters["alpha"]}, compile_decode="on", fuse_decode="on", fuse_mixed="on",
+                         compile_mixed="on", defer_mixed_traces="off", warm_up=False, adapter_memory_gb=0.1)
+    fused_steps = []
+    mixed = engine.runner.fused_mixed.mixed
+    engine.runner.fused_mixed.mixed = lambda *args: fused_steps.append(args) or mixed(*args)
+    try:
+        assert engine.runner.compiled.fused is not None
+        engine.load_adapter(AdapterSpec("beta", str(adapters["beta"])))
+        cases = [(p, a) for p in prompts for a in (None, "alpha", "beta")]
+        done = engine.generate([GenerationRequest(prompt_ids=tuple(p), max_tokens=MAX_TOKENS, adapter=a)
+                                for p, a in cases])  # fmt: skip
+        alone = engine.generate([GenerationRequest(prompt_ids=tuple(p), max_tokens=MAX_TOKENS) for p in prompts])
+    finally:
+        engine.shutdown()
+    assert fused_steps  # the base-only steps ran the fused forward
+    for (prompt, adapter), completion in zip(cases, done):
+        assert list(completion.token_ids) == adapter_tokens(base, adapters.get(adapter), prompt), f"adapter {adapter}"
+    for prompt, completion in zip(prompts, alone):
+        assert list(completion.token_ids) == adapter_tokens(base, None, prompt)
 
 
 def test_an_unknown_adapter_is_refused_at_submit(base, adapters):
