@@ -39,6 +39,7 @@ class QueuedScores:
     request_id: str
     first: int  # the prompt position of the first entry (the first row's position + 1)
     logprobs: mx.array  # [n] each next prompt token's log-probability
+    ranks: mx.array  # [n] its rank among the vocabulary (1: the likeliest)
     top_ids: mx.array | None  # [n, k], most likely first (None: k is 0)
     top_logprobs: mx.array | None
 
@@ -79,10 +80,11 @@ class PromptScorer:
                              targets[i : i + SCORE_SLICE_ROWS], top)
                 for i in range(0, part.rows, SCORE_SLICE_ROWS)
             ]  # fmt: skip
-            chosen = mx.concatenate([piece[0] for piece in pieces])
-            ids = mx.concatenate([piece[1] for piece in pieces]) if top else None
-            values = mx.concatenate([piece[2] for piece in pieces]) if top else None
-            queued.append(QueuedScores(part.request_id, part.position + 1, chosen, ids, values))
+            chosen = mx.concatenate([piece.chosen for piece in pieces])
+            ranks = mx.concatenate([piece.ranks for piece in pieces])
+            ids = mx.concatenate([piece.top_ids for piece in pieces]) if top else None
+            values = mx.concatenate([piece.top_logprobs for piece in pieces]) if top else None
+            queued.append(QueuedScores(part.request_id, part.position + 1, chosen, ranks, ids, values))
         return queued
 
     def read(self, queued: Sequence[QueuedScores]) -> dict[str, tuple[int, list[PromptLogprob]]]:
@@ -96,27 +98,36 @@ class PromptScorer:
         return out
 
 
-def _score_slice(logits: mx.array, targets: np.ndarray, top: int) -> tuple[mx.array, mx.array | None, mx.array | None]:
-    """Log-probabilities of `targets` under rows of `logits` `[n, V]`, and the top `top` of each row."""
+@dataclass(frozen=True, slots=True)
+class _SliceScores:
+    chosen: mx.array
+    ranks: mx.array
+    top_ids: mx.array | None
+    top_logprobs: mx.array | None
+
+
+def _score_slice(logits: mx.array, targets: np.ndarray, top: int) -> _SliceScores:
+    """Log-probabilities of `targets` under rows of `logits` `[n, V]`, their ranks, and the top `top` of each row."""
     logprobs = logits.astype(mx.float32)
     logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
     chosen = mx.take_along_axis(logprobs, mx.array(targets)[:, None], axis=-1)[:, 0]
+    ranks = 1 + (logprobs > chosen[:, None]).sum(axis=-1).astype(mx.int32)
     if not top:
-        return chosen, None, None
-    return chosen, *top_logprobs(logprobs, top)
+        return _SliceScores(chosen, ranks, None, None)
+    return _SliceScores(chosen, ranks, *top_logprobs(logprobs, top))
 
 
 def score_arrays(queued: Sequence[QueuedScores]) -> list[mx.array]:
     """What evaluating the scores needs (queued with the step's other outputs)."""
-    return [a for q in queued for a in (q.logprobs, q.top_ids, q.top_logprobs) if a is not None]
+    return [a for q in queued for a in (q.logprobs, q.ranks, q.top_ids, q.top_logprobs) if a is not None]
 
 
 def _entries(scores: QueuedScores, prompt: np.ndarray) -> list[PromptLogprob]:
-    chosen = scores.logprobs.tolist()
+    chosen, ranks = scores.logprobs.tolist(), scores.ranks.tolist()
     ids = scores.top_ids.tolist() if scores.top_ids is not None else None
     values = scores.top_logprobs.tolist() if scores.top_logprobs is not None else None
     return [
         PromptLogprob(int(prompt[scores.first + i]), logprob,
-                      tuple(map(TokenLogprob, ids[i], values[i])) if ids is not None else None)
+                      tuple(map(TokenLogprob, ids[i], values[i])) if ids is not None else None, ranks[i])
         for i, logprob in enumerate(chosen)
     ]  # fmt: skip

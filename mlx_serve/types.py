@@ -110,6 +110,7 @@ class PromptLogprob:
     token_id: int
     logprob: float | None
     top_logprobs: tuple[TokenLogprob, ...] | None = None
+    rank: int | None = None  # 1 + how many tokens were likelier (None for the first token)
 
 
 @dataclass(frozen=True, slots=True)

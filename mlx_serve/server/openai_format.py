@@ -50,12 +50,17 @@ class ChoiceState:
     entry_chars: int = 0  # characters of the logprob entries' tokens so far: the next entry's text offset
     reasoner: ReasoningSplitter | None = None  # a thinking model's reasoning goes apart from its answer
     reasoning: str = ""
+    echo_top: int = 0  # alternatives each echoed prompt token lists (completions' `logprobs`)
+    prompt_top: int | None = None  # vLLM's `prompt_logprobs`: alternatives each prompt token lists; None: not asked
+    prompt_scores: tuple[PromptLogprob, ...] = ()  # the prompt's tokens scored, once the engine sent them
 
     def add(self, event: TokenEvent) -> Delta:
         if event.finish_reason == "error":
             raise GenerationFailed(f"generation failed: {event.error or 'unknown engine error'}")
         reasoning, text = self._reason(event)
         text, call_texts = self._split(text, event.finish_reason is not None)
+        if event.prompt_logprobs is not None and not self.prompt_scores:
+            self.prompt_scores = event.prompt_logprobs
         calls = parse_tool_calls(self.tokenizer, call_texts, self.tools, len(self.tool_calls))
         wants_entry = self.want_logprobs and event.token_id is not None and event.logprob is not None
         entries = [logprob_entry(self.tokenizer, event)] if wants_entry else []
@@ -77,7 +82,7 @@ class ChoiceState:
     def _prompt_entries(self, event: TokenEvent) -> list[dict[str, Any]]:
         if not self.want_logprobs or event.prompt_logprobs is None:
             return []
-        return [prompt_entry(self.tokenizer, entry) for entry in event.prompt_logprobs]
+        return [prompt_entry(self.tokenizer, entry, self.echo_top) for entry in event.prompt_logprobs]
 
     def _reason(self, event: TokenEvent) -> tuple[str, str]:
         """The event's reasoning text and the rest (all the rest when the model does not think aloud)."""
@@ -118,14 +123,34 @@ def logprob_entry(tokenizer: Any, event: TokenEvent) -> dict[str, Any]:
     return {"token": token, "logprob": event.logprob, "bytes": list(token.encode()), "top_logprobs": top}
 
 
-def prompt_entry(tokenizer: Any, entry: PromptLogprob) -> dict[str, Any]:
+def prompt_entry(tokenizer: Any, entry: PromptLogprob, top_k: int = 20) -> dict[str, Any]:
     """A logprob entry for a prompt token (the first one has neither a logprob nor alternatives)."""
     token = token_text(tokenizer, entry.token_id)
     top = None if entry.logprob is None else [
         {"token": (alt := token_text(tokenizer, t.token_id)), "logprob": t.logprob, "bytes": list(alt.encode())}
-        for t in entry.top_logprobs or ()
+        for t in (entry.top_logprobs or ())[:top_k]
     ]  # fmt: skip
     return {"token": token, "logprob": entry.logprob, "bytes": list(token.encode()), "top_logprobs": top}
+
+
+def vllm_prompt_logprobs(choice: ChoiceState) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first), the token itself and the top alternatives by
+    token id, each with its log-probability, its rank (1: the likeliest) and its text."""
+    if choice.prompt_top is None:
+        return None
+
+    def logprob(token_id: int, value: float, rank: int | None) -> dict[str, Any]:
+        return {"logprob": value, "rank": rank, "decoded_token": token_text(choice.tokenizer, token_id)}
+
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for entry in choice.prompt_scores:
+        if entry.logprob is None:
+            out.append(None)
+            continue
+        alternatives = (entry.top_logprobs or ())[: choice.prompt_top]
+        scored = {str(t.token_id): logprob(t.token_id, t.logprob, rank) for rank, t in enumerate(alternatives, 1)}
+        out.append({str(entry.token_id): logprob(entry.token_id, entry.logprob, entry.rank), **scored})
+    return out
 
 
 def completion_logprobs(entries: Sequence[dict[str, Any]], text_offset: int = 0) -> dict[str, Any]:
@@ -171,12 +196,15 @@ def chat_message(choice: ChoiceState) -> dict[str, Any]:
 
 def chat_response(job_id: str, model: str, created: int, choices: Sequence[ChoiceState],
                   with_logprobs: bool) -> dict[str, Any]:
-    return {
+    response = {
         "id": job_id, "object": "chat.completion", "created": created, "model": model,
         "choices": [{"index": c.index, "message": chat_message(c), "finish_reason": c.finish_reason,
                      "logprobs": {"content": c.logprobs} if with_logprobs else None} for c in choices],
         "usage": usage_body(choices),
     }
+    if choices and choices[0].prompt_top is not None:  # one prompt for every choice: vLLM puts it on the response
+        response["prompt_logprobs"] = vllm_prompt_logprobs(choices[0])
+    return response
 
 
 def completion_response(job_id: str, model: str, created: int, choices: Sequence[ChoiceState],
@@ -184,7 +212,9 @@ def completion_response(job_id: str, model: str, created: int, choices: Sequence
     return {
         "id": job_id, "object": "text_completion", "created": created, "model": model,
         "choices": [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
-                     "logprobs": completion_logprobs(c.logprobs) if with_logprobs else None} for c in choices],
+                     "logprobs": completion_logprobs(c.logprobs) if with_logprobs else None,
+                     **({"prompt_logprobs": vllm_prompt_logprobs(c)} if c.prompt_top is not None else {})}
+                    for c in choices],
         "usage": usage_body(choices),
     }
 

@@ -30,6 +30,7 @@ from mlx_serve.server.protocol import (
     parse_json_object,
     read_bool,
     read_int,
+    read_prompt_logprobs,
     read_prompts,
     read_stream_options,
 )
@@ -57,12 +58,13 @@ def parse_chat(body: dict[str, Any], tokenizer: Any, model: ModelInfo) -> Job:
     top = read_int(body, "top_logprobs", low=0, high=20)
     if top is not None and not want_logprobs:
         raise InvalidRequest("top_logprobs needs logprobs set to true", param="top_logprobs")
+    prompt_top = read_prompt_logprobs(body, stream)
     requests = build_requests(body, prompt, model, logprobs=(top or 0) if want_logprobs else None,
                               max_token_fields=("max_completion_tokens", "max_tokens"),
                               n=read_int(body, "n", 1, low=1, high=MAX_CHOICES),
-                              grammar=_grammar(body, tools, tokenizer))
+                              grammar=_grammar(body, tools, tokenizer), prompt_logprobs=prompt_top)
     return Job(requests, stream, read_stream_options(body, stream), want_logprobs, tools, n=len(requests),
-               split_reasoning=model.split_reasoning)
+               split_reasoning=model.split_reasoning, prompt_logprobs=prompt_top)
 
 
 def _grammar(body: dict[str, Any], tools: list[dict[str, Any]] | None = None, tokenizer: Any = None) -> str | None:
@@ -94,17 +96,19 @@ def parse_completion(body: dict[str, Any], tokenizer: Any, model: ModelInfo) -> 
     # echo with max_tokens 0 scores the prompt alone (lm-eval's loglikelihood): one token is made and dropped
     echo_only = echo and body.get("max_tokens") == 0
     grammar = _grammar(body)
+    prompt_top = read_prompt_logprobs(body, stream)
+    # echoed logprobs and vLLM's prompt_logprobs share one scoring of the prompt, at the larger top k
+    scored = max((k for k in (top if echo else None, prompt_top) if k is not None), default=None)
     fields = {**body, "max_tokens": 1} if echo_only else body
     requests = tuple(
         request
         for prompt in prompts
         for request in build_requests(fields, prompt.ids, model, logprobs=top, max_token_fields=("max_tokens",), n=n,
-                                      prompt_param="prompt", prompt_logprobs=top if echo else None,
-                                      grammar=grammar)
+                                      prompt_param="prompt", prompt_logprobs=scored, grammar=grammar)
     )  # fmt: skip
     echoed = tuple(prompt.text for prompt in prompts for _ in range(n)) if echo else None
     return Job(requests, stream, read_stream_options(body, stream), top is not None, n=n, echo=echoed,
-               echo_only=echo_only)
+               echo_only=echo_only, echo_top=top or 0, prompt_logprobs=prompt_top)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -219,7 +223,7 @@ def choice_states(job: Job, tokenizer: Any) -> list[fmt.ChoiceState]:
     """One answer state per request of the job (tool-call and reasoning splitters as the job asks)."""
     return [fmt.ChoiceState(i, tokenizer, job.want_logprobs, make_splitter(tokenizer, job.tools), job.tools,
                             counts_prompt=i % job.n == 0, echo=job.echo[i] if job.echo else None,
-                            echo_only=job.echo_only,
+                            echo_only=job.echo_only, echo_top=job.echo_top, prompt_top=job.prompt_logprobs,
                             reasoner=make_reasoning_splitter(tokenizer, request.prompt_ids, job.split_reasoning))
             for i, request in enumerate(job.requests)]  # fmt: skip
 

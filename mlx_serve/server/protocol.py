@@ -285,6 +285,16 @@ class Job:
     echo: tuple[str, ...] | None = None  # completions with `echo`: each request's prompt text, put before its answer
     echo_only: bool = False  # `echo` with max_tokens 0: the answer is the prompt alone (one token is made, dropped)
     split_reasoning: bool = False  # a thinking model's reasoning goes to `reasoning_content` (chat answers)
+    echo_top: int = 0  # completions' `logprobs` with `echo`: alternatives each echoed prompt token lists
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's log-probability and top k, in the response
+
+
+def read_prompt_logprobs(body: Mapping[str, Any], stream: bool) -> int | None:
+    """vLLM's `prompt_logprobs` (top k, 0-20): not with a stream, as vLLM refuses it."""
+    top = read_int(body, "prompt_logprobs", low=0, high=20)
+    if top is not None and stream:
+        raise InvalidRequest("prompt_logprobs is not available when stream is true", param="prompt_logprobs")
+    return top
 
 
 def read_stream_options(body: Mapping[str, Any], stream: bool) -> bool:

@@ -115,3 +115,52 @@ def test_bad_prompts_are_refused_with_the_reason(served, client, prompt, message
 def test_max_tokens_0_without_echo_is_refused(served, client):
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model=served.engine.model_id, prompt="hi", max_tokens=0)
+
+
+def _assert_vllm_prompt_logprobs(served, prompt: list[int], entries, top: int) -> None:
+    """vLLM's `prompt_logprobs`: None for the first token, then the token and the top alternatives by id, each with
+    mlx-lm's log-probability, its rank in the vocabulary and its text."""
+    reference = reference_prompt_logprobs(served.model_path, prompt)
+    tokenizer = served.engine.tokenizer
+    assert len(entries) == len(prompt) and entries[0] is None
+    for position, entry in enumerate(entries[1:], 1):
+        row = reference[position - 1]
+        token = prompt[position]
+        order = np.argsort(-row, kind="stable")
+        expected_ids = {token, *order[:top].tolist()}
+        assert {int(k) for k in entry} == expected_ids
+        for key, value in entry.items():
+            token_id = int(key)
+            assert value["logprob"] == pytest.approx(float(row[token_id]), abs=2e-5)
+            assert value["rank"] == 1 + int((row > row[token_id] + 1e-6).sum()), (position, token_id)
+            assert value["decoded_token"] == tokenizer.decode([token_id])
+
+
+def test_vllm_prompt_logprobs_on_completions_and_chat(served, client):
+    prompt = prompt_of(33, seed=420)
+    reply = client.completions.create(model=served.engine.model_id, prompt=[prompt], max_tokens=3, temperature=0,
+                                      extra_body={"prompt_logprobs": 2})  # fmt: skip
+    choice = reply.model_dump()["choices"][0]
+    _assert_vllm_prompt_logprobs(served, prompt, choice["prompt_logprobs"], 2)
+    assert choice["logprobs"] is None  # the answer's were not asked for
+    # with echo and logprobs 1 beside it: one scoring, each answer shaped as asked
+    both = client.completions.create(model=served.engine.model_id, prompt=[prompt], max_tokens=0, echo=True,
+                                     logprobs=1, temperature=0, extra_body={"prompt_logprobs": 3})  # fmt: skip
+    _assert_scored(served, prompt, both.choices[0].logprobs, 1)
+    _assert_vllm_prompt_logprobs(served, prompt, both.model_dump()["choices"][0]["prompt_logprobs"], 3)
+
+    messages = [{"role": "user", "content": "score me"}]
+    chat = client.chat.completions.create(model=served.engine.model_id, messages=messages, max_tokens=2, n=2,
+                                          temperature=0, extra_body={"prompt_logprobs": 0})  # fmt: skip
+    chat_prompt = served.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    _assert_vllm_prompt_logprobs(served, list(chat_prompt), chat.model_dump()["prompt_logprobs"], 0)
+
+
+def test_prompt_logprobs_are_refused_with_a_stream_or_out_of_range(served, client):
+    for body, message in [({"prompt_logprobs": 1, "stream": True}, "not available when stream is true"),
+                          ({"prompt_logprobs": 21}, "prompt_logprobs"), ({"prompt_logprobs": "2"}, "prompt_logprobs")]:
+        extra = {k: v for k, v in body.items() if k != "stream"}
+        with pytest.raises(openai.BadRequestError, match=message) as caught:
+            client.completions.create(model=served.engine.model_id, prompt=[1, 2, 3], max_tokens=1,
+                                      stream=body.get("stream", False), extra_body=extra)  # fmt: skip
+        assert caught.value.body["param"] == "prompt_logprobs"
