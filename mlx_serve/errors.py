@@ -28,6 +28,13 @@ class ContextLengthExceeded(InvalidRequest):
     error_type = "invalid_request_error"
 
 
+class Unauthorized(MlxServeError):
+    """No API key, or the wrong one, where the server was started with one."""
+
+    status_code = 401
+    error_type = "invalid_request_error"
+
+
 class ModelNotFound(MlxServeError):
     status_code = 404
     error_type = "not_found_error"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
 from typing import Any
@@ -106,6 +107,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="a thinking model's reasoning (between its think markers) in chat answers: split puts it in "
                            "reasoning_content (as mlx-lm's and vLLM's servers do), raw leaves it in content "
                            "(default: %(default)s)")
+    http.add_argument("--api-key", default=os.environ.get("MLX_SERVE_API_KEY"), metavar="KEY",
+                      help="every /v1 route asks for this key (Authorization: Bearer KEY, or x-api-key); /health and "
+                           "/metrics stay open (default: $MLX_SERVE_API_KEY, else none)")
+    http.add_argument("--allowed-origins", action="append", default=[], metavar="ORIGIN",
+                      help="a browser origin allowed to call the server (CORS; repeatable; * for any)")
+    http.add_argument("--ssl-certfile", default=None, metavar="FILE", help="serve HTTPS with this certificate")
+    http.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="the certificate's private key")
     http.add_argument("--allow-adapter-loading", action="store_true",
                       help="add vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (they read adapter "
                            "directories named by the client: only on a trusted network)")
@@ -352,6 +360,22 @@ def check_listen(host: str, port: int) -> None:
         raise MlxServeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
+def check_tls(certfile: str | None, keyfile: str | None) -> None:
+    """Both or neither, each a readable certificate chain and key (checked before the model loads)."""
+    import ssl
+
+    from mlx_serve.errors import MlxServeError
+
+    if certfile is None and keyfile is None:
+        return
+    if certfile is None or keyfile is None:
+        raise MlxServeError("--ssl-certfile and --ssl-keyfile go together")
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
+    except (OSError, ssl.SSLError) as exc:
+        raise MlxServeError(f"cannot use {certfile} and {keyfile} for HTTPS: {exc}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     import logging
 
@@ -360,15 +384,20 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     check_listen(args.host, args.port)  # before the model loads: a taken port is known in a millisecond
+    check_tls(args.ssl_certfile, args.ssl_keyfile)
     metrics = ServerMetrics()
     engine = load_engine(args, observer=metrics)
     app = create_app(engine, metrics, aliases=args.served_model_name, split_reasoning=args.reasoning == "split",
-                     adapter_loading=args.allow_adapter_loading, pooling=args.pooling)
+                     adapter_loading=args.allow_adapter_loading, pooling=args.pooling, api_key=args.api_key,
+                     allowed_origins=args.allowed_origins)
     log = logging.getLogger("mlx_serve.server")
-    log.info("model %s loaded; serving on http://%s:%d", engine.model_id, args.host, args.port)
+    scheme = "https" if args.ssl_certfile else "http"
+    log.info("model %s loaded; serving on %s://%s:%d", engine.model_id, scheme, args.host, args.port)
     host = f"[{args.host}]" if ":" in args.host else args.host  # IPv6 literals need brackets
     try:
-        serve_until_signalled(app, hypercorn_config(f"{host}:{args.port}", args.drain_timeout, args.access_log))
+        config = hypercorn_config(f"{host}:{args.port}", args.drain_timeout, args.access_log, args.ssl_certfile,
+                                  args.ssl_keyfile)  # fmt: skip
+        serve_until_signalled(app, config)
     finally:
         log.info("stopping the engine")
         engine.shutdown(timeout_s=min(args.drain_timeout, 5.0))

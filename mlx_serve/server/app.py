@@ -7,7 +7,7 @@ stop the engine, which is owned (loaded and shut down) by whoever calls `create_
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -15,12 +15,15 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mlx_serve.errors import InvalidRequest, MlxServeError, RouteNotFound
 from mlx_serve.server import anthropic_routes, embedding_routes, openai_routes, responses_routes
+from mlx_serve.server.auth import RequireApiKey
 from mlx_serve.server.metrics import ServerMetrics
 from mlx_serve.server.protocol import ModelInfo, anthropic_error_body, openai_error_body
 from mlx_serve.server.streaming import ClientDisconnected
@@ -39,11 +42,13 @@ def model_info(engine: Any, aliases: Iterable[str] = (), split_reasoning: bool =
 
 
 def create_app(engine: Any, metrics: ServerMetrics | None = None, aliases: Iterable[str] = (),
-               split_reasoning: bool = True, adapter_loading: bool = False, pooling: str = "last") -> Starlette:
+               split_reasoning: bool = True, adapter_loading: bool = False, pooling: str = "last",
+               api_key: str | None = None, allowed_origins: Sequence[str] = ()) -> Starlette:  # fmt: skip
     """The HTTP app over a loaded engine. `metrics` should be the engine's observer, so histograms fill;
     `split_reasoning`: chat answers put a thinking model's reasoning in `reasoning_content`; `adapter_loading`: the
     routes that load and unload LoRA adapters (vLLM's) exist (they read paths on this machine: opt-in); `pooling`:
-    how /v1/embeddings pools a prompt ("last" or "mean")."""
+    how /v1/embeddings pools a prompt ("last" or "mean"); `api_key`: what every /v1 route asks for (`auth`);
+    `allowed_origins`: the browser origins CORS lets call it ("*": any)."""
     metrics = metrics or ServerMetrics()
     metrics.watch(engine.stats)
     shared = {"engine": engine, "model": model_info(engine, aliases, split_reasoning, pooling), "metrics": metrics,
@@ -77,7 +82,13 @@ def create_app(engine: Any, metrics: ServerMetrics | None = None, aliases: Itera
                    Route("/v1/unload_lora_adapter", openai_routes.unload_lora_adapter, methods=["POST"])]
     handlers = {MlxServeError: api_error, HTTPException: http_error, ClientDisconnected: client_gone,
                 Exception: unexpected_error}
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
+    middleware = []
+    if allowed_origins:  # outermost: a browser's preflight carries no key
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                                     allow_headers=["*"]))  # fmt: skip
+    if api_key:
+        middleware.append(Middleware(RequireApiKey, api_key=api_key, respond=error_response))
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers, middleware=middleware)
 
 
 async def health(request: Request) -> Response:

@@ -17,8 +17,10 @@ from hypercorn.config import Config
 log = logging.getLogger("mlx_serve.server")
 
 
-def hypercorn_config(bind: str, graceful_timeout_s: float = 10.0, access_log: bool = False) -> Config:
+def hypercorn_config(bind: str, graceful_timeout_s: float = 10.0, access_log: bool = False,
+                     certfile: str | None = None, keyfile: str | None = None) -> Config:  # fmt: skip
     config = Config()
+    config.certfile, config.keyfile = certfile, keyfile  # both given: HTTPS
     config.bind = [bind]
     config.graceful_timeout = graceful_timeout_s
     config.accesslog = "-" if access_log else None
@@ -54,12 +56,14 @@ class BackgroundServer:
     """The app served by hypercorn on its own thread and event loop, on a socket bound before it starts,
     so clients can connect as soon as this object exists (the kernel queues them until hypercorn accepts)."""
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, graceful_timeout_s: float = 5.0) -> None:
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, graceful_timeout_s: float = 5.0,
+                 certfile: str | None = None, keyfile: str | None = None) -> None:  # fmt: skip
         self.socket = socket.create_server((host, port))
         self.host, self.port = self.socket.getsockname()[:2]
-        self.url = f"http://{self.host}:{self.port}"
+        self.url = f"{'https' if certfile else 'http'}://{self.host}:{self.port}"
         # hypercorn closes the socket it is given: hand it a duplicate so this object can close its own
-        self._config = hypercorn_config(f"fd://{os.dup(self.socket.fileno())}", graceful_timeout_s)
+        self._config = hypercorn_config(f"fd://{os.dup(self.socket.fileno())}", graceful_timeout_s, certfile=certfile,
+                                        keyfile=keyfile)  # fmt: skip
         self._loop = asyncio.new_event_loop()
         self._stop = asyncio.Event()
         self._thread = threading.Thread(target=self._run, args=(app,), name="mlx-serve-http", daemon=True)

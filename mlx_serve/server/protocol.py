@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mlx_serve.errors import ContextLengthExceeded, InvalidRequest, MlxServeError, ModelNotFound
+from mlx_serve.errors import ContextLengthExceeded, InvalidRequest, MlxServeError, ModelNotFound, Unauthorized
 from mlx_serve.types import GenerationRequest, SamplingParams
 
 MAX_CHOICES = 16
@@ -260,10 +260,12 @@ def _error_code(exc: MlxServeError) -> str | None:
         return "context_length_exceeded"
     if isinstance(exc, ModelNotFound):
         return "model_not_found"
+    if isinstance(exc, Unauthorized):
+        return "invalid_api_key"
     return None
 
 
-_ANTHROPIC_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error",
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error",
                     503: "overloaded_error"}
 
 
