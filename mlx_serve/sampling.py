@@ -42,6 +42,8 @@ class RequestSampler:
         )
         if params.min_tokens and stop_ids:
             processors.append(HoldStops(tuple(stop_ids), params.min_tokens))
+        if params.bad_words:
+            processors.append(BanWords(params.bad_words))
         key = mx.random.key(params.seed) if params.seed is not None else None
         return cls(params=params, processors=processors, key=key, constraint=constraint)
 
@@ -56,7 +58,9 @@ class RequestSampler:
             self.history = inputs
         else:
             self.history = mx.concatenate([self.history, inputs])
-        self.history = self.history[-self.params.penalty_context :]
+        # a bad word's tokens before its last are matched against the newest inputs, however long the word
+        context = max([self.params.penalty_context, *(len(word) - 1 for word in self.params.bad_words)])
+        self.history = self.history[-context:]
 
     @property
     def is_plain_greedy(self) -> bool:
@@ -87,6 +91,29 @@ class HoldStops:
             return logits
         self.left -= 1
         return logits.at[..., mx.array(self.stop_ids)].add(-mx.inf)
+
+
+@dataclass(slots=True)
+class BanWords:
+    """A logits processor (mlx-lm's signature) for vLLM's `bad_words`: a one-token word is always masked, a longer
+    one's last token where the tokens generated just before are the rest of it (matched on the device, against the
+    request's newest inputs: only once that many tokens were generated, so a prompt's tail never counts)."""
+
+    words: tuple[tuple[int, ...], ...]
+    generated: int = 0
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        always = [word[0] for word in self.words if len(word) == 1]
+        if always:
+            logits = logits.at[..., mx.array(always)].add(-mx.inf)
+        for word in self.words:
+            prefix = word[:-1]
+            if not prefix or len(prefix) > self.generated:
+                continue
+            follows = mx.all(tokens[-len(prefix) :] == mx.array(prefix))
+            logits = logits.at[..., word[-1]].add(mx.where(follows, -mx.inf, 0.0))
+        self.generated += 1
+        return logits
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,8 @@ class SamplingParams:
     # processor), plus the top k alternatives (scoring a text, as `echo` with `logprobs` does)
     prompt_logprobs: int | None = None
     min_tokens: int = 0  # no stop token (eos, stop_token_ids) or stop string ends the answer before this many tokens
+    # vLLM's bad_words as token sequences: never generated (a word's last token is masked after the rest of it)
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -39,7 +41,8 @@ class SamplingParams:
         """Whether speculative decoding may serve it: it draws from the raw logits (no bias, penalty, grammar or held
         stop tokens), so a drafted row's target is known when the row is (`sampling.draft_verdict`)."""
         return (not self.logit_bias and self.repetition_penalty == 1.0 and not self.presence_penalty
-                and not self.frequency_penalty and self.grammar is None and not self.min_tokens)  # fmt: skip
+                and not self.frequency_penalty and self.grammar is None and not self.min_tokens
+                and not self.bad_words)  # fmt: skip
 
     def validate(self, vocab_size: int) -> None:
         def bad(param: str, why: str) -> InvalidRequest:
@@ -68,6 +71,9 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 20):
                 raise bad(name, f"must be an integer in [0, 20], got {value!r}")
+        for word in self.bad_words:
+            if not word or not all(isinstance(t, int) and 0 <= t < vocab_size for t in word):
+                raise bad("bad_words", f"holds a word that is empty or has token ids outside the vocabulary: {word!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", f"must be an integer, got {self.seed!r}")
         for token, bias in (self.logit_bias or {}).items():

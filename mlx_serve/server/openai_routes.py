@@ -28,6 +28,7 @@ from mlx_serve.server.protocol import (
     build_requests,
     openai_error_body,
     parse_json_object,
+    read_bad_words,
     read_bool,
     read_int,
     read_prompt_logprobs,
@@ -62,7 +63,8 @@ def parse_chat(body: dict[str, Any], tokenizer: Any, model: ModelInfo) -> Job:
     requests = build_requests(body, prompt, model, logprobs=(top or 0) if want_logprobs else None,
                               max_token_fields=("max_completion_tokens", "max_tokens"),
                               n=read_int(body, "n", 1, low=1, high=MAX_CHOICES),
-                              grammar=_grammar(body, tools, tokenizer), prompt_logprobs=prompt_top)
+                              grammar=_grammar(body, tools, tokenizer), prompt_logprobs=prompt_top,
+                              bad_words=read_bad_words(body, tokenizer))
     return Job(requests, stream, read_stream_options(body, stream), want_logprobs, tools, n=len(requests),
                split_reasoning=model.split_reasoning, prompt_logprobs=prompt_top)
 
@@ -97,6 +99,7 @@ def parse_completion(body: dict[str, Any], tokenizer: Any, model: ModelInfo) -> 
     echo_only = echo and body.get("max_tokens") == 0
     grammar = _grammar(body)
     prompt_top = read_prompt_logprobs(body, stream)
+    bad_words = read_bad_words(body, tokenizer)
     # echoed logprobs and vLLM's prompt_logprobs share one scoring of the prompt, at the larger top k
     scored = max((k for k in (top if echo else None, prompt_top) if k is not None), default=None)
     fields = {**body, "max_tokens": 1} if echo_only else body
@@ -104,9 +107,12 @@ def parse_completion(body: dict[str, Any], tokenizer: Any, model: ModelInfo) -> 
         request
         for prompt in prompts
         for request in build_requests(fields, prompt.ids, model, logprobs=top, max_token_fields=("max_tokens",), n=n,
-                                      prompt_param="prompt", prompt_logprobs=scored, grammar=grammar)
+                                      prompt_param="prompt", prompt_logprobs=scored, grammar=grammar,
+                                      bad_words=bad_words)
     )  # fmt: skip
-    echoed = tuple(prompt.text for prompt in prompts for _ in range(n)) if echo else None
+    # the echo is the prompt as the model read it (`truncate_prompt_tokens` may have cut its head)
+    echoed = tuple(p.text if len(r.prompt_ids) == len(p.ids) else tokenizer.decode(list(r.prompt_ids))
+                   for p, r in zip((p for p in prompts for _ in range(n)), requests)) if echo else None
     return Job(requests, stream, read_stream_options(body, stream), top is not None, n=n, echo=echoed,
                echo_only=echo_only, echo_top=top or 0, prompt_logprobs=prompt_top)
 

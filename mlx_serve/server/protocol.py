@@ -173,15 +173,51 @@ def read_max_tokens(body: Mapping[str, Any], prompt_len: int, model: ModelInfo, 
     return limit - prompt_len
 
 
+def read_bad_words(body: Mapping[str, Any], tokenizer: Any) -> tuple[tuple[int, ...], ...]:
+    """vLLM's `bad_words` as token sequences: each word as it starts a text and after a space (the model has both
+    spellings), without duplicates."""
+    words = body.get("bad_words")
+    if words is None:
+        return ()
+    if not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words):
+        raise _type_error("bad_words", "a list of non-empty strings", words)
+    sequences: list[tuple[int, ...]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    return tuple(sequences)
+
+
+def truncated_prompt(body: Mapping[str, Any], prompt_ids: list[int], model: ModelInfo) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last k tokens (-1: as many as the context holds)."""
+    keep = read_int(body, "truncate_prompt_tokens", low=-1)
+    if keep is None:
+        return prompt_ids
+    if keep == 0:
+        raise InvalidRequest("truncate_prompt_tokens must be -1 or at least 1, got 0", param="truncate_prompt_tokens")
+    limit = min(model.context_length, model.kv_capacity) - 1  # room for one answer token
+    keep = limit if keep == -1 else keep
+    if keep > limit:
+        raise InvalidRequest(f"truncate_prompt_tokens ({keep}) must be below the context length ({limit + 1})",
+                             param="truncate_prompt_tokens")  # fmt: skip
+    return prompt_ids[-keep:]
+
+
 def build_requests(body: Mapping[str, Any], prompt_ids: list[int], model: ModelInfo, *,
                    logprobs: int | None, max_token_fields: tuple[str, ...], stop_field: str = "stop",
                    n: int = 1, prompt_param: str = "messages", grammar: str | None = None,
-                   prompt_logprobs: int | None = None) -> tuple[GenerationRequest, ...]:
+                   prompt_logprobs: int | None = None,
+                   bad_words: tuple[tuple[int, ...], ...] = ()) -> tuple[GenerationRequest, ...]:
     """One `GenerationRequest` per choice; a given seed becomes seed + i for choice i. `grammar`: what every
-    token must follow (`mlx_serve.grammar`); `prompt_logprobs`: score the prompt's tokens too (top k)."""
+    token must follow (`mlx_serve.grammar`); `prompt_logprobs`: score the prompt's tokens too (top k); `bad_words`:
+    token sequences never generated. The prompt is cut to `truncate_prompt_tokens` where the body asks."""
+    prompt_ids = truncated_prompt(body, prompt_ids, model)
     if not prompt_ids:
         raise InvalidRequest("The prompt is empty", param=prompt_param)
-    sampling = replace(read_sampling(body, logprobs), grammar=grammar, prompt_logprobs=prompt_logprobs)
+    sampling = replace(read_sampling(body, logprobs), grammar=grammar, prompt_logprobs=prompt_logprobs,
+                       bad_words=bad_words)  # fmt: skip
     sampling.validate(model.vocab_size)
     max_tokens = read_max_tokens(body, len(prompt_ids), model, max_token_fields, prompt_param)
     if sampling.min_tokens > max_tokens:

@@ -234,3 +234,39 @@ def test_min_tokens_and_include_stop_str_in_output_reach_the_engine(served, clie
     with pytest.raises(openai.BadRequestError, match="min_tokens") as caught:
         client.completions.create(model="default", prompt=prompt, max_tokens=4, extra_body={"min_tokens": 5})
     assert caught.value.body["param"] == "min_tokens"
+
+
+def test_bad_words_keep_a_word_out_of_the_answer(served, client):
+    """vLLM's bad_words: the word's tokens, as a text starts and after a space, are never generated in a row."""
+    tokenizer = served.engine.tokenizer
+    prompt = list(range(60, 80))
+    reply = client.completions.create(model="default", prompt=prompt, max_tokens=24, temperature=0)
+    tokens = tokenizer.encode(reply.choices[0].text, add_special_tokens=False)
+    word = tokenizer.decode(tokens[4:6]).strip()  # two tokens' text from the middle of the plain answer
+    banned = client.completions.create(model="default", prompt=prompt, max_tokens=24, temperature=0,
+                                       extra_body={"bad_words": [word]}).choices[0].text  # fmt: skip
+    sequences = [tokenizer.encode(t, add_special_tokens=False) for t in (word, " " + word)]
+    answer = tokenizer.encode(banned, add_special_tokens=False)
+    assert banned != reply.choices[0].text
+    assert not any(answer[i : i + len(s)] == s for s in sequences for i in range(len(answer)))
+    for bad in ("word", [""], ["  "], [3]):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model="default", prompt=prompt, max_tokens=2, extra_body={"bad_words": bad})
+        assert caught.value.body["param"] == "bad_words"
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_tail(served, client):
+    prompt = list(range(100, 140))
+    tail = client.completions.create(model="default", prompt=prompt[-12:], max_tokens=8, temperature=0)
+    cut = client.completions.create(model="default", prompt=prompt, max_tokens=8, temperature=0, echo=True,
+                                    extra_body={"truncate_prompt_tokens": 12})  # fmt: skip
+    assert cut.usage.prompt_tokens == 12
+    assert cut.choices[0].text == served.engine.tokenizer.decode(prompt[-12:]) + tail.choices[0].text
+    whole = client.completions.create(model="default", prompt=prompt, max_tokens=2, temperature=0,
+                                      extra_body={"truncate_prompt_tokens": -1})  # fmt: skip
+    assert whole.usage.prompt_tokens == 40
+    for keep in (0, -2, 10**9):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model="default", prompt=prompt, max_tokens=2,
+                                      extra_body={"truncate_prompt_tokens": keep})  # fmt: skip
+        assert caught.value.body["param"] == "truncate_prompt_tokens"
