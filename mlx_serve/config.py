@@ -53,6 +53,10 @@ class EngineConfig:
     # followed an earlier occurrence of its last `speculative_ngram` tokens (0: off)
     speculative_tokens: int = 0
     speculative_ngram: int = 3
+    # a small model of the same vocabulary drafts instead (mlx-lm's --draft-model; speculative_tokens 0: 3 a step),
+    # its caches holding at most draft_kv_tokens tokens together (kept from the KV pool's memory)
+    draft_model: str | None = None
+    draft_kv_tokens: int = 16384
     pipeline: bool = True  # keep a sampling step in flight while the next one is planned and queued
     decode_attention: str = "auto"  # "auto" | "reference" | "batched" | "kernel": attention of single-row lanes
     compile_decode: str = "auto"  # "auto" (on with MLX's CUDA backend) | "on" | "off": mx.compile single-row steps

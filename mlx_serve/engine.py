@@ -110,6 +110,12 @@ class Engine:
             chunk_attention=engine_setup.chunk_attention(config.chunk_attention),
             adapters=loaded.adapters,
         )
+        self._speculate = engine_setup.speculative_tokens(config)
+        self.drafter = None  # a draft model's drafts (`--draft-model`); None: prompt lookup where speculating
+        if loaded.draft is not None:
+            from mlx_serve.draft_model import DraftModel
+
+            self.drafter = DraftModel(loaded.draft, config.draft_kv_tokens)
         self.scheduler = Scheduler(
             engine_setup.scheduler_config(
                 config, num_blocks, self.context_length,
@@ -119,6 +125,7 @@ class Engine:
             ),
             trace=self.trace,
             traced_shapes=self.runner.traced_shapes(),
+            drafts=self.drafter,
         )
         self.delivery = Delivery(self.observer, self.trace, self._finish_on_stop_string, self._closed)
         self._controls: queue.Queue[_Control] = queue.Queue()  # work for the engine thread between steps
@@ -203,7 +210,7 @@ class Engine:
             cache_salt=salt,
             # the ANE lane's Core ML model scores all rows alike and has no adapters
             gpu_only=request.sampling.prompt_logprobs is not None or request.adapter is not None or bool(request.pooling),
-            speculate=self.config.speculative_tokens if request.sampling.draftable else 0,
+            speculate=self._speculate if request.sampling.draftable else 0,
             stop_token_ids=stop_ids,
             arrival_time=now,
         )
@@ -363,6 +370,8 @@ class Engine:
     def _closed(self, request_id: str) -> None:
         self.runner.release_one(request_id)
         self._leases.release(request_id)
+        if self.drafter is not None:
+            self.drafter.discard(request_id)
 
     def _trace_deferred(self) -> bool:
         """With nothing to run: trace one compiled shape a step met (its steps ran eager meanwhile)."""

@@ -44,6 +44,7 @@ def check_settings(c: EngineConfig) -> None:
     dequantize_rows(c.dequantize_rows)
     _check_count(c.trace_neighbour_shapes, "trace_neighbour_shapes")
     _check_count(c.speculative_tokens, "speculative_tokens")
+    _check_count(c.draft_kv_tokens, "draft_kv_tokens")
     check_specs(c.adapters)
     if not (isinstance(c.adapter_memory_gb, (int, float)) and c.adapter_memory_gb >= 0):
         raise InvalidRequest(f"adapter_memory_gb must be a number >= 0, not {c.adapter_memory_gb!r}",
@@ -416,3 +417,11 @@ def validate_request(request: GenerationRequest, vocab_size: int, context_length
             f"{kv_capacity} (raise --memory-budget-gb or lower max_tokens)",
             param="max_tokens",
         )
+
+
+DRAFT_TOKENS = 3  # mlx-lm's server drafts this many a step
+
+
+def speculative_tokens(c: EngineConfig) -> int:
+    """Tokens a request may draft a step: as configured, or mlx-lm's 3 where a draft model is given alone."""
+    return c.speculative_tokens or (DRAFT_TOKENS if c.draft_model else 0)

@@ -31,6 +31,8 @@ class LoadedModel:
     context_length: int
     vocab_size: int
     adapters: AdapterSet | None = None  # LoRA adapters requests choose by name
+    draft: Any = None  # the draft model speculative decoding asks (`--draft-model`), or None
+    draft_bytes_per_token: int = 0  # what a token of its caches holds
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
@@ -60,11 +62,8 @@ def describe_model(
     # MLX cannot evaluate them on the engine's
     mx.eval(module_buffers(model))
     args = model.args
-    n_heads = args.num_attention_heads
-    head_dim = getattr(args, "head_dim", None) or args.hidden_size // n_heads
-    kv_heads = getattr(args, "num_key_value_heads", None) or n_heads
-    dtype = activation_dtype(model)
-    layout = KVLayout(len(model.model.layers), kv_heads, head_dim, dtype, windows)
+    layout = kv_layout(model, windows)
+    draft = load_draft(config.draft_model, int(args.vocab_size)) if config.draft_model else None
     # the text model's own (a multimodal checkpoint keeps it in text_config), else config.json's
     trained = getattr(args, "max_position_embeddings", None) or model_config.get("max_position_embeddings", 4096)
     context = config.max_model_len or int(trained)
@@ -79,7 +78,41 @@ def describe_model(
         context_length=context,
         vocab_size=int(args.vocab_size),
         adapters=adapters,
+        draft=draft,
+        draft_bytes_per_token=kv_layout(draft).bytes_per_token() if draft is not None else 0,
     )
+
+
+def kv_layout(model: Any, windows: tuple[int | None, ...] = ()) -> KVLayout:
+    """The K/V a token of the model's caches holds, each layer's window given."""
+    args = model.args
+    n_heads = args.num_attention_heads
+    head_dim = getattr(args, "head_dim", None) or args.hidden_size // n_heads
+    kv_heads = getattr(args, "num_key_value_heads", None) or n_heads
+    return KVLayout(len(model.model.layers), kv_heads, head_dim, activation_dtype(model), windows)
+
+
+def load_draft(spec: str, vocab_size: int) -> Any:
+    """The draft model (a local directory or a hub id in the cache), read in and checked against the served one."""
+    from mlx_serve.draft_model import check_draft_model
+    from mlx_serve.model_source import check_supported, resolve_model
+
+    path = resolve_model(spec)
+    check_supported(read_config(path))
+    draft = text_model(_load(path, None)[0])
+    _materialize(draft, show_progress=False, label="draft")
+    mx.eval(module_buffers(draft))  # made on this thread: evaluated here, not on the engine's
+    check_draft_model(draft, vocab_size, path)
+    return draft
+
+
+def draft_bytes(config: EngineConfig, loaded: LoadedModel) -> int:
+    """The draft model's weights and the most its caches may hold."""
+    if loaded.draft is None or not config.draft_model:
+        return 0
+    from mlx_serve.model_source import weight_bytes
+
+    return weight_bytes(loaded.draft) + config.draft_kv_tokens * loaded.draft_bytes_per_token
 
 
 def chat_template_text(spec: str | None) -> str | None:
@@ -174,7 +207,7 @@ def kv_pool_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
         return config.kv_blocks
     budget = config.memory_budget_gb * GIB if config.memory_budget_gb else 0.5 * machine_memory_bytes()
     # a tenth of what is left stays free for activations of the largest step; adapters loaded later get their share
-    kv_bytes = (budget - loaded.weight_bytes - config.adapter_memory_gb * GIB) * 0.9
+    kv_bytes = (budget - loaded.weight_bytes - config.adapter_memory_gb * GIB - draft_bytes(config, loaded)) * 0.9
     blocks = min(int(kv_bytes // block_bytes), cap)
     needed = math.ceil(min(loaded.context_length, 2048) / config.block_size)
     if blocks < needed:
@@ -187,4 +220,7 @@ def kv_pool_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
 
 
 def _adapter_share(config: EngineConfig) -> str:
-    return f" and {config.adapter_memory_gb:.2f} GiB kept for adapters" if config.adapter_memory_gb else ""
+    kept = [f"{config.adapter_memory_gb:.2f} GiB kept for adapters"] if config.adapter_memory_gb else []
+    if config.draft_model:
+        kept.append("the draft model and its caches")
+    return "".join(f" and {part}" for part in kept)

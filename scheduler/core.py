@@ -25,7 +25,7 @@ from scheduler.learning import predict_planned_gpu_ms, train_cost_model
 from scheduler.plan import Lane, LaneKind, StepOutcome, StepPlan
 from scheduler.prefill import PrefillPlanner
 from scheduler.request import FinishReason, Request, RequestState
-from scheduler.speculation import NgramIndex
+from scheduler.speculation import DraftSource, PromptLookup
 from scheduler.stats import SchedulerStats
 from scheduler.step_target import StepTarget
 from scheduler.traced_shapes import TracedShapes
@@ -37,9 +37,12 @@ _HOLDS_KV = (RequestState.PREFILLING, RequestState.DECODING)
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, trace: TraceSink = NULL_SINK, traced_shapes: TracedShapes | None = None
+        self, config: SchedulerConfig, trace: TraceSink = NULL_SINK, traced_shapes: TracedShapes | None = None,
+        drafts: DraftSource | None = None,
     ) -> None:
         self.config = config
+        # speculative decoding's drafts (requests with `speculate` > 0): prompt lookup unless the engine has a draft model
+        self.drafts = drafts or PromptLookup(config.speculative_ngram)
         self.trace = trace
         self.traced_shapes = traced_shapes  # which steps the engine runs compiled (None: it compiles no prefill)
         self.blocks = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_cache)
@@ -168,8 +171,8 @@ class Scheduler:
             accepted = outcome.accepted_drafts.get(lane.request_id, ())[: lane.drafts]
             request.num_computed = lane.end - lane.drafts + len(accepted)
             self.stats.accepted_draft_tokens += len(accepted)
-            if lane.drafts and request.ngrams is not None:
-                request.ngrams.observe(len(accepted))
+            if lane.drafts:
+                self.drafts.observe(request, len(accepted))
             self._publish_full_blocks(request)
             if not lane.samples:
                 request.state = RequestState.PREFILLING
@@ -259,9 +262,7 @@ class Scheduler:
                    self.max_len - request.num_tokens - 1)  # fmt: skip
         if most <= 0:
             return ()
-        if request.ngrams is None:
-            request.ngrams = NgramIndex(min(2, self.config.speculative_ngram), self.config.speculative_ngram)
-        drafts = request.ngrams.propose(request, most)
+        drafts = self.drafts.propose(request, most)
         return drafts if drafts and self.grow(request, request.num_computed + 1 + len(drafts)) else ()
 
     def _choose_budget(self, planner: PrefillPlanner, decode_lanes: list[Lane], now: float) -> BudgetDecision:

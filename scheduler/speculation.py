@@ -6,11 +6,37 @@ model's own next token. Code edits, summaries and quoting repeat the prompt: sev
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from scheduler.request import Request
 
 BACKLOG_PER_CALL = 4096  # prompt positions indexed a step (~4 ms of Python; a 32k prompt is indexed in 8 steps)
 MOST_MISSES = 2  # rests stop growing at 2 ** 2 - 1 steps (a verified row is cheap on a GPU)
+
+
+class DraftSource(Protocol):
+    """Where a request's drafts come from: prompt lookup (`PromptLookup`, the default) or a draft model the engine
+    supplies (`mlx_serve.draft_model`). Asked on the engine thread while a step is planned."""
+
+    def propose(self, request: Request, most: int) -> tuple[int, ...]: ...
+
+    def observe(self, request: Request, accepted: int) -> None: ...
+
+
+@dataclass(slots=True)
+class PromptLookup:
+    """Drafts by prompt lookup: each request keeps its own `NgramIndex` (on `Request.ngrams`)."""
+
+    longest: int
+
+    def propose(self, request: Request, most: int) -> tuple[int, ...]:
+        if request.ngrams is None:
+            request.ngrams = NgramIndex(min(2, self.longest), self.longest)
+        return request.ngrams.propose(request, most)
+
+    def observe(self, request: Request, accepted: int) -> None:
+        if request.ngrams is not None:
+            request.ngrams.observe(accepted)
 
 
 @dataclass(slots=True)

@@ -32,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weights + KV pool budget in GiB")
     parser.add_argument("--speculative-tokens", type=whole_number_arg(0), default=0, metavar="K",
                         help="verify up to K prompt-lookup drafts a step (default 0: off)")
+    parser.add_argument("--draft-model", default=None, metavar="DIR_OR_ID",
+                        help="a small model of the same vocabulary drafts instead (with no --speculative-tokens: 3)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     parser.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
                         help="answer with JSON that follows this JSON Schema, enforced token by token")
@@ -47,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     t_load = time.perf_counter()
     engine = Engine.load(EngineConfig(model=args.model, adapter_path=args.adapter_path,
                                       chat_template=args.chat_template, memory_budget_gb=args.memory_budget_gb,
-                                      speculative_tokens=args.speculative_tokens))
+                                      speculative_tokens=args.speculative_tokens, draft_model=args.draft_model))
     load_s = time.perf_counter() - t_load
     try:
         if args.raw:

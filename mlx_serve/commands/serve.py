@@ -295,6 +295,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "greedy answers stay token for token, sampled ones keep their distribution (default: 0, off)")
     g.add_argument("--speculative-ngram", type=whole_number_arg(1), default=3, metavar="N",
                    help="with --speculative-tokens: match the last N tokens, down to 2 (default: %(default)s)")
+    g.add_argument("--draft-model", default=None, metavar="DIR_OR_ID",
+                   help="a small model of the same vocabulary drafts the tokens instead of prompt lookup (mlx-lm's "
+                        "--draft-model; with no --speculative-tokens, 3 a step)")
+    g.add_argument("--draft-kv-tokens", type=whole_number_arg(1), default=16384, metavar="N",
+                   help="tokens the draft model's caches hold together, kept from the KV pool's memory; a request "
+                        "that would take more does not draft (default: %(default)s)")
     g.add_argument("--no-pipeline", action="store_true",
                    help="read every step back before planning the next (normally a step that samples stays in "
                         "flight while the next is queued)")
@@ -327,6 +333,7 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
         enable_prefix_cache=not args.no_prefix_cache, shared_prefill_tokens=args.shared_prefill_tokens,
         decode_debt=not args.no_decode_debt,
         speculative_tokens=args.speculative_tokens, speculative_ngram=args.speculative_ngram,
+        draft_model=args.draft_model, draft_kv_tokens=args.draft_kv_tokens,
         ane_lane=args.ane_lane, ane_package=args.ane_package, ane_timeout_s=args.ane_timeout_s,
         decode_attention=args.decode_attention, compile_decode=args.compile_decode, fuse_decode=args.fuse_decode,
         dense_experts=args.dense_experts, expert_tiles=args.expert_tiles, fuse_mixed=args.fuse_mixed, compile_mixed=args.compile_mixed, defer_mixed_traces=args.defer_mixed_traces == "on", stand_in_traces=args.stand_in_traces == "on", trace_neighbour_shapes=args.trace_neighbour_shapes, split_quantized_k=args.split_quantized_k, chunk_attention=args.chunk_attention, dequantize_rows=args.dequantize_rows, quantized_tiles=args.quantized_tiles, quantized_gemv=args.quantized_gemv, warm_up=not args.no_warm_up,

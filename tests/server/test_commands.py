@@ -204,6 +204,20 @@ def test_adapter_memory_is_kept_only_where_adapters_may_be_loaded():
     assert kept("--adapter-memory-gb", "2") == 2.0  # for Engine.load_adapter from Python, or a later flag
 
 
+def test_a_draft_model_drafts_three_tokens_unless_told(tmp_path):
+    from mlx_serve import engine_setup
+    from mlx_serve.commands.serve import engine_config
+
+    def config(*flags: str):
+        return engine_config(build_parser().parse_args(["serve", *flags]))
+
+    drafted = config("--draft-model", str(tmp_path), "--draft-kv-tokens", "4096")
+    assert (drafted.draft_model, drafted.draft_kv_tokens) == (str(tmp_path), 4096)
+    assert engine_setup.speculative_tokens(drafted) == 3
+    assert engine_setup.speculative_tokens(config("--draft-model", "d", "--speculative-tokens", "5")) == 5
+    assert engine_setup.speculative_tokens(config()) == 0
+
+
 def test_chat_answers_through_a_named_adapter_and_refuses_an_unknown_one(tiny_qwen3: Path, tmp_path: Path,
                                                                         tiny_tokenizer) -> None:  # fmt: skip
     import io
