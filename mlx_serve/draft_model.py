@@ -7,7 +7,8 @@ what it last saw: after a verdict it is cut back to the tokens kept, then fed wh
 It runs on the engine thread (the scheduler asks it while planning). A request's prompt is fed at most
 `feed_per_step` tokens a step, so a long prompt never holds a step (and every stream in it) for long; it drafts
 once the draft has read it all. Its caches hold at most `most_tokens` tokens together (the memory kept for them):
-a request that would take more does not draft.
+a request that would take more stops drafting, and its cache goes. Each drafting request costs the step its own
+draft forwards (one read-back each): a draft model is for a few streams, as in mlx-lm, not for a full batch.
 """
 
 from __future__ import annotations
@@ -46,9 +47,13 @@ class DraftModel:
 
     def propose(self, request: Request, most: int) -> tuple[int, ...]:
         """Up to `most` tokens the draft would say next (none while it is still reading the request's tokens)."""
-        state = self._state(request)
-        if state is None:
+        state = self._states.get(request.request_id)
+        others = self.held_tokens - (len(state.tokens) if state is not None else 0)
+        if others + request.num_tokens + most > self.most_tokens:  # its cache would outgrow the memory kept for them
+            self.discard(request.request_id)
             return ()
+        if state is None:
+            state = self._states[request.request_id] = _DraftState(make_prompt_cache(self.model))
         known = request.tokens(0, request.num_tokens)
         kept = _common_prefix(state.tokens, known)
         if kept < len(state.tokens):  # the served model rejected some drafts: forget them
@@ -81,14 +86,6 @@ class DraftModel:
     def discard(self, request_id: str) -> None:
         """The request is done: its cache's memory is free."""
         self._states.pop(request_id, None)
-
-    def _state(self, request: Request) -> _DraftState | None:
-        state = self._states.get(request.request_id)
-        if state is None:
-            if self.held_tokens + request.num_tokens + 64 > self.most_tokens:
-                return None
-            state = self._states[request.request_id] = _DraftState(make_prompt_cache(self.model))
-        return state
 
     def _feed(self, state: _DraftState, tokens: list[int], evaluate: bool = True) -> mx.array:
         logits = self.model(mx.array(tokens, dtype=mx.int32)[None], cache=state.cache)[0, -1]

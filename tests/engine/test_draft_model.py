@@ -127,3 +127,17 @@ def _model_of(path: Path):
     import mlx_lm
 
     return mlx_lm.load(str(path))[0]
+
+
+def test_a_request_that_outgrows_the_draft_caches_room_stops_drafting(tiny_qwen3):
+    engine = drafting_engine(tiny_qwen3, tiny_qwen3, draft_kv_tokens=50)
+    prompt = prompt_of(20, seed=121)
+    try:
+        [done] = engine.generate([GenerationRequest(prompt_ids=tuple(prompt), max_tokens=MAX_TOKENS)])
+        counters = engine.status()["counters"]
+        held = engine.drafter.held_tokens
+    finally:
+        engine.shutdown()
+    assert list(done.token_ids) == reference_tokens(tiny_qwen3, prompt, MAX_TOKENS)
+    assert 0 < counters["draft_tokens"] and counters["decode_rows"] - counters["draft_tokens"] > 5  # drafted, then not
+    assert held == 0
