@@ -213,14 +213,15 @@ def kv_pool_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
     if blocks < needed:
         raise MlxServeError(
             f"memory budget {budget / GIB:.2f} GiB leaves room for {max(blocks, 0)} KV blocks after "
-            f"{loaded.weight_bytes / GIB:.2f} GiB of weights{_adapter_share(config)}; at least {needed} are needed "
+            f"{loaded.weight_bytes / GIB:.2f} GiB of weights{_also_kept(config, loaded)}; at least {needed} are needed "
             f"({block_bytes} bytes per block of {config.block_size} tokens). Raise --memory-budget-gb."
         )
     return blocks
 
 
-def _adapter_share(config: EngineConfig) -> str:
+def _also_kept(config: EngineConfig, loaded: LoadedModel) -> str:
+    """What else the budget holds besides the weights, for the error that says it is too small."""
     kept = [f"{config.adapter_memory_gb:.2f} GiB kept for adapters"] if config.adapter_memory_gb else []
-    if config.draft_model:
-        kept.append("the draft model and its caches")
+    if draft := draft_bytes(config, loaded):
+        kept.append(f"{draft / GIB:.2f} GiB for the draft model and its caches")
     return "".join(f" and {part}" for part in kept)
