@@ -43,7 +43,8 @@ class DraftModel:
 
     @property
     def held_tokens(self) -> int:
-        return sum(len(state.tokens) for state in self._states.values())
+        # a copy first: /v1/status reads this from an HTTP thread while the engine thread adds and drops caches
+        return sum(len(state.tokens) for state in list(self._states.values()))
 
     def propose(self, request: Request, most: int) -> tuple[int, ...]:
         """Up to `most` tokens the draft would say next (none while it is still reading the request's tokens)."""

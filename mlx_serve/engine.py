@@ -260,7 +260,14 @@ class Engine:
         with self._lock:
             status = introspection.status(self.scheduler, self.model_id, self.pool.block_size)
         return {**status, "compiled_shapes": self.runner.compiled_shapes(), "adapters": list(self.adapters),
-                "adapter_memory": {"bytes": self.adapter_bytes, "limit_bytes": self.adapter_limit_bytes}}
+                "adapter_memory": {"bytes": self.adapter_bytes, "limit_bytes": self.adapter_limit_bytes},
+                "draft_model": self._draft_status()}
+
+    def _draft_status(self) -> dict | None:
+        if self.drafter is None:
+            return None
+        return {"model": self.config.draft_model, "tokens_held": self.drafter.held_tokens,
+                "tokens_limit": self.drafter.most_tokens}  # fmt: skip
 
     def stats(self) -> dict:
         with self._lock:
