@@ -106,3 +106,70 @@ def test_random_requests_and_cancellations_lose_nothing(engine, tiny_qwen3, ops)
         time.sleep(0.01)
     stats = engine.stats()
     assert stats["kv_blocks_used"] == 0 and stats["running"] == 0
+
+
+DRAFTED_KINDS = ("greedy", "adapter", "bad_words", "sampled")
+
+
+@pytest.fixture(scope="module")
+def drafting_engine(tiny_qwen3, tmp_path_factory):
+    """Every draftable request drafts from a draft model (the served model's twin: its drafts are kept, so lanes
+    carry several rows), one LoRA adapter is served, and the pool is small enough to preempt."""
+    from mlx_serve.adapter_specs import AdapterSpec
+    from mlx_serve.checkpoints.adapters import make_adapter
+
+    adapter = make_adapter(tiny_qwen3, tmp_path_factory.mktemp("chaos") / "a", rank=4, seed=3)
+    engine = Engine.load(EngineConfig(model=str(tiny_qwen3), block_size=16, kv_blocks=14, row_ceiling=48, row_floor=8,
+                                      max_running=4, draft_model=str(tiny_qwen3),
+                                      adapters=(AdapterSpec("a", str(adapter)),)))  # fmt: skip
+    yield engine, adapter
+    engine.shutdown()
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(st.builds(Op, st.integers(1, 120), st.integers(1, 60), st.sampled_from(DRAFTED_KINDS),
+                              st.one_of(st.none(), st.none(), st.integers(0, 6)), st.integers(0, 10_000)),
+                    min_size=1, max_size=6))  # fmt: skip
+def test_drafted_adapted_and_cancelled_requests_lose_nothing(drafting_engine, tiny_qwen3, ops):
+    from tests.engine.reference import reference_adapter_tokens
+
+    engine, adapter = drafting_engine
+
+    def request(op: Op) -> GenerationRequest:
+        sampling = {"greedy": SamplingParams(), "adapter": SamplingParams(),
+                    "bad_words": SamplingParams(bad_words=((7, 8), (9,))),
+                    "sampled": SamplingParams(temperature=0.8, seed=op.seed)}[op.kind]  # fmt: skip
+        return GenerationRequest(prompt_ids=tuple(prompt_of(op.length, seed=op.seed)), max_tokens=op.max_tokens,
+                                 sampling=sampling, adapter="a" if op.kind == "adapter" else None,
+                                 ignore_eos=op.kind == "sampled")  # fmt: skip
+
+    handles = engine.submit_all([request(op) for op in ops])
+    events: list[list] = [[] for _ in ops]
+    readers = [threading.Thread(target=_read, args=(h, op, e)) for h, op, e in zip(handles, ops, events)]
+    for op, handle, reader in zip(ops, handles, readers):
+        if op.cancel_after == 0:
+            handle.cancel()
+        reader.start()
+    for reader in readers:
+        reader.join(120)
+        assert not reader.is_alive(), "a stream hung"
+    for op, stream in zip(ops, events):
+        finals = [e for e in stream if e.finish_reason is not None]
+        assert len(finals) == 1 and finals[0] is stream[-1]
+        tokens = [e.token_id for e in stream if e.token_id is not None]
+        assert stream[-1].usage.completion_tokens == len(tokens) <= op.max_tokens
+        if op.kind in ("sampled", "bad_words"):
+            if op.kind == "bad_words":
+                assert 9 not in tokens and not any(tokens[i : i + 2] == [7, 8] for i in range(len(tokens)))
+            continue
+        prompt = prompt_of(op.length, seed=op.seed)
+        want = (reference_adapter_tokens(tiny_qwen3, adapter, prompt, op.max_tokens) if op.kind == "adapter"
+                else reference_tokens(tiny_qwen3, prompt, op.max_tokens))  # fmt: skip
+        if stream[-1].finish_reason == "cancelled":
+            assert tokens == want[: len(tokens)]
+        else:
+            assert tokens == want
+    deadline = time.monotonic() + 10
+    while engine.stats()["kv_blocks_used"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.stats()["kv_blocks_used"] == 0 and engine.drafter.held_tokens == 0
