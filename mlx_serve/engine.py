@@ -85,6 +85,7 @@ class Engine:
         self.trace = config.trace if config.trace is not None else sink_from_env()  # $MLX_SERVE_TRACE
         self.observer = config.observer or NullObserver()
         self.pool = KVPool(loaded.layout, num_blocks, config.block_size)
+        self.memory_limits = engine_setup.memory_limits(config, loaded, self.pool.nbytes)
         compiled = engine_setup.compile_decode(config.compile_decode)
         self.runner = ModelRunner(
             loaded.model,
@@ -278,9 +279,10 @@ class Engine:
 
     def allocation_summary(self) -> str:
         layout = self.loaded.layout
-        return introspection.allocation_summary(
+        summary = introspection.allocation_summary(
             self.model_id, self.loaded.weight_bytes, self.pool, layout.bytes_per_token(), self.context_length
         )
+        return f"{summary}; {self.memory_limits.describe()}"
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop taking requests, let running ones finish for up to `timeout_s`, cancel the rest, stop."""
@@ -293,6 +295,7 @@ class Engine:
         close = getattr(self.trace, "close", None)
         if callable(close):
             close(complete=self._drained.is_set())  # dumps the capture if it has a path
+        self.memory_limits.restore()  # process-wide: the next engine (or caller) starts from MLX's own
 
     # the engine thread -------------------------------------------------------------------------------
     def _warm_up(self) -> None:

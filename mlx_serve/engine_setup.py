@@ -425,3 +425,14 @@ DRAFT_TOKENS = 3  # mlx-lm's server drafts this many a step
 def speculative_tokens(c: EngineConfig) -> int:
     """Tokens a request may draft a step: as configured, or mlx-lm's 3 where a draft model is given alone."""
     return c.speculative_tokens or (DRAFT_TOKENS if c.draft_model else 0)
+
+
+def memory_limits(c: EngineConfig, loaded: Any, pool_bytes: int) -> Any:
+    """MLX's allocator held to `memory_budget_gb` where one is given (`mlx_serve.memory_limits`)."""
+    from mlx_serve.memory_limits import apply_limits
+    from mlx_serve.model_loading import GIB, draft_bytes
+
+    if c.memory_budget_gb is None:
+        return apply_limits(None, 0)
+    held = loaded.weight_bytes + pool_bytes + int(c.adapter_memory_gb * GIB) + draft_bytes(c, loaded)
+    return apply_limits(int(c.memory_budget_gb * GIB), held)

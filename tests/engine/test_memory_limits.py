@@ -1,0 +1,48 @@
+"""An explicit memory budget holds MLX's allocator to it: its memory limit is the budget, and its cache of freed
+buffers is what the budget leaves after the weights and the KV pool; shutting the engine down puts MLX's own limits
+back (they are process-wide)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from mlx_serve.engine import Engine, EngineConfig
+from mlx_serve.model_loading import GIB
+from mlx_serve.types import GenerationRequest
+from tests.engine.reference import prompt_of, reference_tokens
+
+
+def limits() -> tuple[int, int]:
+    """MLX's memory and cache limits now (each read by setting it and putting it back)."""
+    memory = mx.set_memory_limit(1 << 30)
+    mx.set_memory_limit(memory)
+    cache = mx.set_cache_limit(1 << 30)
+    mx.set_cache_limit(cache)
+    return memory, cache
+
+
+def test_a_budget_holds_mlx_to_it_until_shutdown(tiny_qwen3):
+    before = limits()
+    engine = Engine.load(EngineConfig(model=str(tiny_qwen3), memory_budget_gb=0.5, max_running=4))
+    prompt = prompt_of(30, seed=130)
+    try:
+        memory, cache = limits()
+        held = engine.loaded.weight_bytes + engine.pool.nbytes
+        assert (memory, cache) == (GIB // 2, GIB // 2 - held)
+        assert "MLX memory limit 0.50 GiB, buffer cache" in engine.allocation_summary()
+        [done] = engine.generate([GenerationRequest(prompt_ids=tuple(prompt), max_tokens=16)])
+    finally:
+        engine.shutdown()
+    assert list(done.token_ids) == reference_tokens(tiny_qwen3, prompt, 16)
+    assert limits() == before
+
+
+def test_without_a_budget_mlxs_limits_are_left_alone(tiny_qwen3):
+    before = limits()
+    engine = Engine.load(EngineConfig(model=str(tiny_qwen3), kv_blocks=32))
+    try:
+        assert limits() == before
+        assert "MLX limits left as they were" in engine.allocation_summary() or mx.metal.is_available()
+    finally:
+        engine.shutdown()
+    assert limits() == before
