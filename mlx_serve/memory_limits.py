@@ -2,7 +2,8 @@
 in a cache for reuse (by default as large as its memory limit), so after a long prefill the process can hold far more
 than the budget. With `--memory-budget-gb` given, MLX's memory limit becomes the budget (past it, MLX waits for
 running work to free memory before it allocates) and its cache is held to what the budget leaves after the weights,
-the pool and the shares kept for adapters and a draft model. On Metal, the working set is wired as mlx-lm's generate
+the pool and the shares kept for adapters and a draft model (or MLX's own cache limit, where that is less: 32 MiB
+on its CPU backend). On Metal, the working set is wired as mlx-lm's generate
 wires it, so macOS does not page the weights out between requests. Every setting is process-wide: the engine puts the
 previous values back when it shuts down.
 """
@@ -50,5 +51,8 @@ def apply_limits(budget_bytes: int | None, held_bytes: int) -> MemoryLimits:
     if budget_bytes is not None:
         memory, cache = budget_bytes, max(budget_bytes - held_bytes, LEAST_CACHE_BYTES)
         previous_memory, previous_cache = mx.set_memory_limit(memory), mx.set_cache_limit(cache)
+        if previous_cache < cache:  # never more than MLX kept before (its CPU backend keeps 32 MiB)
+            cache = previous_cache
+            mx.set_cache_limit(cache)
     previous_wired = maybe_set_recommended_wired_limit() if mx.metal.is_available() else None
     return MemoryLimits(memory, cache, previous_wired is not None, previous_memory, previous_cache, previous_wired)
