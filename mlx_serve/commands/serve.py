@@ -300,7 +300,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "--draft-model; with no --speculative-tokens, 3 a step)")
     g.add_argument("--draft-kv-tokens", type=whole_number_arg(1), default=16384, metavar="N",
                    help="tokens the draft model's caches hold together, kept from the KV pool's memory; a request "
-                        "that would take more does not draft (default: %(default)s)")
+                        "whose cache would take more stops drafting (default: %(default)s)")
     g.add_argument("--no-pipeline", action="store_true",
                    help="read every step back before planning the next (normally a step that samples stays in "
                         "flight while the next is queued)")

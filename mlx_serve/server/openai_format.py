@@ -123,8 +123,9 @@ def logprob_entry(tokenizer: Any, event: TokenEvent) -> dict[str, Any]:
     return {"token": token, "logprob": event.logprob, "bytes": list(token.encode()), "top_logprobs": top}
 
 
-def prompt_entry(tokenizer: Any, entry: PromptLogprob, top_k: int = 20) -> dict[str, Any]:
-    """A logprob entry for a prompt token (the first one has neither a logprob nor alternatives)."""
+def prompt_entry(tokenizer: Any, entry: PromptLogprob, top_k: int) -> dict[str, Any]:
+    """A logprob entry for a prompt token with its `top_k` alternatives (the first token has neither a logprob nor
+    alternatives)."""
     token = token_text(tokenizer, entry.token_id)
     top = None if entry.logprob is None else [
         {"token": (alt := token_text(tokenizer, t.token_id)), "logprob": t.logprob, "bytes": list(alt.encode())}
