@@ -65,6 +65,9 @@ def parse_chat(body: dict[str, Any], tokenizer: Any, model: ModelInfo) -> Job:
                               n=read_int(body, "n", 1, low=1, high=MAX_CHOICES),
                               grammar=_grammar(body, tools, tokenizer), prompt_logprobs=prompt_top,
                               bad_words=read_bad_words(body, tokenizer))
+    if prompt_top is not None:  # the answer shows one prompt's scores: only the first choice computes them
+        requests = requests[:1] + tuple(replace(r, sampling=replace(r.sampling, prompt_logprobs=None))
+                                        for r in requests[1:])  # fmt: skip
     return Job(requests, stream, read_stream_options(body, stream), want_logprobs, tools, n=len(requests),
                split_reasoning=model.split_reasoning, prompt_logprobs=prompt_top)
 
