@@ -13,6 +13,7 @@ draft forwards (one read-back each): a draft model is for a few streams, as in m
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,8 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 
 from mlx_serve.errors import InvalidRequest
 from scheduler.request import Request
+
+log = logging.getLogger(__name__)
 
 FEED_PER_STEP = 512  # prompt tokens a draft reads a step (a 0.6B draft: ~10 ms on an M-class GPU)
 
@@ -40,6 +43,7 @@ class DraftModel:
         self.most_tokens = most_tokens
         self.feed_per_step = feed_per_step
         self._states: dict[str, _DraftState] = {}
+        self._failed: set[str] = set()  # requests the draft model failed for: they draft no more
 
     @property
     def held_tokens(self) -> int:
@@ -47,7 +51,19 @@ class DraftModel:
         return sum(len(state.tokens) for state in list(self._states.values()))
 
     def propose(self, request: Request, most: int) -> tuple[int, ...]:
-        """Up to `most` tokens the draft would say next (none while it is still reading the request's tokens)."""
+        """Up to `most` tokens the draft would say next (none while it is still reading the request's tokens). A
+        draft is only a guess: where the draft model fails, the request goes on without drafts, never fails."""
+        try:
+            return self._propose(request, most)
+        except Exception:
+            log.exception("the draft model failed for %s: it goes on without drafts", request.request_id)
+            self.discard(request.request_id)
+            self._failed.add(request.request_id)
+            return ()
+
+    def _propose(self, request: Request, most: int) -> tuple[int, ...]:
+        if request.request_id in self._failed:
+            return ()
         state = self._states.get(request.request_id)
         others = self.held_tokens - (len(state.tokens) if state is not None else 0)
         if others + request.num_tokens + most > self.most_tokens:  # its cache would outgrow the memory kept for them
@@ -87,6 +103,7 @@ class DraftModel:
     def discard(self, request_id: str) -> None:
         """The request is done: its cache's memory is free."""
         self._states.pop(request_id, None)
+        self._failed.discard(request_id)
 
     def _feed(self, state: _DraftState, tokens: list[int], evaluate: bool = True) -> mx.array:
         logits = self.model(mx.array(tokens, dtype=mx.int32)[None], cache=state.cache)[0, -1]

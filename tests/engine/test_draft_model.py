@@ -142,3 +142,22 @@ def test_a_request_that_outgrows_the_draft_caches_room_stops_drafting(tiny_qwen3
     assert list(done.token_ids) == reference_tokens(tiny_qwen3, prompt, MAX_TOKENS)
     assert 0 < counters["draft_tokens"] and counters["decode_rows"] - counters["draft_tokens"] > 5  # drafted, then not
     assert held == 0
+
+
+def test_a_failing_draft_model_costs_the_drafts_not_the_requests(tiny_qwen3):
+    engine = drafting_engine(tiny_qwen3, tiny_qwen3)
+    prompts = [prompt_of(20, seed=122), prompt_of(35, seed=123)]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory, say")
+
+    engine.drafter.model = broken
+    try:
+        done = engine.generate([GenerationRequest(prompt_ids=tuple(p), max_tokens=MAX_TOKENS) for p in prompts])
+        counters, failure = engine.status()["counters"], engine.failure
+    finally:
+        engine.shutdown()
+    assert failure is None and counters["draft_tokens"] == 0
+    for prompt, completion in zip(prompts, done):
+        assert list(completion.token_ids) == reference_tokens(tiny_qwen3, prompt, MAX_TOKENS)
+    assert engine.drafter._failed == set()  # forgotten with their requests
