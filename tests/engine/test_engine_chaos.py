@@ -63,10 +63,10 @@ def _read(handle, op: Op, events: list) -> None:
             handle.cancel()
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ops=OPS)
-def test_random_requests_and_cancellations_lose_nothing(engine, tiny_qwen3, ops):
-    handles = engine.submit_all([_request(op) for op in ops])
+def _run(engine, requests: list[GenerationRequest], ops: list[Op]) -> list[list]:
+    """Submit the requests together, cancel as each op says, read every stream on its own thread; each stream's
+    events, checked to end with exactly one final event and none to hang."""
+    handles = engine.submit_all(requests)
     events: list[list] = [[] for _ in ops]
     readers = [threading.Thread(target=_read, args=(h, op, e)) for h, op, e in zip(handles, ops, events)]
     for op, handle, reader in zip(ops, handles, readers):
@@ -76,9 +76,17 @@ def test_random_requests_and_cancellations_lose_nothing(engine, tiny_qwen3, ops)
     for reader in readers:
         reader.join(120)
         assert not reader.is_alive(), "a stream hung"
-    for op, stream in zip(ops, events):
+    for stream in events:
         finals = [e for e in stream if e.finish_reason is not None]
         assert len(finals) == 1 and finals[0] is stream[-1]
+    return events
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=OPS)
+def test_random_requests_and_cancellations_lose_nothing(engine, tiny_qwen3, ops):
+    events = _run(engine, [_request(op) for op in ops], ops)
+    for op, stream in zip(ops, events):
         final = stream[-1]
         tokens = [e.token_id for e in stream if e.token_id is not None]
         assert final.usage.prompt_tokens == op.length and final.usage.completion_tokens == len(tokens)
@@ -143,19 +151,8 @@ def test_drafted_adapted_and_cancelled_requests_lose_nothing(drafting_engine, ti
                                  sampling=sampling, adapter="a" if op.kind == "adapter" else None,
                                  ignore_eos=op.kind == "sampled")  # fmt: skip
 
-    handles = engine.submit_all([request(op) for op in ops])
-    events: list[list] = [[] for _ in ops]
-    readers = [threading.Thread(target=_read, args=(h, op, e)) for h, op, e in zip(handles, ops, events)]
-    for op, handle, reader in zip(ops, handles, readers):
-        if op.cancel_after == 0:
-            handle.cancel()
-        reader.start()
-    for reader in readers:
-        reader.join(120)
-        assert not reader.is_alive(), "a stream hung"
+    events = _run(engine, [request(op) for op in ops], ops)
     for op, stream in zip(ops, events):
-        finals = [e for e in stream if e.finish_reason is not None]
-        assert len(finals) == 1 and finals[0] is stream[-1]
         tokens = [e.token_id for e in stream if e.token_id is not None]
         assert stream[-1].usage.completion_tokens == len(tokens) <= op.max_tokens
         if op.kind in ("sampled", "bad_words"):
