@@ -274,8 +274,11 @@ class Engine:
         with self._lock:
             stats = introspection.stats(self.scheduler, self._prompt_rows, self.delivery.generation_tokens)
         shapes = self.runner.compiled_shapes()
+        memory = {"adapter_bytes": self.adapter_bytes, "adapter_limit_bytes": self.adapter_limit_bytes}
+        if self.drafter is not None:
+            memory |= {"draft_tokens_held": self.drafter.held_tokens, "draft_tokens_limit": self.drafter.most_tokens}
         return {**stats, "compiled_shapes": shapes["decode"] + shapes["mixed"],
-                "compiled_shapes_waiting": shapes["mixed_waiting"]}  # fmt: skip
+                "compiled_shapes_waiting": shapes["mixed_waiting"], **memory}  # fmt: skip
 
     def allocation_summary(self) -> str:
         layout = self.loaded.layout

@@ -24,6 +24,10 @@ STAT_GAUGES = {
     "compiled_shapes": ("compiled_shapes", "Step shapes replayed from a compiled trace (decode and mixed steps)"),
     "compiled_shapes_waiting": ("compiled_shapes_waiting",
                                 "Mixed step shapes met but not traced yet (their steps run eager until the engine is quiet)"),
+    "adapter_bytes": ("adapter_bytes", "Bytes the LoRA adapters' stacked matrices hold"),
+    "adapter_limit_bytes": ("adapter_limit_bytes", "Bytes the adapters' matrices may grow to (--adapter-memory-gb)"),
+    "draft_tokens_held": ("draft_cache_tokens", "Tokens the draft model's caches hold"),
+    "draft_tokens_limit": ("draft_cache_tokens_limit", "Tokens the draft model's caches may hold (--draft-kv-tokens)"),
 }
 STAT_COUNTERS = {
     "prefix_hit_tokens_total": ("prefix_hit_tokens", "Prompt tokens served from the prefix cache"),

@@ -35,11 +35,12 @@ def test_a_draft_of_the_same_weights_saves_steps_and_keeps_mlx_lms_tokens(tiny_q
     engine = drafting_engine(tiny_qwen3, tiny_qwen3, compile_decode=compile_decode)
     try:
         tokens = run_staggered(engine, prompts, first=2, max_tokens=MAX_TOKENS)
-        status = engine.status()
+        status, stats = engine.status(), engine.stats()
         counters, held = status["counters"], engine.drafter.held_tokens
     finally:
         engine.shutdown()
     assert status["draft_model"] == {"model": str(tiny_qwen3), "tokens_held": 0, "tokens_limit": 16384}
+    assert (stats["draft_tokens_held"], stats["draft_tokens_limit"]) == (0, 16384)  # /metrics' gauges
     for i, prompt in enumerate(prompts):
         assert tokens[i] == reference_tokens(tiny_qwen3, prompt, MAX_TOKENS), f"prompt {i}"
     # the draft is the served model: (nearly) every draft is kept, 3 a step (mlx-lm's server default)

@@ -123,6 +123,12 @@ def test_adapters_load_and_unload_at_runtime_and_answer_as_mlx_lm_would(loading,
     assert reply.status_code == 200 and "gamma" in reply.text
     assert "gamma" in {card.id for card in client.models.list()}
     assert http.get("/v1/status").json()["adapters"] == ["gamma"]
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = text_string_to_metric_families(http.get("/metrics").text)
+    gauges = {f.name: f.samples[0].value for f in families if f.type == "gauge" and f.samples}
+    assert gauges["mlx_serve_adapter_bytes"] == loading.engine.adapter_bytes > 0
+    assert gauges["mlx_serve_adapter_limit_bytes"] == loading.engine.adapter_limit_bytes
     assert answer("gamma") == adapted_text(loading, adapter_dirs["alpha"], prompt)
     # the same name twice, a directory that is not an adapter: 4xx naming the field, nothing changed
     again = http.post("/v1/load_lora_adapter", json={"lora_name": "gamma", "lora_path": str(adapter_dirs["beta"])})
