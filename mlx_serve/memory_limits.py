@@ -3,56 +3,101 @@ in a cache for reuse (by default as large as its memory limit), so after a long 
 than the budget. With `--memory-budget-gb` given, MLX's memory limit becomes the budget (past it, MLX waits for
 running work to free memory before it allocates) and its cache is held to what the budget leaves after the weights,
 the pool and the shares kept for adapters and a draft model (or MLX's own cache limit, where that is less: 32 MiB
-on its CPU backend). On Metal, the working set is wired as mlx-lm's generate
-wires it, so macOS does not page the weights out between requests. Every setting is process-wide: the engine puts the
-previous values back when it shuts down.
+on its CPU backend). On Metal, the working set is wired as mlx-lm's generate wires it, so macOS does not page the
+weights out between requests.
+
+MLX's limits are process-wide, so engines in one process take turns: the newest engine's limits apply, and when it
+shuts down the next newest's come back, or MLX's own once none is left (`_HOLDERS`).
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.utils import maybe_set_recommended_wired_limit
 
 LEAST_CACHE_BYTES = 64 << 20  # a step's buffers are reused even where the budget is tight
 
 
 @dataclass(frozen=True, slots=True)
 class MemoryLimits:
-    """The limits set, and MLX's values before them (None: left alone)."""
+    """What an engine holds MLX to (None: left as MLX has it)."""
 
     memory: int | None = None
     cache: int | None = None
-    wired: bool = False
-    previous_memory: int | None = None
-    previous_cache: int | None = None
-    previous_wired: int | None = None
+    wired: int | None = None
 
     def restore(self) -> None:
-        if self.previous_memory is not None:
-            mx.set_memory_limit(self.previous_memory)
-        if self.previous_cache is not None:
-            mx.set_cache_limit(self.previous_cache)
-        if self.previous_wired is not None:
-            mx.set_wired_limit(self.previous_wired)
+        """This engine is done: the limits of the engine before it (or MLX's own) come back."""
+        _HOLDERS.release(self)
 
     def describe(self) -> str:
         parts = [f"{name} {value / (1 << 30):.2f} GiB" for name, value in
                  (("memory limit", self.memory), ("buffer cache", self.cache)) if value is not None]  # fmt: skip
-        parts += ["working set wired"] if self.wired else []
+        parts += ["working set wired"] if self.wired is not None else []
         return f"MLX {', '.join(parts)}" if parts else "MLX limits left as they were"
+
+
+class _Holders:
+    """The engines whose limits MLX holds, oldest first, and MLX's own limits from before the first of them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: list[MemoryLimits] = []
+        self._original = MemoryLimits()
+
+    def hold(self, limits: MemoryLimits) -> None:
+        with self._lock:
+            previous = _set(limits)
+            if not self._held:
+                self._original = previous
+            self._held.append(limits)
+
+    def mlx_cache_limit(self) -> int:
+        """MLX's own cache limit (from before any engine set one)."""
+        with self._lock:
+            if self._held and self._original.cache is not None:
+                return self._original.cache
+            current = mx.set_cache_limit(0)
+            mx.set_cache_limit(current)
+            return current
+
+    def release(self, limits: MemoryLimits) -> None:
+        with self._lock:
+            if not any(held is limits for held in self._held):
+                return
+            self._held = [held for held in self._held if held is not limits]
+            newest = self._held[-1] if self._held else MemoryLimits()
+            original = self._original
+            # what the newest remaining engine leaves alone goes back to MLX's own
+            _set(MemoryLimits(*(mine if mine is not None else theirs for mine, theirs in
+                                zip((newest.memory, newest.cache, newest.wired),
+                                    (original.memory, original.cache, original.wired)))))  # fmt: skip
+
+
+def _set(limits: MemoryLimits) -> MemoryLimits:
+    """Set the limits given; returns MLX's values before, for those set."""
+    return MemoryLimits(
+        mx.set_memory_limit(limits.memory) if limits.memory is not None else None,
+        mx.set_cache_limit(limits.cache) if limits.cache is not None else None,
+        mx.set_wired_limit(limits.wired) if limits.wired is not None else None,
+    )
+
+
+_HOLDERS = _Holders()
 
 
 def apply_limits(budget_bytes: int | None, held_bytes: int) -> MemoryLimits:
     """Hold MLX to `budget_bytes` (None: no budget given, limits untouched), `held_bytes` of it taken for good (weights,
     the pool, the kept shares); wire the working set where the device recommends one (Metal), as mlx-lm does."""
-    memory = cache = previous_memory = previous_cache = None
+    memory = cache = wired = None
     if budget_bytes is not None:
         memory, cache = budget_bytes, max(budget_bytes - held_bytes, LEAST_CACHE_BYTES)
-        previous_memory, previous_cache = mx.set_memory_limit(memory), mx.set_cache_limit(cache)
-        if previous_cache < cache:  # never more than MLX kept before (its CPU backend keeps 32 MiB)
-            cache = previous_cache
-            mx.set_cache_limit(cache)
-    previous_wired = maybe_set_recommended_wired_limit() if mx.metal.is_available() else None
-    return MemoryLimits(memory, cache, previous_wired is not None, previous_memory, previous_cache, previous_wired)
+        cache = min(cache, _HOLDERS.mlx_cache_limit())  # never more than MLX keeps (its CPU backend: 32 MiB)
+    if mx.metal.is_available():
+        wired = mx.device_info().get("max_recommended_working_set_size")
+    limits = MemoryLimits(memory, cache, int(wired) if wired is not None else None)
+    if limits != MemoryLimits():
+        _HOLDERS.hold(limits)
+    return limits

@@ -49,3 +49,18 @@ def test_without_a_budget_mlxs_limits_are_left_alone(tiny_qwen3):
     finally:
         engine.shutdown()
     assert limits() == before
+
+
+def test_engines_in_one_process_take_turns_with_mlxs_limits(tiny_qwen3):
+    """MLX's limits are process-wide: the newest engine's hold, and the older one's shutdown does not undo them."""
+    before = limits()
+    first = Engine.load(EngineConfig(model=str(tiny_qwen3), memory_budget_gb=0.5, max_running=4, warm_up=False))
+    second = Engine.load(EngineConfig(model=str(tiny_qwen3), memory_budget_gb=0.25, max_running=4, warm_up=False))
+    try:
+        assert limits()[0] == GIB // 4
+        first.shutdown()
+        assert limits()[0] == GIB // 4  # still the live engine's
+    finally:
+        first.shutdown()
+        second.shutdown()
+    assert limits() == before
