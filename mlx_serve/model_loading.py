@@ -106,6 +106,11 @@ def load_draft(spec: str, vocab_size: int) -> Any:
     return draft
 
 
+def kept_bytes(config: EngineConfig, loaded: LoadedModel) -> int:
+    """What the budget keeps besides the weights and the KV pool: the adapters' share and the draft model's."""
+    return int(config.adapter_memory_gb * GIB) + draft_bytes(config, loaded)
+
+
 def draft_bytes(config: EngineConfig, loaded: LoadedModel) -> int:
     """The draft model's weights and the most its caches may hold."""
     if loaded.draft is None or not config.draft_model:
@@ -207,7 +212,7 @@ def kv_pool_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
         return config.kv_blocks
     budget = config.memory_budget_gb * GIB if config.memory_budget_gb else 0.5 * machine_memory_bytes()
     # a tenth of what is left stays free for activations of the largest step; adapters loaded later get their share
-    kv_bytes = (budget - loaded.weight_bytes - config.adapter_memory_gb * GIB - draft_bytes(config, loaded)) * 0.9
+    kv_bytes = (budget - loaded.weight_bytes - kept_bytes(config, loaded)) * 0.9
     blocks = min(int(kv_bytes // block_bytes), cap)
     needed = math.ceil(min(loaded.context_length, 2048) / config.block_size)
     if blocks < needed:
