@@ -80,6 +80,11 @@ class SchedulerConfig:
     # speculative decoding's drafts (`speculation.NgramIndex`) match a request's last `speculative_ngram` tokens, down
     # to 2 (or 1 where this is 1), against its earlier tokens; how many a step drafts is each request's `speculate`
     speculative_ngram: int = 3
+    # sliding-window layers' KV in a block space of their own, `window_blocks` blocks (0: none, every layer's KV in the
+    # one space): a request holds there only the blocks within `window_tokens` (the widest window) of its next row,
+    # its older ones freed (or kept as cached prefix blocks) as it goes on (see core.py, "window space")
+    window_tokens: int = 0
+    window_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1:
@@ -114,10 +119,23 @@ class SchedulerConfig:
             raise ValueError(f"speculative_ngram must be >= 1, got {self.speculative_ngram}")
         if self.cost_model not in COST_MODELS:
             raise ValueError(f"cost_model must be one of {COST_MODELS}, got {self.cost_model!r}")
+        if self.window_blocks < 0 or self.window_tokens < 0 or (self.window_blocks > 0) != (self.window_tokens > 0):
+            raise ValueError("window_blocks and window_tokens are both 0 (no window space) or both > 0")
+        if self.window_blocks and self.window_blocks < self.window_span_blocks:
+            raise ValueError(
+                f"a window space of {self.window_blocks} blocks cannot hold one request's window of "
+                f"{self.window_tokens} tokens: it needs at least {self.window_span_blocks} blocks of {self.block_size}"
+            )
 
     @property
     def pool_tokens(self) -> int:
         return self.num_blocks * self.block_size
+
+    @property
+    def window_span_blocks(self) -> int:
+        """Blocks the window space gives one row: those holding its window (itself and the `window_tokens` - 1
+        positions before it) at most."""
+        return -(-(self.window_tokens - 1) // self.block_size) + 1 if self.window_tokens else 0
 
     def resolved_cost_model(self, environ: dict[str, str] | None = None) -> str:
         """The cost model to use: the environment variable, when set, overrides the field."""

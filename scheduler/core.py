@@ -5,6 +5,12 @@ The engine loop is three calls: `plan = scheduler.schedule(now)`, `outcome = run
 block preempts the newest running request by recomputation); then prefill rows, priority class first, then
 overtaken-K-times, then shortest remaining; a row budget from `budget.py`; KV admission with a decode reserve.
 Requests at the pool's edge finish LENGTH: a request never grows past the whole pool.
+
+Window space (a model with sliding-window layers, `SchedulerConfig.window_blocks`): those layers' KV lives in a second
+block space, one table per request index for index with the first. A block there is freed once it falls more than
+`window_tokens` behind the request's next row (a published one stays cached), so a long request holds a window of
+blocks there, not its length. A prefix hit counts only as far as the window space also holds the window before its
+end: the hit is cut back to the longest cached prefix whose last `window_tokens` positions are cached in both.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from scheduler.cost_models import make_cost_model
 from scheduler.errors import QueueFull, RequestTooLarge
 from scheduler.kv_blocks import BlockManager, extend_hash_chain
 from scheduler.learning import predict_planned_gpu_ms, train_cost_model
-from scheduler.plan import Lane, LaneKind, StepOutcome, StepPlan
+from scheduler.plan import NO_BLOCK, Lane, LaneKind, StepOutcome, StepPlan
 from scheduler.prefill import PrefillPlanner
 from scheduler.request import FinishReason, Request, RequestState
 from scheduler.speculation import DraftSource, PromptLookup
@@ -46,6 +52,11 @@ class Scheduler:
         self.trace = trace
         self.traced_shapes = traced_shapes  # which steps the engine runs compiled (None: it compiles no prefill)
         self.blocks = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_cache)
+        self.window_space = (
+            BlockManager(config.window_blocks, config.block_size, config.enable_prefix_cache)
+            if config.window_blocks
+            else None
+        )
         self.chains = ChainMemo(config.recent_chain_tokens if config.enable_prefix_cache else 0, config.block_size)
         self.cost_model = make_cost_model(
             config.resolved_cost_model(), config.kv_bucket, config.cost_trust_factor, config.pads_history
@@ -174,6 +185,7 @@ class Scheduler:
             if lane.drafts:
                 self.drafts.observe(request, len(accepted))
             self._publish_full_blocks(request)
+            self._drop_behind_window(request)
             if not lane.samples:
                 request.state = RequestState.PREFILLING
                 continue
@@ -207,11 +219,17 @@ class Scheduler:
         self.step_target.observe(plan, outcome)
 
     # ---- internals used by PrefillPlanner
-    def admit(self, request: Request, hit_blocks: list[int]) -> None:
-        """Move a waiting request to running, holding its prefix-cache hits (`grow` adds fresh blocks)."""
+    def admit(self, request: Request, hit_blocks: list[int], window_hits: list[int] | None = None) -> None:
+        """Move a waiting request to running, holding its prefix-cache hits (`grow` adds fresh blocks) and, with a
+        window space, the window's blocks before their end (`window_hits`' table)."""
         self.blocks.acquire(hit_blocks)
         cached_tokens = len(hit_blocks) * self.config.block_size
         request.block_ids = list(hit_blocks)
+        if self.window_space is not None:
+            table = self.window_hits(request, len(hit_blocks)) if window_hits is None else window_hits
+            request.window_first = self.window_first(cached_tokens)
+            self.window_space.acquire(table[request.window_first :])
+            request.window_block_ids = list(table)
         request.num_computed = cached_tokens
         request.num_published_blocks = len(hit_blocks)
         if request.times_preempted == 0:
@@ -222,6 +240,29 @@ class Scheduler:
         self._running.append(request)
         if self.trace.enabled:
             emit_admitted(self.trace, request, cached_tokens)
+
+    def window_first(self, next_position: int) -> int:
+        """The first block a request whose next row is at `next_position` keeps in the window space: the one holding
+        the earliest position that row's window reaches (later rows reach no earlier)."""
+        return max(0, next_position - self.config.window_tokens + 1) // self.config.block_size
+
+    def window_hits(self, request: Request, num_blocks: int) -> list[int]:
+        """The window-space table of a prefix hit of `num_blocks` blocks (which `windowed_prefix` checked cached)."""
+        first = self.window_first(num_blocks * self.config.block_size)
+        hashes = request.block_hashes[first:num_blocks]
+        return [NO_BLOCK] * first + [self.window_space.cached_block(block_hash) for block_hash in hashes]
+
+    def windowed_prefix(self, request: Request, hits: list[int]) -> list[int]:
+        """`hits` cut back to the longest prefix the window space can continue: its window's blocks before its end
+        cached there too (all of `hits` without a window space)."""
+        if self.window_space is None or not hits:
+            return hits
+        best = run = 0
+        for index, block_hash in enumerate(request.block_hashes[: len(hits)]):
+            run = run + 1 if self.window_space.cached_block(block_hash) is not None else 0
+            if run >= index + 1 - self.window_first((index + 1) * self.config.block_size):
+                best = index + 1
+        return hits[:best]
 
     def waiting_requests(self) -> list[Request]:
         return list(self._waiting)
@@ -311,23 +352,30 @@ class Scheduler:
         needed = -(-num_tokens // self.config.block_size) - len(request.block_ids)
         if needed <= 0:
             return True
+        windows = self.window_space
+        if windows is not None and not windows.can_allocate(needed):
+            return False
         fresh = self.blocks.allocate(needed)
         if fresh is None:
             return False
         request.block_ids.extend(fresh)
+        if windows is not None:
+            request.window_block_ids.extend(windows.allocate(needed))
         return True
 
     def make_lane(self, request: Request, kind: LaneKind, rows: int, drafts: tuple[int, ...] = ()) -> Lane:
         start = request.num_computed
         end = start + rows
+        blocks = -(-(end + len(drafts)) // self.config.block_size)
         return Lane(
             request_id=request.request_id,
             kind=kind,
             token_ids=request.tokens(start, end) + drafts,
             start=start,
-            block_ids=tuple(request.block_ids[: -(-(end + len(drafts)) // self.config.block_size)]),
+            block_ids=tuple(request.block_ids[:blocks]),
             samples=end == request.num_tokens,
             drafts=len(drafts),
+            window_block_ids=tuple(request.window_block_ids[:blocks]),
         )
 
     def _preempt(self, request: Request) -> Request:
@@ -358,6 +406,22 @@ class Scheduler:
         self.blocks.free(request.block_ids)
         request.block_ids = []
         request.num_published_blocks = 0
+        if self.window_space is not None:
+            self.window_space.free(request.window_block_ids[request.window_first :])
+            request.window_block_ids = []
+            request.window_first = 0
+
+    def _drop_behind_window(self, request: Request) -> None:
+        """Free the window-space blocks no later row of the request reads (published ones stay cached)."""
+        if self.window_space is None:
+            return
+        first = self.window_first(request.num_computed)
+        if first <= request.window_first:
+            return
+        table = request.window_block_ids
+        self.window_space.free(table[request.window_first : first])
+        table[request.window_first : first] = [NO_BLOCK] * (first - request.window_first)
+        request.window_first = first
 
     def _append_token(self, request: Request, token: int, now: float) -> None:
         request.output_ids.append(token)
@@ -376,8 +440,11 @@ class Scheduler:
         if full <= request.num_published_blocks or not self.config.enable_prefix_cache:
             return
         hashes = self.block_hashes(request, full)
+        windows = self.window_space
         for index in range(request.num_published_blocks, full):
             self.blocks.register(request.block_ids[index], hashes[index])
+            if windows is not None and index >= request.window_first:
+                windows.register(request.window_block_ids[index], hashes[index])
         request.num_published_blocks = full
 
     def block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:

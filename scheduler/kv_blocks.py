@@ -105,6 +105,10 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
+    def cached_block(self, block_hash: BlockHash) -> int | None:
+        """The block registered under this hash, or None (read-only)."""
+        return self._block_of.get(block_hash) if self.enable_prefix_cache else None
+
     def num_evictable_among(self, block_ids: Sequence[int]) -> int:
         """How many of these blocks are unreferenced (taking them shrinks `num_free_blocks`)."""
         return sum(1 for block_id in block_ids if self._ref_counts[block_id] == 0)

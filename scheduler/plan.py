@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 # A decode lane's input when the token is the one the previous, still running, step samples: the runner takes
 # it from that step's device-side result, so the host never waits for it (one step in flight).
 PENDING_TOKEN = -1
+# A window-space table's entry for a block behind the request's window: freed, never read
+NO_BLOCK = -1
 
 
 class Path(str, enum.Enum):
@@ -39,6 +41,8 @@ class Lane:
     # a decode lane's trailing rows that are drafted tokens (speculative decoding): every row's logits are read, and
     # the drafts the model agrees with are kept (`StepOutcome.accepted_drafts`)
     drafts: int = 0
+    # the window space's blocks over the same positions as `block_ids` (`NO_BLOCK` behind the window); () without one
+    window_block_ids: tuple[int, ...] = ()
 
     @property
     def rows(self) -> int:

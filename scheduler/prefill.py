@@ -98,7 +98,7 @@ class PrefillPlanner:
         while True:  # each round matches only the blocks past the last one's hits
             hits = self.scheduler.blocks.match_prefix(self.scheduler.block_hashes(request, want)[:want], hits)
             if len(hits) < want or want == max_blocks:
-                return hits
+                return self.scheduler.windowed_prefix(request, hits)
             want = min(max_blocks, 2 * want)
 
     def awaits_shared_block(self, request: Request, hits: list[int], pending: PendingBlocks) -> bool:
@@ -169,40 +169,53 @@ class PrefillPlanner:
         overtaken = count_overtakes(eligible, {lane.request_id for lane in lanes})
         return self._place_paths(lanes), overtaken
 
-    def _reserve(self, request: Request) -> int:
+    def _reserve(self, request: Request) -> tuple[int, int]:
         """Blocks the request must leave free for those admitted before it: one per decoding stream (its next
         row may open a block) and what each prefilling one still needs to finish its prompt. So the oldest
-        running request can always proceed, and a newcomer never strands anyone."""
+        running request can always proceed, and a newcomer never strands anyone. Second, the same in the window
+        space, where a prefill that frees its blocks behind as it goes is kept at most a window's worth."""
         size = self.config.block_size
-        reserve = 0
+        reserve = window_reserve = 0
         for other in self.scheduler.running_requests():
             if other is request:
                 break
             if other.state is RequestState.DECODING:
                 reserve += 1
+                window_reserve += 1
             else:
-                reserve += max(0, -(-other.num_tokens // size) - len(other.block_ids))
-        return reserve
+                needs = max(0, -(-other.num_tokens // size) - len(other.block_ids))
+                reserve += needs
+                window_reserve += min(needs, self.config.window_span_blocks)
+        return reserve, window_reserve
 
     def _plan_one(self, request: Request, left: int, hits: list[int]) -> Lane | None:
         """A lane of up to `left` rows for the request, admitting it if it waits (`hits`: its cached prefix); None
         if it gets no row."""
         size = self.config.block_size
-        blocks = self.scheduler.blocks
+        blocks, windows = self.scheduler.blocks, self.scheduler.window_space
         waiting = _is_waiting(request)
+        reserve, window_reserve = self._reserve(request)
+        window_hits: list[int] | None = None
         if waiting:
             if self.scheduler.num_running >= self.config.max_running:
                 return None
             start, have = len(hits) * size, len(hits)
-            available = blocks.num_free_blocks - blocks.num_evictable_among(hits) - self._reserve(request)
+            available = blocks.num_free_blocks - blocks.num_evictable_among(hits) - reserve
+            if windows is not None:
+                window_hits = self.scheduler.window_hits(request, len(hits))
+                held = window_hits[self.scheduler.window_first(start) :]
+                window_available = windows.num_free_blocks - windows.num_evictable_among(held) - window_reserve
         else:
             start, have = request.num_computed, len(request.block_ids)
-            available = blocks.num_free_blocks - self._reserve(request)
+            available = blocks.num_free_blocks - reserve
+            window_available = windows.num_free_blocks - window_reserve if windows is not None else 0
+        if windows is not None:  # both tables grow by the same blocks
+            available = min(available, window_available)
         rows = min(request.num_tokens - start, left, (have + available) * size - start)
         if rows <= 0:
             return None
         if waiting:
-            self.scheduler.admit(request, hits)
+            self.scheduler.admit(request, hits, window_hits)
         if not self.scheduler.grow(request, start + rows):
             raise RuntimeError("KV accounting error: a fitted chunk could not get its blocks")
         return self.scheduler.make_lane(request, LaneKind.PREFILL, rows)

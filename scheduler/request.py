@@ -71,6 +71,10 @@ class Request:
     speculate: int = 0
     ngrams: Any = field(default=None, repr=False)
     new_tokens: int = 0  # tokens the last update appended (more than one where drafts were accepted)
+    # the window space's blocks (`SchedulerConfig.window_blocks`), index for index with `block_ids`: those behind its
+    # window are `NO_BLOCK`, from index 0 up to `window_first`
+    window_block_ids: list[int] = field(default_factory=list)
+    window_first: int = 0
 
     @property
     def num_tokens(self) -> int:

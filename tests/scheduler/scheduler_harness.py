@@ -7,12 +7,14 @@ from dataclasses import dataclass, field
 
 from scheduler import LaneKind, Request, RequestState, Scheduler, StepOutcome, StepPlan
 from scheduler.ordering import prefill_order_key
+from scheduler.plan import NO_BLOCK
 
 
 @dataclass
 class Harness:
     scheduler: Scheduler
     kv: dict[tuple[int, int], tuple[str | None, int]] = field(default_factory=dict)  # (block, slot) -> (salt, token)
+    window_kv: dict[tuple[int, int], tuple[str | None, int]] = field(default_factory=dict)  # the window space's
     steps_without_token: dict[str, int] = field(default_factory=dict)
     finished: dict[str, Request] = field(default_factory=dict)
     admitted: set[str] = field(default_factory=set)
@@ -69,6 +71,8 @@ class Harness:
             for offset, token in enumerate(lane.token_ids):
                 position = lane.start + offset
                 self.kv[(lane.block_ids[position // size], position % size)] = (salt, token)
+                if self.scheduler.window_space is not None:
+                    self.window_kv[(lane.window_block_ids[position // size], position % size)] = (salt, token)
 
     # ---- checks
     def check_plan(self, plan: StepPlan, keys_before: dict[str, tuple]) -> None:
@@ -90,11 +94,23 @@ class Harness:
             for position in range(lane.start if self.check_kv else 0):  # the history the lane attends to is this request's own tokens
                 held = self.kv.get((lane.block_ids[position // size], position % size))
                 assert held == (request.cache_salt, request.token_at(position)), f"KV mismatch at {position}"
+            if self.scheduler.window_space is not None:
+                self.check_window(lane, request)
             if lane.kind is LaneKind.DECODE:
                 assert lane.rows == 1 + lane.drafts and lane.drafts <= request.speculate
             else:
                 assert lane.drafts == 0
         self.check_prefill_order(plan, keys_before)
+
+    def check_window(self, lane, request: Request) -> None:
+        """The window space holds every position the lane's rows attend to, and its own rows' blocks."""
+        size, window = self.config.block_size, self.config.window_tokens
+        assert list(lane.window_block_ids) == request.window_block_ids[: len(lane.block_ids)]
+        first = max(0, lane.start - window + 1)
+        assert all(block != NO_BLOCK for block in lane.window_block_ids[first // size :])
+        for position in range(first, lane.start):
+            held = self.window_kv.get((lane.window_block_ids[position // size], position % size))
+            assert held == (request.cache_salt, request.token_at(position)), f"window KV mismatch at {position}"
 
     def check_prefill_order(self, plan: StepPlan, keys_before: dict[str, tuple]) -> None:
         """Prefill lanes follow (priority, overtaken-K-times first, shortest remaining, arrival)."""
@@ -117,3 +133,23 @@ class Harness:
             if holders.get(block_id, 0) > 1:
                 assert blocks.block_hash(block_id) is not None, "only cached blocks are shared"
         assert blocks.num_free_blocks + blocks.num_used_blocks == blocks.num_blocks
+        if self.scheduler.window_space is not None:
+            self.check_window_blocks()
+
+    def check_window_blocks(self) -> None:
+        """Each running request holds its window space's blocks from its window's first block on, and none before."""
+        windows = self.scheduler.window_space
+        windows.check_invariants()
+        holders: dict[int, int] = {}
+        for request in self.scheduler.requests():
+            table = request.window_block_ids
+            assert len(table) == len(request.block_ids)
+            if not table:
+                continue
+            assert request.window_first == self.scheduler.window_first(request.num_computed)
+            assert table[: request.window_first] == [NO_BLOCK] * request.window_first
+            for block_id in table[request.window_first :]:
+                assert block_id != NO_BLOCK
+                holders[block_id] = holders.get(block_id, 0) + 1
+        for block_id in range(windows.num_blocks):
+            assert windows.ref_count(block_id) == holders.get(block_id, 0), "window ref count != holders"

@@ -43,7 +43,7 @@ actions = st.lists(st.one_of(arrival, arrival, step, step, step, cancel), min_si
 
 configs = st.builds(
     lambda num_blocks, block_size, ceiling, floor_shift, max_running, overtakes, model, target, cache, ane, quantum,
-    kv_bucket, shared: (
+    kv_bucket, shared, window, window_room: (
         SchedulerConfig(
             num_blocks=num_blocks,
             block_size=block_size,
@@ -60,6 +60,9 @@ configs = st.builds(
             ane_lane=ane,
             max_model_len=400,
             queue_limit=64,
+            window_tokens=window,
+            # a window space from the least that holds one request's window up
+            window_blocks=(-(-(window - 1) // block_size) + 1 + window_room) if window else 0,
         )
     ),
     num_blocks=st.integers(20, 120),
@@ -75,6 +78,8 @@ configs = st.builds(
     quantum=st.sampled_from([1, 1, 16, 64]),
     kv_bucket=st.sampled_from([0, 0, 1024]),
     shared=st.sampled_from([0, 8, 16, 256]),  # PREFIXES share 16-64 tokens: waits for a running prefill happen
+    window=st.sampled_from([0, 0, 1, 5, 24, 64]),  # sliding-window layers' widest window (0: no window space)
+    window_room=st.sampled_from([0, 1, 3, 40]),
 )
 
 
@@ -123,6 +128,7 @@ def drive(config: SchedulerConfig, script: list[dict]) -> Harness:
         steps += 1
     assert not scheduler.has_work, "requests left unfinished"
     assert scheduler.blocks.num_used_blocks == 0
+    assert scheduler.window_space is None or scheduler.window_space.num_used_blocks == 0
     return harness
 
 
