@@ -10,7 +10,7 @@ block, and their logits are dropped.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
@@ -46,20 +46,39 @@ class DecodeTables:
     lengths: np.ndarray  # [count] KV length including the new row
     positions: np.ndarray  # [count] the new row's position
     slots: np.ndarray  # [count] the pool slot it writes
+    # the same in the pool's window space (its sliding-window layers); None where it has none
+    window_tables: np.ndarray | None = None
+    window_slots: np.ndarray | None = None
 
 
 def decode_tables(lanes: Sequence[Lane], count: int, pool: KVPool) -> DecodeTables:
-    size, scratch = pool.block_size, pool.scratch_block
+    size = pool.block_size
     width = width_bucket(max(-(-lane.end // size) for lane in lanes)) if lanes else 1
-    tables = np.full((count, width), scratch, dtype=np.int32)
     lengths = np.ones(count, dtype=np.int32)
     positions = np.zeros(count, dtype=np.int32)
     for i, lane in enumerate(lanes):
-        used = -(-lane.end // size)
-        tables[i, :used] = lane.block_ids[:used]
         lengths[i], positions[i] = lane.end, lane.start
-    slots = (tables[np.arange(count), positions // size] * size + positions % size).astype(np.int32)
-    return DecodeTables(tables, lengths, positions, slots)
+    tables = _padded_tables([lane.block_ids for lane in lanes], count, width, pool.scratch_block)
+    meta = DecodeTables(tables, lengths, positions, _row_slots(tables, positions, size))
+    if not pool.window_blocks:
+        return meta
+    windows = [pool.window_table(lane.window_block_ids) for lane in lanes]
+    window_tables = _padded_tables(windows, count, width, pool.window_scratch_block)
+    return replace(meta, window_tables=window_tables, window_slots=_row_slots(window_tables, positions, size))
+
+
+def _padded_tables(tables: Sequence[Sequence[int]], count: int, width: int, scratch: int) -> np.ndarray:
+    """`[count, width]` int32: each lane's blocks, then the scratch block (pad lanes all scratch)."""
+    padded = np.full((count, width), scratch, dtype=np.int32)
+    for i, table in enumerate(tables):
+        used = min(len(table), width)
+        padded[i, :used] = table[:used]
+    return padded
+
+
+def _row_slots(tables: np.ndarray, positions: np.ndarray, size: int) -> np.ndarray:
+    """The pool slot each lane's new row writes."""
+    return (tables[np.arange(len(positions)), positions // size] * size + positions % size).astype(np.int32)
 
 
 class CompiledDecode:
@@ -98,8 +117,9 @@ class CompiledDecode:
         meta = decode_tables(lanes, count, self.pool)
         if count > n:
             tokens = mx.concatenate([tokens, mx.zeros((count - n,), dtype=tokens.dtype)])
+        windowed = [] if meta.window_tables is None else [mx.array(meta.window_slots), mx.array(meta.window_tables)]
         inputs = (tokens, mx.array(meta.positions), mx.array(meta.slots), mx.array(meta.tables),
-                  mx.array(meta.lengths), self.pool.keys, self.pool.values)  # fmt: skip
+                  mx.array(meta.lengths), windowed, self.pool.keys, self.pool.values)  # fmt: skip
         if adapter_slots:
             if self._adapted_step is None:
                 self._adapted_step = mx.compile(self._traced_adapted)
@@ -139,6 +159,7 @@ class CompiledDecode:
         slots: mx.array,
         tables: mx.array,
         lengths: mx.array,
+        windowed: list[mx.array],
         keys: list[mx.array],
         values: list[mx.array],
     ) -> tuple[mx.array, list[mx.array], list[mx.array]]:
@@ -146,7 +167,12 @@ class CompiledDecode:
         rows = DecodeRows(tables.shape[0], tables, lengths, pool.block_size, lanes=())
         if fused is not None:
             return self.logits(fused(tokens, positions, slots, rows, pool)), pool.keys, pool.values
-        layout = StepLayout(positions, slots, rows, lanes=(), decode_attention=self.attention)
+        window = None
+        if windowed:  # the window space's write slots and tables, for the sliding-window layers
+            window_slots, window_tables = windowed
+            window_rows = DecodeRows(window_tables.shape[0], window_tables, lengths, pool.block_size, lanes=())
+            window = StepLayout(positions, window_slots, window_rows, lanes=())
+        layout = StepLayout(positions, slots, rows, lanes=(), decode_attention=self.attention, windowed=window)
         caches = [RaggedLayerCache(pool, layer, layout) for layer in range(len(keys))]
         hidden = self.model.model(tokens[:, None], cache=caches)[:, 0, :]
         return self.logits(hidden), pool.keys, pool.values

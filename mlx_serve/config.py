@@ -22,6 +22,9 @@ class EngineConfig:
     chat_template: str | None = None  # a Jinja chat template (or a file of one) in place of the checkpoint's
     memory_budget_gb: float | None = None  # weights + KV pool; None = a share of the machine's memory
     kv_blocks: int | None = None  # exact pool size in blocks (overrides the budget; tests use it)
+    # tokens of the window space, where sliding-window layers keep only the blocks their windows reach (the rest of the
+    # budget goes to the full layers); None: auto (`model_loading.window_space_blocks`), 0: off (kept whole)
+    window_kv_tokens: int | None = None
     block_size: int = 16
     max_running: int = 64
     queue_limit: int = 1024

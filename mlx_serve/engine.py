@@ -71,7 +71,7 @@ class _Submission:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, loaded: Any, num_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, loaded: Any, num_blocks: int, window_blocks: int = 0) -> None:
         from mlx_serve.kv_pool import KVPool
         from mlx_serve.runner import ModelRunner
 
@@ -84,7 +84,7 @@ class Engine:
         self.vocab_size: int = loaded.vocab_size
         self.trace = config.trace if config.trace is not None else sink_from_env()  # $MLX_SERVE_TRACE
         self.observer = config.observer or NullObserver()
-        self.pool = KVPool(loaded.layout, num_blocks, config.block_size)
+        self.pool = KVPool(loaded.layout, num_blocks, config.block_size, window_blocks)
         self.memory_limits = engine_setup.memory_limits(config, loaded, self.pool.nbytes)
         compiled = engine_setup.compile_decode(config.compile_decode)
         self.runner = ModelRunner(
@@ -123,6 +123,7 @@ class Engine:
                 engine_setup.row_quantum(config.row_quantum, self.runner.quantized_projections > 0),
                 self.runner.kv_bucket if config.plan_padding else 0,
                 not isinstance(self.runner.chunk_attention, PagedChunkAttention),
+                loaded.layout.widest_window, self.pool.window_blocks,
             ),
             trace=self.trace,
             traced_shapes=self.runner.traced_shapes(),
@@ -156,19 +157,20 @@ class Engine:
     @classmethod
     def load(cls, config: EngineConfig | None = None) -> Engine:
         """Load the model through mlx-lm, size the KV pool from the memory budget, start the engine thread."""
-        from mlx_serve.model_loading import kv_pool_blocks, load_model
+        from mlx_serve.model_loading import kv_pool_size, load_model
 
         config = config or EngineConfig()
         engine_setup.check_settings(config)  # before the load, which can take minutes
         loaded = load_model(config)
-        return cls(config, loaded, kv_pool_blocks(config, loaded))
+        size = kv_pool_size(config, loaded)
+        return cls(config, loaded, size.blocks, size.window_blocks)
 
     @classmethod
     def from_model(cls, model: Any, tokenizer: Any, model_config: dict, config: EngineConfig | None = None) -> Engine:
         """An engine over a model already in memory (benchmarks build big dummy models without a disk copy)."""
         from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-        from mlx_serve.model_loading import describe_model, kv_pool_blocks
+        from mlx_serve.model_loading import describe_model, kv_pool_size
         from mlx_serve.model_source import check_supported
 
         config = config or EngineConfig()
@@ -177,7 +179,8 @@ class Engine:
         if not isinstance(tokenizer, TokenizerWrapper):
             tokenizer = TokenizerWrapper(tokenizer)
         loaded = describe_model(model, tokenizer, model_config, config.model or "in-memory", config)
-        return cls(config, loaded, kv_pool_blocks(config, loaded))
+        size = kv_pool_size(config, loaded)
+        return cls(config, loaded, size.blocks, size.window_blocks)
 
     # the caller's side (any thread) ------------------------------------------------------------------
     def submit(self, request: GenerationRequest) -> RequestHandle:

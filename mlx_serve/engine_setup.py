@@ -45,6 +45,8 @@ def check_settings(c: EngineConfig) -> None:
     _check_count(c.trace_neighbour_shapes, "trace_neighbour_shapes")
     _check_count(c.speculative_tokens, "speculative_tokens")
     _check_count(c.draft_kv_tokens, "draft_kv_tokens")
+    if c.window_kv_tokens is not None:
+        _check_count(c.window_kv_tokens, "window_kv_tokens")
     check_specs(c.adapters)
     if not (isinstance(c.adapter_memory_gb, (int, float)) and c.adapter_memory_gb >= 0):
         raise InvalidRequest(f"adapter_memory_gb must be a number >= 0, not {c.adapter_memory_gb!r}",
@@ -113,10 +115,11 @@ def floor_slack(value: float | str, quantum: int, checked_fill: str) -> float:
 
 def scheduler_config(
     c: EngineConfig, num_blocks: int, context_length: int, quantum: int = 1, kv_bucket: int = 0,
-    pads_history: bool = True,
+    pads_history: bool = True, window_tokens: int = 0, window_blocks: int = 0,
 ) -> SchedulerConfig:
     """`quantum`: the resolved `row_quantum` (it depends on the loaded model); `kv_bucket` and `pads_history`: the
-    runner's (whether its chunk attention computes over the padded history)."""
+    runner's (whether its chunk attention computes over the padded history); `window_tokens` and `window_blocks`: the
+    pool's window space (the widest window, its blocks; 0: none)."""
     target_ms, factor = step_target(c.step_target_ms, c.step_target_factor)
     floor = c.step_target_floor_ms
     if isinstance(floor, bool) or not isinstance(floor, int | float) or not floor >= 0:
@@ -149,6 +152,8 @@ def scheduler_config(
         enable_prefix_cache=c.enable_prefix_cache,
         shared_prefill_tokens=c.shared_prefill_tokens,
         ane_lane=c.ane_lane != "off",
+        window_tokens=window_tokens if window_blocks else 0,
+        window_blocks=window_blocks,
     )
 
 

@@ -52,8 +52,18 @@ def status(scheduler: Scheduler, model_id: str, block_size: int) -> dict:
             "blocks_used": blocks.num_used_blocks,
             "blocks_cached": blocks.num_cached_blocks,
             "block_size": block_size,
-        },
+        }
+        | _window_space(scheduler),
     }
+
+
+def _window_space(scheduler: Scheduler) -> dict:
+    """The window space's blocks (sliding-window layers), where the pool has one."""
+    windows = scheduler.window_space
+    if windows is None:
+        return {}
+    return {"window_blocks_total": windows.num_blocks, "window_blocks_used": windows.num_used_blocks,
+            "window_blocks_cached": windows.num_cached_blocks, "window_tokens": scheduler.config.window_tokens}
 
 
 def stats(scheduler: Scheduler, prompt_tokens: int, generation_tokens: int) -> dict:
@@ -64,6 +74,7 @@ def stats(scheduler: Scheduler, prompt_tokens: int, generation_tokens: int) -> d
         "kv_blocks_total": blocks.num_blocks,
         "kv_blocks_used": blocks.num_used_blocks,
         "kv_blocks_cached": blocks.num_cached_blocks,
+        **{key: value for key, value in _window_space(scheduler).items() if key != "window_tokens"},
         "prefix_hit_tokens_total": s.prefix_hit_tokens,
         "prefix_hashes_recalled_total": s.recalled_hash_blocks,
         "shared_prefill_waits_total": s.shared_prefill_waits,
@@ -81,9 +92,15 @@ def stats(scheduler: Scheduler, prompt_tokens: int, generation_tokens: int) -> d
 def allocation_summary(model_id: str, weight_bytes: int, pool: Any, bytes_per_token: int, context: int) -> str:
     """Weights and the KV pool, in real bytes (quantized weights included)."""
     tokens = pool.num_blocks * pool.block_size
+    windows = ""
+    if pool.window_blocks:
+        windowed = pool.layout.windowed_bytes_per_token()
+        bytes_per_token -= windowed
+        windows = (f"; sliding-window layers {pool.window_blocks} blocks ({pool.window_blocks * pool.block_size} "
+                   f"tokens, {windowed} bytes/token)")  # fmt: skip
     return (
         f"{model_id}: weights {_size(weight_bytes)}; KV pool {_size(pool.nbytes)} = {pool.num_blocks} blocks x "
-        f"{pool.block_size} tokens ({tokens} tokens, {bytes_per_token} bytes/token); context {context} tokens"
+        f"{pool.block_size} tokens ({tokens} tokens, {bytes_per_token} bytes/token){windows}; context {context} tokens"
     )
 
 

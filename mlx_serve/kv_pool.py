@@ -19,45 +19,82 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: mx.Dtype
-    # each layer's attention window in tokens (None: every earlier token); empty: none windowed. A windowed layer's
-    # KV is still kept whole: only its attention looks back no further
+    # each layer's attention window in tokens (None: every earlier token); empty: none windowed. A windowed layer's KV
+    # lives in the pool's window space where it has one (only the blocks its window reaches), else it is kept whole
     windows: tuple[int | None, ...] = ()
 
     def window(self, layer: int) -> int | None:
         return self.windows[layer] if self.windows else None
 
+    @property
+    def widest_window(self) -> int:
+        """The longest window of any layer (0: no layer is windowed)."""
+        return max((w for w in self.windows if w is not None), default=0)
+
+    @property
+    def num_windowed(self) -> int:
+        return sum(w is not None for w in self.windows)
+
     def bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.size
+
+    def windowed_bytes_per_token(self) -> int:
+        """What a token of the windowed layers alone holds."""
+        return self.bytes_per_token() * self.num_windowed // self.num_layers
 
 
 class KVPool:
     """Keys and values of every layer, `[(num_blocks + 1) * block_size, kv_heads, head_dim]` each.
 
     Blocks [0, num_blocks) belong to the scheduler's block manager. One more, `scratch_block`, is never handed
-    out: padding rows of a bucketed step write and read there (see `compiled_step`).
+    out: padding rows of a bucketed step write and read there (see `compiled_step`). With a window space
+    (`window_blocks` > 0) the sliding-window layers' arrays hold `window_blocks + 1` blocks instead, addressed by the
+    scheduler's window-space block ids (`Lane.window_block_ids`), the last one their scratch block.
     """
 
-    def __init__(self, layout: KVLayout, num_blocks: int, block_size: int) -> None:
+    def __init__(self, layout: KVLayout, num_blocks: int, block_size: int, window_blocks: int = 0) -> None:
         self.layout = layout
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = ((num_blocks + 1) * block_size, layout.num_kv_heads, layout.head_dim)
-        self.keys = [mx.zeros(shape, layout.dtype) for _ in range(layout.num_layers)]
-        self.values = [mx.zeros(shape, layout.dtype) for _ in range(layout.num_layers)]
+        self.window_blocks = window_blocks if layout.num_windowed else 0
+        self.keys = [mx.zeros(self._shape(layer), layout.dtype) for layer in range(layout.num_layers)]
+        self.values = [mx.zeros(self._shape(layer), layout.dtype) for layer in range(layout.num_layers)]
         mx.eval(self.keys, self.values)
+
+    def _shape(self, layer: int) -> tuple[int, int, int]:
+        blocks = self.window_blocks if self.in_window_space(layer) else self.num_blocks
+        return (blocks + 1) * self.block_size, self.layout.num_kv_heads, self.layout.head_dim
+
+    def in_window_space(self, layer: int) -> bool:
+        return self.window_blocks > 0 and self.layout.window(layer) is not None
 
     @property
     def scratch_block(self) -> int:
         return self.num_blocks
 
     @property
+    def window_scratch_block(self) -> int:
+        return self.window_blocks
+
+    @property
     def nbytes(self) -> int:
-        return (self.num_blocks + 1) * self.block_size * self.layout.bytes_per_token()
+        layout = self.layout
+        if not self.window_blocks:
+            return (self.num_blocks + 1) * self.block_size * layout.bytes_per_token()
+        windowed = layout.windowed_bytes_per_token()
+        full = layout.bytes_per_token() - windowed
+        return self.block_size * ((self.num_blocks + 1) * full + (self.window_blocks + 1) * windowed)
+
+    def window_table(self, block_ids: Sequence[int]) -> np.ndarray:
+        """A window-space table as int32, blocks behind the window (`NO_BLOCK`) read as the scratch block."""
+        table = np.asarray(block_ids, dtype=np.int32)
+        return np.where(table < 0, np.int32(self.window_scratch_block), table)
 
     def view(self, keys: list[mx.array], values: list[mx.array]) -> KVPool:
         """The same pool over other arrays (a compiled step's traced inputs); writes go to the view's lists."""
         view = object.__new__(KVPool)
         view.layout, view.num_blocks, view.block_size = self.layout, self.num_blocks, self.block_size
+        view.window_blocks = self.window_blocks
         view.keys, view.values = list(keys), list(values)
         return view
 

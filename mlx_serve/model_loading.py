@@ -204,22 +204,63 @@ def machine_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+@dataclass(frozen=True, slots=True)
+class PoolSize:
+    blocks: int  # the KV pool's blocks (every layer's, or with a window space the full-attention layers')
+    window_blocks: int = 0  # the window space's (sliding-window layers'); 0: none
+
+
 def kv_pool_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
-    """Blocks that fit the memory budget after the weights, capped at what max_running requests can use."""
-    block_bytes = loaded.layout.bytes_per_token() * config.block_size
-    cap = math.ceil(config.max_running * loaded.context_length / config.block_size)
+    """The pool's blocks (`kv_pool_size`)."""
+    return kv_pool_size(config, loaded).blocks
+
+
+def kv_pool_size(config: EngineConfig, loaded: LoadedModel) -> PoolSize:
+    """Blocks that fit the memory budget after the weights, capped at what max_running requests can use; with a
+    window space, what it leaves goes to the full-attention layers alone."""
+    layout, size = loaded.layout, config.block_size
+    block_bytes = layout.bytes_per_token() * size
+    cap = math.ceil(config.max_running * loaded.context_length / size)
     if config.kv_blocks is not None:
-        return config.kv_blocks
+        return PoolSize(config.kv_blocks, window_space_blocks(config, layout, config.kv_blocks))
     budget = config.memory_budget_gb * GIB if config.memory_budget_gb else 0.5 * machine_memory_bytes()
     # a tenth of what is left stays free for activations of the largest step; adapters loaded later get their share
     kv_bytes = (budget - loaded.weight_bytes - kept_bytes(config, loaded)) * 0.9
     blocks = min(int(kv_bytes // block_bytes), cap)
+    window_blocks = window_space_blocks(config, layout, max(blocks, 0))
+    if window_blocks:
+        windowed = layout.windowed_bytes_per_token() * size
+        blocks = min(int((kv_bytes - window_blocks * windowed) // (block_bytes - windowed)), cap)
     needed = math.ceil(min(loaded.context_length, 2048) / config.block_size)
     if blocks < needed:
         raise MlxServeError(
             f"memory budget {budget / GIB:.2f} GiB leaves room for {max(blocks, 0)} KV blocks after "
             f"{loaded.weight_bytes / GIB:.2f} GiB of weights{_also_kept(config, loaded)}; at least {needed} are needed "
             f"({block_bytes} bytes per block of {config.block_size} tokens). Raise --memory-budget-gb."
+        )
+    return PoolSize(blocks, window_blocks)
+
+
+def window_space_blocks(config: EngineConfig, layout: KVLayout, pool_blocks: int) -> int:
+    """Blocks of the window space, where sliding-window layers keep only what their windows reach (0: none).
+
+    Auto: room for every running request's window twice over (its live window, and as much again for cached
+    prefixes' windows) and a chunk, where that is less than the pool would give those layers without it: then no
+    request mix fits fewer requests than before, and long ones fit many more (the full layers get the rest)."""
+    widest, size = layout.widest_window, config.block_size
+    if not widest or config.window_kv_tokens == 0:
+        return 0
+    tokens = config.window_kv_tokens
+    if tokens is None:
+        tokens = 2 * config.max_running * (widest + size) + config.row_ceiling
+        if tokens >= pool_blocks * size:
+            return 0
+    blocks = -(-tokens // size)
+    least = -(-(widest - 1) // size) + 1
+    if blocks < least:
+        raise InvalidRequest(
+            f"window_kv_tokens {tokens} cannot hold one request's window of {widest} tokens: it needs at least "
+            f"{least * size} (blocks of {size})", param="window_kv_tokens",
         )
     return blocks
 

@@ -39,6 +39,8 @@ class LaneRows:
     # with a mask: each query row's position (pad rows repeat the last), for attention that reads the pool itself
     # (with a `table`) and for a sliding window's mask
     positions: mx.array | None = None
+    # the position of `kv_slots`' first entry (a window-space lane's slots start at the earliest its window reaches)
+    kv_start: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +184,9 @@ class StepLayout:
     decode_attention: DecodeAttention = reference_decode_attention
     prefill_gather: PrefillGather | None = None  # how lanes with a `table` read their history
     chunk_attention: ChunkAttention = sdpa_chunk_attention  # how multi-row lanes attend
+    # the same rows in the pool's window space, for its sliding-window layers (None: the pool has none): their writes,
+    # decode tables and lanes' slots over only the positions the windows reach
+    windowed: StepLayout | None = None
 
 
 class RaggedLayerCache:
@@ -193,13 +198,15 @@ class RaggedLayerCache:
         self.step = step
         self.offset = step.positions
         self.window = pool.layout.window(layer)  # a sliding-window layer's (None: it attends to every earlier token)
+        # where this layer's KV is addressed: the window space's layout for a windowed layer of a pool with one
+        self.space = step.windowed if step.windowed is not None and pool.in_window_space(layer) else step
 
     def make_mask(self, *args: Any, **kwargs: Any) -> None:
         return None
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         # keys: [T, kv_heads, 1, head_dim] -> rows [T, kv_heads, head_dim]
-        self.pool.write(self.layer, self.step.write_slots, keys[:, :, 0, :], values[:, :, 0, :])
+        self.pool.write(self.layer, self.space.write_slots, keys[:, :, 0, :], values[:, :, 0, :])
         return keys, values
 
     def attention(
@@ -273,12 +280,12 @@ class RaggedLayerCache:
         (or whole history) read through the block tables, lanes over their gathered history behind a (windowed)
         causal mask, all through MLX's own attention (the paged kernels have no windows, sinks or caps)."""
         outputs = []
-        decode = self.step.decode
+        decode = self.space.decode
         pool_keys, pool_values = self.pool.keys[self.layer], self.pool.values[self.layer]
         if decode is not None:
             outputs.append(masked_decode_attention(queries[: decode.count], pool_keys, pool_values, decode, scale,
                                                    self.window, sinks, softcap))  # fmt: skip
-        for lane in self.step.lanes:
+        for lane in self.space.lanes:
             q = queries[lane.row_start : lane.row_start + lane.rows].transpose(2, 1, 0, 3)  # [1, H, n, D]
             if lane.query_rows > lane.rows:
                 q = mx.pad(q, [(0, 0), (0, 0), (0, lane.query_rows - lane.rows), (0, 0)])
@@ -359,11 +366,11 @@ def softcapped_attention(q: mx.array, keys: mx.array, values: mx.array, scale: f
 def windowed_lane_mask(lane: LaneRows, keys: int, window: int, dtype: mx.Dtype) -> mx.array:
     """The additive mask `[1, 1, rows, keys]` of a lane's query rows over its `keys` gathered positions: each row
     sees the `window` positions up to its own (a padded lane's own mask hides its padding too)."""
-    key_positions = mx.arange(keys, dtype=mx.int32)[None, :]
+    key_positions = lane.kv_start + mx.arange(keys, dtype=mx.int32)[None, :]
     if lane.positions is not None:
         query_positions = lane.positions[:, None]
     else:  # exact slots: the lane's rows are the last of its `keys` positions
-        query_positions = (keys - lane.rows + mx.arange(lane.rows, dtype=mx.int32))[:, None]
+        query_positions = (lane.kv_start + keys - lane.rows + mx.arange(lane.rows, dtype=mx.int32))[:, None]
     outside = (key_positions > query_positions) | (key_positions <= query_positions - window)
     mask = mx.where(outside, mx.array(mx.finfo(dtype).min, dtype), mx.array(0, dtype))[None, None]
     return mask if lane.mask is None else mx.minimum(mask, lane.mask)

@@ -148,6 +148,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="memory for weights plus the KV pool; sizes the pool (default: a share of the machine)")
     g.add_argument("--kv-blocks", type=whole_number_arg(1), default=None, metavar="N",
                    help="exact KV pool size in blocks (overrides --memory-budget-gb)")
+    g.add_argument("--window-kv-tokens", type=whole_number_arg(0), default=None, metavar="N",
+                   help="a model with sliding-window layers keeps their KV in a space of N tokens where each request "
+                        "holds only what its window reaches, the rest of the pool going to the full-attention layers "
+                        "(0: off, those layers keep every token; default: room for every running request's window "
+                        "twice over, where that is less than the pool would give them)")
     g.add_argument("--block-size", type=whole_number_arg(1), default=16,
                    help="tokens per KV block (default: %(default)s)")
     g.add_argument("--max-running", type=whole_number_arg(1), default=64,
@@ -324,7 +329,7 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
     return EngineConfig(
         model=args.model, adapter_path=args.adapter_path, adapters=tuple(args.lora), chat_template=args.chat_template,
         adapter_memory_gb=_adapter_memory_gb(args),
-        memory_budget_gb=args.memory_budget_gb, kv_blocks=args.kv_blocks,
+        memory_budget_gb=args.memory_budget_gb, kv_blocks=args.kv_blocks, window_kv_tokens=args.window_kv_tokens,
         block_size=args.block_size, max_running=args.max_running, queue_limit=args.queue_limit,
         max_model_len=args.max_model_len, step_target_ms=args.step_target_ms,
         step_target_factor=args.step_target_factor, step_target_floor_ms=args.step_target_floor_ms,
