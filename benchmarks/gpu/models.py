@@ -101,12 +101,17 @@ def _tokenizer(config: dict) -> Any:
 
 def build_dummy_model(name: str, dtype: str = "bfloat16", seed: int = 0) -> DummyModel:
     spec = SHAPES[name]
-    config = checkpoint_config(spec.arch, spec.preset, dtype)
+    return dummy_of_config(name, checkpoint_config(spec.arch, spec.preset, dtype), dtype, seed, spec.bits)
+
+
+def dummy_of_config(name: str, config: dict, dtype: str, seed: int = 0, bits: int | None = None) -> DummyModel:
+    """A dummy-weight model of any config.json mlx-lm reads (a preset's, with fields changed)."""
+    config = dict(config)
     model = build_mlx_model(config)
     _random_weights(model, getattr(mx, dtype), seed)
-    if spec.bits:
-        nn.quantize(model, group_size=64, bits=spec.bits)
-        config["quantization"] = {"group_size": 64, "bits": spec.bits}
+    if bits:
+        nn.quantize(model, group_size=64, bits=bits)
+        config["quantization"] = {"group_size": 64, "bits": bits}
     mx.eval(model.parameters())
     weights = tree_flatten(model.parameters())
     weight_bytes = sum(v.nbytes for _, v in weights)
