@@ -54,6 +54,23 @@ def test_a_small_window_space_serves_mlx_lms_tokens(checkpoints, family):
     assert stats["window_blocks_total"] == 4 and stats["window_blocks_cached"] > 0  # /metrics' gauges
 
 
+@pytest.mark.parametrize("family", ["cohere2", "gpt_oss"])
+def test_drafted_rows_in_a_window_space_of_three_blocks_keep_mlx_lms_tokens(checkpoints, family):
+    """Speculative decoding's drafted rows take window-space blocks too, and a rejected draft's rows are written over:
+    four requests in a space of three blocks (they take turns, one is preempted for room), mlx-lm's tokens."""
+    path = checkpoints[family]
+    prompts = [prompt_of(n, seed=40 + i) for i, n in enumerate((30, 75, 12, 50))]
+    engine = Engine.load(tight(path, window_kv_tokens=48, speculative_tokens=4, row_ceiling=32))
+    try:
+        tokens = run_staggered(engine, prompts, first=2, max_tokens=80)
+        counters = engine.status()["counters"]
+    finally:
+        engine.shutdown()
+    for i, prompt in enumerate(prompts):
+        assert tokens[i] == reference_tokens(path, prompt, 80), f"prompt {i}"
+    assert counters["accepted_draft_tokens"] > 0
+
+
 def test_compiled_decode_steps_read_the_window_space(checkpoints):
     path = checkpoints["gemma3"]
     prompts = [prompt_of(n, seed=610 + i) for i, n in enumerate((40, 21, 66))]
