@@ -56,6 +56,7 @@ def test_serve_help_explains_the_engine_flags(capsys):
         ("--port", {None: 8080, "0": 0, "65535": 65535}, ("http", "-5", "70000", "80.5")),
         ("--block-size", {None: 16, "32": 32}, ("0", "-16", "big")),
         ("--kv-blocks", {None: None, "100": 100}, ("0", "-1")),
+        ("--window-kv-tokens", {None: None, "0": 0, "8192": 8192}, ("-1", "some", "1.5")),
         ("--max-running", {None: 64, "1": 1}, ("0",)),
         ("--queue-limit", {None: 1024, "0": 0}, ("-1",)),
         ("--max-overtakes", {None: 4, "0": 0}, ("-1",)),
@@ -94,6 +95,16 @@ def test_serve_refuses_a_row_floor_above_the_ceiling():
                            "--port", str(_free_port()), "--no-progress"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert "error: --row-floor (512) must be at most --row-ceiling (64)" in done.stderr
+
+
+def test_serve_refuses_a_window_space_too_small_for_one_window(tmp_path):
+    from mlx_serve.checkpoints import make_checkpoint
+
+    path = make_checkpoint(tmp_path / "gemma3", arch="gemma3", seed=0)  # 16-token windows
+    done = subprocess.run([sys.executable, "-m", "mlx_serve", "serve", "--model", str(path), "--window-kv-tokens", "8",
+                           "--port", str(_free_port()), "--no-progress"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "error: window_kv_tokens 8 cannot hold one request's window of 16 tokens" in done.stderr
 
 
 def _free_port() -> int:
