@@ -58,16 +58,16 @@ def decode_tables(lanes: Sequence[Lane], count: int, pool: KVPool) -> DecodeTabl
     positions = np.zeros(count, dtype=np.int32)
     for i, lane in enumerate(lanes):
         lengths[i], positions[i] = lane.end, lane.start
-    tables = _padded_tables([lane.block_ids for lane in lanes], count, width, pool.scratch_block)
+    tables = padded_tables([lane.block_ids for lane in lanes], count, width, pool.scratch_block)
     meta = DecodeTables(tables, lengths, positions, _row_slots(tables, positions, size))
     if not pool.window_blocks:
         return meta
     windows = [pool.window_table(lane.window_block_ids) for lane in lanes]
-    window_tables = _padded_tables(windows, count, width, pool.window_scratch_block)
+    window_tables = padded_tables(windows, count, width, pool.window_scratch_block)
     return replace(meta, window_tables=window_tables, window_slots=_row_slots(window_tables, positions, size))
 
 
-def _padded_tables(tables: Sequence[Sequence[int]], count: int, width: int, scratch: int) -> np.ndarray:
+def padded_tables(tables: Sequence[Sequence[int]], count: int, width: int, scratch: int) -> np.ndarray:
     """`[count, width]` int32: each lane's blocks, then the scratch block (pad lanes all scratch)."""
     padded = np.full((count, width), scratch, dtype=np.int32)
     for i, table in enumerate(tables):

@@ -21,7 +21,7 @@ import numpy as np
 from mlx_serve import ane_chunks, dense_experts, ragged
 from mlx_serve.adapters import AdapterSet
 from mlx_serve.compiled_mixed import CompiledMixed, MixedShape, TracedMixedShapes, compilable
-from mlx_serve.compiled_step import CompiledDecode, lane_bucket
+from mlx_serve.compiled_step import CompiledDecode, lane_bucket, padded_tables
 from mlx_serve.embeddings import PooledRows, Pooler, QueuedEmbedding
 from mlx_serve.fused_decode import FusedDecode, split_fused_projections, viewed_projections
 from mlx_serve.grouped_experts import TileMatmul
@@ -700,15 +700,16 @@ class ModelRunner:
         self._observe(ordered, inputs, [rows.row_start for rows in lanes])
         num_single = sum(1 for lane in ordered if lane.rows == 1)
         step_positions = mx.array(positions, dtype=mx.int32)
+        decode = self._decode_rows(ordered[:num_single], lanes[:num_single]) if num_single else None
         layout = StepLayout(
             positions=step_positions,
             write_slots=mx.array(np.concatenate(write_slots) if write_slots else np.zeros(0, np.int32)),
-            decode=self._decode_rows(ordered[:num_single], lanes[:num_single]) if num_single else None,
+            decode=decode,
             lanes=tuple(lanes[num_single:]),
             decode_attention=self.decode_attention,
             prefill_gather=self.prefill_gather,
             chunk_attention=self.chunk_attention,
-            windowed=self._window_layout(ordered, lanes, num_single, step_positions) if self.pool.window_blocks else None,
+            windowed=self._window_layout(ordered, lanes, decode, step_positions) if self.pool.window_blocks else None,
         )
         return _PreparedStep(
             inputs=inputs[:, None],
@@ -763,11 +764,12 @@ class ModelRunner:
         slots[: lane.end] = slot_array(lane.block_ids, 0, lane.end, self.pool.block_size)
         return LaneRows(row_start, lane.rows, mx.array(slots), mask, query_rows=queries, positions=query_pos)
 
-    def _window_layout(self, plan_lanes: list[Lane], rows: list[LaneRows], num_single: int,
+    def _window_layout(self, plan_lanes: list[Lane], rows: list[LaneRows], decode: DecodeRows | None,
                        positions: mx.array) -> StepLayout:  # fmt: skip
-        """The step's rows in the window space: their writes, the decode lanes' tables, and each prefill lane's slots
-        from the earliest position its window reaches (its queries as in `rows`)."""
+        """The step's rows in the window space: their writes, the decode lanes' tables (`decode`'s lanes, their
+        lengths), and each prefill lane's slots from the earliest position its window reaches (queries as in `rows`)."""
         size, reach = self.pool.block_size, self.pool.layout.widest_window - 1
+        num_single = decode.count if decode is not None else 0
         tables = [self.pool.window_table(lane.window_block_ids) for lane in plan_lanes]
         writes = [slot_array(table, lane.start, lane.end, size) for lane, table in zip(plan_lanes, tables)]
         lanes = []
@@ -776,15 +778,12 @@ class ModelRunner:
             slots = mx.array(slot_array(table, first, lane.end, size))
             lanes.append(LaneRows(full.row_start, lane.rows, slots, query_rows=full.query_rows, positions=full.positions,
                                   kv_start=first))  # fmt: skip
-        decode = None
-        if num_single:
+        window_decode = None
+        if decode is not None:
             width = max(len(table) for table in tables[:num_single])
-            padded = np.full((num_single, width), self.pool.window_scratch_block, dtype=np.int32)
-            for i, table in enumerate(tables[:num_single]):
-                padded[i, : len(table)] = table
-            lengths = mx.array([lane.end for lane in plan_lanes[:num_single]], dtype=mx.int32)
-            decode = DecodeRows(num_single, mx.array(padded), lengths, size, lanes=())
-        return StepLayout(positions, mx.array(np.concatenate(writes)), decode, tuple(lanes))
+            padded = padded_tables(tables[:num_single], num_single, width, self.pool.window_scratch_block)
+            window_decode = DecodeRows(num_single, mx.array(padded), decode.lengths, size, lanes=())
+        return StepLayout(positions, mx.array(np.concatenate(writes)), window_decode, tuple(lanes))
 
     def _decode_rows(self, plan_lanes: list, rows: list[LaneRows]) -> DecodeRows:
         width = max(len(lane.block_ids) for lane in plan_lanes)
