@@ -25,6 +25,10 @@ class EngineConfig:
     # tokens of the window space, where sliding-window layers keep only the blocks their windows reach (the rest of the
     # budget goes to the full layers); None: auto (`model_loading.window_space_blocks`), 0: off (kept whole)
     window_kv_tokens: int | None = None
+    # KV stored quantized to this many bits (mlx-lm's --kv-bits: its QuantizedKVCache), `kv_group_size` values sharing a
+    # scale and a bias; None: the model's dtype
+    kv_bits: int | None = None
+    kv_group_size: int = 64
     block_size: int = 16
     max_running: int = 64
     queue_limit: int = 1024

@@ -28,6 +28,8 @@ def step_target(value: float | str, factor: float = AUTO_STEP_FACTOR) -> tuple[f
     return float(value), 0.0
 
 
+KV_BITS = (2, 3, 4, 5, 6, 8)  # what `mx.quantize` packs
+KV_GROUP_SIZES = (32, 64, 128)
 SWITCHES = ("compile_decode", "fuse_decode", "fuse_mixed", "compile_mixed", "dense_experts", "expert_tiles",
             "quantized_tiles", "quantized_gemv")  # fmt: skip
 
@@ -55,6 +57,14 @@ def check_settings(c: EngineConfig) -> None:
         from mlx_serve.model_loading import chat_template_text
 
         chat_template_text(c.chat_template)
+    if c.kv_bits is not None and c.kv_bits not in KV_BITS:
+        raise InvalidRequest(f"kv_bits must be one of {', '.join(map(str, KV_BITS))}, not {c.kv_bits!r}",
+                             param="kv_bits")  # fmt: skip
+    if c.kv_group_size not in KV_GROUP_SIZES:
+        raise InvalidRequest(f"kv_group_size must be one of {', '.join(map(str, KV_GROUP_SIZES))}, not "
+                             f"{c.kv_group_size!r}", param="kv_group_size")  # fmt: skip
+    if c.kv_bits is not None and c.ane_lane != "off":  # the Core ML lane hands float KV over
+        raise InvalidRequest("--kv-bits cannot run with --ane-lane: the ANE lane's KV is not quantized", param="kv_bits")
     if c.adapter_path is not None and c.ane_lane == "ane":  # the Core ML package is built from the base weights
         raise InvalidRequest("--adapter-path cannot run with --ane-lane ane: the Core ML package has no adapter",
                              param="adapter_path")  # fmt: skip
@@ -177,15 +187,16 @@ def compile_decode(kind: str) -> bool:
     return kind == "on"
 
 
-def fuse_decode(kind: str, model: Any, compiled: bool) -> bool:
+def fuse_decode(kind: str, model: Any, compiled: bool, quantized_kv: bool = False) -> bool:
     """Whether compiled single-row steps take the fused forward (`mlx_serve.fused_decode`). "auto": with MLX's
-    CUDA backend, for the families it knows; "on" refuses a model it does not know, with the reason."""
+    CUDA backend, for the families it knows and KV in the model's dtype; "on" refuses what it cannot take, with the
+    reason."""
     _check_switch(kind, "fuse_decode")
     if kind == "off":
         return False
     from mlx_serve.fused_decode import unsupported_reason
 
-    reason = unsupported_reason(model)
+    reason = "its KV is quantized (--kv-bits)" if quantized_kv else unsupported_reason(model)
     if kind == "on":
         if not compiled:
             raise InvalidRequest("fuse_decode on needs compiled decode steps (compile_decode)", param="fuse_decode")
@@ -369,10 +380,11 @@ def dequantize_rows(rows: int) -> int:
 
 
 def prefill_gather(pool: Any) -> Any:
-    """How long prefill lanes read their history on this backend (None: the pool's slot gather)."""
+    """How long prefill lanes read their history on this backend (None: the pool's slot gather, which is also the
+    one for quantized KV)."""
     from mlx_serve.kernels.paged_gather import select_prefill_gather
 
-    return select_prefill_gather(pool.keys[0])
+    return None if pool.layout.quantized else select_prefill_gather(pool.keys[0])
 
 
 def prefill_lane(config: EngineConfig, model: Any, trace: Any) -> Any:

@@ -98,9 +98,11 @@ def allocation_summary(model_id: str, weight_bytes: int, pool: Any, bytes_per_to
         bytes_per_token -= windowed
         windows = (f"; sliding-window layers {pool.window_blocks} blocks ({pool.window_blocks * pool.block_size} "
                    f"tokens, {windowed} bytes/token)")  # fmt: skip
+    quantized = f", {pool.layout.bits}-bit KV" if pool.layout.quantized else ""
     return (
         f"{model_id}: weights {_size(weight_bytes)}; KV pool {_size(pool.nbytes)} = {pool.num_blocks} blocks x "
-        f"{pool.block_size} tokens ({tokens} tokens, {bytes_per_token} bytes/token){windows}; context {context} tokens"
+        f"{pool.block_size} tokens ({tokens} tokens, {bytes_per_token} bytes/token{quantized}){windows}; context "
+        f"{context} tokens"
     )
 
 

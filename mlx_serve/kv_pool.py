@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -22,6 +23,17 @@ class KVLayout:
     # each layer's attention window in tokens (None: every earlier token); empty: none windowed. A windowed layer's KV
     # lives in the pool's window space where it has one (only the blocks its window reaches), else it is kept whole
     windows: tuple[int | None, ...] = ()
+    # full-attention layers' KV stored quantized (mlx-lm's QuantizedKVCache: `mx.quantize` along head_dim, `group_size`
+    # values a scale and a bias); None: in `dtype`. Windowed layers stay in `dtype`, as mlx-lm keeps its rotating caches
+    bits: int | None = None
+    group_size: int = 64
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits is not None
+
+    def quantizes(self, layer: int) -> bool:
+        return self.bits is not None and self.window(layer) is None
 
     def window(self, layer: int) -> int | None:
         return self.windows[layer] if self.windows else None
@@ -36,11 +48,17 @@ class KVLayout:
         return sum(w is not None for w in self.windows)
 
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.size
+        return sum(self._layer_bytes_per_token(layer) for layer in range(self.num_layers))
 
     def windowed_bytes_per_token(self) -> int:
         """What a token of the windowed layers alone holds."""
-        return self.bytes_per_token() * self.num_windowed // self.num_layers
+        return sum(self._layer_bytes_per_token(layer) for layer in range(self.num_layers) if self.window(layer))
+
+    def _layer_bytes_per_token(self, layer: int) -> int:
+        head = self.head_dim * self.dtype.size
+        if self.quantizes(layer):  # packed values, then a scale and a bias per group
+            head = self.head_dim * self.bits // 8 + 2 * (self.head_dim // self.group_size) * self.dtype.size
+        return 2 * self.num_kv_heads * head
 
 
 class KVPool:
@@ -57,13 +75,20 @@ class KVPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.window_blocks = window_blocks if layout.num_windowed else 0
-        self.keys = [mx.zeros(self._shape(layer), layout.dtype) for layer in range(layout.num_layers)]
-        self.values = [mx.zeros(self._shape(layer), layout.dtype) for layer in range(layout.num_layers)]
-        mx.eval(self.keys, self.values)
+        # each layer's array, or with quantized KV its (packed values, scales, biases) as mlx-lm's quantized caches hold
+        self.keys = [self._zeros(layer) for layer in range(layout.num_layers)]
+        self.values = [self._zeros(layer) for layer in range(layout.num_layers)]
+        mx.eval(self.state())
 
-    def _shape(self, layer: int) -> tuple[int, int, int]:
+    def _zeros(self, layer: int) -> mx.array | tuple[mx.array, mx.array, mx.array]:
+        layout = self.layout
         blocks = self.window_blocks if self.in_window_space(layer) else self.num_blocks
-        return (blocks + 1) * self.block_size, self.layout.num_kv_heads, self.layout.head_dim
+        rows = ((blocks + 1) * self.block_size, layout.num_kv_heads)
+        if not layout.quantizes(layer):
+            return mx.zeros((*rows, layout.head_dim), layout.dtype)
+        groups = layout.head_dim // layout.group_size
+        packed = mx.zeros((*rows, layout.head_dim * layout.bits // 32), mx.uint32)
+        return packed, mx.zeros((*rows, groups), layout.dtype), mx.zeros((*rows, groups), layout.dtype)
 
     def in_window_space(self, layer: int) -> bool:
         return self.window_blocks > 0 and self.layout.window(layer) is not None
@@ -99,18 +124,34 @@ class KVPool:
         return view
 
     def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
-        """Store rows `[T, kv_heads, head_dim]` at `slots` `[T]`."""
-        self.keys[layer][slots] = keys
-        self.values[layer][slots] = values
+        """Store rows `[T, kv_heads, head_dim]` at `slots` `[T]` (quantized first where the pool is)."""
+        layout = self.layout
+        if not layout.quantizes(layer):
+            self.keys[layer][slots] = keys
+            self.values[layer][slots] = values
+            return
+        for stored, rows in ((self.keys[layer], keys), (self.values[layer], values)):
+            for part, quantized in zip(stored, mx.quantize(rows, group_size=layout.group_size, bits=layout.bits)):
+                part[slots] = quantized
 
-    def gather(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
-        """Rows at `slots` as `[1, kv_heads, len(slots), head_dim]`, ready for SDPA."""
-        keys = self.keys[layer][slots].transpose(1, 0, 2)[None]
-        values = self.values[layer][slots].transpose(1, 0, 2)[None]
-        return keys, values
+    def gather(self, layer: int, slots: mx.array) -> tuple[Any, Any]:
+        """Rows at `slots` as `[1, kv_heads, len(slots), head_dim]` (quantized: each part so), ready for SDPA."""
+        return take_rows(self.keys[layer], slots[None]), take_rows(self.values[layer], slots[None])
 
     def state(self) -> list[mx.array]:
-        return self.keys + self.values
+        """Every array the pool holds."""
+        if self.layout.bits is None:
+            return self.keys + self.values
+        return [part for stored in (*self.keys, *self.values) for part in (stored if isinstance(stored, tuple | list)
+                                                                           else (stored,))]  # fmt: skip
+
+
+def take_rows(stored: Any, slots: mx.array) -> Any:
+    """A layer's keys or values at `slots` `[n, S]` as `[n, kv_heads, S, ...]`: an array, or the parts of quantized
+    ones (as `quantized_scaled_dot_product_attention` takes them)."""
+    if isinstance(stored, tuple | list):
+        return tuple(part[slots].transpose(0, 2, 1, 3) for part in stored)
+    return stored[slots].transpose(0, 2, 1, 3)
 
 
 def slot_array(block_ids: Sequence[int], start: int, end: int, block_size: int) -> np.ndarray:

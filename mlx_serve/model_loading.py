@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +62,7 @@ def describe_model(
     # MLX cannot evaluate them on the engine's
     mx.eval(module_buffers(model))
     args = model.args
-    layout = kv_layout(model, windows)
+    layout = quantized_kv_layout(model, kv_layout(model, windows), config)
     draft = load_draft(config.draft_model, int(args.vocab_size)) if config.draft_model else None
     # the text model's own (a multimodal checkpoint keeps it in text_config), else config.json's
     trained = getattr(args, "max_position_embeddings", None) or model_config.get("max_position_embeddings", 4096)
@@ -90,6 +90,23 @@ def kv_layout(model: Any, windows: tuple[int | None, ...] = ()) -> KVLayout:
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // n_heads
     kv_heads = getattr(args, "num_key_value_heads", None) or n_heads
     return KVLayout(len(model.model.layers), kv_heads, head_dim, activation_dtype(model), windows)
+
+
+def quantized_kv_layout(model: Any, layout: KVLayout, config: EngineConfig) -> KVLayout:
+    """The layout with `--kv-bits` applied, or InvalidRequest where the model's attention cannot read quantized KV
+    (mlx-lm's quantized attention has no sinks or soft-capped scores) or its heads do not split into groups."""
+    if config.kv_bits is None:
+        return layout
+    from mlx_serve.softcap_attention import SOFTCAPPED_MODULES
+
+    modules = list(model.named_modules())
+    if any(hasattr(m, "sinks") for _, m in modules) or any(type(m).__module__ in SOFTCAPPED_MODULES for _, m in modules):
+        raise InvalidRequest("--kv-bits: this model's attention (sinks or soft-capped scores) cannot read quantized KV",
+                             param="kv_bits")  # fmt: skip
+    if layout.head_dim % config.kv_group_size:
+        raise InvalidRequest(f"--kv-group-size {config.kv_group_size} does not divide the head size {layout.head_dim}",
+                             param="kv_group_size")  # fmt: skip
+    return replace(layout, bits=config.kv_bits, group_size=config.kv_group_size)
 
 
 def load_draft(spec: str, vocab_size: int) -> Any:

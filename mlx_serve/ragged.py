@@ -16,7 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_serve.kv_pool import KVPool
+from mlx_serve.kv_pool import KVLayout, KVPool, take_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,7 +215,7 @@ class RaggedLayerCache:
         """Each lane attends causally to its own request's KV. queries: [T, heads, 1, head_dim]. `sinks`: a
         per-head logit every softmax also counts (gpt-oss). `softcap`: scores pass through `softcapped_attention`'s
         tanh cap (Gemma 2, `softcap_attention`)."""
-        if self.window is not None or sinks is not None or softcap is not None:
+        if self.window is not None or sinks is not None or softcap is not None or self.pool.layout.quantizes(self.layer):
             return self._masked(queries, scale, sinks, softcap)
         outputs = []
         decode = self.step.decode
@@ -276,15 +276,17 @@ class RaggedLayerCache:
 
     def _masked(self, queries: mx.array, scale: float, sinks: mx.array | None,
                 softcap: float | None = None) -> mx.array:  # fmt: skip
-        """A sliding-window layer, or one with attention sinks or soft-capped scores: decode rows over their window
-        (or whole history) read through the block tables, lanes over their gathered history behind a (windowed)
-        causal mask, all through MLX's own attention (the paged kernels have no windows, sinks or caps)."""
+        """A sliding-window layer, one with attention sinks or soft-capped scores, or any over quantized KV: decode rows
+        over their window (or whole history) read through the block tables, lanes over their gathered history behind
+        a (windowed) causal mask, all through MLX's own attention, or mlx-lm's quantized one (the paged kernels have
+        no windows, sinks, caps or quantized KV)."""
         outputs = []
         decode = self.space.decode
+        quantized = self.pool.layout if self.pool.layout.quantizes(self.layer) else None
         pool_keys, pool_values = self.pool.keys[self.layer], self.pool.values[self.layer]
         if decode is not None:
             outputs.append(masked_decode_attention(queries[: decode.count], pool_keys, pool_values, decode, scale,
-                                                   self.window, sinks, softcap))  # fmt: skip
+                                                   self.window, sinks, softcap, quantized))  # fmt: skip
         for lane in self.space.lanes:
             q = queries[lane.row_start : lane.row_start + lane.rows].transpose(2, 1, 0, 3)  # [1, H, n, D]
             if lane.query_rows > lane.rows:
@@ -294,14 +296,14 @@ class RaggedLayerCache:
                 mask = windowed_lane_mask(lane, keys.shape[2], self.window, q.dtype)
             else:
                 mask = lane.mask if lane.mask is not None else ("causal" if lane.rows > 1 else None)
-            out = _masked_attention(q, keys, values, scale, mask, sinks, softcap)
+            out = _masked_attention(q, keys, values, scale, mask, sinks, softcap, quantized)
             outputs.append(out[:, :, : lane.rows].transpose(2, 1, 0, 3))
         return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
 
 
-def masked_decode_attention(queries: mx.array, pool_keys: mx.array, pool_values: mx.array, rows: DecodeRows,
+def masked_decode_attention(queries: mx.array, pool_keys: Any, pool_values: Any, rows: DecodeRows,
                             scale: float, window: int | None, sinks: mx.array | None = None,
-                            softcap: float | None = None) -> mx.array:  # fmt: skip
+                            softcap: float | None = None, quantized: KVLayout | None = None) -> mx.array:  # fmt: skip
     """Single-row lanes `[n, H, 1, D]` each over the `window` positions up to its own (fewer at a sequence's start,
     masked), or with no window over every position its block table holds (those past its length masked), read from
     the pool through the block tables on the device: one batched SDPA, with `sinks` where given (or, with `softcap`,
@@ -317,16 +319,24 @@ def masked_decode_attention(queries: mx.array, pool_keys: mx.array, pool_values:
     positions = mx.maximum(positions, 0)
     blocks = mx.take_along_axis(rows.block_tables, positions // size, axis=1)
     slots = blocks * size + positions % size
-    keys = pool_keys[slots].transpose(0, 2, 1, 3)  # [n, kv_heads, window, D]
-    values = pool_values[slots].transpose(0, 2, 1, 3)
+    keys = take_rows(pool_keys, slots)  # [n, kv_heads, window, D]
+    values = take_rows(pool_values, slots)
     dtype = queries.dtype
     mask = mx.where(kept, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))[:, None, None, :]
-    return _masked_attention(queries, keys, values, scale, mask, sinks, softcap)
+    return _masked_attention(queries, keys, values, scale, mask, sinks, softcap, quantized)
 
 
-def _masked_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any,
-                      sinks: mx.array | None, softcap: float | None) -> mx.array:  # fmt: skip
-    """MLX's fused attention, or with `softcap` the soft-capped form (which has no sinks: no family has both)."""
+def _masked_attention(q: mx.array, keys: Any, values: Any, scale: float, mask: Any, sinks: mx.array | None,
+                      softcap: float | None, quantized: KVLayout | None = None) -> mx.array:  # fmt: skip
+    """MLX's fused attention; with `softcap` the soft-capped form (which has no sinks: no family has both); over KV
+    quantized as `quantized` says, mlx-lm's quantized attention (which has neither)."""
+    if quantized is not None:
+        from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+        if sinks is not None or softcap is not None:
+            raise ValueError("quantized KV with attention sinks or soft-capped scores")
+        return quantized_scaled_dot_product_attention(q, keys, values, scale, mask, quantized.group_size,
+                                                      quantized.bits)  # fmt: skip
     if softcap is None:
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask, sinks=sinks)
     if sinks is not None:

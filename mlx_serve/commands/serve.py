@@ -153,6 +153,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "holds only what its window reaches, the rest of the pool going to the full-attention layers "
                         "(0: off, those layers keep every token; default: room for every running request's window "
                         "twice over, where that is less than the pool would give them)")
+    g.add_argument("--kv-bits", type=int, choices=(2, 3, 4, 5, 6, 8), default=None,
+                   help="store KV quantized to this many bits, as mlx-lm's --kv-bits does (its quantized caches and "
+                        "attention): 8 bits hold about half of bf16's bytes a token (default: the model's dtype)")
+    g.add_argument("--kv-group-size", type=int, choices=(32, 64, 128), default=64,
+                   help="with --kv-bits: values sharing one scale and bias (default: %(default)s)")
     g.add_argument("--block-size", type=whole_number_arg(1), default=16,
                    help="tokens per KV block (default: %(default)s)")
     g.add_argument("--max-running", type=whole_number_arg(1), default=64,
@@ -330,6 +335,7 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
         model=args.model, adapter_path=args.adapter_path, adapters=tuple(args.lora), chat_template=args.chat_template,
         adapter_memory_gb=_adapter_memory_gb(args),
         memory_budget_gb=args.memory_budget_gb, kv_blocks=args.kv_blocks, window_kv_tokens=args.window_kv_tokens,
+        kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
         block_size=args.block_size, max_running=args.max_running, queue_limit=args.queue_limit,
         max_model_len=args.max_model_len, step_target_ms=args.step_target_ms,
         step_target_factor=args.step_target_factor, step_target_floor_ms=args.step_target_floor_ms,

@@ -16,14 +16,21 @@ def load_reference(path: str):
     return mlx_lm.load(path)
 
 
-def reference_tokens(path: Path, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    """Greedy tokens from mlx-lm's generate_step, cut after the first eos (the engine stops there too)."""
+def reference_tokens(path: Path, prompt_ids: list[int], max_tokens: int, kv_bits: int | None = None,
+                     kv_group_size: int = 64) -> list[int]:
+    """Greedy tokens from mlx-lm's generate_step, cut after the first eos (the engine stops there too). `kv_bits`:
+    with mlx-lm's QuantizedKVCache from the first token in place of each full-attention layer's KVCache (its
+    rotating caches stay: mlx-lm quantizes none)."""
     from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
     model, tokenizer = load_reference(str(path))
     eos = set(tokenizer.eos_token_ids)
     out: list[int] = []
-    for token, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens):
+    cache = make_prompt_cache(model)
+    if kv_bits is not None:
+        cache = [QuantizedKVCache(kv_group_size, kv_bits) if type(c) is KVCache else c for c in cache]
+    for token, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens, prompt_cache=cache):
         out.append(int(token))
         if token in eos:
             break

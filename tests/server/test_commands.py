@@ -57,6 +57,8 @@ def test_serve_help_explains_the_engine_flags(capsys):
         ("--block-size", {None: 16, "32": 32}, ("0", "-16", "big")),
         ("--kv-blocks", {None: None, "100": 100}, ("0", "-1")),
         ("--window-kv-tokens", {None: None, "0": 0, "8192": 8192}, ("-1", "some", "1.5")),
+        ("--kv-bits", {None: None, "8": 8, "4": 4}, ("7", "16", "eight")),
+        ("--kv-group-size", {None: 64, "32": 32, "128": 128}, ("48", "0")),
         ("--max-running", {None: 64, "1": 1}, ("0",)),
         ("--queue-limit", {None: 1024, "0": 0}, ("-1",)),
         ("--max-overtakes", {None: 4, "0": 0}, ("-1",)),
