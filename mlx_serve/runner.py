@@ -773,11 +773,16 @@ class ModelRunner:
         tables = [self.pool.window_table(lane.window_block_ids) for lane in plan_lanes]
         writes = [slot_array(table, lane.start, lane.end, size) for lane, table in zip(plan_lanes, tables)]
         lanes = []
+        scratch = self.pool.window_scratch_block * size
         for lane, table, full in list(zip(plan_lanes, tables, rows))[num_single:]:
             first = max(0, lane.start - reach)
-            slots = mx.array(slot_array(table, first, lane.end, size))
-            lanes.append(LaneRows(full.row_start, lane.rows, slots, query_rows=full.query_rows, positions=full.positions,
-                                  kv_start=first))  # fmt: skip
+            slots = slot_array(table, first, lane.end, size)
+            if self.kv_bucket:  # one key length per query bucket, as padded histories repeat shapes (cuDNN graphs)
+                padded = np.full(reach + max(full.query_rows, lane.rows), scratch, dtype=np.int32)
+                padded[: len(slots)] = slots
+                slots = padded  # the pad sits past the lane's last row: the window's causal mask hides it
+            lanes.append(LaneRows(full.row_start, lane.rows, mx.array(slots), query_rows=full.query_rows,
+                                  positions=full.positions, kv_start=first))  # fmt: skip
         window_decode = None
         if decode is not None:
             width = max(len(table) for table in tables[:num_single])
