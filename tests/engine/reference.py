@@ -16,20 +16,27 @@ def load_reference(path: str):
     return mlx_lm.load(path)
 
 
+def reference_cache(model, kv_bits: int | None = None, kv_group_size: int = 64) -> list:
+    """mlx-lm's caches for the model; `kv_bits`: its QuantizedKVCache from the first token in place of each
+    full-attention layer's KVCache (its rotating caches stay: mlx-lm quantizes none)."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    if kv_bits is None:
+        return cache
+    return [QuantizedKVCache(kv_group_size, kv_bits) if type(c) is KVCache else c for c in cache]
+
+
 def reference_tokens(path: Path, prompt_ids: list[int], max_tokens: int, kv_bits: int | None = None,
                      kv_group_size: int = 64) -> list[int]:
-    """Greedy tokens from mlx-lm's generate_step, cut after the first eos (the engine stops there too). `kv_bits`:
-    with mlx-lm's QuantizedKVCache from the first token in place of each full-attention layer's KVCache (its
-    rotating caches stay: mlx-lm quantizes none)."""
+    """Greedy tokens from mlx-lm's generate_step, cut after the first eos (the engine stops there too), with its
+    caches as `reference_cache` makes them."""
     from mlx_lm.generate import generate_step
-    from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
     model, tokenizer = load_reference(str(path))
     eos = set(tokenizer.eos_token_ids)
     out: list[int] = []
-    cache = make_prompt_cache(model)
-    if kv_bits is not None:
-        cache = [QuantizedKVCache(kv_group_size, kv_bits) if type(c) is KVCache else c for c in cache]
+    cache = reference_cache(model, kv_bits, kv_group_size)
     for token, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens, prompt_cache=cache):
         out.append(int(token))
         if token in eos:
@@ -57,11 +64,13 @@ def reference_adapter_tokens(path: Path, adapter_path: Path, prompt_ids: list[in
     return out
 
 
-def reference_prompt_logprobs(path: Path, prompt_ids: list[int]) -> np.ndarray:
+def reference_prompt_logprobs(path: Path, prompt_ids: list[int], kv_bits: int | None = None,
+                              kv_group_size: int = 64) -> np.ndarray:
     """mlx-lm's log-softmax of every prompt row `[n, V]` (float32), one forward over the whole prompt: row p scores
-    the prompt token at p + 1."""
+    the prompt token at p + 1. `kv_bits`: through its quantized caches (`reference_cache`)."""
     model, _ = load_reference(str(path))
-    logits = model(mx.array(prompt_ids)[None])[0].astype(mx.float32)
+    cache = reference_cache(model, kv_bits, kv_group_size) if kv_bits is not None else None
+    logits = model(mx.array(prompt_ids)[None], cache=cache)[0].astype(mx.float32)
     return np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
 

@@ -36,19 +36,23 @@ OPS = st.lists(
 )  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=["qwen3", "gemma3-window-space"])
+@pytest.fixture(scope="module", params=["qwen3", "gemma3-window-space", "qwen3-8-bit-kv"])
 def served(request, tiny_qwen3, tmp_path_factory):
-    """The engine and its checkpoint: 14 blocks of 16 = 224 tokens of KV for up to 7 requests of up to 180, so requests
-    wait and some are preempted; Gemma 3's sliding-window layers (16 tokens) in a window space of 4 blocks besides."""
-    path = tiny_qwen3
+    """The engine, its checkpoint and its KV's bits: 14 blocks of 16 = 224 tokens of KV for up to 7 requests of up to
+    180, so requests wait and some are preempted; Gemma 3's sliding-window layers (16 tokens) in a window space of 4
+    blocks besides; or the KV quantized to 8 bits (the references then use mlx-lm's quantized caches)."""
+    path, bits = tiny_qwen3, None
     settings = dict(block_size=16, kv_blocks=14, row_ceiling=48, row_floor=8, max_running=4)
     if request.param == "gemma3-window-space":
         from mlx_serve.checkpoints import make_checkpoint
 
         path = make_checkpoint(tmp_path_factory.mktemp("chaos") / "gemma3", arch="gemma3", seed=4)
         settings["window_kv_tokens"] = 64
+    if request.param == "qwen3-8-bit-kv":
+        bits = 8
+        settings |= dict(kv_bits=8, kv_group_size=32)
     engine = Engine.load(EngineConfig(model=str(path), **settings))
-    yield engine, path
+    yield engine, path, bits
     engine.shutdown()
 
 
@@ -92,7 +96,8 @@ def _run(engine, requests: list[GenerationRequest], ops: list[Op]) -> list[list]
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=OPS)
 def test_random_requests_and_cancellations_lose_nothing(served, ops):
-    engine, path = served
+    engine, path, bits = served
+    quantized = dict(kv_bits=bits, kv_group_size=32)
     events = _run(engine, [_request(op) for op in ops], ops)
     for op, stream in zip(ops, events):
         final = stream[-1]
@@ -102,19 +107,19 @@ def test_random_requests_and_cancellations_lose_nothing(served, ops):
         if final.finish_reason == "cancelled":  # what came before the cancel is still right (a prefix)
             assert op.cancel_after is not None and len(tokens) < op.max_tokens
             if op.kind != "sampled":
-                assert tokens == reference_tokens(path, prompt, op.max_tokens)[: len(tokens)]
+                assert tokens == reference_tokens(path, prompt, op.max_tokens, **quantized)[: len(tokens)]
             continue
         assert final.finish_reason in ("stop", "length")
         if op.kind == "sampled":
             assert len(tokens) == op.max_tokens
             continue
-        assert tokens == reference_tokens(path, prompt, op.max_tokens)
+        assert tokens == reference_tokens(path, prompt, op.max_tokens, **quantized)
         if op.kind == "logprobs":
             assert all(e.logprob is not None and e.logprob <= 0 for e in stream if e.token_id is not None)
         if op.kind == "prompt_logprobs":
             entries = stream[0].prompt_logprobs
             assert [e.token_id for e in entries] == prompt
-            reference = reference_prompt_logprobs(path, prompt)
+            reference = reference_prompt_logprobs(path, prompt, **quantized)
             want = reference[np.arange(op.length - 1), prompt[1:]]
             np.testing.assert_allclose([e.logprob for e in entries[1:]], want, atol=2e-5)
     deadline = time.monotonic() + 10
