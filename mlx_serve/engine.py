@@ -264,6 +264,9 @@ class Engine:
     def status(self) -> dict:
         with self._lock:
             status = introspection.status(self.scheduler, self.model_id, self.pool.block_size)
+        layout = self.pool.layout  # how a token's KV is stored: the model's dtype, or quantized (--kv-bits)
+        status["kv"] |= {"bits": layout.bits, "group_size": layout.group_size if layout.quantized else None,
+                         "bytes_per_token": layout.bytes_per_token()}  # fmt: skip
         return {**status, "compiled_shapes": self.runner.compiled_shapes(), "adapters": list(self.adapters),
                 "adapter_memory": {"bytes": self.adapter_bytes, "limit_bytes": self.adapter_limit_bytes},
                 "draft_model": self._draft_status()}

@@ -88,6 +88,8 @@ def test_the_budget_holds_several_times_the_tokens(checkpoints):
     try:
         assert engine.pool.nbytes == 9 * 16 * loaded.layout.num_layers * 2 * loaded.layout.num_kv_heads * 40
         assert "8-bit KV" in engine.allocation_summary()
+        kv = engine.status()["kv"]
+        assert (kv["bits"], kv["group_size"], kv["bytes_per_token"]) == (8, 32, loaded.layout.num_layers * 2 * 2 * 40)
     finally:
         engine.shutdown()
 
