@@ -98,6 +98,8 @@ def allocation_summary(model_id: str, weight_bytes: int, pool: Any, bytes_per_to
         bytes_per_token -= windowed
         windows = (f"; sliding-window layers {pool.window_blocks} blocks ({pool.window_blocks * pool.block_size} "
                    f"tokens, {windowed} bytes/token)")  # fmt: skip
+    elif pool.layout.num_windowed:  # auto found no split that costs no mix of requests anything (or it was turned off)
+        windows = "; sliding-window layers keep every token's KV (--window-kv-tokens N holds them to N tokens)"
     quantized = f", {pool.layout.bits}-bit KV" if pool.layout.quantized else ""
     return (
         f"{model_id}: weights {_size(weight_bytes)}; KV pool {_size(pool.nbytes)} = {pool.num_blocks} blocks x "

@@ -118,6 +118,11 @@ def test_the_budget_gives_the_full_layers_what_the_window_space_saves(checkpoint
     assert kv_pool_size(replace(config, max_running=4096), loaded).window_blocks == 0
     with pytest.raises(InvalidRequest, match="cannot hold one request's window of 16 tokens"):
         kv_pool_size(replace(config, window_kv_tokens=8), loaded)
+    engine = Engine.load(replace(config, window_kv_tokens=0))
+    try:  # off: serve says so, and how to turn it on
+        assert "sliding-window layers keep every token's KV (--window-kv-tokens N" in engine.allocation_summary()
+    finally:
+        engine.shutdown()
 
 
 def test_a_model_without_windows_has_no_window_space(tmp_path):
