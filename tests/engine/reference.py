@@ -88,6 +88,21 @@ def generate_in_cuda_layout(engine, prompts: list[list[int]], max_tokens: int, g
     return [list(completion.token_ids) for completion in completions]
 
 
+def run_next_turn(engine, first: list[int], extra: list[int]) -> tuple[list[int], list[int], int]:
+    """A chat's next turn: `first` answered (6 tokens), then it, its answer and `extra` as one prompt (8 tokens).
+    Returns that prompt, its tokens and the prefix-cache hit tokens so far. Shuts the engine down."""
+    from mlx_serve.types import GenerationRequest
+
+    try:
+        [done] = engine.generate([GenerationRequest(prompt_ids=tuple(first), max_tokens=6)])
+        follow = first + list(done.token_ids) + extra
+        [again] = engine.generate([GenerationRequest(prompt_ids=tuple(follow), max_tokens=8)])
+        hits = engine.status()["counters"]["prefix_hit_tokens"]
+    finally:
+        engine.shutdown()
+    return follow, list(again.token_ids), hits
+
+
 def prompt_of(length: int, seed: int, vocab: int = 200, offset: int = 10) -> list[int]:
     """A deterministic prompt of ordinary (non-special) token ids."""
     return [offset + (seed * 7919 + i * 104729) % vocab for i in range(length)]

@@ -14,8 +14,13 @@ from mlx_serve.checkpoints import make_checkpoint
 from mlx_serve.engine import Engine, EngineConfig
 from mlx_serve.errors import InvalidRequest
 from mlx_serve.model_loading import kv_pool_size, load_model
-from mlx_serve.types import GenerationRequest
-from tests.engine.reference import generate_in_cuda_layout, prompt_of, reference_tokens, run_staggered
+from tests.engine.reference import (
+    generate_in_cuda_layout,
+    prompt_of,
+    reference_tokens,
+    run_next_turn,
+    run_staggered,
+)
 
 FAMILIES = ["qwen3", "llama", "mixtral", "gemma3"]  # gemma3: its sliding-window layers stay in the model's dtype
 
@@ -63,17 +68,10 @@ def test_compiled_decode_steps_over_quantized_kv(checkpoints, family):
 
 def test_a_continuation_reads_its_quantized_prefix_from_the_cache(checkpoints):
     path = checkpoints["qwen3"]
-    first = prompt_of(70, seed=820)
     engine = Engine.load(quantized(path, 8))
-    try:
-        [done] = engine.generate([GenerationRequest(prompt_ids=tuple(first), max_tokens=6)])
-        follow = first + list(done.token_ids) + prompt_of(20, seed=821)
-        [again] = engine.generate([GenerationRequest(prompt_ids=tuple(follow), max_tokens=8)])
-        hits = engine.status()["counters"]["prefix_hit_tokens"]
-    finally:
-        engine.shutdown()
+    follow, tokens, hits = run_next_turn(engine, prompt_of(70, seed=820), prompt_of(20, seed=821))
     assert hits >= 64
-    assert list(again.token_ids) == reference_tokens(path, follow, 8, kv_bits=8, kv_group_size=32)
+    assert tokens == reference_tokens(path, follow, 8, kv_bits=8, kv_group_size=32)
 
 
 def test_the_budget_holds_several_times_the_tokens(checkpoints):

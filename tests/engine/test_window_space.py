@@ -15,8 +15,13 @@ from mlx_serve.engine import Engine, EngineConfig
 from mlx_serve.errors import InvalidRequest
 from mlx_serve.kernels.paged_gather import table_gather
 from mlx_serve.model_loading import kv_pool_size, load_model
-from mlx_serve.types import GenerationRequest
-from tests.engine.reference import generate_in_cuda_layout, prompt_of, reference_tokens, run_staggered
+from tests.engine.reference import (
+    generate_in_cuda_layout,
+    prompt_of,
+    reference_tokens,
+    run_next_turn,
+    run_staggered,
+)
 
 WINDOWED = ["gemma3", "olmo3", "cohere2", "gpt_oss", "ministral3"]  # every preset's window: 16 tokens
 
@@ -87,17 +92,10 @@ def test_a_continuation_reads_its_cached_prefix_from_both_spaces(checkpoints, fa
     """A chat's next turn repeats the last one's tokens: the prefix comes from the cache (the full layers' blocks and
     the window's last blocks), and the tokens are still mlx-lm's."""
     path = checkpoints[family]
-    first = prompt_of(70, seed=620)
     engine = Engine.load(tight(path, window_kv_tokens=160))
-    try:
-        [done] = engine.generate([GenerationRequest(prompt_ids=tuple(first), max_tokens=6)])
-        follow = first + list(done.token_ids) + prompt_of(20, seed=621)
-        [again] = engine.generate([GenerationRequest(prompt_ids=tuple(follow), max_tokens=8)])
-        hits = engine.status()["counters"]["prefix_hit_tokens"]
-    finally:
-        engine.shutdown()
+    follow, tokens, hits = run_next_turn(engine, prompt_of(70, seed=620), prompt_of(20, seed=621))
     assert hits >= 64, "the continuation computed its cached prefix again"
-    assert list(again.token_ids) == reference_tokens(path, follow, 8)
+    assert tokens == reference_tokens(path, follow, 8)
 
 
 def test_the_budget_gives_the_full_layers_what_the_window_space_saves(checkpoints):
