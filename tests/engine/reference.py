@@ -88,6 +88,15 @@ def generate_in_cuda_layout(engine, prompts: list[list[int]], max_tokens: int, g
     return [list(completion.token_ids) for completion in completions]
 
 
+def run_staggered_counted(engine, prompts: list[list[int]], first: int, max_tokens: int) -> tuple[dict, dict]:
+    """`run_staggered`, then the engine's counters (`status()`); shuts the engine down."""
+    try:
+        tokens = run_staggered(engine, prompts, first, max_tokens)
+        return tokens, engine.status()["counters"]
+    finally:
+        engine.shutdown()
+
+
 def run_next_turn(engine, first: list[int], extra: list[int]) -> tuple[list[int], list[int], int]:
     """A chat's next turn: `first` answered (6 tokens), then it, its answer and `extra` as one prompt (8 tokens).
     Returns that prompt, its tokens and the prefix-cache hit tokens so far. Shuts the engine down."""

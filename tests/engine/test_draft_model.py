@@ -13,7 +13,7 @@ from mlx_serve.checkpoints import make_checkpoint
 from mlx_serve.engine import Engine, EngineConfig
 from mlx_serve.errors import InvalidRequest
 from mlx_serve.types import GenerationRequest, SamplingParams
-from tests.engine.reference import prompt_of, reference_tokens, run_staggered
+from tests.engine.reference import prompt_of, reference_tokens, run_staggered, run_staggered_counted
 
 MAX_TOKENS = 40
 
@@ -53,11 +53,7 @@ def test_a_draft_that_disagrees_changes_nothing_but_the_steps(tiny_qwen3, other_
     prompts = [prompt_of(n, seed=100 + i) for i, n in enumerate((20, 64, 33))]
     engine = drafting_engine(tiny_qwen3, other_draft, speculative_tokens=5)
     engine.drafter.feed_per_step = 16  # the prompts are read a piece a step, beside the others' drafted lanes
-    try:
-        tokens = run_staggered(engine, prompts, first=1, max_tokens=MAX_TOKENS)
-        counters = engine.status()["counters"]
-    finally:
-        engine.shutdown()
+    tokens, counters = run_staggered_counted(engine, prompts, first=1, max_tokens=MAX_TOKENS)
     for i, prompt in enumerate(prompts):
         assert tokens[i] == reference_tokens(tiny_qwen3, prompt, MAX_TOKENS), f"prompt {i}"
     assert counters["draft_tokens"] > 0

@@ -13,7 +13,7 @@ import pytest
 from mlx_serve.engine import Engine, EngineConfig
 from mlx_serve.errors import InvalidRequest
 from mlx_serve.types import GenerationRequest, SamplingParams
-from tests.engine.reference import prompt_of, reference_tokens, run_staggered
+from tests.engine.reference import prompt_of, reference_tokens, run_staggered_counted
 
 MAX_TOKENS = 80
 
@@ -27,12 +27,8 @@ def speculative_engine(path: Path, **settings) -> Engine:
 def test_drafts_keep_mlx_lms_greedy_tokens_in_fewer_steps(tiny_qwen3, compile_decode):
     prompts = [prompt_of(n, seed=40 + i) for i, n in enumerate((30, 75, 12, 50))]
     engine = speculative_engine(tiny_qwen3, compile_decode=compile_decode)
-    try:
-        # staggered: later prompts are read in chunks beside the first ones' drafted decode lanes
-        tokens = run_staggered(engine, prompts, first=2, max_tokens=MAX_TOKENS)
-        counters = engine.status()["counters"]
-    finally:
-        engine.shutdown()
+    # staggered: later prompts are read in chunks beside the first ones' drafted decode lanes
+    tokens, counters = run_staggered_counted(engine, prompts, first=2, max_tokens=MAX_TOKENS)
     for i, prompt in enumerate(prompts):
         assert tokens[i] == reference_tokens(tiny_qwen3, prompt, MAX_TOKENS), f"prompt {i}"
     assert counters["accepted_draft_tokens"] > 0

@@ -21,6 +21,7 @@ from tests.engine.reference import (
     reference_tokens,
     run_next_turn,
     run_staggered,
+    run_staggered_counted,
 )
 
 WINDOWED = ["gemma3", "olmo3", "cohere2", "gpt_oss", "ministral3"]  # every preset's window: 16 tokens
@@ -66,11 +67,7 @@ def test_drafted_rows_in_a_window_space_of_three_blocks_keep_mlx_lms_tokens(chec
     path = checkpoints[family]
     prompts = [prompt_of(n, seed=40 + i) for i, n in enumerate((30, 75, 12, 50))]
     engine = Engine.load(tight(path, window_kv_tokens=48, speculative_tokens=4, row_ceiling=32))
-    try:
-        tokens = run_staggered(engine, prompts, first=2, max_tokens=80)
-        counters = engine.status()["counters"]
-    finally:
-        engine.shutdown()
+    tokens, counters = run_staggered_counted(engine, prompts, first=2, max_tokens=80)
     for i, prompt in enumerate(prompts):
         assert tokens[i] == reference_tokens(path, prompt, 80), f"prompt {i}"
     assert counters["accepted_draft_tokens"] > 0
