@@ -199,12 +199,7 @@ class Engine:
         # a grammar allows end-of-sequence only once its text is complete: then it ends the request, ignore_eos or not
         keep_eos = not request.ignore_eos or request.sampling.grammar is not None
         stop_ids = frozenset(request.stop_token_ids) | (self._eos_ids if keep_eos else frozenset())
-        # scoring a prompt needs every row of it computed: its own salt keeps it off other requests' cached blocks
         salt = request.cache_salt
-        if request.sampling.prompt_logprobs is not None:
-            salt = f"{salt or ''}\x00prompt-logprobs:{request_id}"
-        if request.pooling == "mean":  # every prompt row's hidden state is needed: none may come from the cache
-            salt = f"{salt or ''}\x00mean-pooling:{request_id}"
         if request.adapter is not None:  # an adapter's KV is its own
             salt = f"{salt or ''}\x00adapter:{request.adapter}"
         sched_request = Request(
@@ -216,6 +211,8 @@ class Engine:
             # the ANE lane's Core ML model scores all rows alike and has no adapters
             gpu_only=request.sampling.prompt_logprobs is not None or request.adapter is not None or bool(request.pooling),
             speculate=self._speculate if request.sampling.draftable else 0,
+            # scoring a prompt or mean-pooling it needs every row computed: no prefix hit (its blocks still publish)
+            reads_prefix_cache=request.sampling.prompt_logprobs is None and request.pooling != "mean",
             stop_token_ids=stop_ids,
             arrival_time=now,
         )

@@ -88,7 +88,7 @@ class PrefillPlanner:
 
         The hash chain grows (doubling) only while every block so far is cached: a new 30k-token prompt without a
         cached prefix hashes 16 blocks on the engine thread, not 1,900 (the rest as its chunks complete)."""
-        if not self.config.enable_prefix_cache:
+        if not self.config.enable_prefix_cache or not request.reads_prefix_cache:
             return []
         max_blocks = (request.num_tokens - 1) // self.config.block_size
         # a prompt with no chain yet that repeats a remembered one copies its hashes (`chain_memo.py`)
@@ -109,6 +109,8 @@ class PrefillPlanner:
         last = first + wanted - 1  # equal chained hashes there: equal tokens and salt up to it
         if not wanted or not self.config.enable_prefix_cache or last >= (request.num_tokens - 1) // size:
             return False  # off, or fewer full blocks left before its last token (hits never cover it)
+        if not request.reads_prefix_cache:
+            return False  # it computes every row whatever is cached
         return pending.computing(first, last, self.scheduler.block_hashes(request, last + 1)[last])
 
     def demand(self) -> list[PrefillChunk]:

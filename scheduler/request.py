@@ -75,6 +75,9 @@ class Request:
     # window are `NO_BLOCK`, from index 0 up to `window_first`
     window_block_ids: list[int] = field(default_factory=list)
     window_first: int = 0
+    # False: every prompt row is computed (its rows' hidden states are needed: prompt scores, mean pooling), no prefix
+    # hit is taken; its blocks are still published for others
+    reads_prefix_cache: bool = True
 
     @property
     def num_tokens(self) -> int:

@@ -80,9 +80,11 @@ class ChoiceState:
         return Delta(text, calls, entries, reasoning)
 
     def _prompt_entries(self, event: TokenEvent) -> list[dict[str, Any]]:
-        if not self.want_logprobs or event.prompt_logprobs is None:
+        """The echoed prompt's entries: from the event's scores, or those of another choice of the same prompt."""
+        scores = event.prompt_logprobs if event.prompt_logprobs is not None else self.prompt_scores
+        if not self.want_logprobs or not scores:
             return []
-        return [prompt_entry(self.tokenizer, entry, self.echo_top) for entry in event.prompt_logprobs]
+        return [prompt_entry(self.tokenizer, entry, self.echo_top) for entry in scores]
 
     def _reason(self, event: TokenEvent) -> tuple[str, str]:
         """The event's reasoning text and the rest (all the rest when the model does not think aloud)."""

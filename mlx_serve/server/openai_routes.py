@@ -113,6 +113,9 @@ def parse_completion(body: dict[str, Any], tokenizer: Any, model: ModelInfo) -> 
                                       prompt_param="prompt", prompt_logprobs=scored, grammar=grammar,
                                       bad_words=bad_words)
     )  # fmt: skip
+    if scored is not None and n > 1 and not stream:  # a prompt's choices share its first choice's scores (`_serve`)
+        requests = tuple(r if i % n == 0 else replace(r, sampling=replace(r.sampling, prompt_logprobs=None))
+                         for i, r in enumerate(requests))  # fmt: skip
     # the echo is the prompt as the model read it (`truncate_prompt_tokens` may have cut its head)
     echoed = tuple(p.text if len(r.prompt_ids) == len(p.ids) else tokenizer.decode(list(r.prompt_ids))
                    for p, r in zip((p for p in prompts for _ in range(n)), requests)) if echo else None
@@ -223,6 +226,8 @@ async def _serve(request: Request, parse: Callable[..., Job], prefix: str, strea
         return EventStreamResponse(chunks, handles)
     choices = choice_states(job, engine.tokenizer)
     for index, events in enumerate(await collect_events(handles, request)):
+        if index % job.n:  # a prompt's later choices show its scores, computed once by its first (parse_completion)
+            choices[index].prompt_scores = choices[index - index % job.n].prompt_scores
         for event in events:
             choices[index].add(event)
     return JSONResponse(respond(job_id, served, created, choices, job.want_logprobs))

@@ -133,6 +133,20 @@ def test_cache_salt_separates_prefixes() -> None:
     assert scheduler.schedule(1.0).lanes[0].start == 0
 
 
+def test_a_request_that_reads_no_prefix_cache_computes_every_row_and_still_publishes() -> None:
+    """Prompt scoring needs every row's hidden state: such a request takes no hit, but the blocks it computes serve
+    the next request with the same prefix."""
+    scheduler = make_scheduler()
+    scheduler.add(make_request("first", 64, max_tokens=1))
+    drain(scheduler)
+    scorer = make_request("scorer", 64, max_tokens=1, reads_prefix_cache=False)
+    scheduler.add(scorer)
+    assert run_step(scheduler, 1.0).lanes[0].start == 0 and scorer.num_cached_tokens == 0
+    drain(scheduler)
+    scheduler.add(make_request("after", 96, max_tokens=1))  # the same 64 tokens first
+    assert scheduler.schedule(2.0).lanes[0].start == 64
+
+
 def test_decode_that_cannot_grow_preempts_the_newest_by_recomputation() -> None:
     scheduler = make_scheduler(num_blocks=4, block_size=4, enable_prefix_cache=False)
     scheduler.add(make_request("old", 8, max_tokens=6))

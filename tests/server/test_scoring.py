@@ -112,6 +112,25 @@ def test_bad_prompts_are_refused_with_the_reason(served, client, prompt, message
     assert caught.value.body["param"] == "prompt"
 
 
+def test_a_prompts_choices_share_one_scoring(served, client):
+    """n > 1 with echo and logprobs, or prompt_logprobs: each prompt is scored once (its first choice computes it, the
+    others wait for its blocks, as for any prompt of at least `shared_prefill_tokens`, and show the same scores)."""
+    prompts = [prompt_of(300, seed=430), prompt_of(280, seed=431)]
+    before = served.engine.stats()["prompt_tokens_total"]
+    reply = client.completions.create(model=served.engine.model_id, prompt=prompts, max_tokens=2, echo=True, n=3,
+                                      logprobs=1, temperature=0, extra_body={"prompt_logprobs": 1})  # fmt: skip
+    computed = served.engine.stats()["prompt_tokens_total"] - before
+    choices = reply.model_dump()["choices"]
+    assert [c["index"] for c in choices] == list(range(6))
+    for index, choice in enumerate(reply.choices):
+        prompt = prompts[index // 3]
+        _assert_scored(served, prompt, choice.logprobs, 1)
+        _assert_vllm_prompt_logprobs(served, prompt, choices[index]["prompt_logprobs"], 1)
+    # each prompt computed whole once; its other choices take all but its last (partial) block from the cache
+    assert computed <= sum(len(p) for p in prompts) + 2 * 2 * 16
+    assert reply.usage.prompt_tokens == 580
+
+
 def test_max_tokens_0_without_echo_is_refused(served, client):
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model=served.engine.model_id, prompt="hi", max_tokens=0)
