@@ -261,16 +261,17 @@ def kv_pool_size(config: EngineConfig, loaded: LoadedModel) -> PoolSize:
 def window_space_blocks(config: EngineConfig, layout: KVLayout, pool_blocks: int) -> int:
     """Blocks of the window space, where sliding-window layers keep only what their windows reach (0: none).
 
-    Auto: room for every running request's window twice over (its live window, and as much again for cached
-    prefixes' windows) and a chunk, where that is less than the pool would give those layers without it: then no
-    request mix fits fewer requests than before, and long ones fit many more (the full layers get the rest)."""
+    Auto: room for every running request's window and a chunk, where that is less than the pool would give those
+    layers without it (then no request mix fits fewer requests than before, and long ones fit many more: the full
+    layers get the rest), and as much again for cached prefixes' windows where that still is."""
     widest, size = layout.widest_window, config.block_size
     if not widest or config.window_kv_tokens == 0:
         return 0
     tokens = config.window_kv_tokens
     if tokens is None:
-        tokens = 2 * config.max_running * (widest + size) + config.row_ceiling
-        if tokens >= pool_blocks * size:
+        live = config.max_running * (widest + size) + config.row_ceiling
+        tokens = next((t for t in (live + config.max_running * (widest + size), live) if t < pool_blocks * size), 0)
+        if not tokens:
             return 0
     blocks = -(-tokens // size)
     least = -(-(widest - 1) // size) + 1

@@ -152,7 +152,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="a model with sliding-window layers keeps their KV in a space of N tokens where each request "
                         "holds only what its window reaches, the rest of the pool going to the full-attention layers "
                         "(0: off, those layers keep every token; default: room for every running request's window "
-                        "twice over, where that is less than the pool would give them)")
+                        "and a chunk, twice over where that fits, where it is less than the pool would give them)")
     g.add_argument("--kv-bits", type=int, choices=(2, 3, 4, 5, 6, 8), default=None,
                    help="store KV quantized to this many bits, as mlx-lm's --kv-bits does (its quantized caches and "
                         "attention): 8 bits hold about half of bf16's bytes a token (default: the model's dtype)")

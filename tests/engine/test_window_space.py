@@ -109,8 +109,11 @@ def test_the_budget_gives_the_full_layers_what_the_window_space_saves(checkpoint
     spent = auto.blocks * (layout.bytes_per_token() - layout.windowed_bytes_per_token()) \
         + auto.window_blocks * layout.windowed_bytes_per_token()
     assert spent <= whole.blocks * layout.bytes_per_token() + layout.bytes_per_token(), "over the budget"
-    # more window space than the pool would give those layers anyway: no saving, so none
-    assert kv_pool_size(replace(config, max_running=4096), loaded).window_blocks == 0
+    # where twice every running request's window is more than the pool would give those layers, once; past that, none
+    single = whole.blocks * 16  # the pool's tokens without a window space
+    once = replace(config, max_running=(single - 2048) // 32 - 1)  # its windows fit once, not twice
+    assert kv_pool_size(once, loaded).window_blocks == -(-(once.max_running * 32 + 2048) // 16)
+    assert kv_pool_size(replace(config, max_running=single // 32), loaded).window_blocks == 0
     with pytest.raises(InvalidRequest, match="cannot hold one request's window of 16 tokens"):
         kv_pool_size(replace(config, window_kv_tokens=8), loaded)
     engine = Engine.load(replace(config, window_kv_tokens=0))
