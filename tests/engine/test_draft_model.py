@@ -76,11 +76,7 @@ def test_sampled_requests_draft_deterministically_with_a_seed(tiny_qwen3):
 def test_requests_past_the_draft_caches_room_do_not_draft(tiny_qwen3):
     engine = drafting_engine(tiny_qwen3, tiny_qwen3, draft_kv_tokens=60)
     prompt = prompt_of(70, seed=120)
-    try:
-        [done] = engine.generate([GenerationRequest(prompt_ids=tuple(prompt), max_tokens=MAX_TOKENS)])
-        counters = engine.status()["counters"]
-    finally:
-        engine.shutdown()
+    done, counters, _ = _generate_one(engine, prompt)
     assert counters["draft_tokens"] == 0
     assert list(done.token_ids) == reference_tokens(tiny_qwen3, prompt, MAX_TOKENS)
 
@@ -121,6 +117,16 @@ def test_a_draft_the_engine_cannot_use_is_refused(tiny_qwen3, tmp_path):
         Engine.load(EngineConfig(model=str(tiny_qwen3), draft_model=str(tiny_qwen3), draft_kv_tokens=-1))
 
 
+def _generate_one(engine, prompt: list[int]):
+    """One greedy request of MAX_TOKENS; its completion, the engine's counters and the tokens the draft caches still
+    hold afterwards. Shuts the engine down."""
+    try:
+        [done] = engine.generate([GenerationRequest(prompt_ids=tuple(prompt), max_tokens=MAX_TOKENS)])
+        return done, engine.status()["counters"], engine.drafter.held_tokens
+    finally:
+        engine.shutdown()
+
+
 def _model_of(path: Path):
     import mlx_lm
 
@@ -130,12 +136,7 @@ def _model_of(path: Path):
 def test_a_request_that_outgrows_the_draft_caches_room_stops_drafting(tiny_qwen3):
     engine = drafting_engine(tiny_qwen3, tiny_qwen3, draft_kv_tokens=50)
     prompt = prompt_of(20, seed=121)
-    try:
-        [done] = engine.generate([GenerationRequest(prompt_ids=tuple(prompt), max_tokens=MAX_TOKENS)])
-        counters = engine.status()["counters"]
-        held = engine.drafter.held_tokens
-    finally:
-        engine.shutdown()
+    done, counters, held = _generate_one(engine, prompt)
     assert list(done.token_ids) == reference_tokens(tiny_qwen3, prompt, MAX_TOKENS)
     assert 0 < counters["draft_tokens"] and counters["decode_rows"] - counters["draft_tokens"] > 5  # drafted, then not
     assert held == 0
