@@ -285,10 +285,7 @@ class Engine:
                 "compiled_shapes_waiting": shapes["mixed_waiting"], **memory}  # fmt: skip
 
     def allocation_summary(self) -> str:
-        layout = self.loaded.layout
-        summary = introspection.allocation_summary(
-            self.model_id, self.loaded.weight_bytes, self.pool, layout.bytes_per_token(), self.context_length
-        )
+        summary = introspection.allocation_summary(self.model_id, self.loaded.weight_bytes, self.pool, self.context_length)
         return f"{summary}; {self.memory_limits.describe()}"
 
     def shutdown(self, timeout_s: float = 10.0) -> None:

@@ -89,10 +89,11 @@ def stats(scheduler: Scheduler, prompt_tokens: int, generation_tokens: int) -> d
     }
 
 
-def allocation_summary(model_id: str, weight_bytes: int, pool: Any, bytes_per_token: int, context: int) -> str:
-    """Weights and the KV pool, in real bytes (quantized weights included)."""
+def allocation_summary(model_id: str, weight_bytes: int, pool: Any, context: int) -> str:
+    """Weights and the KV pool, in real bytes (quantized weights included); a token's bytes are its full-attention
+    layers' where a window space holds the others."""
     tokens = pool.num_blocks * pool.block_size
-    windows = ""
+    bytes_per_token, windows = pool.layout.bytes_per_token(), ""
     if pool.window_blocks:
         windowed = pool.layout.windowed_bytes_per_token()
         bytes_per_token -= windowed

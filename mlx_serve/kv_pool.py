@@ -103,12 +103,8 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        layout = self.layout
-        if not self.window_blocks:
-            return (self.num_blocks + 1) * self.block_size * layout.bytes_per_token()
-        windowed = layout.windowed_bytes_per_token()
-        full = layout.bytes_per_token() - windowed
-        return self.block_size * ((self.num_blocks + 1) * full + (self.window_blocks + 1) * windowed)
+        """What the pool's arrays hold (both spaces, quantized parts included, scratch blocks too)."""
+        return sum(array.nbytes for array in self.state())
 
     def window_table(self, block_ids: Sequence[int]) -> np.ndarray:
         """A window-space table as int32, blocks behind the window (`NO_BLOCK`) read as the scratch block."""
