@@ -18,7 +18,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from mlx_serve import engine_setup, introspection
@@ -26,7 +26,7 @@ from mlx_serve.adapter_leases import AdapterLeases
 from mlx_serve.adapter_specs import AdapterSource, AdapterSpec, check_specs, read_adapter_source
 from mlx_serve.config import EngineConfig
 from mlx_serve.delivery import Delivery, NullObserver
-from mlx_serve.errors import EngineStopped
+from mlx_serve.errors import EngineStopped, InvalidRequest
 from mlx_serve.grammar import Grammars
 from mlx_serve.handle import RequestHandle, submit_each
 from mlx_serve.kernels.paged_attention import cuda_available
@@ -73,8 +73,11 @@ class _Submission:
 class Engine:
     def __init__(self, config: EngineConfig, loaded: Any, num_blocks: int, window_blocks: int = 0) -> None:
         from mlx_serve.kv_pool import KVPool
+        from mlx_serve.recurrent import StatePool
         from mlx_serve.runner import ModelRunner
 
+        if loaded.layout.recurrent:  # a state is not paged: no prefix to share; regrouped mixers run eager
+            config = replace(config, enable_prefix_cache=False, compile_decode="off")
         self.config = config
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -111,6 +114,8 @@ class Engine:
             quantized_gemv=engine_setup.quantized_gemv(config.quantized_gemv),
             chunk_attention=engine_setup.chunk_attention(config.chunk_attention),
             adapters=loaded.adapters,
+            states=StatePool(loaded.model, loaded.layout.recurrent, config.max_running) if loaded.layout.recurrent
+            else None,
         )
         self._speculate = engine_setup.speculative_tokens(config)
         self.drafter = None  # a draft model's drafts (`--draft-model`); None: prompt lookup where speculating
@@ -235,6 +240,9 @@ class Engine:
         what `--lora` would raise for it at start-up, and InvalidRequest where the stacked adapters would outgrow
         `adapter_memory_gb`."""
         check_specs([spec])
+        if self.runner.states is not None:
+            raise InvalidRequest("adapters: not with a model of recurrent layers (its mixers read rows regrouped, "
+                                 "not per row)", param="lora")  # fmt: skip
         source = read_adapter_source(spec)  # the disk read on this thread: the streams never wait on it
         self._on_engine_thread(lambda: self._install_adapter(source, spec.path), timeout_s)
 
@@ -266,7 +274,14 @@ class Engine:
                          "bytes_per_token": layout.bytes_per_token()}  # fmt: skip
         return {**status, "compiled_shapes": self.runner.compiled_shapes(), "adapters": list(self.adapters),
                 "adapter_memory": {"bytes": self.adapter_bytes, "limit_bytes": self.adapter_limit_bytes},
-                "draft_model": self._draft_status()}
+                "draft_model": self._draft_status(), "recurrent_state": self._state_status()}
+
+    def _state_status(self) -> dict | None:
+        states = self.runner.states
+        if states is None:
+            return None
+        return {"layers": len(states.layers), "slots": states.slots, "slots_in_use": states.in_use,
+                "bytes_per_request": self.loaded.state_bytes, "bytes": states.nbytes}  # fmt: skip
 
     def _draft_status(self) -> dict | None:
         if self.drafter is None:
@@ -281,11 +296,16 @@ class Engine:
         memory = {"adapter_bytes": self.adapter_bytes, "adapter_limit_bytes": self.adapter_limit_bytes}
         if self.drafter is not None:
             memory |= {"draft_tokens_held": self.drafter.held_tokens, "draft_tokens_limit": self.drafter.most_tokens}
+        if (states := self.runner.states) is not None:
+            memory |= {"recurrent_slots_total": states.slots, "recurrent_slots_used": states.in_use}
         return {**stats, "compiled_shapes": shapes["decode"] + shapes["mixed"],
                 "compiled_shapes_waiting": shapes["mixed_waiting"], **memory}  # fmt: skip
 
     def allocation_summary(self) -> str:
         summary = introspection.allocation_summary(self.model_id, self.loaded.weight_bytes, self.pool, self.context_length)
+        if (states := self.runner.states) is not None:
+            summary += (f"; recurrent state {introspection.size_text(states.nbytes)} = {states.slots} requests x "
+                        f"{self.loaded.state_bytes} bytes ({len(states.layers)} layers; no prefix cache)")
         return f"{summary}; {self.memory_limits.describe()}"
 
     def shutdown(self, timeout_s: float = 10.0) -> None:

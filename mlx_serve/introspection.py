@@ -103,11 +103,11 @@ def allocation_summary(model_id: str, weight_bytes: int, pool: Any, context: int
         windows = "; sliding-window layers keep every token's KV (--window-kv-tokens N holds them to N tokens)"
     quantized = f", {pool.layout.bits}-bit KV" if pool.layout.quantized else ""
     return (
-        f"{model_id}: weights {_size(weight_bytes)}; KV pool {_size(pool.nbytes)} = {pool.num_blocks} blocks x "
+        f"{model_id}: weights {size_text(weight_bytes)}; KV pool {size_text(pool.nbytes)} = {pool.num_blocks} blocks x "
         f"{pool.block_size} tokens ({tokens} tokens, {bytes_per_token} bytes/token{quantized}){windows}; context "
         f"{context} tokens"
     )
 
 
-def _size(nbytes: int) -> str:
+def size_text(nbytes: int) -> str:
     return f"{nbytes / (1 << 30):.2f} GiB" if nbytes >= 1 << 30 else f"{nbytes / (1 << 20):.1f} MiB"

@@ -27,13 +27,23 @@ class KVLayout:
     # values a scale and a bias); None: in `dtype`. Windowed layers stay in `dtype`, as mlx-lm keeps its rotating caches
     bits: int | None = None
     group_size: int = 64
+    # layers that keep a recurrent state instead of K/V (`mlx_serve.recurrent`): they hold nothing here
+    recurrent: tuple[int, ...] = ()
 
     @property
     def quantized(self) -> bool:
         return self.bits is not None
 
     def quantizes(self, layer: int) -> bool:
-        return self.bits is not None and self.window(layer) is None
+        return self.bits is not None and self.window(layer) is None and self.attends(layer)
+
+    def attends(self, layer: int) -> bool:
+        """Whether the layer keeps K/V (not a recurrent state)."""
+        return layer not in self.recurrent
+
+    @property
+    def first_attention_layer(self) -> int:
+        return next(layer for layer in range(self.num_layers) if self.attends(layer))
 
     def window(self, layer: int) -> int | None:
         return self.windows[layer] if self.windows else None
@@ -55,6 +65,8 @@ class KVLayout:
         return sum(self._layer_bytes_per_token(layer) for layer in range(self.num_layers) if self.window(layer))
 
     def _layer_bytes_per_token(self, layer: int) -> int:
+        if not self.attends(layer):
+            return 0
         head = self.head_dim * self.dtype.size
         if self.quantizes(layer):  # packed values, then a scale and a bias per group
             head = self.head_dim * self.bits // 8 + 2 * (self.head_dim // self.group_size) * self.dtype.size
@@ -83,6 +95,8 @@ class KVPool:
     def _zeros(self, layer: int) -> mx.array | tuple[mx.array, mx.array, mx.array]:
         layout = self.layout
         blocks = self.window_blocks if self.in_window_space(layer) else self.num_blocks
+        if not layout.attends(layer):  # a recurrent layer's state lives in `recurrent.StatePool`
+            return mx.zeros((0, layout.num_kv_heads, layout.head_dim), layout.dtype)
         rows = ((blocks + 1) * self.block_size, layout.num_kv_heads)
         if not layout.quantizes(layer):
             return mx.zeros((*rows, layout.head_dim), layout.dtype)

@@ -13,7 +13,7 @@ import mlx.core as mx
 
 from mlx_serve.adapters import AdapterSet, install_adapters
 from mlx_serve.config import EngineConfig
-from mlx_serve.errors import InvalidRequest, MlxServeError, ModelNotFound
+from mlx_serve.errors import InvalidRequest, MlxServeError, ModelNotFound, UnsupportedModel
 from mlx_serve.kv_pool import KVLayout
 
 GIB = 1 << 30
@@ -33,6 +33,7 @@ class LoadedModel:
     adapters: AdapterSet | None = None  # LoRA adapters requests choose by name
     draft: Any = None  # the draft model speculative decoding asks (`--draft-model`), or None
     draft_bytes_per_token: int = 0  # what a token of its caches holds
+    state_bytes: int = 0  # what one request's recurrent layers' state holds (`mlx_serve.recurrent`); 0: none
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
@@ -54,15 +55,19 @@ def describe_model(
 ) -> LoadedModel:
     """What the engine needs to know about a loaded mlx-lm model (also for models built in memory)."""
     from mlx_serve.model_source import layer_windows, weight_bytes
+    from mlx_serve.recurrent import recurrent_layers
 
     model = text_model(model)
-    adapters = install_adapters(model, config.adapters)
     windows = layer_windows(model)
+    recurrent = recurrent_layers(model)
+    if recurrent:
+        check_recurrent(model, recurrent, config)
+    adapters = install_adapters(model, config.adapters)
     # arrays a module keeps outside its parameters (SuScaledRoPE's frequencies) are still lazy: made on this thread,
     # MLX cannot evaluate them on the engine's
     mx.eval(module_buffers(model))
     args = model.args
-    layout = quantized_kv_layout(model, kv_layout(model, windows), config)
+    layout = quantized_kv_layout(model, replace(kv_layout(model, windows), recurrent=recurrent), config)
     draft = load_draft(config.draft_model, int(args.vocab_size)) if config.draft_model else None
     # the text model's own (a multimodal checkpoint keeps it in text_config), else config.json's
     trained = getattr(args, "max_position_embeddings", None) or model_config.get("max_position_embeddings", 4096)
@@ -80,7 +85,40 @@ def describe_model(
         adapters=adapters,
         draft=draft,
         draft_bytes_per_token=kv_layout(draft).bytes_per_token() if draft is not None else 0,
+        state_bytes=state_bytes(model, recurrent),
     )
+
+
+def check_recurrent(model: Any, layers: tuple[int, ...], config: EngineConfig) -> None:
+    """Refuse what a model with recurrent layers cannot do: a state is not paged (no prefix cache, nothing to roll
+    back a rejected draft to), rows reach its mixers regrouped (no per-row adapters, no compiled or Core ML steps)."""
+    from mlx_serve.recurrent import install_regrouped_mixers
+
+    if len(layers) == len(model.model.layers):
+        raise UnsupportedModel("every layer of this checkpoint is recurrent: the engine serves models with attention "
+                               "layers (and recurrent ones beside them)", param="model")  # fmt: skip
+    refused = {
+        "speculative_tokens": config.speculative_tokens > 0 or config.draft_model is not None,
+        "lora": bool(config.adapters) or config.adapter_memory_gb > 0,
+        "compile_decode": config.compile_decode == "on",
+        "ane_lane": config.ane_lane != "off",
+    }
+    for param, asked in refused.items():
+        if asked:
+            raise InvalidRequest(f"{param}: not with a model of recurrent layers (a request's state is one array a "
+                                 "layer, read in order: no drafts to roll back, no per-row adapters, no compiled or "
+                                 "Core ML steps)", param=param)  # fmt: skip
+    install_regrouped_mixers(model, layers)
+
+
+def state_bytes(model: Any, layers: tuple[int, ...]) -> int:
+    """What one request's state holds over the recurrent layers."""
+    if not layers:
+        return 0
+    from mlx_serve.recurrent import state_shapes
+
+    return sum(math.prod(shape) * dtype.size for entries in state_shapes(model, layers).values()
+               for shape, dtype in filter(None, entries))  # fmt: skip
 
 
 def kv_layout(model: Any, windows: tuple[int | None, ...] = ()) -> KVLayout:
@@ -125,7 +163,7 @@ def load_draft(spec: str, vocab_size: int) -> Any:
 
 def kept_bytes(config: EngineConfig, loaded: LoadedModel) -> int:
     """What the budget keeps besides the weights and the KV pool: the adapters' share and the draft model's."""
-    return int(config.adapter_memory_gb * GIB) + draft_bytes(config, loaded)
+    return int(config.adapter_memory_gb * GIB) + draft_bytes(config, loaded) + config.max_running * loaded.state_bytes
 
 
 def draft_bytes(config: EngineConfig, loaded: LoadedModel) -> int:
@@ -192,8 +230,9 @@ def module_buffers(model: Any) -> list[mx.array]:
 
 def activation_dtype(model: Any) -> mx.Dtype:
     """The dtype hidden states (and so K/V) take: the final norm's weights (floating even when quantized; every
-    family served has one; some have no per-layer input norm)."""
-    return model.model.norm.weight.dtype
+    family served has one, LFM2 as `embedding_norm`; some have no per-layer input norm)."""
+    inner = model.model
+    return (inner.norm if "norm" in inner else inner.embedding_norm).weight.dtype
 
 
 def _materialize(model: Any, show_progress: bool, label: str) -> None:
@@ -288,4 +327,7 @@ def _also_kept(config: EngineConfig, loaded: LoadedModel) -> str:
     kept = [f"{config.adapter_memory_gb:.2f} GiB kept for adapters"] if config.adapter_memory_gb else []
     if draft := draft_bytes(config, loaded):
         kept.append(f"{draft / GIB:.2f} GiB for the draft model and its caches")
+    if loaded.state_bytes:
+        kept.append(f"{config.max_running * loaded.state_bytes / GIB:.2f} GiB for {config.max_running} requests' "
+                    "recurrent states")
     return "".join(f" and {part}" for part in kept)

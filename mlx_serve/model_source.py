@@ -20,7 +20,7 @@ SUPPORTED_MODEL_TYPES = (
     "phi3", "phimoe", "granite", "granitemoe", "starcoder2", "glm", "glm4", "stablelm", "mixtral", "qwen2_moe",
     "olmoe", "olmo2", "internlm2", "internlm3", "minicpm", "helium", "seed_oss", "nemotron", "gemma", "cohere",
     "smollm3", "hunyuan_v1_dense", "ernie4_5", "ernie4_5_moe", "deepseek", "mimo", "telechat3", "apertus", "gemma3_text", "gemma3", "olmo3", "cohere2", "ministral3", "mistral3",
-    "gpt_oss", "gemma2",
+    "gpt_oss", "gemma2", "qwen3_next", "qwen3_5", "lfm2", "granitemoehybrid",
 )  # fmt: skip
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -93,17 +93,19 @@ def _download(repo_id: str, where: str) -> Path:
 
 def layer_windows(model: Any) -> tuple[int | None, ...]:
     """Each layer's attention window as mlx-lm's caches for the model say (a `RotatingKVCache` of `max_size` tokens
-    keeping none: a sliding window of that many; a `KVCache`: None); () when no layer is windowed. Raises
-    UnsupportedModel for any other cache (a recurrent state, chunked attention, kept sink tokens)."""
-    from mlx_lm.models.cache import KVCache, RotatingKVCache
+    keeping none: a sliding window of that many; a `KVCache`, or an `ArraysCache` of a recurrent layer: None); ()
+    when no layer is windowed. Raises UnsupportedModel for any other cache (chunked attention, kept sink tokens, a
+    layer with two caches)."""
+    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
     caches = model.make_cache() if hasattr(model, "make_cache") else []
-    other = sorted({type(c).__name__ for c in caches if type(c) not in (KVCache, RotatingKVCache)})
+    other = sorted({type(c).__name__ for c in caches if type(c) not in (KVCache, RotatingKVCache, ArraysCache)})
     kept = [c for c in caches if type(c) is RotatingKVCache and c.keep]
     if other or kept:
         raise UnsupportedModel(
             f"this checkpoint has layers with {', '.join(other) or 'RotatingKVCache keeping sink tokens'}, which the "
-            "engine does not serve: every layer must attend to every earlier token or to a plain sliding window",
+            "engine does not serve: every layer must attend to every earlier token or to a plain sliding window, or "
+            "keep a recurrent state",
             param="model",
         )
     windows = tuple(c.max_size if type(c) is RotatingKVCache else None for c in caches)

@@ -17,6 +17,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_serve.kv_pool import KVLayout, KVPool, take_rows
+from mlx_serve.recurrent import StateRows
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +188,8 @@ class StepLayout:
     # the same rows in the pool's window space, for its sliding-window layers (None: the pool has none): their writes,
     # decode tables and lanes' slots over only the positions the windows reach
     windowed: StepLayout | None = None
+    # the rows as the recurrent layers read them, lane group by lane group (None: the model has none)
+    states: StateRows | None = None
 
 
 class RaggedLayerCache:

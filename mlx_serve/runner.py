@@ -50,6 +50,7 @@ from mlx_serve.ragged import (
     reference_decode_attention,
     sdpa_chunk_attention,
 )
+from mlx_serve.recurrent import RecurrentLayerCache, StatePool
 from mlx_serve.sampling import RequestSampler, SampledRows, draft_verdict, sample_rows, top_logprobs
 from mlx_serve.types import PromptLogprob, SamplingParams, TokenLogprob
 from scheduler import Lane, StepOutcome, StepPlan
@@ -161,8 +162,10 @@ class ModelRunner:
         chunk_attention: ChunkAttention | None = None,
         clock: StepClock | None | str = "auto",
         adapters: AdapterSet | None = None,
+        states: StatePool | None = None,
     ) -> None:
         self.model = model
+        self.states = states  # each running request's recurrent layers' state (`mlx_serve.recurrent`), if any
         self.adapters = adapters  # LoRA adapters chosen per request (`mlx_serve.adapters`)
         self._adapter_of: dict[str, int] = {}  # request id -> its adapter's slot, for requests with one
         self._speculating: set[str] = set()  # requests whose decode lanes carry drafts: read back every step
@@ -372,6 +375,8 @@ class ModelRunner:
         self._adapter_of.pop(request_id, None)
         self._speculating.discard(request_id)
         self.pooler.discard(request_id)
+        if self.states is not None:
+            self.states.release(request_id)
 
     # the step ----------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> RunnerOutput:
@@ -385,6 +390,9 @@ class ModelRunner:
         this step can be queued while the previous one still runs (one step in flight).
         """
         t0 = time.perf_counter()
+        if self.states is not None:  # a preempted request starts again from position 0, with a slot taken then
+            for request_id in plan.released_request_ids:
+                self.states.release(request_id)
         gpu_lanes, ane_lanes = ane_chunks.split_lanes(plan.lanes, self.prefill_lane)
         # compiled steps give the last row's logits only: rows that score or pool a prompt run eager (the scheduler
         # keeps them off the ANE lane: `Request.gpu_only`); so do drafted rows (every one's logits are read), and
@@ -710,6 +718,8 @@ class ModelRunner:
             prefill_gather=self.prefill_gather,
             chunk_attention=self.chunk_attention,
             windowed=self._window_layout(ordered, lanes, decode, step_positions) if self.pool.window_blocks else None,
+            states=self.states.rows([(lane.request_id, lane.start, lane.rows) for lane in ordered], num_single)
+            if self.states is not None else None,
         )
         return _PreparedStep(
             inputs=inputs[:, None],
@@ -810,7 +820,9 @@ class ModelRunner:
         return self._module_forward(prepared)
 
     def _module_forward(self, prepared: _PreparedStep) -> mx.array:
-        caches = [RaggedLayerCache(self.pool, layer, prepared.layout) for layer in range(len(self.pool.keys))]
+        layout, attends = prepared.layout, self.pool.layout.attends
+        caches = [RaggedLayerCache(self.pool, layer, layout) if attends(layer)
+                  else RecurrentLayerCache(self.states, layer, layout.states) for layer in range(len(self.pool.keys))]  # fmt: skip
         return self.model.model(prepared.inputs, cache=caches)[:, 0, :]
 
     def _adapted_forward(self, prepared: _PreparedStep) -> mx.array:

@@ -36,6 +36,9 @@ _GEMMA3 = dict(sliding_window=16, sliding_window_pattern=2, query_pre_attn_scala
                rms_norm_eps=1e-6)
 _MINISTRAL3 = dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"], rope_parameters={
     "rope_type": "default", "rope_theta": 10000.0, "llama_4_scaling_beta": 0.1, "original_max_position_embeddings": 32})
+_QWEN3_NEXT = dict(num_hidden_layers=4, full_attention_interval=2, linear_num_value_heads=4, linear_num_key_heads=2,
+                   linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+                   partial_rotary_factor=0.25)
 _GRANITE = dict(logits_scaling=8.0, attention_multiplier=0.05, embedding_multiplier=12.0, residual_multiplier=0.22)
 
 # mlx-lm families served beyond the five above, at the tiny size only, written in mlx-lm's layout (`families`):
@@ -87,6 +90,18 @@ MLX_FAMILIES: dict[str, dict] = {
     # and attention sinks (a per-head logit in every softmax)
     "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=16, rope_scaling=None,
                     layer_types=["sliding_attention", "full_attention"]),
+    # recurrent layers beside attention (`mlx_serve.recurrent`): gated delta nets, short convolutions, Mamba-2
+    "qwen3_next": dict(_QWEN3_NEXT, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                       shared_expert_intermediate_size=64, moe_intermediate_size=64, norm_topk_prob=True),
+    "qwen3_5": dict(_QWEN3_NEXT, rope_parameters={"type": "default", "rope_theta": 10000.0,
+                                                  "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1]}),
+    "lfm2": dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], norm_eps=1e-5, conv_bias=False,
+                 conv_L_cache=3, block_dim=128, block_multiple_of=32, block_ffn_dim_multiplier=1.0,
+                 block_auto_adjust_ff_dim=False, block_ff_dim=256),
+    "granitemoehybrid": dict(_GRANITE, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
+                             num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=128, mamba_n_heads=4,
+                             mamba_d_head=64, mamba_expand=2, mamba_proj_bias=False, mamba_d_state=16, mamba_d_conv=4,
+                             mamba_n_groups=1, mamba_conv_bias=True, tie_word_embeddings=True),
 }
 
 ARCHS = (*HF_ARCHS, *MLX_FAMILIES)

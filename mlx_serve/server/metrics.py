@@ -31,6 +31,8 @@ STAT_GAUGES = {
     "adapter_limit_bytes": ("adapter_limit_bytes", "Bytes the adapters' matrices may grow to (--adapter-memory-gb)"),
     "draft_tokens_held": ("draft_cache_tokens", "Tokens the draft model's caches hold"),
     "draft_tokens_limit": ("draft_cache_tokens_limit", "Tokens the draft model's caches may hold (--draft-kv-tokens)"),
+    "recurrent_slots_total": ("recurrent_state_slots", "Request state slots of the recurrent layers (max_running)"),
+    "recurrent_slots_used": ("recurrent_state_slots_used", "Recurrent state slots held by running requests"),
 }
 STAT_COUNTERS = {
     "prefix_hit_tokens_total": ("prefix_hit_tokens", "Prompt tokens served from the prefix cache"),

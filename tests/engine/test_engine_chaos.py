@@ -36,11 +36,12 @@ OPS = st.lists(
 )  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=["qwen3", "gemma3-window-space", "qwen3-8-bit-kv"])
+@pytest.fixture(scope="module", params=["qwen3", "gemma3-window-space", "qwen3-8-bit-kv", "qwen3_next-recurrent"])
 def served(request, tiny_qwen3, tmp_path_factory):
     """The engine, its checkpoint and its KV's bits: 14 blocks of 16 = 224 tokens of KV for up to 7 requests of up to
     180, so requests wait and some are preempted; Gemma 3's sliding-window layers (16 tokens) in a window space of 4
-    blocks besides; or the KV quantized to 8 bits (the references then use mlx-lm's quantized caches)."""
+    blocks besides; or the KV quantized to 8 bits (the references then use mlx-lm's quantized caches); or Qwen3-Next's
+    recurrent layers, each request's state in one of 4 slots."""
     path, bits = tiny_qwen3, None
     settings = dict(block_size=16, kv_blocks=14, row_ceiling=48, row_floor=8, max_running=4)
     if request.param == "gemma3-window-space":
@@ -48,6 +49,10 @@ def served(request, tiny_qwen3, tmp_path_factory):
 
         path = make_checkpoint(tmp_path_factory.mktemp("chaos") / "gemma3", arch="gemma3", seed=4)
         settings["window_kv_tokens"] = 64
+    if request.param == "qwen3_next-recurrent":
+        from mlx_serve.checkpoints import make_checkpoint
+
+        path = make_checkpoint(tmp_path_factory.mktemp("chaos") / "qwen3_next", arch="qwen3_next", seed=4)
     if request.param == "qwen3-8-bit-kv":
         bits = 8
         settings |= dict(kv_bits=8, kv_group_size=32)
@@ -127,6 +132,8 @@ def test_random_requests_and_cancellations_lose_nothing(served, ops):
         time.sleep(0.01)
     stats = engine.stats()
     assert stats["kv_blocks_used"] == 0 and stats["running"] == 0 and stats.get("window_blocks_used", 0) == 0
+    states = engine.status()["recurrent_state"]
+    assert states is None or states["slots_in_use"] == 0
 
 
 DRAFTED_KINDS = ("greedy", "adapter", "bad_words", "sampled")

@@ -95,18 +95,18 @@ def test_a_llama_config_with_sliding_window_layers_matches_mlx_lm(tmp_path):
         assert tokens[i] == reference_tokens(path, prompt, 24)
 
 
-def test_caches_other_than_full_or_sliding_are_refused():
-    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+def test_caches_other_than_full_sliding_or_recurrent_are_refused():
+    from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
-    class Recurrent:
+    class TwoCachesALayer:  # Falcon-H1: attention and a Mamba mixer side by side in each layer
         def make_cache(self):
-            return [KVCache(), ArraysCache(2)]
+            return [KVCache(), CacheList(ArraysCache(2), KVCache())]
 
     class KeepsSinks:
         def make_cache(self):
             return [RotatingKVCache(max_size=64, keep=4)]
 
-    for model in (Recurrent(), KeepsSinks()):
+    for model in (TwoCachesALayer(), KeepsSinks()):
         with pytest.raises(UnsupportedModel, match="engine does not serve"):
             layer_windows(model)
 
@@ -114,8 +114,8 @@ def test_caches_other_than_full_or_sliding_are_refused():
 def test_an_unserved_family_is_refused_with_the_list(tmp_path):
     path = make_checkpoint(tmp_path / "qwen3", arch="qwen3", seed=0)
     config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "model_type": "qwen3_next"}))
-    with pytest.raises(UnsupportedModel, match="'qwen3_next' is not supported; supported model types: llama"):
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "falcon_h1"}))
+    with pytest.raises(UnsupportedModel, match="'falcon_h1' is not supported; supported model types: llama"):
         Engine.load(EngineConfig(model=str(path), kv_blocks=16))
 
 

@@ -1,0 +1,190 @@
+"""Models with recurrent layers beside attention (`mlx_serve.recurrent`): Qwen3-Next and Qwen3.5 (gated delta nets),
+LFM2 (short convolutions), Granite 4 (Mamba-2). Every request's state lives in a slot of the state pool and its rows
+reach the mixers lane by lane: tokens and their log-probabilities are mlx-lm's, with prompts read in chunks beside
+decoding streams, a one-token prompt among the decode lanes, preemption, cancellations and slots reused; what such a
+model cannot do is refused at load, with the reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_serve.checkpoints import make_checkpoint
+from mlx_serve.engine import Engine, EngineConfig
+from mlx_serve.errors import InvalidRequest, UnsupportedModel
+from mlx_serve.kernels.paged_gather import table_gather
+from mlx_serve.model_loading import kept_bytes
+from mlx_serve.recurrent import StatePool, recurrent_layers
+from mlx_serve.server.metrics import EngineStatsCollector
+from mlx_serve.types import GenerationRequest, SamplingParams
+from tests.engine.reference import generate_in_cuda_layout, load_reference, prompt_of, reference_tokens
+
+FAMILIES = ["qwen3_next", "qwen3_5", "lfm2", "granitemoehybrid"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("recurrent")
+    return {family: make_checkpoint(root / family, arch=family, seed=3) for family in FAMILIES}
+
+
+def reference_run(path: Path, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    """mlx-lm's greedy tokens and each one's log-probability (its generate_step, one request alone)."""
+    from mlx_lm.generate import generate_step
+
+    model, _ = load_reference(str(path))
+    tokens, logprobs = [], []
+    for token, row in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
+        tokens.append(int(token))
+        logprobs.append(float(row[int(token)]))
+    return tokens, logprobs
+
+
+def _load(path: Path, **options) -> Engine:
+    defaults = dict(model=str(path), block_size=16, kv_blocks=64, row_ceiling=24, row_floor=4, warm_up=False)
+    return Engine.load(EngineConfig(**{**defaults, **options}))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tokens_and_their_log_probabilities_are_mlx_lms_beside_each_other(checkpoints, family):
+    """Prompts of 1 (read among the decode lanes), 9, 40 and 75 tokens (read 24 rows a step beside the others'
+    decoding): each one's tokens and log-probabilities are mlx-lm's for it alone."""
+    path = checkpoints[family]
+    prompts = [prompt_of(n, seed=600 + i) for i, n in enumerate((9, 75, 1, 40))]
+    engine = _load(path, max_running=4)
+    try:
+        requests = [GenerationRequest(prompt_ids=tuple(p), max_tokens=12, ignore_eos=True,
+                                      sampling=SamplingParams(logprobs=0)) for p in prompts]  # fmt: skip
+        completions = engine.generate(requests)
+        assert engine.status()["recurrent_state"]["slots_in_use"] == 0
+    finally:
+        engine.shutdown()
+    for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+        tokens, logprobs = reference_run(path, prompt, 12)
+        assert list(completion.token_ids) == tokens, f"prompt {i}"
+        np.testing.assert_allclose(completion.logprobs, logprobs, atol=2e-5, err_msg=f"prompt {i}")
+
+
+def test_a_preempted_request_reads_its_prompt_again_from_a_fresh_state(checkpoints):
+    # 10 blocks of 16 = 160 tokens of KV for 6 requests needing 60-75 each: some are preempted and recomputed
+    path = checkpoints["qwen3_next"]
+    prompts = [prompt_of(30 + 3 * i, seed=610 + i) for i in range(6)]
+    engine = _load(path, kv_blocks=10)
+    try:
+        completions = engine.generate([GenerationRequest(prompt_ids=tuple(p), max_tokens=30) for p in prompts])
+        counters = engine.stats()
+    finally:
+        engine.shutdown()
+    assert counters["preemptions_total"] > 0  # the pool really ran out
+    for prompt, completion in zip(prompts, completions):
+        assert list(completion.token_ids) == reference_tokens(path, prompt, 30)
+
+
+def test_cancelled_requests_give_their_slots_back(checkpoints):
+    """Two slots; ten requests cancelled after their first token or while queued, then two more: every slot comes
+    back, and the last two still get mlx-lm's tokens (a reused slot starts from zeros)."""
+    path = checkpoints["lfm2"]
+    engine = _load(path, max_running=2)
+    try:
+        assert engine.status()["recurrent_state"]["slots"] == 2
+        for round_ in range(5):
+            handles = [engine.submit(GenerationRequest(prompt_ids=tuple(prompt_of(30, seed=620 + 2 * round_ + i)),
+                                                       max_tokens=100, ignore_eos=True)) for i in range(2)]  # fmt: skip
+            next(iter(handles[0]))
+            for handle in handles:
+                handle.cancel()
+        prompts = [prompt_of(n, seed=630 + i) for i, n in enumerate((33, 18))]
+        completions = engine.generate([GenerationRequest(prompt_ids=tuple(p), max_tokens=10) for p in prompts])
+        assert engine.status()["recurrent_state"]["slots_in_use"] == 0
+        gauges = {m.name: m.samples[0].value for m in EngineStatsCollector(engine.stats).collect()}
+        assert gauges["mlx_serve_recurrent_state_slots"] == 2 and gauges["mlx_serve_recurrent_state_slots_used"] == 0
+    finally:
+        engine.shutdown()
+    for prompt, completion in zip(prompts, completions):
+        assert list(completion.token_ids) == reference_tokens(path, prompt, 10)
+
+
+def test_the_prefix_cache_is_off_and_a_repeated_prompt_is_read_again(checkpoints):
+    """A state is not paged by position, so a cached prefix's blocks could not give the state at its end."""
+    path = checkpoints["qwen3_5"]
+    prompt = prompt_of(50, seed=640)
+    engine = _load(path)
+    try:
+        assert not engine.config.enable_prefix_cache
+        first, second = (engine.generate([GenerationRequest(prompt_ids=tuple(prompt), max_tokens=8)])[0]
+                         for _ in range(2))  # fmt: skip
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    assert stats["prefix_hit_tokens_total"] == 0
+    assert stats["prompt_tokens_total"] == 2 * len(prompt)
+    assert list(first.token_ids) == list(second.token_ids) == reference_tokens(path, prompt, 8)
+
+
+def test_in_the_cuda_layout_attention_layers_read_bucketed_history_beside_the_states(checkpoints):
+    """As on CUDA (prefill history padded to buckets, read through the block table); decode steps stay eager."""
+    path = checkpoints["granitemoehybrid"]
+    prompts = [prompt_of(n, seed=650 + i) for i, n in enumerate((20, 41, 7))]
+    engine = _load(path, row_ceiling=16)
+    assert engine.runner.compiled is None
+    for prompt, got in zip(prompts, generate_in_cuda_layout(engine, prompts, 10, table_gather)):
+        assert got == reference_tokens(path, prompt, 10)
+
+
+@pytest.mark.parametrize("option", [dict(speculative_tokens=2), dict(adapter_memory_gb=1.0),
+                                    dict(compile_decode="on"), dict(ane_lane="cpu")],
+                         ids=["speculative_tokens", "lora", "compile_decode", "ane_lane"])  # fmt: skip
+def test_what_a_recurrent_model_cannot_do_is_refused_at_load(checkpoints, option):
+    param = {"adapter_memory_gb": "lora"}.get(next(iter(option)), next(iter(option)))
+    with pytest.raises(InvalidRequest, match="not with a model of recurrent layers") as caught:
+        _load(checkpoints["qwen3_next"], **option)
+    assert caught.value.param == param
+
+
+def test_a_model_of_recurrent_layers_only_is_refused(tmp_path):
+    from mlx_serve.model_loading import check_recurrent
+
+    class AllRecurrent:  # Mamba: no attention layer, so no KV for the pool to page
+        def __init__(self, layers: int) -> None:
+            self.model = type("Inner", (), {"layers": [object()] * layers})()
+
+    with pytest.raises(UnsupportedModel, match="every layer of this checkpoint is recurrent"):
+        check_recurrent(AllRecurrent(2), (0, 1), EngineConfig())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_requests_state_is_what_mlx_lms_caches_hold_and_the_budget_keeps_it(checkpoints, family):
+    from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+
+    path = checkpoints[family]
+    model, _ = load_reference(str(path))
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array(prompt_of(5, seed=660))[None], cache=cache))
+    held = sum(a.nbytes for c in cache if type(c) is ArraysCache for a in c.cache if a is not None)
+    engine = _load(path, max_running=3)
+    try:
+        assert engine.loaded.state_bytes == held
+        assert engine.runner.states.nbytes == 3 * held
+        assert kept_bytes(engine.config, engine.loaded) == 3 * held
+        assert engine.pool.layout.recurrent == recurrent_layers(model)
+        assert f"recurrent state {3 * held / (1 << 20):.1f} MiB = 3 requests" in engine.allocation_summary()
+    finally:
+        engine.shutdown()
+
+
+def test_the_state_pool_hands_out_slots_and_refuses_a_continuation_without_one(checkpoints):
+    model, _ = load_reference(str(checkpoints["lfm2"]))
+    pool = StatePool(model, recurrent_layers(model), slots=2)
+    rows = pool.rows([("a", 0, 1), ("b", 0, 5)], num_single=1)
+    assert [(g.row_start, g.lanes, g.rows) for g in rows.groups] == [(0, 1, 1), (1, 1, 5)]
+    assert sorted(rows.fresh.tolist()) == [0, 1]
+    assert pool.rows([("b", 5, 3)], num_single=0).fresh is None  # b goes on from its state
+    with pytest.raises(RuntimeError, match="every one of the 2 recurrent state slots is taken"):
+        pool.slot("c", 0)
+    with pytest.raises(RuntimeError, match="continues at position 7 with no recurrent state"):
+        pool.slot("d", 7)
+    pool.release("a")
+    assert pool.slot("c", 0) == rows.groups[0].slots.item()
