@@ -25,6 +25,9 @@ class EngineConfig:
     # tokens of the window space, where sliding-window layers keep only the blocks their windows reach (the rest of the
     # budget goes to the full layers); None: auto (`model_loading.window_space_blocks`), 0: off (kept whole)
     window_kv_tokens: int | None = None
+    # a model with recurrent layers: snapshots of a request's state kept at block boundaries, where its prefix hits may
+    # end (`scheduler/state_snapshots.py`); None: max_running of them, 0: none (no prefix hits for such a model)
+    state_snapshots: int | None = None
     # KV stored quantized to this many bits (mlx-lm's --kv-bits: its QuantizedKVCache), `kv_group_size` values sharing a
     # scale and a bias; None: the model's dtype
     kv_bits: int | None = None

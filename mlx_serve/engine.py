@@ -73,11 +73,13 @@ class _Submission:
 class Engine:
     def __init__(self, config: EngineConfig, loaded: Any, num_blocks: int, window_blocks: int = 0) -> None:
         from mlx_serve.kv_pool import KVPool
+        from mlx_serve.model_loading import state_slots
         from mlx_serve.recurrent import StatePool
         from mlx_serve.runner import ModelRunner
 
-        if loaded.layout.recurrent:  # a state is not paged: no prefix to share; regrouped mixers run eager
-            config = replace(config, enable_prefix_cache=False, compile_decode="off")
+        if loaded.layout.recurrent:  # regrouped mixers run eager
+            config = replace(config, compile_decode="off")
+        live_states, snapshots = state_slots(config, loaded)
         self.config = config
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -114,8 +116,7 @@ class Engine:
             quantized_gemv=engine_setup.quantized_gemv(config.quantized_gemv),
             chunk_attention=engine_setup.chunk_attention(config.chunk_attention),
             adapters=loaded.adapters,
-            states=StatePool(loaded.model, loaded.layout.recurrent, config.max_running) if loaded.layout.recurrent
-            else None,
+            states=StatePool(loaded.model, loaded.layout.recurrent, live_states, snapshots) if live_states else None,
         )
         self._speculate = engine_setup.speculative_tokens(config)
         self.drafter = None  # a draft model's drafts (`--draft-model`); None: prompt lookup where speculating
@@ -129,7 +130,7 @@ class Engine:
                 engine_setup.row_quantum(config.row_quantum, self.runner.quantized_projections > 0),
                 self.runner.kv_bucket if config.plan_padding else 0,
                 not isinstance(self.runner.chunk_attention, PagedChunkAttention),
-                loaded.layout.widest_window, self.pool.window_blocks,
+                loaded.layout.widest_window, self.pool.window_blocks, bool(live_states), snapshots,
             ),
             trace=self.trace,
             traced_shapes=self.runner.traced_shapes(),
@@ -281,7 +282,13 @@ class Engine:
         if states is None:
             return None
         return {"layers": len(states.layers), "slots": states.slots, "slots_in_use": states.in_use,
+                "snapshots": states.snapshots, "snapshots_kept": self._snapshots_kept(),
                 "bytes_per_request": self.loaded.state_bytes, "bytes": states.nbytes}  # fmt: skip
+
+    def _snapshots_kept(self) -> int:
+        with self._lock:
+            snapshots = self.scheduler.snapshots
+            return len(snapshots) if snapshots is not None else 0
 
     def _draft_status(self) -> dict | None:
         if self.drafter is None:
@@ -304,8 +311,8 @@ class Engine:
     def allocation_summary(self) -> str:
         summary = introspection.allocation_summary(self.model_id, self.loaded.weight_bytes, self.pool, self.context_length)
         if (states := self.runner.states) is not None:
-            summary += (f"; recurrent state {introspection.size_text(states.nbytes)} = {states.slots} requests x "
-                        f"{self.loaded.state_bytes} bytes ({len(states.layers)} layers; no prefix cache)")
+            summary += (f"; recurrent state {introspection.size_text(states.nbytes)} = ({states.slots} requests + "
+                        f"{states.snapshots} snapshots) x {self.loaded.state_bytes} bytes ({len(states.layers)} layers)")
         return f"{summary}; {self.memory_limits.describe()}"
 
     def shutdown(self, timeout_s: float = 10.0) -> None:

@@ -125,7 +125,8 @@ def floor_slack(value: float | str, quantum: int, checked_fill: str) -> float:
 
 def scheduler_config(
     c: EngineConfig, num_blocks: int, context_length: int, quantum: int = 1, kv_bucket: int = 0,
-    pads_history: bool = True, window_tokens: int = 0, window_blocks: int = 0,
+    pads_history: bool = True, window_tokens: int = 0, window_blocks: int = 0, recurrent_state: bool = False,
+    state_snapshots: int = 0,
 ) -> SchedulerConfig:
     """`quantum`: the resolved `row_quantum` (it depends on the loaded model); `kv_bucket` and `pads_history`: the
     runner's (whether its chunk attention computes over the padded history); `window_tokens` and `window_blocks`: the
@@ -164,6 +165,8 @@ def scheduler_config(
         ane_lane=c.ane_lane != "off",
         window_tokens=window_tokens if window_blocks else 0,
         window_blocks=window_blocks,
+        recurrent_state=recurrent_state,
+        state_snapshots=state_snapshots,
     )
 
 

@@ -90,8 +90,8 @@ def describe_model(
 
 
 def check_recurrent(model: Any, layers: tuple[int, ...], config: EngineConfig) -> None:
-    """Refuse what a model with recurrent layers cannot do: a state is not paged (no prefix cache, nothing to roll
-    back a rejected draft to), rows reach its mixers regrouped (no per-row adapters, no compiled or Core ML steps)."""
+    """Refuse what a model with recurrent layers cannot do: a state is one array a request (nothing to roll a
+    rejected draft back to), rows reach its mixers regrouped (no per-row adapters, no compiled or Core ML steps)."""
     from mlx_serve.recurrent import install_regrouped_mixers
 
     if len(layers) == len(model.model.layers):
@@ -163,7 +163,19 @@ def load_draft(spec: str, vocab_size: int) -> Any:
 
 def kept_bytes(config: EngineConfig, loaded: LoadedModel) -> int:
     """What the budget keeps besides the weights and the KV pool: the adapters' share and the draft model's."""
-    return int(config.adapter_memory_gb * GIB) + draft_bytes(config, loaded) + config.max_running * loaded.state_bytes
+    live, snapshots = state_slots(config, loaded)
+    return int(config.adapter_memory_gb * GIB) + draft_bytes(config, loaded) + (live + snapshots) * loaded.state_bytes
+
+
+def state_slots(config: EngineConfig, loaded: LoadedModel) -> tuple[int, int]:
+    """Recurrent state slots: one per running request, and the snapshots kept for prefix hits (`--state-snapshots`;
+    none without the prefix cache)."""
+    if not loaded.state_bytes:
+        return 0, 0
+    snapshots = config.max_running if config.state_snapshots is None else config.state_snapshots
+    if snapshots < 0:
+        raise InvalidRequest(f"state_snapshots must be >= 0, not {snapshots}", param="state_snapshots")
+    return config.max_running, snapshots if config.enable_prefix_cache else 0
 
 
 def draft_bytes(config: EngineConfig, loaded: LoadedModel) -> int:
@@ -328,6 +340,7 @@ def _also_kept(config: EngineConfig, loaded: LoadedModel) -> str:
     if draft := draft_bytes(config, loaded):
         kept.append(f"{draft / GIB:.2f} GiB for the draft model and its caches")
     if loaded.state_bytes:
-        kept.append(f"{config.max_running * loaded.state_bytes / GIB:.2f} GiB for {config.max_running} requests' "
-                    "recurrent states")
+        live, snapshots = state_slots(config, loaded)
+        kept.append(f"{(live + snapshots) * loaded.state_bytes / GIB:.2f} GiB for {live} requests' recurrent states "
+                    f"and {snapshots} snapshots")
     return "".join(f" and {part}" for part in kept)

@@ -19,6 +19,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_serve.errors import UnsupportedModel
+from scheduler.plan import Lane
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +30,9 @@ class StateGroup:
     lanes: int
     rows: int
     slots: mx.array  # [lanes] int32: each lane's state slot
+    # lanes whose state after this group is also copied to a snapshot slot: their index in the group, and the slots
+    snapshot_lanes: mx.array | None = None
+    snapshot_slots: mx.array | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +41,9 @@ class StateRows:
 
     groups: tuple[StateGroup, ...]
     fresh: mx.array | None  # slots of lanes that start at position 0 (their state is zeroed first); None: none
+    # slots of lanes that start from a snapshot (a prefix hit), and the snapshot slots they copy; None: none
+    restore_to: mx.array | None = None
+    restore_from: mx.array | None = None
 
 
 def recurrent_layers(model: Any) -> tuple[int, ...]:
@@ -62,15 +69,18 @@ def layer_mixer(layer: Any, index: int) -> tuple[str, Any]:
 
 
 class StatePool:
-    """Each recurrent layer's state arrays, `[slots, ...]` each (the shapes and dtypes mlx-lm's mixer gives them),
-    and which request holds which slot."""
+    """Each recurrent layer's state arrays (the shapes and dtypes mlx-lm's mixer gives them): `slots` running
+    requests' states, which request holds which, then `snapshots` slots the scheduler hands out (`Lane.snapshot`,
+    `Lane.restore_slot`: scheduler/state_snapshots.py)."""
 
-    def __init__(self, model: Any, layers: Sequence[int], slots: int) -> None:
+    def __init__(self, model: Any, layers: Sequence[int], slots: int, snapshots: int = 0) -> None:
         self.layers = tuple(layers)
         self.slots = slots
+        self.snapshots = snapshots
         shapes = state_shapes(model, self.layers)
+        total = slots + snapshots
         self.states: dict[int, list[mx.array | None]] = {
-            layer: [None if s is None else mx.zeros((slots, *s[0]), s[1]) for s in shapes[layer]] for layer in self.layers
+            layer: [None if s is None else mx.zeros((total, *s[0]), s[1]) for s in shapes[layer]] for layer in self.layers
         }
         mx.eval([a for arrays in self.states.values() for a in arrays if a is not None])
         self._free = list(range(slots - 1, -1, -1))
@@ -84,12 +94,13 @@ class StatePool:
     def in_use(self) -> int:
         return len(self._slot_of)
 
-    def slot(self, request_id: str, start: int) -> int:
-        """The request's slot; a lane that starts at position 0 takes one (its state is zeroed by the step)."""
+    def slot(self, request_id: str, start: int, restoring: bool = False) -> int:
+        """The request's slot; a lane that starts at position 0 (its state is zeroed by the step) or from a snapshot
+        takes one."""
         slot = self._slot_of.get(request_id)
         if slot is not None:
             return slot
-        if start != 0:
+        if start != 0 and not restoring:
             raise RuntimeError(f"request {request_id} continues at position {start} with no recurrent state")
         if not self._free:
             raise RuntimeError(f"every one of the {self.slots} recurrent state slots is taken")
@@ -101,18 +112,36 @@ class StatePool:
         if slot is not None:
             self._free.append(slot)
 
-    def rows(self, lanes: Sequence[tuple[str, int, int]], num_single: int) -> StateRows:
-        """Groups for the step's lanes, as (request id, start, rows) in row order, the first `num_single` of one row."""
-        slots = [self.slot(request_id, start) for request_id, start, _ in lanes]
-        fresh = [slot for slot, (_, start, _) in zip(slots, lanes) if start == 0]
+    def rows(self, lanes: Sequence[Lane], num_single: int) -> StateRows:
+        """Groups for the step's lanes in row order, the first `num_single` of one row. A lane that leaves a snapshot
+        before its last row is read in two calls, split there."""
+        slots = [self.slot(lane.request_id, lane.start, lane.restore_slot is not None) for lane in lanes]
+        fresh = [slot for slot, lane in zip(slots, lanes) if lane.start == 0]
+        restoring = [(slot, lane.restore_slot) for slot, lane in zip(slots, lanes) if lane.restore_slot is not None]
         groups = []
         if num_single:
-            groups.append(StateGroup(0, num_single, 1, mx.array(slots[:num_single], dtype=mx.int32)))
+            marked = [(i, lane.snapshot.slot) for i, lane in enumerate(lanes[:num_single]) if lane.snapshot is not None]
+            groups.append(self._group(0, num_single, 1, slots[:num_single], marked))
         row_start = num_single
-        for slot, (_, _, rows) in list(zip(slots, lanes))[num_single:]:
-            groups.append(StateGroup(row_start, 1, rows, mx.array([slot], dtype=mx.int32)))
-            row_start += rows
-        return StateRows(tuple(groups), mx.array(fresh, dtype=mx.int32) if fresh else None)
+        for slot, lane in list(zip(slots, lanes))[num_single:]:
+            cut = lane.snapshot.position - lane.start if lane.snapshot is not None else lane.rows
+            groups.append(self._group(row_start, 1, cut, [slot], [(0, lane.snapshot.slot)] if lane.snapshot else []))
+            if cut < lane.rows:
+                groups.append(self._group(row_start + cut, 1, lane.rows - cut, [slot], []))
+            row_start += lane.rows
+        return StateRows(
+            tuple(groups), _indices(fresh), _indices([to for to, _ in restoring]),
+            _indices([self.slots + source for _, source in restoring]),
+        )
+
+    def _group(self, row_start: int, lanes: int, rows: int, slots: list[int], marked: list[tuple[int, int]]) -> StateGroup:
+        """`marked`: (lane index in the group, snapshot slot) of the lanes that leave a snapshot after it."""
+        return StateGroup(row_start, lanes, rows, mx.array(slots, dtype=mx.int32),
+                          _indices([i for i, _ in marked]), _indices([self.slots + s for _, s in marked]))  # fmt: skip
+
+
+def _indices(values: list[int]) -> mx.array | None:
+    return mx.array(values, dtype=mx.int32) if values else None
 
 
 def state_shapes(model: Any, layers: Sequence[int]) -> dict[int, list[tuple[tuple[int, ...], mx.Dtype] | None]]:
@@ -153,20 +182,24 @@ class RecurrentLayerCache:
         from mlx_lm.models.cache import ArraysCache
 
         states = self.pool.states[self.layer]
-        if self.rows.fresh is not None:
-            for state in states:
-                if state is not None:
-                    state[self.rows.fresh] = 0
+        step = self.rows
+        for state in filter(lambda s: s is not None, states):
+            if step.fresh is not None:
+                state[step.fresh] = 0
+            if step.restore_to is not None:
+                state[step.restore_to] = state[step.restore_from]
         outputs = []
-        for group in self.rows.groups:
+        for group in step.groups:
             cache = ArraysCache(len(states))
             cache.cache = [None if state is None else state[group.slots] for state in states]
-            rows = x[group.row_start : group.row_start + group.lanes * group.rows]
-            out = mixer(rows.reshape(group.lanes, group.rows, -1), cache)
+            group_x = x[group.row_start : group.row_start + group.lanes * group.rows]
+            out = mixer(group_x.reshape(group.lanes, group.rows, -1), cache)
             outputs.append(out.reshape(group.lanes * group.rows, 1, -1))
             for state, value in zip(states, cache.cache):
                 if state is not None and value is not None:
                     state[group.slots] = value
+                    if group.snapshot_slots is not None:
+                        state[group.snapshot_slots] = value[group.snapshot_lanes]
         return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
 
 

@@ -718,8 +718,7 @@ class ModelRunner:
             prefill_gather=self.prefill_gather,
             chunk_attention=self.chunk_attention,
             windowed=self._window_layout(ordered, lanes, decode, step_positions) if self.pool.window_blocks else None,
-            states=self.states.rows([(lane.request_id, lane.start, lane.rows) for lane in ordered], num_single)
-            if self.states is not None else None,
+            states=self.states.rows(ordered, num_single) if self.states is not None else None,
         )
         return _PreparedStep(
             inputs=inputs[:, None],

@@ -85,6 +85,10 @@ class SchedulerConfig:
     # its older ones freed (or kept as cached prefix blocks) as it goes on (see core.py, "window space")
     window_tokens: int = 0
     window_blocks: int = 0
+    # the model has recurrent layers (a state per request, not paged): a prefix hit must end where a snapshot of the
+    # state is kept, `state_snapshots` of them at most (0: none, so no hits); see state_snapshots.py
+    recurrent_state: bool = False
+    state_snapshots: int = 0
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1:
@@ -119,6 +123,8 @@ class SchedulerConfig:
             raise ValueError(f"speculative_ngram must be >= 1, got {self.speculative_ngram}")
         if self.cost_model not in COST_MODELS:
             raise ValueError(f"cost_model must be one of {COST_MODELS}, got {self.cost_model!r}")
+        if self.state_snapshots < 0 or (self.state_snapshots and not self.recurrent_state):
+            raise ValueError("state_snapshots must be >= 0, and 0 for a model without recurrent state")
         if self.window_blocks < 0 or self.window_tokens < 0 or (self.window_blocks > 0) != (self.window_tokens > 0):
             raise ValueError("window_blocks and window_tokens are both 0 (no window space) or both > 0")
         if self.window_blocks and self.window_blocks < self.window_span_blocks:

@@ -28,10 +28,11 @@ from scheduler.cost_models import make_cost_model
 from scheduler.errors import QueueFull, RequestTooLarge
 from scheduler.kv_blocks import BlockManager, extend_hash_chain
 from scheduler.learning import predict_planned_gpu_ms, train_cost_model
-from scheduler.plan import NO_BLOCK, Lane, LaneKind, StepOutcome, StepPlan
+from scheduler.plan import NO_BLOCK, Lane, LaneKind, SnapshotPoint, StepOutcome, StepPlan
 from scheduler.prefill import PrefillPlanner
 from scheduler.request import FinishReason, Request, RequestState
 from scheduler.speculation import DraftSource, PromptLookup
+from scheduler.state_snapshots import StateSnapshots
 from scheduler.stats import SchedulerStats
 from scheduler.step_target import StepTarget
 from scheduler.traced_shapes import TracedShapes
@@ -57,6 +58,8 @@ class Scheduler:
             if config.window_blocks
             else None
         )
+        # a recurrent model's state at block boundaries, where prefix hits of such a model must end
+        self.snapshots = StateSnapshots(config.state_snapshots) if config.recurrent_state else None
         self.chains = ChainMemo(config.recent_chain_tokens if config.enable_prefix_cache else 0, config.block_size)
         self.cost_model = make_cost_model(
             config.resolved_cost_model(), config.kv_bucket, config.cost_trust_factor, config.pads_history
@@ -171,7 +174,9 @@ class Scheduler:
         got_token: list[Request] = []
         for lane in plan.lanes:
             request = self._live.get(lane.request_id)
-            if request is None or request.state not in _HOLDS_KV or request.num_computed != lane.start:
+            ran = request is not None and request.state in _HOLDS_KV and request.num_computed == lane.start
+            self._settle_snapshots(lane, ran and lane.request_id not in outcome.failed)
+            if not ran:
                 continue  # cancelled (or otherwise released) while the step ran
             request.in_flight_path = None
             if lane.request_id in outcome.failed:
@@ -232,6 +237,8 @@ class Scheduler:
             request.window_block_ids = list(table)
         request.num_computed = cached_tokens
         request.num_published_blocks = len(hit_blocks)
+        if self.snapshots is not None and hit_blocks:  # its first lane reads the state where the hit ends
+            request.restore_slot = self.snapshots.pin(request.block_hashes[len(hit_blocks) - 1])
         if request.times_preempted == 0:
             request.num_cached_tokens = cached_tokens
         request.state = RequestState.PREFILLING
@@ -240,6 +247,16 @@ class Scheduler:
         self._running.append(request)
         if self.trace.enabled:
             emit_admitted(self.trace, request, cached_tokens)
+
+    def recurrent_prefix(self, request: Request, hits: list[int]) -> list[int]:
+        """`hits` cut back to the longest prefix ending where a snapshot of the recurrent state is kept (all of
+        `hits` for a model without recurrent layers)."""
+        if self.snapshots is None:
+            return hits
+        for count in range(len(hits), 0, -1):
+            if self.snapshots.slot_of(request.block_hashes[count - 1]) is not None:
+                return hits[:count]
+        return []
 
     def window_first(self, next_position: int) -> int:
         """The first block a request whose next row is at `next_position` keeps in the window space: the one holding
@@ -367,6 +384,7 @@ class Scheduler:
         start = request.num_computed
         end = start + rows
         blocks = -(-(end + len(drafts)) // self.config.block_size)
+        restore, request.restore_slot = request.restore_slot, None
         return Lane(
             request_id=request.request_id,
             kind=kind,
@@ -376,7 +394,34 @@ class Scheduler:
             samples=end == request.num_tokens,
             drafts=len(drafts),
             window_block_ids=tuple(request.window_block_ids[:blocks]),
+            restore_slot=restore,
+            snapshot=self._snapshot_point(request, start, end) if kind is LaneKind.PREFILL else None,
         )
+
+    def _snapshot_point(self, request: Request, start: int, end: int) -> SnapshotPoint | None:
+        """Where a prefill lane leaves a snapshot of its state: the last block boundary its rows pass (None: it
+        passes none, the model has no recurrent state, or no slot is free)."""
+        if self.snapshots is None:
+            return None
+        size = self.config.block_size
+        boundary = end // size * size
+        if boundary <= start:
+            return None
+        block_hash = self.block_hashes(request, boundary // size)[boundary // size - 1]
+        slot = self.snapshots.reserve(block_hash)
+        return SnapshotPoint(boundary, slot, block_hash) if slot is not None else None
+
+    def _settle_snapshots(self, lane: Lane, ran: bool) -> None:
+        """After a lane's step: the snapshot it read may go, the one it wrote may be read (or is dropped unwritten)."""
+        if self.snapshots is None:
+            return
+        if lane.restore_slot is not None:
+            self.snapshots.unpin(lane.restore_slot)
+        if lane.snapshot is not None:
+            if ran:
+                self.snapshots.confirm(lane.snapshot.block_hash)
+            else:
+                self.snapshots.discard(lane.snapshot.block_hash)
 
     def _preempt(self, request: Request) -> Request:
         self._release_blocks(request)

@@ -28,6 +28,15 @@ class LaneKind(str, enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class SnapshotPoint:
+    """Where a lane's recurrent state is copied to a snapshot slot: after its row at `position` - 1."""
+
+    position: int
+    slot: int
+    block_hash: bytes
+
+
+@dataclass(frozen=True, slots=True)
 class Lane:
     """One request's consecutive rows in a step."""
 
@@ -43,6 +52,10 @@ class Lane:
     drafts: int = 0
     # the window space's blocks over the same positions as `block_ids` (`NO_BLOCK` behind the window); () without one
     window_block_ids: tuple[int, ...] = ()
+    # a recurrent model's state (`state_snapshots.py`): this lane starts from a copy of snapshot slot `restore_slot`
+    # (None: from zeros at position 0, else from the request's own state), and leaves one at `snapshot` (None: none)
+    restore_slot: int | None = None
+    snapshot: SnapshotPoint | None = None
 
     @property
     def rows(self) -> int:

@@ -98,7 +98,7 @@ class PrefillPlanner:
         while True:  # each round matches only the blocks past the last one's hits
             hits = self.scheduler.blocks.match_prefix(self.scheduler.block_hashes(request, want)[:want], hits)
             if len(hits) < want or want == max_blocks:
-                return self.scheduler.windowed_prefix(request, hits)
+                return self.scheduler.recurrent_prefix(request, self.scheduler.windowed_prefix(request, hits))
             want = min(max_blocks, 2 * want)
 
     def awaits_shared_block(self, request: Request, hits: list[int], pending: PendingBlocks) -> bool:

@@ -78,6 +78,9 @@ class Request:
     # False: every prompt row is computed (its rows' hidden states are needed: prompt scores, mean pooling), no prefix
     # hit is taken; its blocks are still published for others
     reads_prefix_cache: bool = True
+    # a recurrent model's state snapshot its prefix hit ends at (`state_snapshots.py`): its first lane starts from a
+    # copy of that slot; None: it starts from zeros (or goes on from its own state)
+    restore_slot: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -148,6 +148,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="memory for weights plus the KV pool; sizes the pool (default: a share of the machine)")
     g.add_argument("--kv-blocks", type=whole_number_arg(1), default=None, metavar="N",
                    help="exact KV pool size in blocks (overrides --memory-budget-gb)")
+    g.add_argument("--state-snapshots", type=whole_number_arg(0), default=None, metavar="N",
+                   help="a model with recurrent layers (Qwen3-Next, Qwen3.5, LFM2, Granite 4) keeps N snapshots of "
+                        "requests' states at block boundaries, where its prefix-cache hits may end (each costs one "
+                        "request's state of memory; default: --max-running of them; 0: no prefix hits)")
     g.add_argument("--window-kv-tokens", type=whole_number_arg(0), default=None, metavar="N",
                    help="a model with sliding-window layers keeps their KV in a space of N tokens where each request "
                         "holds only what its window reaches, the rest of the pool going to the full-attention layers "
@@ -335,6 +339,7 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
         model=args.model, adapter_path=args.adapter_path, adapters=tuple(args.lora), chat_template=args.chat_template,
         adapter_memory_gb=_adapter_memory_gb(args),
         memory_budget_gb=args.memory_budget_gb, kv_blocks=args.kv_blocks, window_kv_tokens=args.window_kv_tokens,
+        state_snapshots=args.state_snapshots,
         kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
         block_size=args.block_size, max_running=args.max_running, queue_limit=args.queue_limit,
         max_model_len=args.max_model_len, step_target_ms=args.step_target_ms,

@@ -20,7 +20,14 @@ from mlx_serve.model_loading import kept_bytes
 from mlx_serve.recurrent import StatePool, recurrent_layers
 from mlx_serve.server.metrics import EngineStatsCollector
 from mlx_serve.types import GenerationRequest, SamplingParams
-from tests.engine.reference import generate_in_cuda_layout, load_reference, prompt_of, reference_tokens
+from scheduler.plan import Lane, LaneKind, SnapshotPoint
+from tests.engine.reference import (
+    generate_in_cuda_layout,
+    load_reference,
+    prompt_of,
+    reference_tokens,
+    run_next_turn,
+)
 
 FAMILIES = ["qwen3_next", "qwen3_5", "lfm2", "granitemoehybrid"]
 
@@ -107,13 +114,42 @@ def test_cancelled_requests_give_their_slots_back(checkpoints):
         assert list(completion.token_ids) == reference_tokens(path, prompt, 10)
 
 
-def test_the_prefix_cache_is_off_and_a_repeated_prompt_is_read_again(checkpoints):
-    """A state is not paged by position, so a cached prefix's blocks could not give the state at its end."""
-    path = checkpoints["qwen3_5"]
-    prompt = prompt_of(50, seed=640)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_longer_prompt_over_the_same_start_restores_a_snapshot_and_gives_mlx_lms_tokens(checkpoints, family):
+    """The first prompt's chunks (24 rows) leave snapshots at 16 and 32 (its last full block): the second, its 37
+    tokens and 23 more, hits 32 tokens of KV and starts from the snapshot there."""
+    path = checkpoints[family]
+    first = prompt_of(37, seed=640)
+    longer = first + prompt_of(23, seed=641)
     engine = _load(path)
     try:
-        assert not engine.config.enable_prefix_cache
+        [_] = engine.generate([GenerationRequest(prompt_ids=tuple(first), max_tokens=4)])
+        [done] = engine.generate([GenerationRequest(prompt_ids=tuple(longer), max_tokens=10, ignore_eos=True,
+                                                    sampling=SamplingParams(logprobs=0))])  # fmt: skip
+        stats, status = engine.stats(), engine.status()["recurrent_state"]
+    finally:
+        engine.shutdown()
+    assert stats["prefix_hit_tokens_total"] == 32
+    assert status["snapshots"] == 64 and status["snapshots_kept"] >= 3
+    tokens, logprobs = reference_run(path, longer, 10)
+    assert list(done.token_ids) == tokens
+    np.testing.assert_allclose(done.logprobs, logprobs, atol=2e-5)
+
+
+def test_a_chats_next_turn_reads_only_past_its_last_snapshot(checkpoints):
+    path = checkpoints["qwen3_next"]
+    follow, tokens, hits = run_next_turn(_load(path), prompt_of(70, seed=642), prompt_of(12, seed=643))
+    assert hits == 64  # the first turn's prompt up to its last full block
+    assert tokens == reference_tokens(path, follow, 8)
+
+
+def test_without_snapshots_a_repeated_prompt_is_read_again(checkpoints):
+    """A state is not paged by position: without a snapshot a cached prefix's blocks cannot give it."""
+    path = checkpoints["lfm2"]
+    prompt = prompt_of(50, seed=644)
+    engine = _load(path, state_snapshots=0)
+    try:
+        assert engine.runner.states.snapshots == 0
         first, second = (engine.generate([GenerationRequest(prompt_ids=tuple(prompt), max_tokens=8)])[0]
                          for _ in range(2))  # fmt: skip
         stats = engine.stats()
@@ -167,24 +203,31 @@ def test_a_requests_state_is_what_mlx_lms_caches_hold_and_the_budget_keeps_it(ch
     engine = _load(path, max_running=3)
     try:
         assert engine.loaded.state_bytes == held
-        assert engine.runner.states.nbytes == 3 * held
-        assert kept_bytes(engine.config, engine.loaded) == 3 * held
+        assert engine.runner.states.nbytes == (3 + 3) * held  # 3 running requests' states, 3 snapshots
+        assert kept_bytes(engine.config, engine.loaded) == 6 * held
         assert engine.pool.layout.recurrent == recurrent_layers(model)
-        assert f"recurrent state {3 * held / (1 << 20):.1f} MiB = 3 requests" in engine.allocation_summary()
+        assert f"recurrent state {6 * held / (1 << 20):.1f} MiB = (3 requests + 3 snapshots)" in engine.allocation_summary()
     finally:
         engine.shutdown()
 
 
 def test_the_state_pool_hands_out_slots_and_refuses_a_continuation_without_one(checkpoints):
     model, _ = load_reference(str(checkpoints["lfm2"]))
-    pool = StatePool(model, recurrent_layers(model), slots=2)
-    rows = pool.rows([("a", 0, 1), ("b", 0, 5)], num_single=1)
-    assert [(g.row_start, g.lanes, g.rows) for g in rows.groups] == [(0, 1, 1), (1, 1, 5)]
-    assert sorted(rows.fresh.tolist()) == [0, 1]
-    assert pool.rows([("b", 5, 3)], num_single=0).fresh is None  # b goes on from its state
+    pool = StatePool(model, recurrent_layers(model), slots=2, snapshots=4)
+
+    def lane(request_id: str, start: int, rows: int, **kwargs) -> Lane:
+        return Lane(request_id, LaneKind.PREFILL, (5,) * rows, start, (), False, **kwargs)
+
+    rows = pool.rows([lane("a", 0, 1), lane("b", 0, 20, snapshot=SnapshotPoint(16, 3, b"h"))], num_single=1)
+    # b is read in two calls, split where it leaves its snapshot (snapshot slot 3: after the 2 running slots)
+    assert [(g.row_start, g.lanes, g.rows) for g in rows.groups] == [(0, 1, 1), (1, 1, 16), (17, 1, 4)]
+    assert rows.groups[1].snapshot_slots.tolist() == [2 + 3] and rows.groups[2].snapshot_slots is None
+    assert sorted(rows.fresh.tolist()) == [0, 1] and rows.restore_to is None
+    assert pool.rows([lane("b", 20, 3)], num_single=0).fresh is None  # b goes on from its state
     with pytest.raises(RuntimeError, match="every one of the 2 recurrent state slots is taken"):
         pool.slot("c", 0)
     with pytest.raises(RuntimeError, match="continues at position 7 with no recurrent state"):
         pool.slot("d", 7)
     pool.release("a")
-    assert pool.slot("c", 0) == rows.groups[0].slots.item()
+    restored = pool.rows([lane("e", 32, 4, restore_slot=1)], num_single=0)  # a prefix hit starts e from snapshot 1
+    assert restored.restore_to.tolist() == rows.groups[0].slots.tolist() and restored.restore_from.tolist() == [2 + 1]

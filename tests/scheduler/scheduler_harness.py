@@ -16,6 +16,9 @@ class Harness:
     kv: dict[tuple[int, int], tuple[str | None, int]] = field(default_factory=dict)  # (block, slot) -> (salt, token)
     window_kv: dict[tuple[int, int], tuple[str | None, int]] = field(default_factory=dict)  # the window space's
     steps_without_token: dict[str, int] = field(default_factory=dict)
+    # a recurrent model's fake state: what (salt, tokens) each request's state has read, and each snapshot slot's
+    states: dict[str, tuple] = field(default_factory=dict)
+    snapshot_states: dict[int, tuple] = field(default_factory=dict)
     finished: dict[str, Request] = field(default_factory=dict)
     admitted: set[str] = field(default_factory=set)
     max_decode_wait: int = 0
@@ -38,6 +41,7 @@ class Harness:
         self.check_plan(plan, before)
         self.check_blocks()
         self.write_kv(plan)
+        self.run_states(plan)
         sampled = {lane.request_id: (token_for or {}).get(lane.request_id, 3) for lane in plan.lanes if lane.samples}
         accepted = {lane.request_id: lane.token_ids[1 : 1 + min(accept, lane.drafts)] for lane in plan.lanes
                     if lane.drafts}  # fmt: skip
@@ -73,6 +77,29 @@ class Harness:
                 self.kv[(lane.block_ids[position // size], position % size)] = (salt, token)
                 if self.scheduler.window_space is not None:
                     self.window_kv[(lane.window_block_ids[position // size], position % size)] = (salt, token)
+
+    def run_states(self, plan: StepPlan) -> None:
+        """What a runner does with a recurrent model's state: each lane starts from zeros at position 0, from the
+        snapshot it restores, or from its request's own state, which must hold exactly the tokens before its first
+        row; it leaves a snapshot where the lane says and its state after its last row."""
+        if self.scheduler.snapshots is None:
+            return
+        size = self.config.block_size
+        for lane in plan.lanes:
+            request = self.scheduler.get(lane.request_id)
+            salt = request.cache_salt
+            if lane.restore_slot is not None:
+                state = self.snapshot_states[lane.restore_slot]
+            else:
+                state = (salt, ()) if lane.start == 0 else self.states[lane.request_id]
+            assert state == (salt, tuple(request.tokens(0, lane.start))), "a lane's state is not its own history"
+            assert lane.restore_slot is None or lane.start > 0
+            if lane.snapshot is not None:
+                position = lane.snapshot.position
+                assert lane.start < position <= lane.end and position % size == 0
+                assert lane.snapshot.block_hash == request.block_hashes[position // size - 1]
+                self.snapshot_states[lane.snapshot.slot] = (salt, tuple(request.tokens(0, position)))
+            self.states[lane.request_id] = (salt, tuple(request.tokens(0, lane.end)))
 
     # ---- checks
     def check_plan(self, plan: StepPlan, keys_before: dict[str, tuple]) -> None:
@@ -135,6 +162,8 @@ class Harness:
         assert blocks.num_free_blocks + blocks.num_used_blocks == blocks.num_blocks
         if self.scheduler.window_space is not None:
             self.check_window_blocks()
+        if self.scheduler.snapshots is not None:
+            self.scheduler.snapshots.check_invariants()
 
     def check_window_blocks(self) -> None:
         """Each running request holds its window space's blocks from its window's first block on, and none before."""

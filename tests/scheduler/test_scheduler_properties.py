@@ -43,7 +43,7 @@ actions = st.lists(st.one_of(arrival, arrival, step, step, step, cancel), min_si
 
 configs = st.builds(
     lambda num_blocks, block_size, ceiling, floor_shift, max_running, overtakes, model, target, cache, ane, quantum,
-    kv_bucket, shared, window, window_room: (
+    kv_bucket, shared, window, window_room, snapshots: (
         SchedulerConfig(
             num_blocks=num_blocks,
             block_size=block_size,
@@ -63,6 +63,8 @@ configs = st.builds(
             window_tokens=window,
             # a window space from the least that holds one request's window up
             window_blocks=(-(-(window - 1) // block_size) + 1 + window_room) if window else 0,
+            recurrent_state=snapshots >= 0,
+            state_snapshots=max(0, snapshots),
         )
     ),
     num_blocks=st.integers(20, 120),
@@ -80,6 +82,7 @@ configs = st.builds(
     shared=st.sampled_from([0, 8, 16, 256]),  # PREFIXES share 16-64 tokens: waits for a running prefill happen
     window=st.sampled_from([0, 0, 1, 5, 24, 64]),  # sliding-window layers' widest window (0: no window space)
     window_room=st.sampled_from([0, 1, 3, 40]),
+    snapshots=st.sampled_from([-1, -1, -1, 0, 1, 3, 20]),  # a recurrent model's state snapshots (-1: no such state)
 )
 
 
@@ -109,7 +112,7 @@ def drive(config: SchedulerConfig, script: list[dict]) -> Harness:
                 priority=action["priority"],
                 cache_salt=action["salt"],
                 stop_token_ids=frozenset({STOP_TOKEN}),
-                speculate=action["speculate"],
+                speculate=0 if config.recurrent_state else action["speculate"],  # refused with recurrent state
             )
             scheduler.add(request)
             arrivals += 1
