@@ -304,7 +304,8 @@ class Engine:
         if self.drafter is not None:
             memory |= {"draft_tokens_held": self.drafter.held_tokens, "draft_tokens_limit": self.drafter.most_tokens}
         if (states := self.runner.states) is not None:
-            memory |= {"recurrent_slots_total": states.slots, "recurrent_slots_used": states.in_use}
+            memory |= {"recurrent_slots_total": states.slots, "recurrent_slots_used": states.in_use,
+                       "recurrent_snapshots_kept": self._snapshots_kept()}  # fmt: skip
         return {**stats, "compiled_shapes": shapes["decode"] + shapes["mixed"],
                 "compiled_shapes_waiting": shapes["mixed_waiting"], **memory}  # fmt: skip
 

@@ -33,6 +33,7 @@ STAT_GAUGES = {
     "draft_tokens_limit": ("draft_cache_tokens_limit", "Tokens the draft model's caches may hold (--draft-kv-tokens)"),
     "recurrent_slots_total": ("recurrent_state_slots", "Request state slots of the recurrent layers (max_running)"),
     "recurrent_slots_used": ("recurrent_state_slots_used", "Recurrent state slots held by running requests"),
+    "recurrent_snapshots_kept": ("recurrent_state_snapshots", "Snapshots of requests' states kept for prefix hits"),
 }
 STAT_COUNTERS = {
     "prefix_hit_tokens_total": ("prefix_hit_tokens", "Prompt tokens served from the prefix cache"),
