@@ -242,9 +242,10 @@ def module_buffers(model: Any) -> list[mx.array]:
 
 def activation_dtype(model: Any) -> mx.Dtype:
     """The dtype hidden states (and so K/V) take: the final norm's weights (floating even when quantized; every
-    family served has one, LFM2 as `embedding_norm`; some have no per-layer input norm)."""
+    family served has one, under one of these names; some have no per-layer input norm)."""
     inner = model.model
-    return (inner.norm if "norm" in inner else inner.embedding_norm).weight.dtype
+    name = next(name for name in ("norm", "embedding_norm", "final_layernorm") if name in inner)
+    return inner[name].weight.dtype
 
 
 def _materialize(model: Any, show_progress: bool, label: str) -> None:

@@ -1,5 +1,5 @@
-"""Recurrent layers beside attention: Qwen3-Next's and Qwen3.5's gated delta nets, LFM2's short convolutions, the
-Mamba-2 mixers of Nemotron-H and Granite 4.
+"""Recurrent layers beside attention: the gated delta nets of Qwen3-Next, Qwen3.5 and OLMo Hybrid, LFM2's short
+convolutions, the Mamba mixers of Granite 4 and Jamba.
 
 A recurrence reads its rows in order, so the ragged step's `[T, 1]` rows (every row its own sequence) cannot reach
 it as they are. Each such layer's mixer (the one module of the layer that takes mlx-lm's `ArraysCache`) is called
