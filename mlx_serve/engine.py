@@ -572,6 +572,8 @@ class Engine:
             self.scheduler.cancel(request_id, FinishReason.STOP)
 
     def _fail_plan(self, plan: StepPlan, exc: Exception) -> None:
+        with self._lock:
+            self.scheduler.abandon(plan)
         for lane in plan.lanes:
             with self._lock:
                 request = self.scheduler.cancel(lane.request_id, FinishReason.ERROR)

@@ -217,6 +217,12 @@ class Scheduler:
         self.step_target.observe(plan, outcome)
         return got_token
 
+    def abandon(self, plan: StepPlan) -> None:
+        """A planned step that never ran (its submission failed; the engine cancels its requests): the snapshots its
+        lanes were to write are dropped and those they were to read let go."""
+        for lane in plan.lanes:
+            self._settle_snapshots(lane, ran=False)
+
     def observe(self, plan: StepPlan, outcome: StepOutcome) -> None:
         """Learn a step's measured time when it was updated before it was known (a step left in flight is updated
         with placeholder tokens and no time, which the cost model and the step target ignore)."""

@@ -232,3 +232,34 @@ def test_the_state_pool_hands_out_slots_and_refuses_a_continuation_without_one(c
     pool.release("a")
     restored = pool.rows([lane("e", 32, 4, restore_slot=1)], num_single=0)  # a prefix hit starts e from snapshot 1
     assert restored.restore_to.tolist() == rows.groups[0].slots.tolist() and restored.restore_from.tolist() == [2 + 1]
+
+
+def test_a_step_whose_submission_failed_leaves_no_snapshot_slot_held(checkpoints, monkeypatch):
+    """b restores a's snapshot and is to leave its own; its step fails before it runs. b errors, its state slot and
+    the snapshots' pins come back, and c (b's prompt again) restores a's snapshot and gets mlx-lm's tokens."""
+    path = checkpoints["qwen3_next"]
+    first = prompt_of(37, seed=670)
+    longer = first + prompt_of(30, seed=671)
+    engine = _load(path)
+    try:
+        [_] = engine.generate([GenerationRequest(prompt_ids=tuple(first), max_tokens=2)])
+        original = engine.runner.submit
+
+        def failing(plan, previous=None):
+            if any(lane.restore_slot is not None for lane in plan.lanes):
+                monkeypatch.setattr(engine.runner, "submit", original)
+                raise RuntimeError("injected device failure")
+            return original(plan, previous)
+
+        monkeypatch.setattr(engine.runner, "submit", failing)
+        [failed] = engine.generate([GenerationRequest(prompt_ids=tuple(longer), max_tokens=4)])
+        assert failed.finish_reason == "error"
+        [done] = engine.generate([GenerationRequest(prompt_ids=tuple(longer), max_tokens=8)])
+        engine.scheduler.snapshots.check_invariants()
+        # a's at 16 and 32, c's at 48 and 64 (b's reservation of 48 was dropped with its step)
+        assert engine.status()["recurrent_state"]["snapshots_kept"] == 4
+        assert engine.status()["recurrent_state"]["slots_in_use"] == 0
+        assert engine.stats()["prefix_hit_tokens_total"] == 2 * 32  # b's hit and c's, both on a's snapshot
+    finally:
+        engine.shutdown()
+    assert list(done.token_ids) == reference_tokens(path, longer, 8)

@@ -74,6 +74,20 @@ def test_a_snapshot_of_a_lane_that_did_not_run_is_never_read() -> None:
     assert again.num_cached_tokens == 0
 
 
+def test_a_step_that_never_ran_gives_back_what_its_lanes_reserved() -> None:
+    scheduler = recurrent()
+    snapshot_positions(scheduler, make_request("a", 100, max_tokens=1))
+    follow = make_request("b", 90, max_tokens=1)
+    scheduler.add(follow)
+    plan = scheduler.schedule(1.0)  # restores a's snapshot at 48, writes one at 80
+    scheduler.abandon(plan)  # its submission failed: the engine cancels b
+    scheduler.cancel("b")
+    scheduler.snapshots.check_invariants()
+    assert scheduler.snapshots.slot_of(follow.block_hashes[4]) is None  # never written, never readable
+    # every slot can be handed out again: none is left pinned or pending
+    assert None not in [scheduler.snapshots.reserve(bytes([i]) * 4) for i in range(8)]
+
+
 def test_the_least_recently_used_snapshot_goes_first_and_a_pinned_one_never() -> None:
     snapshots = StateSnapshots(2)
     slots = {name: snapshots.reserve(name) for name in (b"a", b"b")}
