@@ -516,7 +516,7 @@ class Engine:
         if in_flight is None:
             return False
         plan = in_flight.step.plan
-        output = self._read_back(in_flight.step, plan)
+        output = self._read_back(in_flight.step, plan, updated=True)
         if output is None:
             return True
         t2 = self.trace.now()
@@ -537,12 +537,13 @@ class Engine:
         self._account(plan, output, in_flight.t0, in_flight.t1, t2)
         return True
 
-    def _read_back(self, step: Any, plan: StepPlan) -> Any:
+    def _read_back(self, step: Any, plan: StepPlan, updated: bool = False) -> Any:
+        """`updated`: the scheduler took the step's update already (with placeholder tokens: a step left in flight)."""
         try:
             return self.runner.collect(step)
         except Exception as exc:
             log.exception("step %d failed", plan.step_id)
-            self._fail_plan(plan, exc)
+            self._fail_plan(plan, exc, updated)
             return None
 
     def _account(self, plan: StepPlan, output: Any, t0: float, t1: float, t2: float) -> None:
@@ -571,9 +572,9 @@ class Engine:
         with self._lock:
             self.scheduler.cancel(request_id, FinishReason.STOP)
 
-    def _fail_plan(self, plan: StepPlan, exc: Exception) -> None:
+    def _fail_plan(self, plan: StepPlan, exc: Exception, updated: bool = False) -> None:
         with self._lock:
-            self.scheduler.abandon(plan)
+            self.scheduler.abandon(plan, updated)
         for lane in plan.lanes:
             with self._lock:
                 request = self.scheduler.cancel(lane.request_id, FinishReason.ERROR)

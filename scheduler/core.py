@@ -217,11 +217,17 @@ class Scheduler:
         self.step_target.observe(plan, outcome)
         return got_token
 
-    def abandon(self, plan: StepPlan) -> None:
-        """A planned step that never ran (its submission failed; the engine cancels its requests): the snapshots its
-        lanes were to write are dropped and those they were to read let go."""
+    def abandon(self, plan: StepPlan, updated: bool = False) -> None:
+        """A planned step that failed (the engine cancels its requests): the snapshots its lanes were to write are
+        dropped and those they were to read let go; `updated`: it failed after its update (a step left in flight), so
+        the snapshots it wrote are kept already: they are forgotten, what they hold unknown."""
+        if self.snapshots is None:
+            return
         for lane in plan.lanes:
-            self._settle_snapshots(lane, ran=False)
+            if not updated:
+                self._settle_snapshots(lane, ran=False)
+            elif lane.snapshot is not None:
+                self.snapshots.forget(lane.snapshot.block_hash)
 
     def observe(self, plan: StepPlan, outcome: StepOutcome) -> None:
         """Learn a step's measured time when it was updated before it was known (a step left in flight is updated

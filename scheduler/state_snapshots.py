@@ -54,6 +54,14 @@ class StateSnapshots:
         if slot is not None:
             self._free.append(slot)
 
+    def forget(self, block_hash: bytes) -> None:
+        """Drop a kept snapshot whose content is not to be trusted (a step that wrote it failed after its update);
+        one a restore has pinned stays until then (a request admitted on it reads what the failed step left)."""
+        slot = self._slot_of.get(block_hash)
+        if slot is not None and slot not in self._pins:
+            del self._slot_of[block_hash]
+            self._free.append(slot)
+
     def pin(self, block_hash: bytes) -> int:
         """Keep a snapshot from eviction until `unpin`, and mark it used; returns its slot."""
         slot = self._slot_of[block_hash]

@@ -88,6 +88,19 @@ def test_a_step_that_never_ran_gives_back_what_its_lanes_reserved() -> None:
     assert None not in [scheduler.snapshots.reserve(bytes([i]) * 4) for i in range(8)]
 
 
+def test_a_step_that_failed_after_its_update_leaves_no_snapshot_to_read() -> None:
+    scheduler = recurrent()
+    first = make_request("a", 60, max_tokens=1)
+    scheduler.add(first)
+    plan = scheduler.schedule(0.0)
+    scheduler.update(plan, fake_outcome(plan), 0.01)  # updated at once (left in flight); then its read-back fails
+    assert len(scheduler.snapshots) == 1
+    scheduler.abandon(plan, updated=True)
+    scheduler.cancel("a")
+    assert len(scheduler.snapshots) == 0
+    scheduler.snapshots.check_invariants()
+
+
 def test_the_least_recently_used_snapshot_goes_first_and_a_pinned_one_never() -> None:
     snapshots = StateSnapshots(2)
     slots = {name: snapshots.reserve(name) for name in (b"a", b"b")}
