@@ -33,14 +33,14 @@ class _GivenHidden:
 
 
 class _HeadView:
-    """The model as its `__call__` sees it, with `model` (the inner transformer) given."""
+    """The model as its `__call__` sees it, with `model` (the inner transformer; Nemotron-H's `backbone`) given."""
 
     def __init__(self, model: Any, hidden: mx.array) -> None:
         self._model = model
         self._inner = _GivenHidden(model.model, hidden)
 
     def __getattr__(self, name: str) -> Any:
-        return self._inner if name == "model" else getattr(self._model, name)
+        return self._inner if name in ("model", "backbone") else getattr(self._model, name)
 
 
 def plain_head(model: Any) -> bool:

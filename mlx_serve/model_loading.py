@@ -15,6 +15,7 @@ from mlx_serve.adapters import AdapterSet, install_adapters
 from mlx_serve.config import EngineConfig
 from mlx_serve.errors import InvalidRequest, MlxServeError, ModelNotFound, UnsupportedModel
 from mlx_serve.kv_pool import KVLayout
+from mlx_serve.model_source import cache_layers
 
 GIB = 1 << 30
 
@@ -94,7 +95,7 @@ def check_recurrent(model: Any, layers: tuple[int, ...], config: EngineConfig) -
     rejected draft back to), rows reach its mixers regrouped (no per-row adapters, no compiled or Core ML steps)."""
     from mlx_serve.recurrent import install_regrouped_mixers
 
-    if len(layers) == len(model.model.layers):
+    if len(layers) == len(cache_layers(model)):
         raise UnsupportedModel("every layer of this checkpoint is recurrent: the engine serves models with attention "
                                "layers (and recurrent ones beside them)", param="model")  # fmt: skip
     refused = {
@@ -127,7 +128,7 @@ def kv_layout(model: Any, windows: tuple[int | None, ...] = ()) -> KVLayout:
     n_heads = args.num_attention_heads
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // n_heads
     kv_heads = getattr(args, "num_key_value_heads", None) or n_heads
-    return KVLayout(len(model.model.layers), kv_heads, head_dim, activation_dtype(model), windows)
+    return KVLayout(len(cache_layers(model)), kv_heads, head_dim, activation_dtype(model), windows)
 
 
 def quantized_kv_layout(model: Any, layout: KVLayout, config: EngineConfig) -> KVLayout:
@@ -231,7 +232,11 @@ def text_model(model: Any) -> Any:
     """A multimodal wrapper's language model (Gemma 3, Mistral 3: the checkpoint's text half, which the wrapper's
     forward only passes through); any other model as it is."""
     inner = getattr(model, "language_model", None)
-    return inner if inner is not None and hasattr(getattr(inner, "model", None), "layers") else model
+    if inner is not None and hasattr(getattr(inner, "model", None), "layers"):
+        return inner
+    if "backbone" in model and "model" not in model:  # Nemotron-H names its inner model `backbone`
+        object.__setattr__(model, "model", model.backbone)  # an alias, not a child: its parameters are not listed twice
+    return model
 
 
 def module_buffers(model: Any) -> list[mx.array]:
@@ -244,7 +249,7 @@ def activation_dtype(model: Any) -> mx.Dtype:
     """The dtype hidden states (and so K/V) take: the final norm's weights (floating even when quantized; every
     family served has one, under one of these names; some have no per-layer input norm)."""
     inner = model.model
-    name = next(name for name in ("norm", "embedding_norm", "final_layernorm") if name in inner)
+    name = next(name for name in ("norm", "embedding_norm", "final_layernorm", "norm_f") if name in inner)
     return inner[name].weight.dtype
 
 

@@ -21,7 +21,7 @@ SUPPORTED_MODEL_TYPES = (
     "olmoe", "olmo2", "internlm2", "internlm3", "minicpm", "helium", "seed_oss", "nemotron", "gemma", "cohere",
     "smollm3", "hunyuan_v1_dense", "ernie4_5", "ernie4_5_moe", "deepseek", "mimo", "telechat3", "apertus", "gemma3_text", "gemma3", "olmo3", "cohere2", "ministral3", "mistral3",
     "gpt_oss", "gemma2", "qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe",
-    "granitemoehybrid", "olmo_hybrid", "jamba",
+    "granitemoehybrid", "olmo_hybrid", "nemotron_h", "jamba",
 )  # fmt: skip
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -90,6 +90,19 @@ def _download(repo_id: str, where: str) -> Path:
     except Exception as exc:  # the Hub raises many kinds (network, auth, missing repo); all mean "not found"
         message = f"model {repo_id!r} not found: {where}, and downloading it failed: {exc}"
         raise ModelNotFound(message, param="model") from exc
+
+
+# families whose cache list skips layers: which layers take one (the rest, MLP or MoE blocks, get None)
+_CACHED_LAYERS: dict[str, Any] = {"nemotron_h": lambda layer: layer.block_type in ("M", "*")}
+
+
+def cache_layers(model: Any) -> tuple[int, ...]:
+    """The layer each of the model's caches serves, in cache order (the pool and every per-layer list of the engine
+    are indexed by cache, as the model's forward hands them out): every layer, but for `_CACHED_LAYERS`."""
+    layers = model.model.layers
+    model_type = getattr(model, "model_type", None) or getattr(getattr(model, "args", None), "model_type", None)
+    takes = _CACHED_LAYERS.get(model_type)
+    return tuple(i for i, layer in enumerate(layers) if takes is None or takes(layer))
 
 
 def layer_windows(model: Any) -> tuple[int | None, ...]:

@@ -1,5 +1,5 @@
 """Recurrent layers beside attention: the gated delta nets of Qwen3-Next, Qwen3.5 and OLMo Hybrid, LFM2's short
-convolutions, the Mamba mixers of Granite 4 and Jamba.
+convolutions, the Mamba mixers of Granite 4, Nemotron-H and Jamba.
 
 A recurrence reads its rows in order, so the ragged step's `[T, 1]` rows (every row its own sequence) cannot reach
 it as they are. Each such layer's mixer (the one module of the layer that takes mlx-lm's `ArraysCache`) is called
@@ -19,6 +19,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_serve.errors import UnsupportedModel
+from mlx_serve.model_source import cache_layers
 from scheduler.plan import Lane
 
 
@@ -155,8 +156,9 @@ def state_shapes(model: Any, layers: Sequence[int]) -> dict[int, list[tuple[tupl
     hidden = int(model.args.hidden_size) if hasattr(model.args, "hidden_size") else None
     dtype = activation_dtype(model)
     shapes = {}
+    owners = cache_layers(model)
     for index in layers:
-        _, mixer = layer_mixer(model.model.layers[index], index)
+        _, mixer = layer_mixer(model.model.layers[owners[index]], index)
         width = hidden or int(model.model.embed_tokens.weight.shape[-1])
         cache = ArraysCache(len(caches[index].cache))
         _original_call(mixer)(mixer, **_arguments(mixer, mx.zeros((1, 1, width), dtype), cache))
@@ -206,8 +208,9 @@ class RecurrentLayerCache:
 def install_regrouped_mixers(model: Any, layers: Sequence[int]) -> None:
     """Make each recurrent layer's mixer read a `RecurrentLayerCache` group by group (any other cache, or none, goes
     to mlx-lm's own call unchanged). Per instance: the mixer's class becomes a subclass with that call."""
+    owners = cache_layers(model)
     for index in layers:
-        _, mixer = layer_mixer(model.model.layers[index], index)
+        _, mixer = layer_mixer(model.model.layers[owners[index]], index)
         if not getattr(type(mixer), "regrouped", False):
             mixer.__class__ = _regrouped_class(type(mixer))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-HELP = "Write a random-weight checkpoint of a real architecture (llama, qwen2, qwen3, qwen3_moe, mistral at real sizes; 44 more mlx-lm families at a tiny size)."
+HELP = "Write a random-weight checkpoint of a real architecture (llama, qwen2, qwen3, qwen3_moe, mistral at real sizes; 45 more mlx-lm families at a tiny size)."
 
 # Kept here, not imported, so `--help` does not import MLX; tests check they match mlx_serve.checkpoints.
 ARCHS = (
@@ -57,6 +57,7 @@ ARCHS = (
     "lfm2_moe",
     "granitemoehybrid",
     "olmo_hybrid",
+    "nemotron_h",
     "jamba",
 )
 PRESETS = ("tiny", "0.6b", "8b", "30b-a3b")

@@ -1,5 +1,6 @@
 """Models with recurrent layers beside attention (`mlx_serve.recurrent`): Qwen3-Next, Qwen3.5 (dense and MoE) and OLMo
-Hybrid (gated delta nets), LFM2 (dense and MoE: short convolutions), Granite 4 (Mamba-2) and Jamba (Mamba). Every
+Hybrid (gated delta nets), LFM2 (dense and MoE: short convolutions), Granite 4 and Nemotron-H (Mamba-2: Nemotron-H's
+MLP and MoE blocks take no cache, so caches and layers are counted apart) and Jamba (Mamba). Every
 request's state lives in a slot of the state pool and its rows reach the mixers lane by lane: tokens and their
 log-probabilities are mlx-lm's, with prompts read in chunks beside decoding streams, a one-token prompt among the
 decode lanes, preemption, cancellations, slots reused and a prefix hit that starts from a state snapshot; what such a
@@ -30,7 +31,7 @@ from tests.engine.reference import (
     run_next_turn,
 )
 
-FAMILIES = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe", "granitemoehybrid", "olmo_hybrid", "jamba"]
+FAMILIES = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe", "granitemoehybrid", "olmo_hybrid", "nemotron_h", "jamba"]
 
 
 @pytest.fixture(scope="module")
