@@ -310,7 +310,7 @@ def kv_pool_size(config: EngineConfig, loaded: LoadedModel) -> PoolSize:
         raise MlxServeError(
             f"memory budget {budget / GIB:.2f} GiB leaves room for {max(blocks, 0)} KV blocks after "
             f"{loaded.weight_bytes / GIB:.2f} GiB of weights{_also_kept(config, loaded)}; at least {needed} are needed "
-            f"({block_bytes} bytes per block of {config.block_size} tokens). Raise --memory-budget-gb."
+            f"({block_bytes} bytes per block of {config.block_size} tokens). Raise --memory-budget-gb{_or_fewer(loaded)}."
         )
     return PoolSize(blocks, window_blocks)
 
@@ -338,6 +338,14 @@ def window_space_blocks(config: EngineConfig, layout: KVLayout, pool_blocks: int
             f"{least * size} (blocks of {size})", param="window_kv_tokens",
         )
     return blocks
+
+
+def _or_fewer(loaded: LoadedModel) -> str:
+    """What else frees memory for the KV pool, where recurrent states take a share."""
+    if not loaded.state_bytes:
+        return ""
+    return (f", or lower --max-running or --state-snapshots (each running request and each snapshot holds "
+            f"{loaded.state_bytes / (1 << 20):.1f} MiB of recurrent state)")
 
 
 def _also_kept(config: EngineConfig, loaded: LoadedModel) -> str:

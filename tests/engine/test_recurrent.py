@@ -264,3 +264,15 @@ def test_a_step_whose_submission_failed_leaves_no_snapshot_slot_held(checkpoints
     finally:
         engine.shutdown()
     assert list(done.token_ids) == reference_tokens(path, longer, 8)
+
+
+def test_a_budget_the_states_crowd_out_says_which_settings_free_it(checkpoints):
+    """2,000 running requests' states and as many snapshots (about 150 MiB of the tiny model's 38 KiB states) leave
+    a 0.1 GiB budget no room for KV: the error names the states' share and the two settings that shrink it."""
+    from mlx_serve.errors import MlxServeError
+
+    path = checkpoints["qwen3_next"]
+    with pytest.raises(MlxServeError, match=r"2000 requests' recurrent states and 2000 snapshots.*--state-snapshots"):
+        Engine.load(EngineConfig(model=str(path), memory_budget_gb=0.1, max_running=2000, warm_up=False))
+    engine = Engine.load(EngineConfig(model=str(path), memory_budget_gb=0.1, max_running=16, warm_up=False))
+    engine.shutdown()
