@@ -36,6 +36,8 @@ _GEMMA3 = dict(sliding_window=16, sliding_window_pattern=2, query_pre_attn_scala
                rms_norm_eps=1e-6)
 _MINISTRAL3 = dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"], rope_parameters={
     "rope_type": "default", "rope_theta": 10000.0, "llama_4_scaling_beta": 0.1, "original_max_position_embeddings": 32})
+_V3_MOE = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1, n_group=1,
+               topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True)
 _QWEN3_NEXT = dict(num_hidden_layers=4, full_attention_interval=2, linear_num_value_heads=4, linear_num_key_heads=2,
                    linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
                    partial_rotary_factor=0.25)
@@ -79,6 +81,10 @@ MLX_FAMILIES: dict[str, dict] = {
     "mimo": dict(),
     "telechat3": dict(),
     "apertus": dict(post_norm=False, qk_norm=True, hidden_act="xielu"),
+    # DeepSeek-V3-style routing (sigmoid scores, group-limited top-k, a shared expert) over standard attention
+    "glm4_moe": dict(_V3_MOE, first_k_dense_replace=1, use_qk_norm=True, partial_rotary_factor=0.5, rope_scaling=None),
+    "dots1": dict(_V3_MOE, first_k_dense_replace=1, scoring_func="noaux_tc"),
+    "minimax": dict(num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=0, rotary_dim=16),
     # sliding-window layers (16 tokens here, so tests' prompts cross them)
     "gemma3_text": dict(_GEMMA3),
     "gemma3": dict(text_config={"model_type": "gemma3_text", **_FAMILY_BASE, **_GEMMA3}),  # a multimodal wrapper
