@@ -85,6 +85,13 @@ MLX_FAMILIES: dict[str, dict] = {
     "glm4_moe": dict(_V3_MOE, first_k_dense_replace=1, use_qk_norm=True, partial_rotary_factor=0.5, rope_scaling=None),
     "dots1": dict(_V3_MOE, first_k_dense_replace=1, scoring_func="noaux_tc"),
     "minimax": dict(num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=0, rotary_dim=16),
+    "bailing_moe": dict(num_experts=4, num_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=64,
+                        norm_topk_prob=True, first_k_dense_replace=1, topk_group=1, use_qk_norm=True,
+                        moe_shared_expert_intermediate_size=64),
+    # Qwen3-VL's multimodal checkpoints: their text half is a Qwen3 (or Qwen3-MoE) model
+    "qwen3_vl": dict(text_config={"model_type": "qwen3", **_FAMILY_BASE}),
+    "qwen3_vl_moe": dict(text_config={"model_type": "qwen3_moe", **_FAMILY_BASE, **_MOE, "decoder_sparse_step": 1,
+                                      "mlp_only_layers": []}),
     # sliding-window layers (16 tokens here, so tests' prompts cross them)
     "gemma3_text": dict(_GEMMA3),
     "gemma3": dict(text_config={"model_type": "gemma3_text", **_FAMILY_BASE, **_GEMMA3}),  # a multimodal wrapper
