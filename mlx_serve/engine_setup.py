@@ -387,7 +387,9 @@ def prefill_gather(pool: Any) -> Any:
     one for quantized KV)."""
     from mlx_serve.kernels.paged_gather import select_prefill_gather
 
-    return None if pool.layout.quantized else select_prefill_gather(pool.keys[pool.layout.first_attention_layer])
+    if pool.layout.quantized or pool.layout.value_dim:  # the gather kernel reads keys and values of one size
+        return None
+    return select_prefill_gather(pool.keys[pool.layout.first_attention_layer])
 
 
 def prefill_lane(config: EngineConfig, model: Any, trace: Any) -> Any:

@@ -29,6 +29,13 @@ class KVLayout:
     group_size: int = 64
     # layers that keep a recurrent state instead of K/V (`mlx_serve.recurrent`): they hold nothing here
     recurrent: tuple[int, ...] = ()
+    # a value's size where it differs from a key's (0: `head_dim`): multi-head latent attention keeps a latent as its
+    # "key" and the RoPE key as its "value" (`mla_attention`), DeepSeek-V2's expanded heads a shorter value
+    value_dim: int = 0
+
+    @property
+    def value_size(self) -> int:
+        return self.value_dim or self.head_dim
 
     @property
     def quantized(self) -> bool:
@@ -67,10 +74,10 @@ class KVLayout:
     def _layer_bytes_per_token(self, layer: int) -> int:
         if not self.attends(layer):
             return 0
-        head = self.head_dim * self.dtype.size
+        head = (self.head_dim + self.value_size) * self.dtype.size
         if self.quantizes(layer):  # packed values, then a scale and a bias per group
-            head = self.head_dim * self.bits // 8 + 2 * (self.head_dim // self.group_size) * self.dtype.size
-        return 2 * self.num_kv_heads * head
+            head = 2 * (self.head_dim * self.bits // 8 + 2 * (self.head_dim // self.group_size) * self.dtype.size)
+        return self.num_kv_heads * head
 
 
 class KVPool:
@@ -88,18 +95,18 @@ class KVPool:
         self.block_size = block_size
         self.window_blocks = window_blocks if layout.num_windowed else 0
         # each layer's array, or with quantized KV its (packed values, scales, biases) as mlx-lm's quantized caches hold
-        self.keys = [self._zeros(layer) for layer in range(layout.num_layers)]
-        self.values = [self._zeros(layer) for layer in range(layout.num_layers)]
+        self.keys = [self._zeros(layer, layout.head_dim) for layer in range(layout.num_layers)]
+        self.values = [self._zeros(layer, layout.value_size) for layer in range(layout.num_layers)]
         mx.eval(self.state())
 
-    def _zeros(self, layer: int) -> mx.array | tuple[mx.array, mx.array, mx.array]:
+    def _zeros(self, layer: int, dim: int) -> mx.array | tuple[mx.array, mx.array, mx.array]:
         layout = self.layout
         blocks = self.window_blocks if self.in_window_space(layer) else self.num_blocks
         if not layout.attends(layer):  # a recurrent layer's state lives in `recurrent.StatePool`
-            return mx.zeros((0, layout.num_kv_heads, layout.head_dim), layout.dtype)
+            return mx.zeros((0, layout.num_kv_heads, dim), layout.dtype)
         rows = ((blocks + 1) * self.block_size, layout.num_kv_heads)
         if not layout.quantizes(layer):
-            return mx.zeros((*rows, layout.head_dim), layout.dtype)
+            return mx.zeros((*rows, dim), layout.dtype)
         groups = layout.head_dim // layout.group_size
         packed = mx.zeros((*rows, layout.head_dim * layout.bits // 32), mx.uint32)
         return packed, mx.zeros((*rows, groups), layout.dtype), mx.zeros((*rows, groups), layout.dtype)

@@ -15,6 +15,7 @@ from mlx_serve.adapters import AdapterSet, install_adapters
 from mlx_serve.config import EngineConfig
 from mlx_serve.errors import InvalidRequest, MlxServeError, ModelNotFound, UnsupportedModel
 from mlx_serve.kv_pool import KVLayout
+from mlx_serve.mla_attention import mla_dims
 from mlx_serve.model_source import cache_layers
 
 GIB = 1 << 30
@@ -69,6 +70,8 @@ def describe_model(
     mx.eval(module_buffers(model))
     args = model.args
     layout = quantized_kv_layout(model, replace(kv_layout(model, windows), recurrent=recurrent), config)
+    if layout.value_dim:
+        check_latent_attention(config)
     draft = load_draft(config.draft_model, int(args.vocab_size)) if config.draft_model else None
     # the text model's own (a multimodal checkpoint keeps it in text_config), else config.json's
     trained = getattr(args, "max_position_embeddings", None) or model_config.get("max_position_embeddings", 4096)
@@ -112,6 +115,15 @@ def check_recurrent(model: Any, layers: tuple[int, ...], config: EngineConfig) -
     install_regrouped_mixers(model, layers)
 
 
+def check_latent_attention(config: EngineConfig) -> None:
+    """Refuse what multi-head latent attention cannot take: its forward runs per lane group, eager (`mla_attention`)."""
+    refused = {"compile_decode": config.compile_decode == "on", "ane_lane": config.ane_lane != "off"}
+    for param, asked in refused.items():
+        if asked:
+            raise InvalidRequest(f"{param}: not with multi-head latent attention (its forward runs lane group by "
+                                 "lane group, eager)", param=param)  # fmt: skip
+
+
 def state_bytes(model: Any, layers: tuple[int, ...]) -> int:
     """What one request's state holds over the recurrent layers."""
     if not layers:
@@ -125,10 +137,13 @@ def state_bytes(model: Any, layers: tuple[int, ...]) -> int:
 def kv_layout(model: Any, windows: tuple[int | None, ...] = ()) -> KVLayout:
     """The K/V a token of the model's caches holds, each layer's window given."""
     args = model.args
+    layers, dtype = len(cache_layers(model)), activation_dtype(model)
+    if (latent := mla_dims(model)) is not None:  # one "head" a token: the latent as key, the RoPE key as value
+        return KVLayout(layers, 1, latent[0], dtype, windows, value_dim=latent[1])
     n_heads = args.num_attention_heads
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // n_heads
     kv_heads = getattr(args, "num_key_value_heads", None) or n_heads
-    return KVLayout(len(cache_layers(model)), kv_heads, head_dim, activation_dtype(model), windows)
+    return KVLayout(layers, kv_heads, head_dim, dtype, windows)
 
 
 def quantized_kv_layout(model: Any, layout: KVLayout, config: EngineConfig) -> KVLayout:
@@ -136,6 +151,9 @@ def quantized_kv_layout(model: Any, layout: KVLayout, config: EngineConfig) -> K
     (mlx-lm's quantized attention has no sinks or soft-capped scores) or its heads do not split into groups."""
     if config.kv_bits is None:
         return layout
+    if layout.value_dim:
+        raise InvalidRequest("--kv-bits: not with multi-head latent attention (mlx-lm quantizes no latent cache)",
+                             param="kv_bits")  # fmt: skip
     from mlx_serve.softcap_attention import SOFTCAPPED_MODULES
 
     modules = list(model.named_modules())

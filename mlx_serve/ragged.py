@@ -409,9 +409,10 @@ def install_ragged_attention(model: Any) -> None:
     """Route the attention of every mlx-lm module the model's layers come from through the dispatcher (idempotent,
     per module): a family may reuse another's attention class (SmolLM3 runs Llama's). Attention written out by hand
     (Gemma 2's soft-capped scores) gets a forward of its own that routes the same way (`softcap_attention`)."""
-    from mlx_serve.softcap_attention import install_softcapped_forwards  # it imports this module
+    from mlx_serve.mla_attention import install_mla_forwards  # these import this module
+    from mlx_serve.softcap_attention import install_softcapped_forwards
 
-    softcapped = install_softcapped_forwards(model)
+    softcapped = install_softcapped_forwards(model) | install_mla_forwards(model)
     names = {type(model).__module__} | {type(m).__module__ for _, m in model.named_modules()}
     modules = [sys.modules[n] for n in sorted(names) if hasattr(sys.modules.get(n), "scaled_dot_product_attention")]
     if not modules and not softcapped:

@@ -19,8 +19,10 @@ def write_family_weights(out_dir: Path, config: dict, seed: int, dtype: str) -> 
     """The weights of mlx-lm's model of `config`, initialised under `seed`, saved in `dtype` (one file: tiny)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
+    from mlx_lm.utils import MODEL_REMAPPING
 
-    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    model_type = config["model_type"]  # some run with another's class (kimi_k2: deepseek_v3)
+    module = importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}")
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
     weights = {name: value.astype(getattr(mx, dtype)) for name, value in tree_flatten(model.parameters())}

@@ -38,6 +38,7 @@ _MINISTRAL3 = dict(sliding_window=16, layer_types=["sliding_attention", "full_at
     "rope_type": "default", "rope_theta": 10000.0, "llama_4_scaling_beta": 0.1, "original_max_position_embeddings": 32})
 _V3_MOE = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1, n_group=1,
                topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True)
+_MLA = dict(kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, rope_scaling=None)
 _QWEN3_NEXT = dict(num_hidden_layers=4, full_attention_interval=2, linear_num_value_heads=4, linear_num_key_heads=2,
                    linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
                    partial_rotary_factor=0.25)
@@ -88,6 +89,10 @@ MLX_FAMILIES: dict[str, dict] = {
     "bailing_moe": dict(num_experts=4, num_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=64,
                         norm_topk_prob=True, first_k_dense_replace=1, topk_group=1, use_qk_norm=True,
                         moe_shared_expert_intermediate_size=64),
+    # multi-head latent attention (`mla_attention`): a latent and a RoPE key cached a token
+    "deepseek_v3": dict(_V3_MOE, **_MLA, first_k_dense_replace=1, moe_layer_freq=1),
+    "kimi_k2": dict(_V3_MOE, **_MLA, first_k_dense_replace=1, moe_layer_freq=1),  # mlx-lm runs it as deepseek_v3
+    "glm4_moe_lite": dict(_V3_MOE, **_MLA, first_k_dense_replace=1, moe_layer_freq=1),
     # Qwen3-VL's multimodal checkpoints: their text half is a Qwen3 (or Qwen3-MoE) model
     "qwen3_vl": dict(text_config={"model_type": "qwen3", **_FAMILY_BASE}),
     "qwen3_vl_moe": dict(text_config={"model_type": "qwen3_moe", **_FAMILY_BASE, **_MOE, "decoder_sparse_step": 1,

@@ -1,0 +1,95 @@
+"""Multi-head latent attention (DeepSeek-V3 and the families built like it: Kimi K2, GLM-4.7-Flash) on ragged steps.
+
+mlx-lm's MLA caches a latent (`kv_lora_rank` values) and a RoPE key (`qk_rope_head_dim`) a token, scores the RoPE part
+itself over the whole history its cache returns (those scores are the mask it hands SDPA), and takes the absorbed form
+for one-row sequences and the expanded form for longer ones. So the rows cannot reach it as `[T, 1]` with a cache that
+returns only their own K/V. The module's own forward is called once per lane group instead, as mlx-lm's generation
+calls it: the single-row lanes together as `[lanes, 1]`, each over its history padded to the widest and masked past its
+length; each multi-row lane as `[1, rows]` behind its causal mask. Their caches (`_DecodeGroup`, `_Lane`) write the rows
+into the pool (the latent as keys, the RoPE key as values: `KVLayout.value_dim`) and return the group's history.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+
+from mlx_serve.kv_pool import take_rows
+from mlx_serve.ragged import LaneRows, RaggedLayerCache
+
+
+def is_mla(module: Any) -> bool:
+    """An attention module of mlx-lm's latent form: it caches the latent, and absorbs its up-projections."""
+    return hasattr(module, "kv_lora_rank") and hasattr(module, "embed_q") and hasattr(module, "unembed_out")
+
+
+def mla_dims(model: Any) -> tuple[int, int] | None:
+    """(latent size, RoPE key size) where the model's attention is mlx-lm's latent MLA; None otherwise."""
+    found = next((m for _, m in model.named_modules() if is_mla(m)), None)
+    return (int(found.kv_lora_rank), int(found.qk_rope_head_dim)) if found is not None else None
+
+
+class _DecodeGroup:
+    """mlx-lm's cache protocol for the step's single-row lanes at once: each one's history, padded to the widest
+    block table; `mask` keeps each lane's own positions."""
+
+    def __init__(self, cache: RaggedLayerCache) -> None:
+        rows = cache.step.decode
+        self._cache, self._count = cache, rows.count
+        self.offset = cache.step.positions[: rows.count]
+        size = rows.block_size
+        width = rows.block_tables.shape[1] * size
+        self._slots = (rows.block_tables[:, :, None] * size + mx.arange(size, dtype=mx.int32)).reshape(rows.count, width)
+        self.mask = (mx.arange(width, dtype=mx.int32)[None] < rows.lengths[:, None])[:, None, None, :]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        pool, layer = self._cache.pool, self._cache.layer
+        pool.write(layer, self._cache.step.write_slots[: self._count], keys[:, :, 0, :], values[:, :, 0, :])
+        return take_rows(pool.keys[layer], self._slots), take_rows(pool.values[layer], self._slots)
+
+
+class _Lane:
+    """mlx-lm's cache protocol for one multi-row lane: its history and its rows; `mask` is causal."""
+
+    def __init__(self, cache: RaggedLayerCache, lane: LaneRows) -> None:
+        self._cache, self._lane = cache, lane
+        self.offset = cache.step.positions[lane.row_start : lane.row_start + 1]
+        end = lane.kv_slots.shape[0]
+        queries = mx.arange(end - lane.rows, end, dtype=mx.int32)
+        self.mask = mx.arange(end, dtype=mx.int32)[None] <= queries[:, None]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        pool, layer, lane = self._cache.pool, self._cache.layer, self._lane
+        slots = self._cache.step.write_slots[lane.row_start : lane.row_start + lane.rows]
+        pool.write(layer, slots, keys[0].transpose(1, 0, 2), values[0].transpose(1, 0, 2))
+        return pool.gather(layer, lane.kv_slots)
+
+
+def _ragged_forward(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    def __call__(self: Any, x: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
+        if not isinstance(cache, RaggedLayerCache):
+            return original(self, x, mask, cache)
+        outputs = []
+        if cache.step.decode is not None:
+            group = _DecodeGroup(cache)
+            outputs.append(original(self, x[: cache.step.decode.count], group.mask, group))
+        for lane in cache.step.lanes:
+            rows = x[lane.row_start : lane.row_start + lane.rows].reshape(1, lane.rows, -1)
+            one = _Lane(cache, lane)
+            outputs.append(original(self, rows, one.mask, one).reshape(lane.rows, 1, -1))
+        return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
+
+    __call__.ragged_mla = True
+    return __call__
+
+
+def install_mla_forwards(model: Any) -> bool:
+    """Give the model's latent-MLA attention classes the lane-grouped forward (idempotent, per class); whether it
+    has any."""
+    classes = {type(m) for _, m in model.named_modules() if is_mla(m)}
+    for cls in classes:
+        if not getattr(cls.__call__, "ragged_mla", False):
+            cls.__call__ = _ragged_forward(cls.__call__)
+    return bool(classes)

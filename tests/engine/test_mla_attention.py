@@ -1,0 +1,82 @@
+"""Multi-head latent attention (`mla_attention`: DeepSeek-V3, Kimi K2, GLM-4.7-Flash): the module's own forward per
+lane group over the pool's latents and RoPE keys gives mlx-lm's tokens after preemption, with drafted rows and from a
+prefix hit; the pool holds what mlx-lm's cache holds a token; what the lane-grouped forward cannot take is refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from mlx_serve.checkpoints import make_checkpoint
+from mlx_serve.engine import Engine, EngineConfig
+from mlx_serve.errors import InvalidRequest
+from mlx_serve.types import GenerationRequest
+from tests.engine.reference import load_reference, prompt_of, reference_tokens, run_next_turn
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("mla") / "deepseek_v3", arch="deepseek_v3", seed=5)
+
+
+def _load(path: Path, **options) -> Engine:
+    defaults = dict(model=str(path), block_size=16, kv_blocks=64, row_ceiling=24, row_floor=4, warm_up=False)
+    return Engine.load(EngineConfig(**{**defaults, **options}))
+
+
+def test_preempted_requests_read_their_latents_again_and_give_mlx_lms_tokens(deepseek):
+    prompts = [prompt_of(30 + 3 * i, seed=700 + i) for i in range(6)]
+    engine = _load(deepseek, kv_blocks=10)  # 160 tokens of KV for 6 requests of 60-75
+    try:
+        completions = engine.generate([GenerationRequest(prompt_ids=tuple(p), max_tokens=30) for p in prompts])
+        preemptions = engine.stats()["preemptions_total"]
+    finally:
+        engine.shutdown()
+    assert preemptions > 0
+    for prompt, completion in zip(prompts, completions):
+        assert list(completion.token_ids) == reference_tokens(deepseek, prompt, 30)
+
+
+def test_drafted_rows_attend_as_a_lane_of_their_own_and_keep_mlx_lms_tokens(deepseek):
+    prompt = prompt_of(12, seed=710) * 4  # repeats: prompt lookup finds drafts
+    engine = _load(deepseek, speculative_tokens=3)
+    try:
+        [done] = engine.generate([GenerationRequest(prompt_ids=tuple(prompt), max_tokens=24)])
+        drafted = engine.stats()["draft_tokens_total"]
+    finally:
+        engine.shutdown()
+    assert drafted > 0
+    assert list(done.token_ids) == reference_tokens(deepseek, prompt, 24)
+
+
+def test_a_chats_next_turn_reads_its_cached_latents(deepseek):
+    follow, tokens, hits = run_next_turn(_load(deepseek), prompt_of(40, seed=720), prompt_of(9, seed=721))
+    assert hits >= 32
+    assert tokens == reference_tokens(deepseek, follow, 8)
+
+
+def test_a_token_holds_what_mlx_lms_latent_cache_holds(deepseek):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, _ = load_reference(str(deepseek))
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array(prompt_of(7, seed=730))[None], cache=cache))
+    per_token = sum(c.keys[..., :7, :].nbytes + c.values[..., :7, :].nbytes for c in cache) // 7
+    engine = _load(deepseek)
+    try:
+        layout = engine.pool.layout
+        assert (layout.num_kv_heads, layout.head_dim, layout.value_dim) == (1, 32, 16)  # the latent, the RoPE key
+        assert layout.bytes_per_token() == per_token
+        assert engine.runner.kv_bucket == 0 and engine.runner.compiled is None
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("option", [dict(compile_decode="on"), dict(ane_lane="cpu"), dict(kv_bits=8)],
+                         ids=["compile_decode", "ane_lane", "kv_bits"])  # fmt: skip
+def test_what_the_lane_grouped_forward_cannot_take_is_refused(deepseek, option):
+    with pytest.raises(InvalidRequest, match="latent") as caught:
+        _load(deepseek, **option)
+    assert caught.value.param == next(iter(option))
