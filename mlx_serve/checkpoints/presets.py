@@ -38,7 +38,7 @@ _MINISTRAL3 = dict(sliding_window=16, layer_types=["sliding_attention", "full_at
     "rope_type": "default", "rope_theta": 10000.0, "llama_4_scaling_beta": 0.1, "original_max_position_embeddings": 32})
 _V3_MOE = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1, n_group=1,
                topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True)
-_MLA = dict(kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, rope_scaling=None)
+_MLA = dict(kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32)
 _QWEN3_NEXT = dict(num_hidden_layers=4, full_attention_interval=2, linear_num_value_heads=4, linear_num_key_heads=2,
                    linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
                    partial_rotary_factor=0.25)
