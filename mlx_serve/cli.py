@@ -14,6 +14,7 @@ import sys
 COMMANDS = {
     "serve": "serve",
     "generate": "generate",
+    "run-batch": "run_batch",
     "chat": "chat",
     "make-model": "make_model",
     "make-adapter": "make_adapter",
