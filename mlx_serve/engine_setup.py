@@ -387,8 +387,8 @@ def prefill_gather(pool: Any) -> Any:
     one for quantized KV)."""
     from mlx_serve.kernels.paged_gather import select_prefill_gather
 
-    if pool.layout.quantized or pool.layout.value_dim:  # the gather kernel reads keys and values of one size
-        return None
+    if pool.layout.quantized or pool.layout.value_dim or len(pool.layout.recurrent) == pool.layout.num_layers:
+        return None  # the gather kernel reads keys and values of one size, in the model's dtype (or: no attention)
     return select_prefill_gather(pool.keys[pool.layout.first_attention_layer])
 
 

@@ -13,7 +13,7 @@ import mlx.core as mx
 
 from mlx_serve.adapters import AdapterSet, install_adapters
 from mlx_serve.config import EngineConfig
-from mlx_serve.errors import InvalidRequest, MlxServeError, ModelNotFound, UnsupportedModel
+from mlx_serve.errors import InvalidRequest, MlxServeError, ModelNotFound
 from mlx_serve.kv_pool import KVLayout
 from mlx_serve.mla_attention import mla_dims
 from mlx_serve.model_source import cache_layers
@@ -69,7 +69,10 @@ def describe_model(
     # MLX cannot evaluate them on the engine's
     mx.eval(module_buffers(model))
     args = model.args
-    layout = quantized_kv_layout(model, replace(kv_layout(model, windows), recurrent=recurrent), config)
+    if len(recurrent) == len(cache_layers(model)):  # Mamba: no K/V at all (the pool's blocks only count positions)
+        layout = KVLayout(len(recurrent), 1, 1, activation_dtype(model), recurrent=recurrent)
+    else:
+        layout = quantized_kv_layout(model, replace(kv_layout(model, windows), recurrent=recurrent), config)
     if layout.value_dim:
         check_latent_attention(config)
     draft = load_draft(config.draft_model, int(args.vocab_size)) if config.draft_model else None
@@ -98,9 +101,6 @@ def check_recurrent(model: Any, layers: tuple[int, ...], config: EngineConfig) -
     rejected draft back to), rows reach its mixers regrouped (no per-row adapters, no compiled or Core ML steps)."""
     from mlx_serve.recurrent import install_regrouped_mixers
 
-    if len(layers) == len(cache_layers(model)):
-        raise UnsupportedModel("every layer of this checkpoint is recurrent: the engine serves models with attention "
-                               "layers (and recurrent ones beside them)", param="model")  # fmt: skip
     refused = {
         "speculative_tokens": config.speculative_tokens > 0 or config.draft_model is not None,
         "lora": bool(config.adapters) or config.adapter_memory_gb > 0,
@@ -318,7 +318,8 @@ def kv_pool_size(config: EngineConfig, loaded: LoadedModel) -> PoolSize:
     budget = config.memory_budget_gb * GIB if config.memory_budget_gb else 0.5 * machine_memory_bytes()
     # a tenth of what is left stays free for activations of the largest step; adapters loaded later get their share
     kv_bytes = (budget - loaded.weight_bytes - kept_bytes(config, loaded)) * 0.9
-    blocks = min(int(kv_bytes // block_bytes), cap)
+    # no layer keeps K/V (Mamba): blocks cost nothing, so every running request may fill its context
+    blocks = min(int(kv_bytes // block_bytes), cap) if block_bytes else (cap if kv_bytes >= 0 else 0)
     window_blocks = window_space_blocks(config, layout, max(blocks, 0))
     if window_blocks:
         windowed = layout.windowed_bytes_per_token() * size

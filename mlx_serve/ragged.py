@@ -405,7 +405,7 @@ def _dispatching_sdpa(original):
     return scaled_dot_product_attention
 
 
-def install_ragged_attention(model: Any) -> None:
+def install_ragged_attention(model: Any, attends: bool = True) -> None:
     """Route the attention of every mlx-lm module the model's layers come from through the dispatcher (idempotent,
     per module): a family may reuse another's attention class (SmolLM3 runs Llama's). Attention written out by hand
     (Gemma 2's soft-capped scores) gets a forward of its own that routes the same way (`softcap_attention`)."""
@@ -415,7 +415,7 @@ def install_ragged_attention(model: Any) -> None:
     softcapped = install_softcapped_forwards(model) | install_mla_forwards(model)
     names = {type(model).__module__} | {type(m).__module__ for _, m in model.named_modules()}
     modules = [sys.modules[n] for n in sorted(names) if hasattr(sys.modules.get(n), "scaled_dot_product_attention")]
-    if not modules and not softcapped:
+    if not modules and not softcapped and attends:  # `attends`: the model has attention layers to route
         raise RuntimeError(f"{type(model).__module__} has no scaled_dot_product_attention to route")
     for module in modules:
         current = module.scaled_dot_product_attention

@@ -190,7 +190,7 @@ class ModelRunner:
         self.clock = (GpuStepClock() if cuda_available() else None) if clock == "auto" else clock
         self._last_done = 0.0  # host time the last step was read back
         self._last_end_ns: int | None = None  # the device clock at the last step's end
-        install_ragged_attention(model)
+        install_ragged_attention(model, any(pool.layout.attends(layer) for layer in range(pool.layout.num_layers)))
         # how many there are sets the scheduler's row tile
         self.quantized_projections = fold_quantized_rows(model, dequantize_rows, quantized_tiles, quantized_gemv)
         if dense_moe or expert_tiles is not None:  # MoE blocks pick their form by the step's rows

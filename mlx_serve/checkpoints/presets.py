@@ -134,6 +134,12 @@ MLX_FAMILIES: dict[str, dict] = {
                        mlp_bias=False, layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=True, n_routed_experts=4,
                        num_experts_per_tok=2, moe_intermediate_size=64, moe_shared_expert_intermediate_size=64,
                        n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0),
+    # recurrent layers only (no K/V: the pool's blocks only count positions)
+    "mamba": dict(state_size=16, conv_kernel=4, use_bias=False, use_conv_bias=True, time_step_rank=8,
+                  tie_word_embeddings=True),
+    "mamba2": dict(num_heads=4, head_dim=64, state_size=16, layer_norm_epsilon=1e-5, conv_kernel=4, n_groups=1,
+                   use_bias=False, use_conv_bias=True, tie_word_embeddings=True, time_step_limit=[0.0, 1e9],
+                   time_step_rank=8, expand=2),
     "jamba": dict(num_hidden_layers=4, attn_layer_offset=1, attn_layer_period=2, expert_layer_offset=1,
                   expert_layer_period=2, mamba_d_conv=4, mamba_d_state=16, mamba_expand=2, num_experts=4,
                   num_experts_per_tok=2, tie_word_embeddings=True),

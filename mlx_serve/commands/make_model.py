@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-HELP = "Write a random-weight checkpoint of a real architecture (llama, qwen2, qwen3, qwen3_moe, mistral at real sizes; 54 more mlx-lm families at a tiny size)."
+HELP = "Write a random-weight checkpoint of a real architecture (llama, qwen2, qwen3, qwen3_moe, mistral at real sizes; 56 more mlx-lm families at a tiny size)."
 
 # Kept here, not imported, so `--help` does not import MLX; tests check they match mlx_serve.checkpoints.
 ARCHS = (
@@ -67,6 +67,8 @@ ARCHS = (
     "granitemoehybrid",
     "olmo_hybrid",
     "nemotron_h",
+    "mamba",
+    "mamba2",
     "jamba",
 )
 PRESETS = ("tiny", "0.6b", "8b", "30b-a3b")

@@ -16,7 +16,7 @@ import pytest
 
 from mlx_serve.checkpoints import make_checkpoint
 from mlx_serve.engine import Engine, EngineConfig
-from mlx_serve.errors import InvalidRequest, UnsupportedModel
+from mlx_serve.errors import InvalidRequest
 from mlx_serve.kernels.paged_gather import table_gather
 from mlx_serve.model_loading import kept_bytes
 from mlx_serve.recurrent import StatePool, recurrent_layers
@@ -31,7 +31,8 @@ from tests.engine.reference import (
     run_next_turn,
 )
 
-FAMILIES = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe", "granitemoehybrid", "olmo_hybrid", "nemotron_h", "jamba"]
+FAMILIES = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe", "granitemoehybrid", "olmo_hybrid", "nemotron_h",
+            "mamba", "mamba2", "jamba"]
 
 
 @pytest.fixture(scope="module")
@@ -182,15 +183,16 @@ def test_what_a_recurrent_model_cannot_do_is_refused_at_load(checkpoints, option
     assert caught.value.param == param
 
 
-def test_a_model_of_recurrent_layers_only_is_refused(tmp_path):
-    from mlx_serve.model_loading import check_recurrent
-
-    class AllRecurrent:  # Mamba: no attention layer, so no KV for the pool to page
-        def __init__(self, layers: int) -> None:
-            self.model = type("Inner", (), {"layers": [object()] * layers})()
-
-    with pytest.raises(UnsupportedModel, match="every layer of this checkpoint is recurrent"):
-        check_recurrent(AllRecurrent(2), (0, 1), EngineConfig())
+@pytest.mark.parametrize("family", ["mamba", "mamba2"])
+def test_a_model_of_recurrent_layers_only_holds_no_kv_and_fills_its_contexts(checkpoints, family):
+    """No layer keeps K/V: the pool's arrays are empty, its blocks (which still count positions for the scheduler)
+    cost nothing, so every running request may fill its context; only the states come out of the budget."""
+    engine = _load(checkpoints[family], kv_blocks=None, memory_budget_gb=0.25, max_running=3)
+    try:
+        assert engine.pool.layout.bytes_per_token() == 0 and engine.pool.nbytes == 0
+        assert engine.pool.num_blocks == 3 * engine.context_length // 16
+    finally:
+        engine.shutdown()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
