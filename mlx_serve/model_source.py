@@ -20,7 +20,7 @@ SUPPORTED_MODEL_TYPES = (
     "phi3", "phimoe", "granite", "granitemoe", "starcoder2", "glm", "glm4", "stablelm", "mixtral", "qwen2_moe",
     "olmoe", "olmo2", "internlm2", "internlm3", "minicpm", "helium", "seed_oss", "nemotron", "gemma", "cohere",
     "smollm3", "hunyuan_v1_dense", "ernie4_5", "ernie4_5_moe", "deepseek", "mimo", "telechat3", "apertus",
-    "glm4_moe", "dots1", "minimax", "bailing_moe", "deepseek_v3", "kimi_k2", "glm4_moe_lite", "qwen3_vl",
+    "glm4_moe", "dots1", "minimax", "hunyuan", "bailing_moe", "deepseek_v3", "kimi_k2", "glm4_moe_lite", "qwen3_vl",
     "qwen3_vl_moe", "gemma3_text", "gemma3", "olmo3", "cohere2", "ministral3", "mistral3",
     "gpt_oss", "gemma2", "qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe",
     "granitemoehybrid", "olmo_hybrid", "nemotron_h", "mamba", "mamba2", "jamba",

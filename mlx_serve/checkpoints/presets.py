@@ -86,6 +86,10 @@ MLX_FAMILIES: dict[str, dict] = {
     "glm4_moe": dict(_V3_MOE, first_k_dense_replace=1, use_qk_norm=True, partial_rotary_factor=0.5, rope_scaling=None),
     "dots1": dict(_V3_MOE, first_k_dense_replace=1, scoring_func="noaux_tc"),
     "minimax": dict(num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=0, rotary_dim=16),
+    # Hunyuan-A13B: MoE beside a dense MLP, cross-layer attention (a layer reuses the one before's K/V projections)
+    "hunyuan": dict(moe_topk=2, num_experts=4, num_shared_expert=1, use_mixed_mlp_moe=True, use_qk_norm=True,
+                    use_cla=True, cla_share_factor=2, moe_intermediate_size=64,
+                    rope_scaling={"alpha": 1000.0, "factor": 1.0, "type": "dynamic"}),
     "bailing_moe": dict(num_experts=4, num_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=64,
                         norm_topk_prob=True, first_k_dense_replace=1, topk_group=1, use_qk_norm=True,
                         moe_shared_expert_intermediate_size=64),
