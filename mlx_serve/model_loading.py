@@ -35,7 +35,8 @@ class LoadedModel:
     adapters: AdapterSet | None = None  # LoRA adapters requests choose by name
     draft: Any = None  # the draft model speculative decoding asks (`--draft-model`), or None
     draft_bytes_per_token: int = 0  # what a token of its caches holds
-    state_bytes: int = 0  # what one request's recurrent layers' state holds (`mlx_serve.recurrent`); 0: none
+    state_layers: tuple[int, ...] = ()  # layers that keep a recurrent state (`mlx_serve.recurrent`)
+    state_bytes: int = 0  # what one request's state holds over them; 0: none
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
@@ -57,13 +58,13 @@ def describe_model(
 ) -> LoadedModel:
     """What the engine needs to know about a loaded mlx-lm model (also for models built in memory)."""
     from mlx_serve.model_source import layer_windows, weight_bytes
-    from mlx_serve.recurrent import recurrent_layers
+    from mlx_serve.recurrent import recurrent_layers, state_layers
 
     model = text_model(model)
     windows = layer_windows(model)
-    recurrent = recurrent_layers(model)
-    if recurrent:
-        check_recurrent(model, recurrent, config)
+    recurrent, stateful = recurrent_layers(model), state_layers(model)  # no K/V; a state (with K/V or not)
+    if stateful:
+        check_recurrent(model, stateful, config)
     adapters = install_adapters(model, config.adapters)
     # arrays a module keeps outside its parameters (SuScaledRoPE's frequencies) are still lazy: made on this thread,
     # MLX cannot evaluate them on the engine's
@@ -92,7 +93,8 @@ def describe_model(
         adapters=adapters,
         draft=draft,
         draft_bytes_per_token=kv_layout(draft).bytes_per_token() if draft is not None else 0,
-        state_bytes=state_bytes(model, recurrent),
+        state_layers=stateful,
+        state_bytes=state_bytes(model, stateful),
     )
 
 

@@ -23,7 +23,7 @@ SUPPORTED_MODEL_TYPES = (
     "glm4_moe", "dots1", "minimax", "hunyuan", "bailing_moe", "deepseek_v3", "kimi_k2", "glm4_moe_lite", "qwen3_vl",
     "qwen3_vl_moe", "gemma3_text", "gemma3", "olmo3", "cohere2", "ministral3", "mistral3",
     "gpt_oss", "gemma2", "qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe",
-    "granitemoehybrid", "olmo_hybrid", "nemotron_h", "mamba", "mamba2", "jamba",
+    "granitemoehybrid", "olmo_hybrid", "nemotron_h", "falcon_h1", "mamba", "mamba2", "jamba",
 )  # fmt: skip
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -114,8 +114,11 @@ def layer_windows(model: Any) -> tuple[int | None, ...]:
     layer with two caches)."""
     from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
+    from mlx_serve.recurrent import is_state_and_kv
+
     caches = model.make_cache() if hasattr(model, "make_cache") else []
-    other = sorted({type(c).__name__ for c in caches if type(c) not in (KVCache, RotatingKVCache, ArraysCache)})
+    served = (KVCache, RotatingKVCache, ArraysCache)
+    other = sorted({type(c).__name__ for c in caches if type(c) not in served and not is_state_and_kv(c)})
     kept = [c for c in caches if type(c) is RotatingKVCache and c.keep]
     if other or kept:
         raise UnsupportedModel(

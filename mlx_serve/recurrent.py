@@ -48,11 +48,44 @@ class StateRows:
 
 
 def recurrent_layers(model: Any) -> tuple[int, ...]:
-    """The layers whose mlx-lm cache is an `ArraysCache` (a recurrent state, not K/V)."""
+    """The layers whose mlx-lm cache is an `ArraysCache` (a recurrent state, no K/V)."""
     from mlx_lm.models.cache import ArraysCache
 
     caches = model.make_cache() if hasattr(model, "make_cache") else []
     return tuple(i for i, cache in enumerate(caches) if type(cache) is ArraysCache)
+
+
+def state_layers(model: Any) -> tuple[int, ...]:
+    """The layers that keep a recurrent state: an `ArraysCache`, alone or beside a `KVCache` in a `CacheList`
+    (Falcon-H1: a Mamba mixer and attention side by side, `STATE_AND_KV`)."""
+    caches = model.make_cache() if hasattr(model, "make_cache") else []
+    return tuple(i for i, cache in enumerate(caches) if _state_part(cache) is not None)
+
+
+def _state_part(cache: Any) -> Any:
+    from mlx_lm.models.cache import ArraysCache, CacheList
+
+    if type(cache) is ArraysCache:
+        return cache
+    return cache.caches[0] if type(cache) is CacheList and is_state_and_kv(cache) else None
+
+
+def is_state_and_kv(cache: Any) -> bool:
+    """A `CacheList` of a state and then K/V, the one form of two caches a layer the engine serves (`LayerCaches`)."""
+    from mlx_lm.models.cache import ArraysCache, KVCache
+
+    parts = getattr(cache, "caches", ())
+    return len(parts) == 2 and type(parts[0]) is ArraysCache and type(parts[1]) is KVCache
+
+
+class LayerCaches:
+    """mlx-lm's `CacheList` protocol for a layer with a state and K/V: `[0]` the state's cache, `[1]` the K/V's."""
+
+    def __init__(self, state: RecurrentLayerCache, kv: Any) -> None:
+        self.caches = (state, kv)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.caches[index]
 
 
 def layer_mixer(layer: Any, index: int) -> tuple[str, Any]:
@@ -60,6 +93,8 @@ def layer_mixer(layer: Any, index: int) -> tuple[str, Any]:
     UnsupportedModel where there is not exactly one."""
     found = [(name, module) for name, module in layer.named_modules()
              if module is not layer and "cache" in inspect.signature(_original_call(module)).parameters]  # fmt: skip
+    if len(found) > 1:  # beside attention (Falcon-H1): the state's reader is the module that is not attention
+        found = [(name, module) for name, module in found if not hasattr(module, "q_proj")]
     if len(found) != 1:
         names = ", ".join(name for name, _ in found) or "none"
         raise UnsupportedModel(
@@ -160,7 +195,7 @@ def state_shapes(model: Any, layers: Sequence[int]) -> dict[int, list[tuple[tupl
     for index in layers:
         _, mixer = layer_mixer(model.model.layers[owners[index]], index)
         width = hidden or int(model.model.embed_tokens.weight.shape[-1])
-        cache = ArraysCache(len(caches[index].cache))
+        cache = ArraysCache(len(_state_part(caches[index]).cache))
         _original_call(mixer)(mixer, **_arguments(mixer, mx.zeros((1, 1, width), dtype), cache))
         mx.eval([c for c in cache.cache if c is not None])
         shapes[index] = [None if c is None else (tuple(c.shape[1:]), c.dtype) for c in cache.cache]

@@ -50,7 +50,7 @@ from mlx_serve.ragged import (
     reference_decode_attention,
     sdpa_chunk_attention,
 )
-from mlx_serve.recurrent import RecurrentLayerCache, StatePool
+from mlx_serve.recurrent import LayerCaches, RecurrentLayerCache, StatePool
 from mlx_serve.sampling import RequestSampler, SampledRows, draft_verdict, sample_rows, top_logprobs
 from mlx_serve.types import PromptLogprob, SamplingParams, TokenLogprob
 from scheduler import Lane, StepOutcome, StepPlan
@@ -819,10 +819,16 @@ class ModelRunner:
         return self._module_forward(prepared)
 
     def _module_forward(self, prepared: _PreparedStep) -> mx.array:
-        layout, attends = prepared.layout, self.pool.layout.attends
-        caches = [RaggedLayerCache(self.pool, layer, layout) if attends(layer)
-                  else RecurrentLayerCache(self.states, layer, layout.states) for layer in range(len(self.pool.keys))]  # fmt: skip
+        caches = [self._layer_cache(layer, prepared.layout) for layer in range(len(self.pool.keys))]
         return self.model.model(prepared.inputs, cache=caches)[:, 0, :]
+
+    def _layer_cache(self, layer: int, layout: StepLayout) -> Any:
+        """A layer's cache for the step: its K/V's, its recurrent state's, or both (Falcon-H1's `CacheList`)."""
+        kv = RaggedLayerCache(self.pool, layer, layout) if self.pool.layout.attends(layer) else None
+        if self.states is None or layer not in self.states.layers:
+            return kv
+        state = RecurrentLayerCache(self.states, layer, layout.states)
+        return state if kv is None else LayerCaches(state, kv)
 
     def _adapted_forward(self, prepared: _PreparedStep) -> mx.array:
         """The model's own modules, each adapted linear adding its rows' adapters (read while the graph is built)."""

@@ -12,7 +12,8 @@ from pathlib import Path
 
 # parameters set where mlx-lm's initial values make a recurrent state forget within a token or two (Mamba-2's
 # A = 1..heads with dt ~ 1.3: decay <= 0.27 a step); these keep most of it for tens of tokens
-SLOW_STATE = {family: {"A_log": -3.0, "dt_bias": -3.0} for family in ("granitemoehybrid", "nemotron_h", "mamba", "mamba2")}
+SLOW_STATE = {family: {"A_log": -3.0, "dt_bias": -3.0} for family in ("granitemoehybrid", "nemotron_h", "falcon_h1", "mamba",
+                                                                "mamba2")}
 
 
 def write_family_weights(out_dir: Path, config: dict, seed: int, dtype: str) -> None:

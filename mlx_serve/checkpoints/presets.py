@@ -138,6 +138,11 @@ MLX_FAMILIES: dict[str, dict] = {
                        mlp_bias=False, layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=True, n_routed_experts=4,
                        num_experts_per_tok=2, moe_intermediate_size=64, moe_shared_expert_intermediate_size=64,
                        n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0),
+    # a Mamba-2 mixer and attention side by side in every layer (one `CacheList` each)
+    "falcon_h1": dict(mamba_d_ssm=128, mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_d_conv=4,
+                      mamba_n_groups=1, mamba_chunk_size=16, mamba_expand=1, mlp_expansion_factor=2,
+                      key_multiplier=0.5, embedding_multiplier=2.0, lm_head_multiplier=0.5, ssm_in_multiplier=1.25,
+                      ssm_out_multiplier=0.25, tie_word_embeddings=True),
     # recurrent layers only (no K/V: the pool's blocks only count positions)
     "mamba": dict(state_size=16, conv_kernel=4, use_bias=False, use_conv_bias=True, time_step_rank=8,
                   tie_word_embeddings=True),

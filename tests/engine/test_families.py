@@ -98,9 +98,9 @@ def test_a_llama_config_with_sliding_window_layers_matches_mlx_lm(tmp_path):
 def test_caches_other_than_full_sliding_or_recurrent_are_refused():
     from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
-    class TwoCachesALayer:  # Falcon-H1: attention and a Mamba mixer side by side in each layer
+    class TwoCachesALayer:  # two K/V caches a layer (only a state beside K/V is served: Falcon-H1)
         def make_cache(self):
-            return [KVCache(), CacheList(ArraysCache(2), KVCache())]
+            return [KVCache(), CacheList(KVCache(), KVCache()), CacheList(ArraysCache(2), KVCache())]
 
     class KeepsSinks:
         def make_cache(self):
@@ -114,8 +114,8 @@ def test_caches_other_than_full_sliding_or_recurrent_are_refused():
 def test_an_unserved_family_is_refused_with_the_list(tmp_path):
     path = make_checkpoint(tmp_path / "qwen3", arch="qwen3", seed=0)
     config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "model_type": "falcon_h1"}))
-    with pytest.raises(UnsupportedModel, match="'falcon_h1' is not supported; supported model types: llama"):
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "rwkv7"}))
+    with pytest.raises(UnsupportedModel, match="'rwkv7' is not supported; supported model types: llama"):
         Engine.load(EngineConfig(model=str(path), kv_blocks=16))
 
 
