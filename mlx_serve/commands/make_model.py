@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-HELP = "Write a random-weight checkpoint of a real architecture (llama, qwen2, qwen3, qwen3_moe, mistral at real sizes; 58 more mlx-lm families at a tiny size)."
+HELP = "Write a random-weight checkpoint of a real architecture (llama, qwen2, qwen3, qwen3_moe, mistral at real sizes; 65 more mlx-lm families at a tiny size)."
 
 # Kept here, not imported, so `--help` does not import MLX; tests check they match mlx_serve.checkpoints.
 ARCHS = (
@@ -46,6 +46,13 @@ ARCHS = (
     "glm4_moe",
     "dots1",
     "minimax",
+    "afmoe",
+    "solar_open",
+    "exaone_moe",
+    "Klear",
+    "nanbeige",
+    "phi",
+    "laguna",
     "hunyuan",
     "bailing_moe",
     "deepseek_v3",
