@@ -261,14 +261,22 @@ class Scheduler:
             emit_admitted(self.trace, request, cached_tokens)
 
     def recurrent_prefix(self, request: Request, hits: list[int]) -> list[int]:
-        """`hits` cut back to the longest prefix ending where a snapshot of the recurrent state is kept (all of
-        `hits` for a model without recurrent layers)."""
+        """`hits` (which `windowed_prefix` cut) cut back to the longest prefix ending where a snapshot of the recurrent
+        state is kept and the window space still holds the window before its end (all of `hits` for a model without
+        recurrent layers)."""
         if self.snapshots is None:
             return hits
         for count in range(len(hits), 0, -1):
-            if self.snapshots.slot_of(request.block_hashes[count - 1]) is not None:
+            if self.snapshots.slot_of(request.block_hashes[count - 1]) is not None and self._window_holds(request, count):
                 return hits[:count]
         return []
+
+    def _window_holds(self, request: Request, num_blocks: int) -> bool:
+        """Whether the window space keeps every block the window before a prefix of `num_blocks` blocks reaches."""
+        if self.window_space is None:
+            return True
+        first = self.window_first(num_blocks * self.config.block_size)
+        return all(self.window_space.cached_block(h) is not None for h in request.block_hashes[first:num_blocks])
 
     def window_first(self, next_position: int) -> int:
         """The first block a request whose next row is at `next_position` keeps in the window space: the one holding
