@@ -175,7 +175,7 @@ class Scheduler:
         for lane in plan.lanes:
             request = self._live.get(lane.request_id)
             ran = request is not None and request.state in _HOLDS_KV and request.num_computed == lane.start
-            self._settle_snapshots(lane, ran and lane.request_id not in outcome.failed)
+            self._settle_snapshots(lane, request, ran and lane.request_id not in outcome.failed)
             if not ran:
                 continue  # cancelled (or otherwise released) while the step ran
             request.in_flight_path = None
@@ -225,9 +225,9 @@ class Scheduler:
             return
         for lane in plan.lanes:
             if not updated:
-                self._settle_snapshots(lane, ran=False)
+                self._settle_snapshots(lane, None, ran=False)
             elif lane.snapshot is not None:
-                self.snapshots.forget(lane.snapshot.block_hash)
+                self.snapshots.forget(slot=lane.snapshot.slot)
 
     def observe(self, plan: StepPlan, outcome: StepOutcome) -> None:
         """Learn a step's measured time when it was updated before it was known (a step left in flight is updated
@@ -415,33 +415,43 @@ class Scheduler:
             drafts=len(drafts),
             window_block_ids=tuple(request.window_block_ids[:blocks]),
             restore_slot=restore,
-            snapshot=self._snapshot_point(request, start, end) if kind is LaneKind.PREFILL else None,
+            snapshot=self._snapshot_point(request, kind, start, end + len(drafts)),
         )
 
-    def _snapshot_point(self, request: Request, start: int, end: int) -> SnapshotPoint | None:
-        """Where a prefill lane leaves a snapshot of its state: the last block boundary its rows pass (None: it
-        passes none, the model has no recurrent state, or no slot is free)."""
+    def _snapshot_point(self, request: Request, kind: LaneKind, start: int, end: int) -> SnapshotPoint | None:
+        """Where a lane leaves a snapshot of its state: a prefill lane at the last block boundary its rows pass, a
+        decode lane where its row ends a block (None: neither, the model has no recurrent state, or no slot is free).
+        A decode lane's block ends with the token the step before samples: it is hashed when this step is reported."""
         if self.snapshots is None:
             return None
         size = self.config.block_size
         boundary = end // size * size
-        if boundary <= start:
+        if boundary <= start or (kind is LaneKind.DECODE and boundary != end):
             return None
-        block_hash = self.block_hashes(request, boundary // size)[boundary // size - 1]
+        block_hash = self.block_hashes(request, boundary // size)[boundary // size - 1] if kind is LaneKind.PREFILL else None
         slot = self.snapshots.reserve(block_hash)
         return SnapshotPoint(boundary, slot, block_hash) if slot is not None else None
 
-    def _settle_snapshots(self, lane: Lane, ran: bool) -> None:
-        """After a lane's step: the snapshot it read may go, the one it wrote may be read (or is dropped unwritten)."""
+    def _settle_snapshots(self, lane: Lane, request: Request | None, ran: bool) -> None:
+        """After a lane's step: the snapshot it read may go, the one it wrote may be read (or is dropped unwritten).
+        A request keeps one snapshot from its decode lanes, the latest: where its next turn's prompt may go on."""
         if self.snapshots is None:
             return
         if lane.restore_slot is not None:
             self.snapshots.unpin(lane.restore_slot)
-        if lane.snapshot is not None:
-            if ran:
-                self.snapshots.confirm(lane.snapshot.block_hash)
-            else:
-                self.snapshots.discard(lane.snapshot.block_hash)
+        point = lane.snapshot
+        if point is None:
+            return
+        if not ran or request is None:
+            self.snapshots.discard(point.slot)
+            return
+        size = self.config.block_size
+        block_hash = point.block_hash or self.block_hashes(request, point.position // size)[point.position // size - 1]
+        self.snapshots.confirm(point.slot, block_hash)
+        if lane.kind is LaneKind.DECODE:
+            if request.decode_snapshot is not None and request.decode_snapshot != block_hash:
+                self.snapshots.forget(request.decode_snapshot)
+            request.decode_snapshot = block_hash
 
     def _preempt(self, request: Request) -> Request:
         self._release_blocks(request)

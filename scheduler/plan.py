@@ -33,7 +33,7 @@ class SnapshotPoint:
 
     position: int
     slot: int
-    block_hash: bytes
+    block_hash: bytes | None  # the block ending at `position` (None for a decode lane: hashed once its token is known)
 
 
 @dataclass(frozen=True, slots=True)

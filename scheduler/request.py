@@ -81,6 +81,7 @@ class Request:
     # a recurrent model's state snapshot its prefix hit ends at (`state_snapshots.py`): its first lane starts from a
     # copy of that slot; None: it starts from zeros (or goes on from its own state)
     restore_slot: int | None = None
+    decode_snapshot: bytes | None = None  # the block hash of the latest snapshot its decode lanes left
 
     @property
     def num_tokens(self) -> int:

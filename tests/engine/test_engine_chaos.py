@@ -100,7 +100,7 @@ def _run(engine, requests: list[GenerationRequest], ops: list[Op]) -> list[list]
     return events
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=int(__import__("os").environ.get("CHAOS_EXAMPLES", 25)), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=OPS)
 def test_random_requests_and_cancellations_lose_nothing(served, ops):
     engine, path, bits = served

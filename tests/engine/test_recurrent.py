@@ -146,6 +146,27 @@ def test_a_chats_next_turn_reads_only_past_its_last_snapshot(checkpoints):
     assert tokens == reference_tokens(path, follow, 8)
 
 
+@pytest.mark.parametrize("family", ["qwen3_next", "falcon_h1"])
+def test_a_chats_next_turn_goes_on_from_the_snapshot_its_answer_left(checkpoints, family):
+    """The first turn's 40-token prompt leaves a snapshot at 32; its 30-token answer's decode rows leave one where they
+    end a block (48, then 64, which replaces it): the next turn (the prompt, the answer, 9 more) reads from 64."""
+    path = checkpoints[family]
+    first = prompt_of(40, seed=680)
+    engine = _load(path)
+    try:
+        [answer] = engine.generate([GenerationRequest(prompt_ids=tuple(first), max_tokens=30, ignore_eos=True)])
+        follow = first + list(answer.token_ids) + prompt_of(9, seed=681)
+        [done] = engine.generate([GenerationRequest(prompt_ids=tuple(follow), max_tokens=8, ignore_eos=True,
+                                                    sampling=SamplingParams(logprobs=0))])  # fmt: skip
+        hits = engine.stats()["prefix_hit_tokens_total"]
+    finally:
+        engine.shutdown()
+    assert hits == 64
+    tokens, logprobs = reference_run(path, follow, 8)
+    assert list(done.token_ids) == tokens
+    np.testing.assert_allclose(done.logprobs, logprobs, atol=2e-5)
+
+
 def test_without_snapshots_a_repeated_prompt_is_read_again(checkpoints):
     """A state is not paged by position: without a snapshot a cached prefix's blocks cannot give it."""
     path = checkpoints["lfm2"]

@@ -27,11 +27,27 @@ def snapshot_positions(scheduler: Scheduler, request) -> list[int]:
     return positions
 
 
-def test_each_chunk_leaves_a_snapshot_at_the_last_boundary_it_passes() -> None:
+def test_each_chunk_leaves_a_snapshot_at_the_last_boundary_it_passes_and_decoding_keeps_its_latest() -> None:
     scheduler = recurrent()
-    # 100 tokens in chunks of 48: 0-48 (boundary 48), 48-96 (96), 96-100 (none past 96); decode lanes leave none
-    assert snapshot_positions(scheduler, make_request("a", 100, max_tokens=40)) == [48, 96]
-    assert len(scheduler.snapshots) == 2
+    # 100 tokens in chunks of 48: 0-48 (boundary 48), 48-96 (96), 96-100 (none past 96); then the decode lanes whose
+    # row ends a block (112, 128): each replaces the request's one before
+    request = make_request("a", 100, max_tokens=40)
+    assert snapshot_positions(scheduler, request) == [48, 96, 112, 128]
+    assert len(scheduler.snapshots) == 3
+    assert request.decode_snapshot == request.block_hashes[7]
+    assert scheduler.snapshots.slot_of(request.block_hashes[6]) is None
+
+
+def test_a_chats_next_turn_goes_on_from_where_the_answer_left_its_snapshot() -> None:
+    scheduler = recurrent()
+    first = make_request("a", 100, max_tokens=40)
+    snapshot_positions(scheduler, first)
+    follow = make_request("b", 150, max_tokens=1)
+    follow.prompt_ids = list(first.prompt_ids) + list(first.output_ids) + [5000 + i for i in range(10)]
+    scheduler.add(follow)
+    plan = scheduler.schedule(9.0)
+    assert follow.num_cached_tokens == 128  # the answer's last full block, not the prompt's (96)
+    assert plan.lanes[0].restore_slot == scheduler.snapshots.slot_of(follow.block_hashes[7])
 
 
 def test_a_prefix_hit_ends_where_a_snapshot_is_kept_and_its_first_lane_restores_it() -> None:
@@ -105,15 +121,18 @@ def test_the_least_recently_used_snapshot_goes_first_and_a_pinned_one_never() ->
     snapshots = StateSnapshots(2)
     slots = {name: snapshots.reserve(name) for name in (b"a", b"b")}
     assert snapshots.reserve(b"c") is None  # both being written
-    for name in slots:
-        snapshots.confirm(name)
+    for name, slot in slots.items():
+        snapshots.confirm(slot, name)
     pinned = snapshots.pin(b"a")  # a is read next: used most recently, and held
     assert snapshots.reserve(b"a") is None  # kept already: the same tokens give the same state
-    assert snapshots.reserve(b"c") == slots[b"b"]  # b went
-    assert snapshots.reserve(b"d") is None  # a is pinned, c is being written
+    assert (c := snapshots.reserve(b"c")) == slots[b"b"]  # b went
+    assert snapshots.reserve(None) is None  # a is pinned, c is being written
     snapshots.unpin(pinned)
-    snapshots.confirm(b"c")
-    assert snapshots.reserve(b"d") == slots[b"a"]
+    snapshots.confirm(c, b"c")
+    decode = snapshots.reserve(None)  # a decode lane's: its block is hashed when its step is reported
+    assert decode == slots[b"a"]
+    snapshots.confirm(decode, b"c")  # the same block kept already: this slot goes back
+    assert len(snapshots) == 1 and snapshots.slot_of(b"c") == c
     snapshots.check_invariants()
 
 
