@@ -4,6 +4,7 @@ its end is mlx-lm's (greedy tokens, prompt log-probabilities); the pool is empty
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from mlx_serve.types import GenerationRequest, SamplingParams
 from tests.engine.reference import prompt_of, reference_prompt_logprobs, reference_tokens
 
 KINDS = ("greedy", "prompt_logprobs", "logprobs", "sampled")
+# examples a variant runs; a longer hunt: MLX_SERVE_CHAOS_EXAMPLES=150 pytest tests/engine/test_engine_chaos.py
+EXAMPLES = int(os.environ.get("MLX_SERVE_CHAOS_EXAMPLES", "25"))
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,7 @@ def _run(engine, requests: list[GenerationRequest], ops: list[Op]) -> list[list]
     return events
 
 
-@settings(max_examples=int(__import__("os").environ.get("CHAOS_EXAMPLES", 25)), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=OPS)
 def test_random_requests_and_cancellations_lose_nothing(served, ops):
     engine, path, bits = served
