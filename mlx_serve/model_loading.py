@@ -132,8 +132,8 @@ def state_bytes(model: Any, layers: tuple[int, ...]) -> int:
         return 0
     from mlx_serve.recurrent import state_shapes
 
-    return sum(math.prod(shape) * dtype.size for entries in state_shapes(model, layers).values()
-               for shape, dtype in filter(None, entries))  # fmt: skip
+    return sum(math.prod(entry.shape) * entry.dtype.size for entries in state_shapes(model, layers).values()
+               for entry in entries if entry is not None)  # fmt: skip
 
 
 def kv_layout(model: Any, windows: tuple[int | None, ...] = ()) -> KVLayout:

@@ -1,5 +1,5 @@
-"""Recurrent layers beside attention: the gated delta nets of Qwen3-Next, Qwen3.5 and OLMo Hybrid, LFM2's short
-convolutions, the Mamba mixers of Granite 4, Nemotron-H and Jamba.
+"""Recurrent layers: the gated delta nets of Qwen3-Next, Qwen3.5 and OLMo Hybrid, LFM2's short convolutions, the Mamba
+mixers of Granite 4, Nemotron-H, Jamba and Falcon-H1 (beside attention), and Mamba's and Mamba-2's (alone).
 
 A recurrence reads its rows in order, so the ragged step's `[T, 1]` rows (every row its own sequence) cannot reach
 it as they are. Each such layer's mixer (the one module of the layer that takes mlx-lm's `ArraysCache`) is called
@@ -37,6 +37,14 @@ class StateGroup:
 
 
 @dataclass(frozen=True, slots=True)
+class StateEntry:
+    """One array of a request's state in a layer, as mlx-lm's mixer leaves it (without the batch axis)."""
+
+    shape: tuple[int, ...]
+    dtype: mx.Dtype
+
+
+@dataclass(frozen=True, slots=True)
 class StateRows:
     """The step's rows as the recurrent layers read them."""
 
@@ -57,7 +65,7 @@ def recurrent_layers(model: Any) -> tuple[int, ...]:
 
 def state_layers(model: Any) -> tuple[int, ...]:
     """The layers that keep a recurrent state: an `ArraysCache`, alone or beside a `KVCache` in a `CacheList`
-    (Falcon-H1: a Mamba mixer and attention side by side, `STATE_AND_KV`)."""
+    (Falcon-H1: a Mamba mixer and attention side by side, `is_state_and_kv`)."""
     caches = model.make_cache() if hasattr(model, "make_cache") else []
     return tuple(i for i, cache in enumerate(caches) if _state_part(cache) is not None)
 
@@ -116,7 +124,7 @@ class StatePool:
         shapes = state_shapes(model, self.layers)
         total = slots + snapshots
         self.states: dict[int, list[mx.array | None]] = {
-            layer: [None if s is None else mx.zeros((total, *s[0]), s[1]) for s in shapes[layer]] for layer in self.layers
+            layer: [None if e is None else mx.zeros((total, *e.shape), e.dtype) for e in shapes[layer]] for layer in self.layers
         }
         mx.eval([a for arrays in self.states.values() for a in arrays if a is not None])
         self._free = list(range(slots - 1, -1, -1))
@@ -180,9 +188,9 @@ def _indices(values: list[int]) -> mx.array | None:
     return mx.array(values, dtype=mx.int32) if values else None
 
 
-def state_shapes(model: Any, layers: Sequence[int]) -> dict[int, list[tuple[tuple[int, ...], mx.Dtype] | None]]:
-    """One request's state per recurrent layer, as the mixer leaves it after a first token: each entry's shape
-    (without the batch axis) and dtype, None for an entry it leaves unset."""
+def state_shapes(model: Any, layers: Sequence[int]) -> dict[int, list[StateEntry | None]]:
+    """One request's state per recurrent layer, as the mixer leaves it after a first token (None for an entry it
+    leaves unset)."""
     from mlx_lm.models.cache import ArraysCache
 
     caches = model.make_cache()
@@ -198,7 +206,7 @@ def state_shapes(model: Any, layers: Sequence[int]) -> dict[int, list[tuple[tupl
         cache = ArraysCache(len(_state_part(caches[index]).cache))
         _original_call(mixer)(mixer, **_arguments(mixer, mx.zeros((1, 1, width), dtype), cache))
         mx.eval([c for c in cache.cache if c is not None])
-        shapes[index] = [None if c is None else (tuple(c.shape[1:]), c.dtype) for c in cache.cache]
+        shapes[index] = [None if c is None else StateEntry(tuple(c.shape[1:]), c.dtype) for c in cache.cache]
     return shapes
 
 
