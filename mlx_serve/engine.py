@@ -242,9 +242,9 @@ class Engine:
         what `--lora` would raise for it at start-up, and InvalidRequest where the stacked adapters would outgrow
         `adapter_memory_gb`."""
         check_specs([spec])
-        if self.runner.states is not None:
-            raise InvalidRequest("adapters: not with a model of recurrent layers (its mixers read rows regrouped, "
-                                 "not per row)", param="lora")  # fmt: skip
+        if self.runner.states is not None or self.pool.layout.value_dim:
+            raise InvalidRequest("adapters: not with recurrent layers or latent attention (their modules read the "
+                                 "step's rows regrouped by lane, not per row)", param="lora")  # fmt: skip
         source = read_adapter_source(spec)  # the disk read on this thread: the streams never wait on it
         self._on_engine_thread(lambda: self._install_adapter(source, spec.path), timeout_s)
 

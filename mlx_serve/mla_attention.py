@@ -12,6 +12,7 @@ into the pool (the latent as keys, the RoPE key as values: `KVLayout.value_dim`)
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -25,10 +26,18 @@ def is_mla(module: Any) -> bool:
     return hasattr(module, "kv_lora_rank") and hasattr(module, "embed_q") and hasattr(module, "unembed_out")
 
 
-def mla_dims(model: Any) -> tuple[int, int] | None:
-    """(latent size, RoPE key size) where the model's attention is mlx-lm's latent MLA; None otherwise."""
+@dataclass(frozen=True, slots=True)
+class LatentDims:
+    """What latent attention caches a token: the latent and the RoPE key."""
+
+    latent: int
+    rope_key: int
+
+
+def mla_dims(model: Any) -> LatentDims | None:
+    """The cached sizes where the model's attention is mlx-lm's latent MLA; None otherwise."""
     found = next((m for _, m in model.named_modules() if is_mla(m)), None)
-    return (int(found.kv_lora_rank), int(found.qk_rope_head_dim)) if found is not None else None
+    return LatentDims(int(found.kv_lora_rank), int(found.qk_rope_head_dim)) if found is not None else None
 
 
 class _DecodeGroup:

@@ -118,8 +118,10 @@ def check_recurrent(model: Any, layers: tuple[int, ...], config: EngineConfig) -
 
 
 def check_latent_attention(config: EngineConfig) -> None:
-    """Refuse what multi-head latent attention cannot take: its forward runs per lane group, eager (`mla_attention`)."""
-    refused = {"compile_decode": config.compile_decode == "on", "ane_lane": config.ane_lane != "off"}
+    """Refuse what multi-head latent attention cannot take: its forward runs per lane group, eager (`mla_attention`),
+    so per-row adapters would meet rows out of the step's order."""
+    refused = {"compile_decode": config.compile_decode == "on", "ane_lane": config.ane_lane != "off",
+               "lora": bool(config.adapters) or config.adapter_memory_gb > 0}  # fmt: skip
     for param, asked in refused.items():
         if asked:
             raise InvalidRequest(f"{param}: not with multi-head latent attention (its forward runs lane group by "
@@ -141,7 +143,7 @@ def kv_layout(model: Any, windows: tuple[int | None, ...] = ()) -> KVLayout:
     args = model.args
     layers, dtype = len(cache_layers(model)), activation_dtype(model)
     if (latent := mla_dims(model)) is not None:  # one "head" a token: the latent as key, the RoPE key as value
-        return KVLayout(layers, 1, latent[0], dtype, windows, value_dim=latent[1])
+        return KVLayout(layers, 1, latent.latent, dtype, windows, value_dim=latent.rope_key)
     n_heads = args.num_attention_heads
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // n_heads
     kv_heads = getattr(args, "num_key_value_heads", None) or n_heads

@@ -74,9 +74,10 @@ def test_a_token_holds_what_mlx_lms_latent_cache_holds(deepseek):
         engine.shutdown()
 
 
-@pytest.mark.parametrize("option", [dict(compile_decode="on"), dict(ane_lane="cpu"), dict(kv_bits=8)],
-                         ids=["compile_decode", "ane_lane", "kv_bits"])  # fmt: skip
+@pytest.mark.parametrize("option", [dict(compile_decode="on"), dict(ane_lane="cpu"), dict(kv_bits=8),
+                                    dict(adapter_memory_gb=1.0)],
+                         ids=["compile_decode", "ane_lane", "kv_bits", "lora"])  # fmt: skip
 def test_what_the_lane_grouped_forward_cannot_take_is_refused(deepseek, option):
     with pytest.raises(InvalidRequest, match="latent") as caught:
         _load(deepseek, **option)
-    assert caught.value.param == next(iter(option))
+    assert caught.value.param == {"adapter_memory_gb": "lora"}.get(next(iter(option)), next(iter(option)))
