@@ -81,3 +81,17 @@ def test_what_the_lane_grouped_forward_cannot_take_is_refused(deepseek, option):
     with pytest.raises(InvalidRequest, match="latent") as caught:
         _load(deepseek, **option)
     assert caught.value.param == {"adapter_memory_gb": "lora"}.get(next(iter(option)), next(iter(option)))
+
+
+def test_an_adapter_loaded_while_serving_is_refused_too(deepseek, tmp_path):
+    from mlx_serve.adapter_specs import AdapterSpec
+    from mlx_serve.checkpoints.adapters import make_adapter
+
+    adapter = make_adapter(deepseek, tmp_path / "adapter", keys=("self_attn.o_proj",))
+    engine = _load(deepseek)
+    try:
+        with pytest.raises(InvalidRequest, match="regrouped by lane") as caught:
+            engine.load_adapter(AdapterSpec("a", str(adapter)))
+        assert caught.value.param == "lora" and engine.adapters == ()
+    finally:
+        engine.shutdown()
