@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from mlx_serve.commands.serve import add_engine_arguments, whole_number_arg
+from mlx_serve.commands.serve import add_answer_arguments, add_engine_arguments, whole_number_arg
 
 HELP = "run an OpenAI batch file (JSONL of chat, completion, embedding or responses requests) offline"
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
@@ -29,6 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="results, one JSON object a line in input order (written when every request is done)")
     parser.add_argument("--max-concurrency", type=whole_number_arg(1), default=256, metavar="N",
                         help="requests in flight at once (default 256; the engine admits --max-running of them)")
+    add_answer_arguments(parser.add_argument_group("answers"))
     add_engine_arguments(parser)
 
 
@@ -45,7 +46,9 @@ def run(args: argparse.Namespace) -> int:
         raise MlxServeError(f"cannot read {args.input}: {exc}") from None
     engine = load_engine(args)
     try:
-        with TestClient(create_app(engine)) as client, ThreadPoolExecutor(args.max_concurrency) as pool:
+        app = create_app(engine, aliases=args.served_model_name, split_reasoning=args.reasoning == "split",
+                         pooling=args.pooling)  # fmt: skip
+        with TestClient(app) as client, ThreadPoolExecutor(args.max_concurrency) as pool:
             results = list(pool.map(lambda line: answer(client, line), lines))
     finally:
         engine.shutdown()

@@ -100,13 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     http.add_argument("--port", type=whole_number_arg(0, 65535), default=8080,
                       help="port to listen on (default: %(default)s)")
-    http.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
-                      help="extra name clients may use in the `model` field (repeatable); the model id, "
-                           "its folder name and \"default\" are always accepted")
-    http.add_argument("--reasoning", choices=("split", "raw"), default="split",
-                      help="a thinking model's reasoning (between its think markers) in chat answers: split puts it in "
-                           "reasoning_content (as mlx-lm's and vLLM's servers do), raw leaves it in content "
-                           "(default: %(default)s)")
+    add_answer_arguments(http)
     http.add_argument("--api-key", default=os.environ.get("MLX_SERVE_API_KEY"), metavar="KEY",
                       help="every /v1 route asks for this key (Authorization: Bearer KEY, or x-api-key); /health and "
                            "/metrics stay open (default: $MLX_SERVE_API_KEY, else none)")
@@ -117,15 +111,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--allow-adapter-loading", action="store_true",
                       help="add vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (they read adapter "
                            "directories named by the client: only on a trusted network)")
-    http.add_argument("--pooling", choices=("last", "mean"), default="last",
-                      help="how /v1/embeddings pools a prompt's final hidden states: the last token's (decoder "
-                           "embedding models: Qwen3-Embedding, e5-mistral) or the mean (default: %(default)s)")
     http.add_argument("--drain-timeout", type=nonnegative_float_arg, default=10.0, metavar="SECONDS",
                       help="on Ctrl-C/SIGTERM, stop accepting and let open requests finish for this long, then "
                            "cancel the rest (default: %(default)s)")
     http.add_argument("--access-log", action="store_true", help="log every HTTP request")
     http.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                       help="logging level (default: %(default)s)")
+
+
+def add_answer_arguments(group: Any) -> None:
+    """How the routes name the model and shape answers (`serve` and `run-batch`)."""
+    group.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
+                       help="extra name clients may use in the `model` field (repeatable); the model id, "
+                            "its folder name and \"default\" are always accepted")
+    group.add_argument("--reasoning", choices=("split", "raw"), default="split",
+                       help="a thinking model's reasoning (between its think markers) in chat answers: split puts it in "
+                            "reasoning_content (as mlx-lm's and vLLM's servers do), raw leaves it in content "
+                            "(default: %(default)s)")
+    group.add_argument("--pooling", choices=("last", "mean"), default="last",
+                       help="how /v1/embeddings pools a prompt's final hidden states: the last token's (decoder "
+                            "embedding models: Qwen3-Embedding, e5-mistral) or the mean (default: %(default)s)")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

@@ -14,11 +14,11 @@ def _line(custom_id: str, url: str, body: dict) -> dict:
     return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
 
 
-def _run(tmp_path: Path, model: Path, lines: list) -> tuple[int, list[dict]]:
+def _run(tmp_path: Path, model: Path, lines: list, *options: str) -> tuple[int, list[dict]]:
     source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_text("\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines) + "\n")
     code = main(["run-batch", "-i", str(source), "-o", str(target), "--model", str(model), "--kv-blocks", "64",
-                 "--no-progress", "--no-warm-up", "--max-concurrency", "4"])  # fmt: skip
+                 "--no-progress", "--no-warm-up", "--max-concurrency", "4", *options])  # fmt: skip
     return code, [json.loads(line) for line in target.read_text().splitlines()] if target.exists() else []
 
 
@@ -59,3 +59,14 @@ def test_an_unreadable_input_is_a_clear_error(tmp_path, tiny_qwen3, capsys):
                  "--model", str(tiny_qwen3), "--no-progress"])  # fmt: skip
     assert code == 1
     assert "cannot read" in capsys.readouterr().err and not (tmp_path / "out.jsonl").exists()
+
+
+def test_the_answer_options_are_serves(tmp_path, tiny_qwen3):
+    """--served-model-name names the model as serve's does; --pooling mean pools as serve's /v1/embeddings does."""
+    lines = [_line("named", "/v1/completions", {"model": "my-model", "prompt": "x", "max_tokens": 2}),
+             _line("embed", "/v1/embeddings", {"input": "a longer sentence to pool"})]  # fmt: skip
+    _, plain = _run(tmp_path, tiny_qwen3, lines)
+    _, named = _run(tmp_path, tiny_qwen3, lines, "--served-model-name", "my-model", "--pooling", "mean")
+    assert plain[0]["response"]["status_code"] == 404 and named[0]["response"]["status_code"] == 200
+    last, mean = (r[1]["response"]["body"]["data"][0]["embedding"] for r in (plain, named))
+    assert len(last) == len(mean) and last != mean
