@@ -103,29 +103,29 @@ def check_recurrent(model: Any, layers: tuple[int, ...], config: EngineConfig) -
     rejected draft back to), rows reach its mixers regrouped (no per-row adapters, no compiled or Core ML steps)."""
     from mlx_serve.recurrent import install_regrouped_mixers
 
-    refused = {
-        "speculative_tokens": config.speculative_tokens > 0 or config.draft_model is not None,
-        "lora": bool(config.adapters) or config.adapter_memory_gb > 0,
-        "compile_decode": config.compile_decode == "on",
-        "ane_lane": config.ane_lane != "off",
-    }
-    for param, asked in refused.items():
-        if asked:
-            raise InvalidRequest(f"{param}: not with a model of recurrent layers (a request's state is one array a "
-                                 "layer, read in order: no drafts to roll back, no per-row adapters, no compiled or "
-                                 "Core ML steps)", param=param)  # fmt: skip
+    _refuse_for_lane_groups(config, "a model of recurrent layers", "a request's state is one array a layer, read in "
+                            "order: no drafts to roll back, no per-row adapters, no compiled or Core ML steps", drafts=True)  # fmt: skip
     install_regrouped_mixers(model, layers)
 
 
 def check_latent_attention(config: EngineConfig) -> None:
     """Refuse what multi-head latent attention cannot take: its forward runs per lane group, eager (`mla_attention`),
     so per-row adapters would meet rows out of the step's order."""
-    refused = {"compile_decode": config.compile_decode == "on", "ane_lane": config.ane_lane != "off",
-               "lora": bool(config.adapters) or config.adapter_memory_gb > 0}  # fmt: skip
-    for param, asked in refused.items():
-        if asked:
-            raise InvalidRequest(f"{param}: not with multi-head latent attention (its forward runs lane group by "
-                                 "lane group, eager)", param=param)  # fmt: skip
+    _refuse_for_lane_groups(config, "multi-head latent attention", "its forward runs lane group by lane group, eager")
+
+
+def _refuse_for_lane_groups(config: EngineConfig, model_kind: str, why: str, drafts: bool = False) -> None:
+    """InvalidRequest for a setting a model whose modules read the step's rows regrouped by lane cannot take: per-row
+    adapters, compiled or Core ML steps, and (`drafts`) drafts, where a state cannot be rolled back."""
+    asked = {
+        "speculative_tokens": drafts and (config.speculative_tokens > 0 or config.draft_model is not None),
+        "lora": bool(config.adapters) or config.adapter_memory_gb > 0,
+        "compile_decode": config.compile_decode == "on",
+        "ane_lane": config.ane_lane != "off",
+    }
+    for param, on in asked.items():
+        if on:
+            raise InvalidRequest(f"{param}: not with {model_kind} ({why})", param=param)
 
 
 def state_bytes(model: Any, layers: tuple[int, ...]) -> int:
