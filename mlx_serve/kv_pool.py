@@ -23,6 +23,9 @@ class KVLayout:
     # each layer's attention window in tokens (None: every earlier token); empty: none windowed. A windowed layer's KV
     # lives in the pool's window space where it has one (only the blocks its window reaches), else it is kept whole
     windows: tuple[int | None, ...] = ()
+    # windowed layers whose window is a fixed chunk instead (Llama 4): a row sees the earlier positions of its own
+    # `window`-token chunk only, never more than a window of `window` tokens reaches, so the window space serves both
+    chunked: tuple[int, ...] = ()
     # full-attention layers' KV stored quantized (mlx-lm's QuantizedKVCache: `mx.quantize` along head_dim, `group_size`
     # values a scale and a bias); None: in `dtype`. Windowed layers stay in `dtype`, as mlx-lm keeps its rotating caches
     bits: int | None = None
@@ -54,6 +57,9 @@ class KVLayout:
 
     def window(self, layer: int) -> int | None:
         return self.windows[layer] if self.windows else None
+
+    def is_chunked(self, layer: int) -> bool:
+        return layer in self.chunked
 
     @property
     def widest_window(self) -> int:

@@ -57,7 +57,7 @@ def describe_model(
     model: Any, tokenizer: Any, model_config: dict, model_id: str, config: EngineConfig, path: Path | None = None
 ) -> LoadedModel:
     """What the engine needs to know about a loaded mlx-lm model (also for models built in memory)."""
-    from mlx_serve.model_source import layer_windows, weight_bytes
+    from mlx_serve.model_source import chunked_layers, layer_windows, weight_bytes
     from mlx_serve.recurrent import recurrent_layers, state_layers
 
     model = text_model(model)
@@ -73,7 +73,8 @@ def describe_model(
     if len(recurrent) == len(cache_layers(model)):  # Mamba: no K/V at all (the pool's blocks only count positions)
         layout = KVLayout(len(recurrent), 1, 1, activation_dtype(model), recurrent=recurrent)
     else:
-        layout = quantized_kv_layout(model, replace(kv_layout(model, windows), recurrent=recurrent), config)
+        layout = replace(kv_layout(model, windows), recurrent=recurrent, chunked=chunked_layers(model))
+        layout = quantized_kv_layout(model, layout, config)
     if layout.value_dim:
         check_latent_attention(config)
     draft = load_draft(config.draft_model, int(args.vocab_size)) if config.draft_model else None
@@ -255,6 +256,8 @@ def text_model(model: Any) -> Any:
     forward only passes through); any other model as it is."""
     inner = getattr(model, "language_model", None)
     if inner is not None and hasattr(getattr(inner, "model", None), "layers"):
+        if not hasattr(inner, "make_cache") and hasattr(model, "make_cache"):  # Llama 4: the wrapper says the caches
+            object.__setattr__(inner, "make_cache", model.make_cache)
         return inner
     if "backbone" in model and "model" not in model:  # Nemotron-H names its inner model `backbone`
         object.__setattr__(model, "model", model.backbone)  # an alias, not a child: its parameters are not listed twice

@@ -24,7 +24,7 @@ SUPPORTED_MODEL_TYPES = (
     "bailing_moe", "deepseek_v3", "kimi_k2", "glm4_moe_lite", "qwen3_vl",
     "qwen3_vl_moe", "gemma3_text", "gemma3", "olmo3", "cohere2", "ministral3", "mistral3",
     "gpt_oss", "gemma2", "qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe",
-    "granitemoehybrid", "olmo_hybrid", "nemotron_h", "falcon_h1", "mamba", "mamba2", "jamba",
+    "granitemoehybrid", "olmo_hybrid", "nemotron_h", "falcon_h1", "mamba", "mamba2", "jamba", "llama4",
 )  # fmt: skip
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -110,15 +110,15 @@ def cache_layers(model: Any) -> tuple[int, ...]:
 
 def layer_windows(model: Any) -> tuple[int | None, ...]:
     """Each layer's attention window as mlx-lm's caches for the model say (a `RotatingKVCache` of `max_size` tokens
-    keeping none: a sliding window of that many; a `KVCache`, or an `ArraysCache` of a recurrent layer: None); ()
-    when no layer is windowed. Raises UnsupportedModel for any other cache (chunked attention, kept sink tokens, a
-    layer with two caches)."""
-    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+    keeping none: a sliding window of that many; a `ChunkedKVCache`: its chunk, `chunked_layers`; a `KVCache`, or an
+    `ArraysCache` of a recurrent layer: None); () when no layer is windowed. Raises UnsupportedModel for any other
+    cache (kept sink tokens, a layer with two caches)."""
+    from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, RotatingKVCache
 
     from mlx_serve.recurrent import is_state_and_kv
 
     caches = model.make_cache() if hasattr(model, "make_cache") else []
-    served = (KVCache, RotatingKVCache, ArraysCache)
+    served = (KVCache, RotatingKVCache, ArraysCache, ChunkedKVCache)
     other = sorted({type(c).__name__ for c in caches if type(c) not in served and not is_state_and_kv(c)})
     kept = [c for c in caches if type(c) is RotatingKVCache and c.keep]
     if other or kept:
@@ -128,8 +128,17 @@ def layer_windows(model: Any) -> tuple[int | None, ...]:
             "keep a recurrent state",
             param="model",
         )
-    windows = tuple(c.max_size if type(c) is RotatingKVCache else None for c in caches)
+    sizes = {RotatingKVCache: lambda c: c.max_size, ChunkedKVCache: lambda c: c.chunk_size}
+    windows = tuple(sizes[type(c)](c) if type(c) in sizes else None for c in caches)
     return windows if any(w is not None for w in windows) else ()
+
+
+def chunked_layers(model: Any) -> tuple[int, ...]:
+    """The layers whose window is a fixed chunk (mlx-lm gives them a `ChunkedKVCache`: Llama 4)."""
+    from mlx_lm.models.cache import ChunkedKVCache
+
+    caches = model.make_cache() if hasattr(model, "make_cache") else []
+    return tuple(i for i, c in enumerate(caches) if type(c) is ChunkedKVCache)
 
 
 def check_supported(config: dict) -> None:

@@ -201,6 +201,7 @@ class RaggedLayerCache:
         self.step = step
         self.offset = step.positions
         self.window = pool.layout.window(layer)  # a sliding-window layer's (None: it attends to every earlier token)
+        self.chunked = pool.layout.is_chunked(layer)  # the window is a fixed chunk (Llama 4), not the last positions
         # where this layer's KV is addressed: the window space's layout for a windowed layer of a pool with one
         self.space = step.windowed if step.windowed is not None and pool.in_window_space(layer) else step
 
@@ -289,14 +290,14 @@ class RaggedLayerCache:
         pool_keys, pool_values = self.pool.keys[self.layer], self.pool.values[self.layer]
         if decode is not None:
             outputs.append(masked_decode_attention(queries[: decode.count], pool_keys, pool_values, decode, scale,
-                                                   self.window, sinks, softcap, quantized))  # fmt: skip
+                                                   self.window, sinks, softcap, quantized, self.chunked))  # fmt: skip
         for lane in self.space.lanes:
             q = queries[lane.row_start : lane.row_start + lane.rows].transpose(2, 1, 0, 3)  # [1, H, n, D]
             if lane.query_rows > lane.rows:
                 q = mx.pad(q, [(0, 0), (0, 0), (0, lane.query_rows - lane.rows), (0, 0)])
             keys, values = self._lane_kv(lane)
             if self.window is not None:
-                mask = windowed_lane_mask(lane, keys.shape[2], self.window, q.dtype)
+                mask = windowed_lane_mask(lane, keys.shape[2], self.window, q.dtype, self.chunked)
             else:
                 mask = lane.mask if lane.mask is not None else ("causal" if lane.rows > 1 else None)
             out = _masked_attention(q, keys, values, scale, mask, sinks, softcap, quantized)
@@ -306,15 +307,17 @@ class RaggedLayerCache:
 
 def masked_decode_attention(queries: mx.array, pool_keys: Any, pool_values: Any, rows: DecodeRows,
                             scale: float, window: int | None, sinks: mx.array | None = None,
-                            softcap: float | None = None, quantized: KVLayout | None = None) -> mx.array:  # fmt: skip
+                            softcap: float | None = None, quantized: KVLayout | None = None,
+                            chunked: bool = False) -> mx.array:  # fmt: skip
     """Single-row lanes `[n, H, 1, D]` each over the `window` positions up to its own (fewer at a sequence's start,
-    masked), or with no window over every position its block table holds (those past its length masked), read from
-    the pool through the block tables on the device: one batched SDPA, with `sinks` where given (or, with `softcap`,
-    one `softcapped_attention`)."""
+    masked; `chunked`: those of its own chunk only), or with no window over every position its block table holds
+    (those past its length masked), read from the pool through the block tables on the device: one batched SDPA, with
+    `sinks` where given (or, with `softcap`, one `softcapped_attention`)."""
     size = rows.block_size
     if window is not None:
         positions = rows.lengths[:, None] - window + mx.arange(window, dtype=mx.int32)[None]  # [n, window]
-        kept = positions >= 0
+        first = (rows.lengths[:, None] - 1) // window * window if chunked else 0
+        kept = positions >= first
     else:
         span = rows.block_tables.shape[1] * size
         positions = mx.broadcast_to(mx.arange(span, dtype=mx.int32)[None], (rows.count, span))  # [n, table]
@@ -376,15 +379,17 @@ def softcapped_attention(q: mx.array, keys: mx.array, values: mx.array, scale: f
     return out.reshape(batch, heads, rows, head_dim) if repeats > 1 else out
 
 
-def windowed_lane_mask(lane: LaneRows, keys: int, window: int, dtype: mx.Dtype) -> mx.array:
+def windowed_lane_mask(lane: LaneRows, keys: int, window: int, dtype: mx.Dtype, chunked: bool = False) -> mx.array:
     """The additive mask `[1, 1, rows, keys]` of a lane's query rows over its `keys` gathered positions: each row
-    sees the `window` positions up to its own (a padded lane's own mask hides its padding too)."""
+    sees the `window` positions up to its own, or with `chunked` those of its own `window`-token chunk up to its own
+    (a padded lane's own mask hides its padding too)."""
     key_positions = lane.kv_start + mx.arange(keys, dtype=mx.int32)[None, :]
     if lane.positions is not None:
         query_positions = lane.positions[:, None]
     else:  # exact slots: the lane's rows are the last of its `keys` positions
         query_positions = (lane.kv_start + keys - lane.rows + mx.arange(lane.rows, dtype=mx.int32))[:, None]
-    outside = (key_positions > query_positions) | (key_positions <= query_positions - window)
+    first = query_positions // window * window if chunked else query_positions - window + 1
+    outside = (key_positions > query_positions) | (key_positions < first)
     mask = mx.where(outside, mx.array(mx.finfo(dtype).min, dtype), mx.array(0, dtype))[None, None]
     return mask if lane.mask is None else mx.minimum(mask, lane.mask)
 
@@ -409,10 +414,11 @@ def install_ragged_attention(model: Any, attends: bool = True) -> None:
     """Route the attention of every mlx-lm module the model's layers come from through the dispatcher (idempotent,
     per module): a family may reuse another's attention class (SmolLM3 runs Llama's). Attention written out by hand
     (Gemma 2's soft-capped scores) gets a forward of its own that routes the same way (`softcap_attention`)."""
-    from mlx_serve.mla_attention import install_mla_forwards  # these import this module
+    from mlx_serve.llama4 import install_llama4_forwards  # these import this module
+    from mlx_serve.mla_attention import install_mla_forwards
     from mlx_serve.softcap_attention import install_softcapped_forwards
 
-    softcapped = install_softcapped_forwards(model) | install_mla_forwards(model)
+    softcapped = install_softcapped_forwards(model) | install_mla_forwards(model) | install_llama4_forwards(model)
     names = {type(model).__module__} | {type(m).__module__ for _, m in model.named_modules()}
     modules = [sys.modules[n] for n in sorted(names) if hasattr(sys.modules.get(n), "scaled_dot_product_attention")]
     if not modules and not softcapped and attends:  # `attends`: the model has attention layers to route

@@ -163,6 +163,15 @@ MLX_FAMILIES: dict[str, dict] = {
     "jamba": dict(num_hidden_layers=4, attn_layer_offset=1, attn_layer_period=2, expert_layer_offset=1,
                   expert_layer_period=2, mamba_d_conv=4, mamba_d_state=16, mamba_expand=2, num_experts=4,
                   num_experts_per_tok=2, tie_word_embeddings=True),
+    # Llama 4 (a multimodal wrapper): chunked attention in three layers of four (16-token chunks here), the fourth
+    # without RoPE and its queries scaled up with the position (from position 15 here: floor_scale 16); top-1 experts
+    "llama4": dict(text_config={"model_type": "llama4_text", **_FAMILY_BASE, "num_hidden_layers": 4,
+                                "attention_chunk_size": 16, "interleave_moe_layer_step": 2, "intermediate_size": 64,
+                                "intermediate_size_mlp": 256, "num_local_experts": 4, "num_experts_per_tok": 1,
+                                "use_qk_norm": True, "attn_temperature_tuning": True, "floor_scale": 16,
+                                "attn_scale": 0.1, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 1024}}),
 }
 
 ARCHS = (*HF_ARCHS, *MLX_FAMILIES)

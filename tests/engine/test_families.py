@@ -62,7 +62,7 @@ CUDA_QUANTIZED = dict(split_quantized_k="on", dequantize_rows=16, compile_decode
                       quantized_gemv="on")  # fmt: skip
 
 
-@pytest.mark.parametrize("family", ["mixtral", "gemma3", "granite", "gemma2", "glm4_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "gemma3", "granite", "gemma2", "glm4_moe", "llama4"])
 @pytest.mark.parametrize("options", [{}, CUDA_QUANTIZED], ids=["default", "cuda-quantized"])
 def test_a_4_bit_family_matches_mlx_lm(tmp_path, family, options):
     path = make_checkpoint(tmp_path / f"{family}-4bit", arch=family, seed=2, quantize_bits=4, group_size=32)
@@ -120,7 +120,7 @@ def test_an_unserved_family_is_refused_with_the_list(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["granite", "cohere", "internlm2", "mixtral", "gemma3", "cohere2", "gpt_oss", "minimax",
-                                    "gemma2"])
+                                    "gemma2", "llama4"])
 def test_a_family_in_the_cuda_layout_with_compiled_decode_steps(checkpoints, family):
     """As on CUDA: decode steps replay one compiled graph (the family's head traced in it), prefill history in
     buckets read through the block table. mlx-lm's tokens."""
