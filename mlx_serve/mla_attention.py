@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_serve.kv_pool import take_rows
-from mlx_serve.ragged import LaneRows, RaggedLayerCache
+from mlx_serve.ragged import DecodeRows, LaneRows, RaggedLayerCache
 
 
 def is_mla(module: Any) -> bool:
@@ -48,10 +48,7 @@ class _DecodeGroup:
         rows = cache.step.decode
         self._cache, self._count = cache, rows.count
         self.offset = cache.step.positions[: rows.count]
-        size = rows.block_size
-        width = rows.block_tables.shape[1] * size
-        self._slots = (rows.block_tables[:, :, None] * size + mx.arange(size, dtype=mx.int32)).reshape(rows.count, width)
-        self.mask = (mx.arange(width, dtype=mx.int32)[None] < rows.lengths[:, None])[:, None, None, :]
+        self._slots, self.mask = cache.step.once("latent decode", _decode_reads, rows)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         pool, layer = self._cache.pool, self._cache.layer
@@ -65,15 +62,29 @@ class _Lane:
     def __init__(self, cache: RaggedLayerCache, lane: LaneRows) -> None:
         self._cache, self._lane = cache, lane
         self.offset = cache.step.positions[lane.row_start : lane.row_start + 1]
-        end = lane.kv_slots.shape[0]
-        queries = mx.arange(end - lane.rows, end, dtype=mx.int32)
-        self.mask = mx.arange(end, dtype=mx.int32)[None] <= queries[:, None]
+        self.mask = cache.step.once(("latent lane", lane.row_start), _causal_mask, lane)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         pool, layer, lane = self._cache.pool, self._cache.layer, self._lane
         slots = self._cache.step.write_slots[lane.row_start : lane.row_start + lane.rows]
         pool.write(layer, slots, keys[0].transpose(1, 0, 2), values[0].transpose(1, 0, 2))
         return pool.gather(layer, lane.kv_slots)
+
+
+def _decode_reads(rows: DecodeRows) -> tuple[mx.array, mx.array]:
+    """The single-row lanes' slots `[n, width]` through their block tables, padded to the widest, and the mask
+    `[n, 1, 1, width]` that keeps each one's own positions."""
+    size = rows.block_size
+    width = rows.block_tables.shape[1] * size
+    slots = (rows.block_tables[:, :, None] * size + mx.arange(size, dtype=mx.int32)).reshape(rows.count, width)
+    return slots, (mx.arange(width, dtype=mx.int32)[None] < rows.lengths[:, None])[:, None, None, :]
+
+
+def _causal_mask(lane: LaneRows) -> mx.array:
+    """A multi-row lane's rows `[rows, kv_len]` over its exact history and themselves."""
+    end = lane.kv_slots.shape[0]
+    queries = mx.arange(end - lane.rows, end, dtype=mx.int32)
+    return mx.arange(end, dtype=mx.int32)[None] <= queries[:, None]
 
 
 def _ragged_forward(original: Callable[..., mx.array]) -> Callable[..., mx.array]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import mlx.core as mx
@@ -190,6 +190,15 @@ class StepLayout:
     windowed: StepLayout | None = None
     # the rows as the recurrent layers read them, lane group by lane group (None: the model has none)
     states: StateRows | None = None
+    # arrays every layer of the step reads alike (a window's slots and masks, latent attention's slot table), built by
+    # the first layer that asks: a step's graph holds them once, not once a layer
+    shared: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def once(self, key: Any, build: Callable[..., Any], *args: Any) -> Any:
+        """`build(*args)` the first time the step is asked for `key`, the same arrays every time after."""
+        if key not in self.shared:
+            self.shared[key] = build(*args)
+        return self.shared[key]
 
 
 class RaggedLayerCache:
@@ -288,16 +297,19 @@ class RaggedLayerCache:
         decode = self.space.decode
         quantized = self.pool.layout if self.pool.layout.quantizes(self.layer) else None
         pool_keys, pool_values = self.pool.keys[self.layer], self.pool.values[self.layer]
+        window, chunked, dtype = self.window, self.chunked, queries.dtype
         if decode is not None:
-            outputs.append(masked_decode_attention(queries[: decode.count], pool_keys, pool_values, decode, scale,
-                                                   self.window, sinks, softcap, quantized, self.chunked))  # fmt: skip
-        for lane in self.space.lanes:
+            reads = self.space.once(("decode", window, chunked, dtype), decode_reads, decode, window, dtype, chunked)
+            outputs.append(masked_decode_attention(queries[: decode.count], pool_keys, pool_values, reads, scale,
+                                                   sinks, softcap, quantized))  # fmt: skip
+        for i, lane in enumerate(self.space.lanes):
             q = queries[lane.row_start : lane.row_start + lane.rows].transpose(2, 1, 0, 3)  # [1, H, n, D]
             if lane.query_rows > lane.rows:
                 q = mx.pad(q, [(0, 0), (0, 0), (0, lane.query_rows - lane.rows), (0, 0)])
             keys, values = self._lane_kv(lane)
-            if self.window is not None:
-                mask = windowed_lane_mask(lane, keys.shape[2], self.window, q.dtype, self.chunked)
+            if window is not None:
+                mask = self.space.once(("lane", i, window, chunked, dtype), windowed_lane_mask, lane, keys.shape[2],
+                                       window, dtype, chunked)  # fmt: skip
             else:
                 mask = lane.mask if lane.mask is not None else ("causal" if lane.rows > 1 else None)
             out = _masked_attention(q, keys, values, scale, mask, sinks, softcap, quantized)
@@ -305,14 +317,19 @@ class RaggedLayerCache:
         return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
 
 
-def masked_decode_attention(queries: mx.array, pool_keys: Any, pool_values: Any, rows: DecodeRows,
-                            scale: float, window: int | None, sinks: mx.array | None = None,
-                            softcap: float | None = None, quantized: KVLayout | None = None,
-                            chunked: bool = False) -> mx.array:  # fmt: skip
-    """Single-row lanes `[n, H, 1, D]` each over the `window` positions up to its own (fewer at a sequence's start,
-    masked; `chunked`: those of its own chunk only), or with no window over every position its block table holds
-    (those past its length masked), read from the pool through the block tables on the device: one batched SDPA, with
-    `sinks` where given (or, with `softcap`, one `softcapped_attention`)."""
+@dataclass(frozen=True, slots=True)
+class DecodeReads:
+    """Where the single-row lanes' attention reads the pool: `slots` `[n, span]`, and the additive `mask`
+    `[n, 1, 1, span]` that keeps each lane's own positions."""
+
+    slots: mx.array
+    mask: mx.array
+
+
+def decode_reads(rows: DecodeRows, window: int | None, dtype: mx.Dtype, chunked: bool = False) -> DecodeReads:
+    """Each single-row lane reads the `window` positions up to its own (fewer at a sequence's start, masked;
+    `chunked`: those of its own chunk only), or with no window every position its block table holds (those past its
+    length masked), through the block tables on the device."""
     size = rows.block_size
     if window is not None:
         positions = rows.lengths[:, None] - window + mx.arange(window, dtype=mx.int32)[None]  # [n, window]
@@ -324,12 +341,18 @@ def masked_decode_attention(queries: mx.array, pool_keys: Any, pool_values: Any,
         kept = positions < rows.lengths[:, None]
     positions = mx.maximum(positions, 0)
     blocks = mx.take_along_axis(rows.block_tables, positions // size, axis=1)
-    slots = blocks * size + positions % size
-    keys = take_rows(pool_keys, slots)  # [n, kv_heads, window, D]
-    values = take_rows(pool_values, slots)
-    dtype = queries.dtype
     mask = mx.where(kept, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))[:, None, None, :]
-    return _masked_attention(queries, keys, values, scale, mask, sinks, softcap, quantized)
+    return DecodeReads(blocks * size + positions % size, mask)
+
+
+def masked_decode_attention(queries: mx.array, pool_keys: Any, pool_values: Any, reads: DecodeReads, scale: float,
+                            sinks: mx.array | None = None, softcap: float | None = None,
+                            quantized: KVLayout | None = None) -> mx.array:  # fmt: skip
+    """Single-row lanes `[n, H, 1, D]` over the positions `reads` gives them: one batched SDPA, with `sinks` where
+    given (or, with `softcap`, one `softcapped_attention`)."""
+    keys = take_rows(pool_keys, reads.slots)  # [n, kv_heads, span, D]
+    values = take_rows(pool_values, reads.slots)
+    return _masked_attention(queries, keys, values, scale, reads.mask, sinks, softcap, quantized)
 
 
 def _masked_attention(q: mx.array, keys: Any, values: Any, scale: float, mask: Any, sinks: mx.array | None,

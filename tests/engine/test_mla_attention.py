@@ -51,6 +51,23 @@ def test_drafted_rows_attend_as_a_lane_of_their_own_and_keep_mlx_lms_tokens(deep
     assert list(done.token_ids) == reference_tokens(deepseek, prompt, 24)
 
 
+def test_a_steps_latent_slot_table_is_built_once_for_all_its_layers(deepseek, monkeypatch):
+    """Every latent layer of a step reads the decode lanes' histories through the same slots: built once a step."""
+    from mlx_serve import mla_attention
+
+    built = []
+    real = mla_attention._decode_reads
+    monkeypatch.setattr(mla_attention, "_decode_reads", lambda rows: built.append(rows) or real(rows))
+    prompts = [prompt_of(n, seed=730 + i) for i, n in enumerate((20, 35))]
+    engine = _load(deepseek)
+    try:
+        completions = engine.generate([GenerationRequest(prompt_ids=tuple(p), max_tokens=6) for p in prompts])
+    finally:
+        engine.shutdown()
+    assert list(completions[0].token_ids) == reference_tokens(deepseek, prompts[0], 6)
+    assert built and len({id(rows) for rows in built}) == len(built), "a step built its slot table more than once"
+
+
 def test_a_chats_next_turn_reads_its_cached_latents(deepseek):
     follow, tokens, hits = run_next_turn(_load(deepseek), prompt_of(40, seed=720), prompt_of(9, seed=721))
     assert hits >= 32

@@ -131,3 +131,25 @@ def test_a_model_without_windows_has_no_window_space(tmp_path):
         assert "window" not in str(engine.status()["kv"])
     finally:
         engine.shutdown()
+
+
+def test_a_steps_window_reads_and_masks_are_built_once_for_all_its_windowed_layers(checkpoints, monkeypatch):
+    """Llama 4's three chunked layers read the same positions a step: the slots and masks are built by the first and
+    shared (on CUDA each one built again is a few more kernels a layer to launch)."""
+    from mlx_serve import ragged
+
+    built: dict[str, list] = {"decode": [], "lane": []}
+    real_reads, real_mask = ragged.decode_reads, ragged.windowed_lane_mask
+    monkeypatch.setattr(ragged, "decode_reads", lambda rows, *a: built["decode"].append(rows) or real_reads(rows, *a))
+    monkeypatch.setattr(ragged, "windowed_lane_mask", lambda lane, *a: built["lane"].append(lane) or real_mask(lane, *a))
+    path = checkpoints["llama4"]
+    prompts = [prompt_of(n, seed=630 + i) for i, n in enumerate((40, 21))]
+    engine = Engine.load(tight(path))
+    try:
+        tokens = run_staggered(engine, prompts, first=1, max_tokens=6)
+    finally:
+        engine.shutdown()
+    assert tokens[1] == reference_tokens(path, prompts[1], 6)
+    for kind, inputs in built.items():
+        assert inputs, f"no step built {kind} reads"
+        assert len({id(x) for x in inputs}) == len(inputs), f"a step built its {kind} reads more than once"
