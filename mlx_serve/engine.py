@@ -117,7 +117,7 @@ class Engine:
             chunk_attention=engine_setup.chunk_attention(config.chunk_attention),
             kv_bucket=0 if loaded.layout.value_dim else None,  # latent attention reads exact histories
             adapters=loaded.adapters,
-            states=StatePool(loaded.model, loaded.state_layers, live_states, snapshots) if live_states else None,
+            states=StatePool(loaded.state_shapes, live_states, snapshots) if live_states else None,
         )
         self._speculate = engine_setup.speculative_tokens(config)
         self.drafter = None  # a draft model's drafts (`--draft-model`); None: prompt lookup where speculating

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
@@ -17,6 +17,9 @@ from mlx_serve.errors import InvalidRequest, MlxServeError, ModelNotFound
 from mlx_serve.kv_pool import KVLayout
 from mlx_serve.mla_attention import mla_dims
 from mlx_serve.model_source import cache_layers
+
+if TYPE_CHECKING:
+    from mlx_serve.recurrent import StateEntry
 
 GIB = 1 << 30
 
@@ -35,8 +38,19 @@ class LoadedModel:
     adapters: AdapterSet | None = None  # LoRA adapters requests choose by name
     draft: Any = None  # the draft model speculative decoding asks (`--draft-model`), or None
     draft_bytes_per_token: int = 0  # what a token of its caches holds
-    state_layers: tuple[int, ...] = ()  # layers that keep a recurrent state (`mlx_serve.recurrent`)
-    state_bytes: int = 0  # what one request's state holds over them; 0: none
+    # each layer that keeps a recurrent state (`mlx_serve.recurrent`): the arrays a request's state holds there, as
+    # probed once at load; empty: none
+    state_shapes: dict[int, list[StateEntry | None]] = field(default_factory=dict)
+
+    @property
+    def state_layers(self) -> tuple[int, ...]:
+        return tuple(self.state_shapes)
+
+    @property
+    def state_bytes(self) -> int:
+        """What one request's state holds over the recurrent layers; 0: none."""
+        return sum(math.prod(entry.shape) * entry.dtype.size for entries in self.state_shapes.values()
+                   for entry in entries if entry is not None)  # fmt: skip
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
@@ -58,7 +72,7 @@ def describe_model(
 ) -> LoadedModel:
     """What the engine needs to know about a loaded mlx-lm model (also for models built in memory)."""
     from mlx_serve.model_source import chunked_layers, layer_windows, weight_bytes
-    from mlx_serve.recurrent import recurrent_layers, state_layers
+    from mlx_serve.recurrent import recurrent_layers, state_layers, state_shapes
 
     model = text_model(model)
     windows = layer_windows(model)
@@ -94,8 +108,7 @@ def describe_model(
         adapters=adapters,
         draft=draft,
         draft_bytes_per_token=kv_layout(draft).bytes_per_token() if draft is not None else 0,
-        state_layers=stateful,
-        state_bytes=state_bytes(model, stateful),
+        state_shapes=state_shapes(model, stateful) if stateful else {},
     )
 
 
@@ -127,16 +140,6 @@ def _refuse_for_lane_groups(config: EngineConfig, model_kind: str, why: str, dra
     for param, on in asked.items():
         if on:
             raise InvalidRequest(f"{param}: not with {model_kind} ({why})", param=param)
-
-
-def state_bytes(model: Any, layers: tuple[int, ...]) -> int:
-    """What one request's state holds over the recurrent layers."""
-    if not layers:
-        return 0
-    from mlx_serve.recurrent import state_shapes
-
-    return sum(math.prod(entry.shape) * entry.dtype.size for entries in state_shapes(model, layers).values()
-               for entry in entries if entry is not None)  # fmt: skip
 
 
 def kv_layout(model: Any, windows: tuple[int | None, ...] = ()) -> KVLayout:

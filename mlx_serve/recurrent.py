@@ -117,11 +117,10 @@ class StatePool:
     requests' states, which request holds which, then `snapshots` slots the scheduler hands out (`Lane.snapshot`,
     `Lane.restore_slot`: scheduler/state_snapshots.py)."""
 
-    def __init__(self, model: Any, layers: Sequence[int], slots: int, snapshots: int = 0) -> None:
-        self.layers = tuple(layers)
+    def __init__(self, shapes: dict[int, list[StateEntry | None]], slots: int, snapshots: int = 0) -> None:
+        self.layers = tuple(shapes)
         self.slots = slots
         self.snapshots = snapshots
-        shapes = state_shapes(model, self.layers)
         total = slots + snapshots
         self.states: dict[int, list[mx.array | None]] = {
             layer: [None if e is None else mx.zeros((total, *e.shape), e.dtype) for e in shapes[layer]] for layer in self.layers

@@ -19,7 +19,7 @@ from mlx_serve.engine import Engine, EngineConfig
 from mlx_serve.errors import InvalidRequest
 from mlx_serve.kernels.paged_gather import table_gather
 from mlx_serve.model_loading import kept_bytes
-from mlx_serve.recurrent import StatePool, recurrent_layers
+from mlx_serve.recurrent import StatePool, recurrent_layers, state_shapes
 from mlx_serve.server.metrics import EngineStatsCollector
 from mlx_serve.types import GenerationRequest, SamplingParams
 from scheduler.plan import Lane, LaneKind, SnapshotPoint
@@ -239,7 +239,7 @@ def test_a_requests_state_is_what_mlx_lms_caches_hold_and_the_budget_keeps_it(ch
 
 def test_the_state_pool_hands_out_slots_and_refuses_a_continuation_without_one(checkpoints):
     model, _ = load_reference(str(checkpoints["lfm2"]))
-    pool = StatePool(model, recurrent_layers(model), slots=2, snapshots=4)
+    pool = StatePool(state_shapes(model, recurrent_layers(model)), slots=2, snapshots=4)
 
     def lane(request_id: str, start: int, rows: int, **kwargs) -> Lane:
         return Lane(request_id, LaneKind.PREFILL, (5,) * rows, start, (), False, **kwargs)
