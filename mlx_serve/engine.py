@@ -77,7 +77,7 @@ class Engine:
         from mlx_serve.recurrent import StatePool
         from mlx_serve.runner import ModelRunner
 
-        if loaded.state_layers or loaded.layout.value_dim:  # regrouped mixers and latent attention run eager
+        if loaded.state_layers or loaded.layout.latent:  # regrouped mixers and latent attention run eager
             config = replace(config, compile_decode="off")
         live_states, snapshots = state_slots(config, loaded)
         self.config = config
@@ -115,7 +115,7 @@ class Engine:
             quantized_tiles=engine_setup.quantized_tiles(config.quantized_tiles),
             quantized_gemv=engine_setup.quantized_gemv(config.quantized_gemv),
             chunk_attention=engine_setup.chunk_attention(config.chunk_attention),
-            kv_bucket=0 if loaded.layout.value_dim else None,  # latent attention reads exact histories
+            kv_bucket=0 if loaded.layout.latent else None,  # latent attention reads exact histories
             adapters=loaded.adapters,
             states=StatePool(loaded.state_shapes, live_states, snapshots) if live_states else None,
         )
@@ -242,7 +242,7 @@ class Engine:
         what `--lora` would raise for it at start-up, and InvalidRequest where the stacked adapters would outgrow
         `adapter_memory_gb`."""
         check_specs([spec])
-        if self.runner.states is not None or self.pool.layout.value_dim:
+        if self.runner.states is not None or self.pool.layout.latent:
             raise InvalidRequest("adapters: not with recurrent layers or latent attention (their modules read the "
                                  "step's rows regrouped by lane, not per row)", param="lora")  # fmt: skip
         source = read_adapter_source(spec)  # the disk read on this thread: the streams never wait on it

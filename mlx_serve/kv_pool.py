@@ -33,8 +33,9 @@ class KVLayout:
     # layers that keep a recurrent state instead of K/V (`mlx_serve.recurrent`): they hold nothing here
     recurrent: tuple[int, ...] = ()
     # a value's size where it differs from a key's (0: `head_dim`): multi-head latent attention keeps a latent as its
-    # "key" and the RoPE key as its "value" (`mla_attention`), DeepSeek-V2's expanded heads a shorter value
+    # "key" and the RoPE key as its "value" (`mla_attention`, `latent`), DeepSeek-V2's expanded heads a shorter value
     value_dim: int = 0
+    latent: bool = False
 
     @property
     def value_size(self) -> int:

@@ -40,6 +40,21 @@ def mla_dims(model: Any) -> LatentDims | None:
     return LatentDims(int(found.kv_lora_rank), int(found.qk_rope_head_dim)) if found is not None else None
 
 
+@dataclass(frozen=True, slots=True)
+class HeadSizes:
+    key: int
+    value: int
+
+
+def expanded_latent_heads(model: Any) -> HeadSizes | None:
+    """DeepSeek-V2's and MiniCPM3's form, which up-projects the latent and caches every head's key (`q_head_dim`:
+    the no-RoPE and RoPE parts) and value (`v_head_dim`): those sizes; None for any other attention. Such layers
+    attend through the ragged dispatcher, over keys and values of two sizes."""
+    found = next((m for _, m in model.named_modules()
+                  if hasattr(m, "kv_b_proj") and hasattr(m, "q_head_dim") and not is_mla(m)), None)  # fmt: skip
+    return HeadSizes(int(found.q_head_dim), int(found.v_head_dim)) if found is not None else None
+
+
 class _DecodeGroup:
     """mlx-lm's cache protocol for the step's single-row lanes at once: each one's history, padded to the widest
     block table; `mask` keeps each lane's own positions."""

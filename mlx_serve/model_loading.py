@@ -15,7 +15,7 @@ from mlx_serve.adapters import AdapterSet, install_adapters
 from mlx_serve.config import EngineConfig
 from mlx_serve.errors import InvalidRequest, MlxServeError, ModelNotFound
 from mlx_serve.kv_pool import KVLayout
-from mlx_serve.mla_attention import mla_dims
+from mlx_serve.mla_attention import expanded_latent_heads, mla_dims
 from mlx_serve.model_source import cache_layers
 
 if TYPE_CHECKING:
@@ -89,7 +89,7 @@ def describe_model(
     else:
         layout = replace(kv_layout(model, windows), recurrent=recurrent, chunked=chunked_layers(model))
         layout = quantized_kv_layout(model, layout, config)
-    if layout.value_dim:
+    if layout.latent:
         check_latent_attention(config)
     draft = load_draft(config.draft_model, int(args.vocab_size)) if config.draft_model else None
     # the text model's own (a multimodal checkpoint keeps it in text_config), else config.json's
@@ -147,7 +147,9 @@ def kv_layout(model: Any, windows: tuple[int | None, ...] = ()) -> KVLayout:
     args = model.args
     layers, dtype = len(cache_layers(model)), activation_dtype(model)
     if (latent := mla_dims(model)) is not None:  # one "head" a token: the latent as key, the RoPE key as value
-        return KVLayout(layers, 1, latent.latent, dtype, windows, value_dim=latent.rope_key)
+        return KVLayout(layers, 1, latent.latent, dtype, windows, value_dim=latent.rope_key, latent=True)
+    if (expanded := expanded_latent_heads(model)) is not None:  # keys of q_head_dim, values of v_head_dim, every head
+        return KVLayout(layers, args.num_attention_heads, expanded.key, dtype, windows, value_dim=expanded.value)
     n_heads = args.num_attention_heads
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // n_heads
     kv_heads = getattr(args, "num_key_value_heads", None) or n_heads
@@ -160,8 +162,8 @@ def quantized_kv_layout(model: Any, layout: KVLayout, config: EngineConfig) -> K
     if config.kv_bits is None:
         return layout
     if layout.value_dim:
-        raise InvalidRequest("--kv-bits: not with multi-head latent attention (mlx-lm quantizes no latent cache)",
-                             param="kv_bits")  # fmt: skip
+        raise InvalidRequest("--kv-bits: not with multi-head latent attention (mlx-lm quantizes no latent cache; "
+                             "expanded heads keep keys and values of two sizes)", param="kv_bits")  # fmt: skip
     from mlx_serve.softcap_attention import SOFTCAPPED_MODULES
 
     modules = list(model.named_modules())

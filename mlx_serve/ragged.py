@@ -228,7 +228,9 @@ class RaggedLayerCache:
         """Each lane attends causally to its own request's KV. queries: [T, heads, 1, head_dim]. `sinks`: a
         per-head logit every softmax also counts (gpt-oss). `softcap`: scores pass through `softcapped_attention`'s
         tanh cap (Gemma 2, `softcap_attention`)."""
-        if self.window is not None or sinks is not None or softcap is not None or self.pool.layout.quantizes(self.layer):
+        layout = self.pool.layout
+        if self.window is not None or sinks is not None or softcap is not None or layout.quantizes(self.layer) \
+                or layout.value_dim:  # the paged kernels read keys and values of one size
             return self._masked(queries, scale, sinks, softcap)
         outputs = []
         decode = self.step.decode
@@ -289,10 +291,10 @@ class RaggedLayerCache:
 
     def _masked(self, queries: mx.array, scale: float, sinks: mx.array | None,
                 softcap: float | None = None) -> mx.array:  # fmt: skip
-        """A sliding-window layer, one with attention sinks or soft-capped scores, or any over quantized KV: decode rows
-        over their window (or whole history) read through the block tables, lanes over their gathered history behind
-        a (windowed) causal mask, all through MLX's own attention, or mlx-lm's quantized one (the paged kernels have
-        no windows, sinks, caps or quantized KV)."""
+        """A windowed layer, one with attention sinks or soft-capped scores, or over quantized KV or values of another
+        size than its keys: decode rows over their window (or whole history) read through the block tables, lanes over
+        their gathered history behind a (windowed) causal mask, all through MLX's own attention, or mlx-lm's quantized
+        one (the paged kernels have no windows, sinks, caps, quantized KV or values of their own size)."""
         outputs = []
         decode = self.space.decode
         quantized = self.pool.layout if self.pool.layout.quantizes(self.layer) else None

@@ -108,6 +108,13 @@ MLX_FAMILIES: dict[str, dict] = {
     "deepseek_v3": dict(_V3_MOE, **_MLA, first_k_dense_replace=1, moe_layer_freq=1),
     "kimi_k2": dict(_V3_MOE, **_MLA, first_k_dense_replace=1, moe_layer_freq=1),  # mlx-lm runs it as deepseek_v3
     "glm4_moe_lite": dict(_V3_MOE, **_MLA, first_k_dense_replace=1, moe_layer_freq=1),
+    # the expanded form: every head's key (no-RoPE and RoPE parts) and a shorter value cached, YaRN RoPE
+    "deepseek_v2": dict(_V3_MOE, **{**_MLA, "v_head_dim": 24}, first_k_dense_replace=1, moe_layer_freq=1, topk_method="greedy",
+                        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+                                      "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}),
+    "minicpm3": dict(q_lora_rank=48, qk_nope_head_dim=32, qk_rope_head_dim=16, kv_lora_rank=32, dim_model_base=32,
+                     scale_depth=1.4, scale_emb=12.0, rope_scaling={"type": "longrope", "short_factor": [1.0] * 8,
+                     "long_factor": [1.5] * 8, "original_max_position_embeddings": 1024}),
     # Qwen3-VL's multimodal checkpoints: their text half is a Qwen3 (or Qwen3-MoE) model
     "qwen3_vl": dict(text_config={"model_type": "qwen3", **_FAMILY_BASE}),
     "qwen3_vl_moe": dict(text_config={"model_type": "qwen3_moe", **_FAMILY_BASE, **_MOE, "decoder_sparse_step": 1,

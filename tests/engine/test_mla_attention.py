@@ -112,3 +112,30 @@ def test_an_adapter_loaded_while_serving_is_refused_too(deepseek, tmp_path):
         assert caught.value.param == "lora" and engine.adapters == ()
     finally:
         engine.shutdown()
+
+
+def test_the_expanded_form_caches_each_heads_key_and_shorter_value_and_refuses_quantized_kv(tmp_path):
+    """DeepSeek-V2 up-projects the latent and caches every head's key (no-RoPE and RoPE parts) and value: the pool
+    holds exactly that a token, and the layers attend through the dispatcher (compiled decode too, as on CUDA)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    path = make_checkpoint(tmp_path / "deepseek_v2", arch="deepseek_v2", seed=5)
+    model, _ = load_reference(str(path))
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array(prompt_of(7, seed=740))[None], cache=cache))
+    per_token = sum(c.keys[..., :7, :].nbytes + c.values[..., :7, :].nbytes for c in cache) // 7
+    engine = _load(path, compile_decode="on")
+    try:
+        layout = engine.pool.layout
+        assert (layout.num_kv_heads, layout.head_dim, layout.value_dim, layout.latent) == (4, 48, 24, False)
+        assert layout.bytes_per_token() == per_token
+        assert engine.runner.compiled is not None
+        prompt = prompt_of(30, seed=741)
+        [done] = engine.generate([GenerationRequest(prompt_ids=tuple(prompt), max_tokens=8)])
+        assert engine.runner.compiled.shapes, "no decode step replayed a compiled graph"
+    finally:
+        engine.shutdown()
+    assert list(done.token_ids) == reference_tokens(path, prompt, 8)
+    with pytest.raises(InvalidRequest, match="two sizes") as caught:
+        _load(path, kv_bits=8)
+    assert caught.value.param == "kv_bits"
