@@ -11,6 +11,7 @@ into the pool (the latent as keys, the RoPE key as values: `KVLayout.value_dim`)
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -103,17 +104,29 @@ def _causal_mask(lane: LaneRows) -> mx.array:
 
 
 def _ragged_forward(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
-    def __call__(self: Any, x: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
+    signature = inspect.signature(original)
+    # Mistral 4 passes a query scale per row (Llama 4's position scaling) before the mask: `[T, 1, 1, 1]` here
+    scaled = "attn_scale" in signature.parameters
+
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> mx.array:
+        arguments = signature.bind(self, *args, **kwargs).arguments
+        cache = arguments.get("cache")
         if not isinstance(cache, RaggedLayerCache):
-            return original(self, x, mask, cache)
+            return original(self, *args, **kwargs)
+        x, row_scale = arguments["x"], arguments.get("attn_scale")
+
+        def attend(start: int, count: int, batch: int, layer_cache: Any) -> mx.array:
+            rows = x[start : start + count].reshape(batch, count // batch, -1)
+            if not scaled:
+                return original(self, rows, layer_cache.mask, layer_cache)
+            scale = row_scale[start : start + count].reshape(batch, 1, count // batch, 1)
+            return original(self, rows, scale, layer_cache.mask, layer_cache)
+
         outputs = []
         if cache.step.decode is not None:
-            group = _DecodeGroup(cache)
-            outputs.append(original(self, x[: cache.step.decode.count], group.mask, group))
+            outputs.append(attend(0, cache.step.decode.count, cache.step.decode.count, _DecodeGroup(cache)))
         for lane in cache.step.lanes:
-            rows = x[lane.row_start : lane.row_start + lane.rows].reshape(1, lane.rows, -1)
-            one = _Lane(cache, lane)
-            outputs.append(original(self, rows, one.mask, one).reshape(lane.rows, 1, -1))
+            outputs.append(attend(lane.row_start, lane.rows, 1, _Lane(cache, lane)).reshape(lane.rows, 1, -1))
         return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
 
     __call__.ragged_mla = True

@@ -108,6 +108,10 @@ MLX_FAMILIES: dict[str, dict] = {
     "deepseek_v3": dict(_V3_MOE, **_MLA, first_k_dense_replace=1, moe_layer_freq=1),
     "kimi_k2": dict(_V3_MOE, **_MLA, first_k_dense_replace=1, moe_layer_freq=1),  # mlx-lm runs it as deepseek_v3
     "glm4_moe_lite": dict(_V3_MOE, **_MLA, first_k_dense_replace=1, moe_layer_freq=1),
+    # and Llama 4's query scaling by position (from position 32 here), YaRN RoPE
+    "mistral4": dict(_V3_MOE, **_MLA, first_k_dense_replace=1, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 128.0, "original_max_position_embeddings": 32,
+        "llama_4_scaling_beta": 0.5, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
     # the expanded form: every head's key (no-RoPE and RoPE parts) and a shorter value cached, YaRN RoPE
     "deepseek_v2": dict(_V3_MOE, **{**_MLA, "v_head_dim": 24}, first_k_dense_replace=1, moe_layer_freq=1, topk_method="greedy",
                         rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
