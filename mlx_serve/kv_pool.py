@@ -36,6 +36,23 @@ class KVLayout:
     # "key" and the RoPE key as its "value" (`mla_attention`, `latent`), DeepSeek-V2's expanded heads a shorter value
     value_dim: int = 0
     latent: bool = False
+    # each layer's (kv heads, head size) where the layers differ (Gemma 4's full-attention layers: wider heads, fewer
+    # of them); empty: `num_kv_heads` and `head_dim` in every layer
+    layer_heads: tuple[tuple[int, int], ...] = ()
+
+    def kv_heads_of(self, layer: int) -> int:
+        return self.layer_heads[layer][0] if self.layer_heads else self.num_kv_heads
+
+    def key_size_of(self, layer: int) -> int:
+        return self.layer_heads[layer][1] if self.layer_heads else self.head_dim
+
+    def value_size_of(self, layer: int) -> int:
+        return self.value_dim or self.key_size_of(layer)
+
+    @property
+    def key_sizes(self) -> set[int]:
+        """Every layer's head size (one, but for `layer_heads`)."""
+        return {self.key_size_of(layer) for layer in range(self.num_layers)}
 
     @property
     def value_size(self) -> int:
@@ -81,10 +98,11 @@ class KVLayout:
     def _layer_bytes_per_token(self, layer: int) -> int:
         if not self.attends(layer):
             return 0
-        head = (self.head_dim + self.value_size) * self.dtype.size
+        size = self.key_size_of(layer)
+        head = (size + self.value_size_of(layer)) * self.dtype.size
         if self.quantizes(layer):  # packed values, then a scale and a bias per group
-            head = 2 * (self.head_dim * self.bits // 8 + 2 * (self.head_dim // self.group_size) * self.dtype.size)
-        return self.num_kv_heads * head
+            head = 2 * (size * self.bits // 8 + 2 * (size // self.group_size) * self.dtype.size)
+        return self.kv_heads_of(layer) * head
 
 
 class KVPool:
@@ -102,8 +120,8 @@ class KVPool:
         self.block_size = block_size
         self.window_blocks = window_blocks if layout.num_windowed else 0
         # each layer's array, or with quantized KV its (packed values, scales, biases) as mlx-lm's quantized caches hold
-        self.keys = [self._zeros(layer, layout.head_dim) for layer in range(layout.num_layers)]
-        self.values = [self._zeros(layer, layout.value_size) for layer in range(layout.num_layers)]
+        self.keys = [self._zeros(layer, layout.key_size_of(layer)) for layer in range(layout.num_layers)]
+        self.values = [self._zeros(layer, layout.value_size_of(layer)) for layer in range(layout.num_layers)]
         mx.eval(self.state())
 
     def _zeros(self, layer: int, dim: int) -> mx.array | tuple[mx.array, mx.array, mx.array]:
@@ -111,11 +129,11 @@ class KVPool:
         blocks = self.window_blocks if self.in_window_space(layer) else self.num_blocks
         if not layout.attends(layer):  # a recurrent layer's state lives in `recurrent.StatePool`
             return mx.zeros((0, layout.num_kv_heads, dim), layout.dtype)
-        rows = ((blocks + 1) * self.block_size, layout.num_kv_heads)
+        rows = ((blocks + 1) * self.block_size, layout.kv_heads_of(layer))
         if not layout.quantizes(layer):
             return mx.zeros((*rows, dim), layout.dtype)
-        groups = layout.head_dim // layout.group_size
-        packed = mx.zeros((*rows, layout.head_dim * layout.bits // 32), mx.uint32)
+        groups = dim // layout.group_size
+        packed = mx.zeros((*rows, dim * layout.bits // 32), mx.uint32)
         return packed, mx.zeros((*rows, groups), layout.dtype), mx.zeros((*rows, groups), layout.dtype)
 
     def in_window_space(self, layer: int) -> bool:

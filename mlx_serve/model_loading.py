@@ -153,7 +153,17 @@ def kv_layout(model: Any, windows: tuple[int | None, ...] = ()) -> KVLayout:
     n_heads = args.num_attention_heads
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // n_heads
     kv_heads = getattr(args, "num_key_value_heads", None) or n_heads
-    return KVLayout(layers, kv_heads, head_dim, dtype, windows)
+    return KVLayout(layers, kv_heads, head_dim, dtype, windows, layer_heads=_layer_heads(model))
+
+
+def _layer_heads(model: Any) -> tuple[tuple[int, int], ...]:
+    """Each cached layer's (kv heads, head size) as its attention module says, where they differ between layers
+    (Gemma 4); () where they do not, or where a module does not say."""
+    modules = [getattr(model.model.layers[i], "self_attn", None) for i in cache_layers(model)]
+    heads = [(getattr(m, "n_kv_heads", None), getattr(m, "head_dim", None)) for m in modules]
+    if any(None in pair for pair in heads) or len(set(heads)) < 2:
+        return ()
+    return tuple((int(kv), int(size)) for kv, size in heads)
 
 
 def quantized_kv_layout(model: Any, layout: KVLayout, config: EngineConfig) -> KVLayout:
@@ -170,8 +180,12 @@ def quantized_kv_layout(model: Any, layout: KVLayout, config: EngineConfig) -> K
     if any(hasattr(m, "sinks") for _, m in modules) or any(type(m).__module__ in SOFTCAPPED_MODULES for _, m in modules):
         raise InvalidRequest("--kv-bits: this model's attention (sinks or soft-capped scores) cannot read quantized KV",
                              param="kv_bits")  # fmt: skip
-    if layout.head_dim % config.kv_group_size:
-        raise InvalidRequest(f"--kv-group-size {config.kv_group_size} does not divide the head size {layout.head_dim}",
+    if getattr(model.args, "num_kv_shared_layers", 0):
+        raise InvalidRequest("--kv-bits: not with layers that read another layer's K/V (Gemma 4): mlx-lm's quantized "
+                             "caches cannot serve them, so there is no reference to hold the tokens to", param="kv_bits")
+    if any(size % config.kv_group_size for size in layout.key_sizes):
+        sizes = " and ".join(str(size) for size in sorted(layout.key_sizes))
+        raise InvalidRequest(f"--kv-group-size {config.kv_group_size} does not divide the head size {sizes}",
                              param="kv_group_size")  # fmt: skip
     return replace(layout, bits=config.kv_bits, group_size=config.kv_group_size)
 

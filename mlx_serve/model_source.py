@@ -24,7 +24,7 @@ SUPPORTED_MODEL_TYPES = (
     "bailing_moe", "deepseek_v3", "kimi_k2", "glm4_moe_lite", "qwen3_vl",
     "qwen3_vl_moe", "gemma3_text", "gemma3", "olmo3", "cohere2", "ministral3", "mistral3",
     "gpt_oss", "gemma2", "qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe",
-    "granitemoehybrid", "olmo_hybrid", "nemotron_h", "falcon_h1", "mamba", "mamba2", "jamba", "llama4", "deepseek_v2", "minicpm3", "mistral4",
+    "granitemoehybrid", "olmo_hybrid", "nemotron_h", "falcon_h1", "mamba", "mamba2", "jamba", "llama4", "deepseek_v2", "minicpm3", "mistral4", "gemma4_text", "gemma4",
 )  # fmt: skip
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -96,7 +96,10 @@ def _download(repo_id: str, where: str) -> Path:
 
 
 # families whose cache list skips layers: which layers take one (the rest, MLP or MoE blocks, get None)
-_CACHED_LAYERS: dict[str, Any] = {"nemotron_h": lambda layer: layer.block_type in ("M", "*")}
+_CACHED_LAYERS: dict[str, Any] = {
+    "nemotron_h": lambda layer: layer.block_type in ("M", "*"),
+    "gemma4_text": lambda layer: layer.self_attn.has_kv,  # the last layers read an earlier layer's K/V (`gemma4`)
+}
 
 
 def cache_layers(model: Any) -> tuple[int, ...]:

@@ -347,6 +347,17 @@ def decode_reads(rows: DecodeRows, window: int | None, dtype: mx.Dtype, chunked:
     return DecodeReads(blocks * size + positions % size, mask)
 
 
+class SharedKVCache(RaggedLayerCache):
+    """A layer that attends over another layer's K/V (Gemma 4's last layers): the owner's pool arrays and window,
+    which the owner wrote earlier in the same step; it writes nothing of its own."""
+
+    def __init__(self, owner: RaggedLayerCache) -> None:
+        super().__init__(owner.pool, owner.layer, owner.step)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        return keys, values
+
+
 def masked_decode_attention(queries: mx.array, pool_keys: Any, pool_values: Any, reads: DecodeReads, scale: float,
                             sinks: mx.array | None = None, softcap: float | None = None,
                             quantized: KVLayout | None = None) -> mx.array:  # fmt: skip
@@ -439,14 +450,17 @@ def install_ragged_attention(model: Any, attends: bool = True) -> None:
     """Route the attention of every mlx-lm module the model's layers come from through the dispatcher (idempotent,
     per module): a family may reuse another's attention class (SmolLM3 runs Llama's). Attention written out by hand
     (Gemma 2's soft-capped scores) gets a forward of its own that routes the same way (`softcap_attention`)."""
-    from mlx_serve.llama4 import install_llama4_forwards  # these import this module
+    from mlx_serve.gemma4 import install_gemma4_forwards  # these import this module
+    from mlx_serve.llama4 import install_llama4_forwards
     from mlx_serve.mla_attention import install_mla_forwards
     from mlx_serve.softcap_attention import install_softcapped_forwards
 
-    softcapped = install_softcapped_forwards(model) | install_mla_forwards(model) | install_llama4_forwards(model)
+    own_forwards = (install_softcapped_forwards(model), install_mla_forwards(model), install_llama4_forwards(model),
+                    install_gemma4_forwards(model))  # fmt: skip
+    routed = any(own_forwards)
     names = {type(model).__module__} | {type(m).__module__ for _, m in model.named_modules()}
     modules = [sys.modules[n] for n in sorted(names) if hasattr(sys.modules.get(n), "scaled_dot_product_attention")]
-    if not modules and not softcapped and attends:  # `attends`: the model has attention layers to route
+    if not modules and not routed and attends:  # `attends`: the model has attention layers to route
         raise RuntimeError(f"{type(model).__module__} has no scaled_dot_product_attention to route")
     for module in modules:
         current = module.scaled_dot_product_attention

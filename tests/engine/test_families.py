@@ -21,6 +21,7 @@ from mlx_serve.model_source import SUPPORTED_MODEL_TYPES, layer_windows
 from mlx_serve.types import GenerationRequest, SamplingParams
 from tests.engine.reference import (
     generate_in_cuda_layout,
+    load_reference,
     prompt_of,
     reference_prompt_logprobs,
     reference_tokens,
@@ -95,6 +96,28 @@ def test_a_llama_config_with_sliding_window_layers_matches_mlx_lm(tmp_path):
         assert tokens[i] == reference_tokens(path, prompt, 24)
 
 
+def test_gemma4s_pool_holds_each_layers_own_heads_and_only_the_layers_that_keep_kv(checkpoints):
+    """Gemma 4's full-attention layers keep one wider head (its keys also its values), the others two narrower ones,
+    and its last two layers read an earlier layer's K/V: the pool holds what mlx-lm's caches hold a token."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    path = checkpoints["gemma4_text"]
+    model, _ = load_reference(str(path))
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array(prompt_of(7, seed=545))[None], cache=cache))
+    per_token = sum(c.keys[..., :7, :].nbytes + c.values[..., :7, :].nbytes for c in cache) // 7
+    engine = Engine.load(EngineConfig(model=str(path), block_size=16, kv_blocks=32, warm_up=False))
+    try:
+        layout = engine.pool.layout
+        assert len(cache) == layout.num_layers == 4
+        assert layout.layer_heads == ((2, 32), (2, 32), (1, 64), (2, 32))
+        assert [k.shape[1:] for k in engine.pool.keys] == [(2, 32), (2, 32), (1, 64), (2, 32)]
+        assert layout.bytes_per_token() == per_token
+    finally:
+        engine.shutdown()
+
+
 def test_caches_other_than_full_sliding_or_recurrent_are_refused():
     from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
@@ -120,7 +143,7 @@ def test_an_unserved_family_is_refused_with_the_list(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["granite", "cohere", "internlm2", "mixtral", "gemma3", "cohere2", "gpt_oss", "minimax",
-                                    "gemma2", "llama4", "deepseek_v2", "minicpm3"])
+                                    "gemma2", "llama4", "deepseek_v2", "minicpm3", "gemma4"])
 def test_a_family_in_the_cuda_layout_with_compiled_decode_steps(checkpoints, family):
     """As on CUDA: decode steps replay one compiled graph (the family's head traced in it), prefill history in
     buckets read through the block table. mlx-lm's tokens."""

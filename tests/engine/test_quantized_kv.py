@@ -109,3 +109,10 @@ def test_bad_quantization_settings_are_refused(checkpoints):
         Engine.load(quantized(path, 8, compile_decode="on", fuse_decode="on"))
     with pytest.raises(InvalidRequest, match="--kv-bits cannot run with --ane-lane"):
         Engine.load(quantized(path, 8, ane_lane="cpu"))
+
+
+def test_layers_that_read_another_layers_kv_are_refused_quantized_kv(tmp_path):
+    path = make_checkpoint(tmp_path / "gemma4_text", arch="gemma4_text", seed=0)
+    with pytest.raises(InvalidRequest, match="another layer's K/V") as caught:
+        Engine.load(quantized(path, 8))
+    assert caught.value.param == "kv_bits"

@@ -24,7 +24,7 @@ from tests.engine.reference import (
     run_staggered_counted,
 )
 
-WINDOWED = ["gemma3", "olmo3", "cohere2", "gpt_oss", "ministral3", "llama4"]  # every preset's window: 16 tokens
+WINDOWED = ["gemma3", "olmo3", "cohere2", "gpt_oss", "ministral3", "llama4", "gemma4_text"]  # every preset's window: 16 tokens
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_compiled_decode_steps_read_the_window_space(checkpoints):
         assert got == reference_tokens(path, prompt, 12)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "gpt_oss", "llama4"])
+@pytest.mark.parametrize("family", ["gemma3", "gpt_oss", "llama4", "gemma4_text"])
 def test_a_continuation_reads_its_cached_prefix_from_both_spaces(checkpoints, family):
     """A chat's next turn repeats the last one's tokens: the prefix comes from the cache (the full layers' blocks and
     the window's last blocks), and the tokens are still mlx-lm's."""
