@@ -42,17 +42,21 @@ _MLA = dict(kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_d
 _QWEN3_NEXT = dict(num_hidden_layers=4, full_attention_interval=2, linear_num_value_heads=4, linear_num_key_heads=2,
                    linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
                    partial_rotary_factor=0.25)
-# Gemma 4: the last two layers read the K/V of the last earlier layer of their kind; full-attention layers have wider
-# heads (one kv head, its keys its values too: attention_k_eq_v) and partial proportional RoPE; per-layer inputs
-_GEMMA4 = dict(num_hidden_layers=6, num_kv_shared_layers=2, global_head_dim=64, num_global_key_value_heads=1,
-               attention_k_eq_v=True, sliding_window=16, hidden_size_per_layer_input=16,
-               vocab_size_per_layer_input=TINY_VOCAB, final_logit_softcapping=4.0, tie_word_embeddings=True,
-               layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
-                            "sliding_attention", "full_attention"],
+# Gemma 4: full-attention layers with wider heads and partial proportional RoPE, a soft-capped head. The E2B/E4B
+# form (gemma4_text here): per-layer inputs, and the last two layers read the K/V of the last earlier layer of their
+# kind. The 26B/31B form (the gemma4 wrapper here): experts beside the MLP, full layers with one kv head whose keys
+# are also its values (attention_k_eq_v)
+_GEMMA4 = dict(num_hidden_layers=6, global_head_dim=64, sliding_window=16, final_logit_softcapping=4.0,
+               tie_word_embeddings=True, layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                                      "sliding_attention", "sliding_attention", "full_attention"],
                rope_parameters={"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0,
                                                    "rope_type": "proportional"},
                                 "sliding_attention": {"partial_rotary_factor": 1.0, "rope_theta": 10000.0,
                                                       "rope_type": "default"}})
+_GEMMA4_E = dict(_GEMMA4, num_kv_shared_layers=2, hidden_size_per_layer_input=16, vocab_size_per_layer_input=TINY_VOCAB)
+_GEMMA4_MOE = dict(_GEMMA4, num_kv_shared_layers=0, hidden_size_per_layer_input=0, attention_k_eq_v=True,
+                   num_global_key_value_heads=1, enable_moe_block=True, num_experts=4, top_k_experts=2,
+                   moe_intermediate_size=64)
 _GRANITE = dict(logits_scaling=8.0, attention_multiplier=0.05, embedding_multiplier=12.0, residual_multiplier=0.22)
 
 # mlx-lm families served beyond the five above, at the tiny size only, written in mlx-lm's layout (`families`):
@@ -142,8 +146,8 @@ MLX_FAMILIES: dict[str, dict] = {
                     tie_word_embeddings=True),
     "ministral3": dict(_MINISTRAL3),
     "mistral3": dict(text_config={"model_type": "ministral3", **_FAMILY_BASE, **_MINISTRAL3}),  # a multimodal wrapper
-    "gemma4_text": dict(_GEMMA4),
-    "gemma4": dict(text_config={"model_type": "gemma4_text", **_FAMILY_BASE, **_GEMMA4}),  # a multimodal wrapper
+    "gemma4_text": dict(_GEMMA4_E),
+    "gemma4": dict(text_config={"model_type": "gemma4_text", **_FAMILY_BASE, **_GEMMA4_MOE}),  # a multimodal wrapper
     # and attention sinks (a per-head logit in every softmax)
     "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=16, rope_scaling=None,
                     layer_types=["sliding_attention", "full_attention"]),

@@ -97,25 +97,26 @@ def test_a_llama_config_with_sliding_window_layers_matches_mlx_lm(tmp_path):
 
 
 def test_gemma4s_pool_holds_each_layers_own_heads_and_only_the_layers_that_keep_kv(checkpoints):
-    """Gemma 4's full-attention layers keep one wider head (its keys also its values), the others two narrower ones,
-    and its last two layers read an earlier layer's K/V: the pool holds what mlx-lm's caches hold a token."""
+    """Gemma 4's full-attention layers keep wider heads (in the 26B form one, its keys also its values), and in the
+    E2B form its last two layers read an earlier layer's K/V: the pool holds what mlx-lm's caches hold a token."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    path = checkpoints["gemma4_text"]
-    model, _ = load_reference(str(path))
-    cache = make_prompt_cache(model)
-    mx.eval(model(mx.array(prompt_of(7, seed=545))[None], cache=cache))
-    per_token = sum(c.keys[..., :7, :].nbytes + c.values[..., :7, :].nbytes for c in cache) // 7
-    engine = Engine.load(EngineConfig(model=str(path), block_size=16, kv_blocks=32, warm_up=False))
-    try:
-        layout = engine.pool.layout
-        assert len(cache) == layout.num_layers == 4
-        assert layout.layer_heads == ((2, 32), (2, 32), (1, 64), (2, 32))
-        assert [k.shape[1:] for k in engine.pool.keys] == [(2, 32), (2, 32), (1, 64), (2, 32)]
-        assert layout.bytes_per_token() == per_token
-    finally:
-        engine.shutdown()
+    for family, heads in [("gemma4_text", [(2, 32), (2, 32), (2, 64), (2, 32)]),
+                          ("gemma4", [(2, 32), (2, 32), (1, 64), (2, 32), (2, 32), (1, 64)])]:
+        path = checkpoints[family]
+        model, _ = load_reference(str(path))
+        cache = make_prompt_cache(model)
+        mx.eval(model(mx.array(prompt_of(7, seed=545))[None], cache=cache))
+        per_token = sum(c.keys[..., :7, :].nbytes + c.values[..., :7, :].nbytes for c in cache) // 7
+        engine = Engine.load(EngineConfig(model=str(path), block_size=16, kv_blocks=32, warm_up=False))
+        try:
+            layout = engine.pool.layout
+            assert len(cache) == layout.num_layers == len(heads)
+            assert [k.shape[1:] for k in engine.pool.keys] == heads == list(layout.layer_heads)
+            assert layout.bytes_per_token() == per_token
+        finally:
+            engine.shutdown()
 
 
 def test_caches_other_than_full_sliding_or_recurrent_are_refused():

@@ -22,7 +22,7 @@ from tests.engine.reference import (
     run_staggered,
 )
 
-FAMILIES = ["qwen3", "llama", "mixtral", "gemma3"]  # gemma3: its sliding-window layers stay in the model's dtype
+FAMILIES = ["qwen3", "llama", "mixtral", "gemma3", "gemma4"]  # gemma3, gemma4: windowed layers stay in the model's dtype
 
 
 @pytest.fixture(scope="module")
