@@ -113,7 +113,7 @@ def parse_completion(body: dict[str, Any], tokenizer: Any, model: ModelInfo) -> 
                                       prompt_param="prompt", prompt_logprobs=scored, grammar=grammar,
                                       bad_words=bad_words)
     )  # fmt: skip
-    if scored is not None and n > 1 and not stream:  # a prompt's choices share its first choice's scores (`_serve`)
+    if scored is not None and n > 1:  # a prompt's choices share its first choice's scores (`_serve`, the stream)
         requests = tuple(r if i % n == 0 else replace(r, sampling=replace(r.sampling, prompt_logprobs=None))
                          for i, r in enumerate(requests))  # fmt: skip
     # the echo is the prompt as the model read it (`truncate_prompt_tokens` may have cut its head)
@@ -273,18 +273,31 @@ async def _chat_stream(job: Job, handles: Sequence[Any], tokenizer: Any, job_id:
 async def _completion_stream(job: Job, handles: Sequence[Any], tokenizer: Any, job_id: str, model: str,
                              created: int) -> AsyncIterator[bytes]:
     choices = choice_states(job, tokenizer)
+    # a prompt's later choices echo the scores its first computes: their events wait for its first event (which
+    # carries them)
+    waiting: dict[int, list[Any]] = {}
+    shares = job.echo is not None and job.want_logprobs and job.n > 1
+    heard: set[int] = set()  # first choices that have sent an event
     async for index, event in merge_events(handles):
-        choice = choices[index]
-        offset = choice.entry_chars  # offsets count the entries' token texts, as the whole answer's do
-        try:
-            delta = choice.add(event)
-        except fmt.GenerationFailed as exc:
-            yield sse(openai_error_body(exc))
-            return
-        if not delta.empty or event.finish_reason is not None:
-            logprobs = fmt.completion_logprobs(delta.logprobs, offset) if job.want_logprobs else None
-            yield sse(fmt.completion_chunk(job_id, model, created, index, delta.text, choice.finish_reason,
-                                           logprobs, job.include_usage))
+        first = index - index % job.n
+        if shares and index != first and first not in heard:
+            waiting.setdefault(first, []).append((index, event))
+            continue
+        heard.add(index)
+        ready = [(index, event), *waiting.pop(index, [])]
+        for index, event in ready:
+            choice = choices[index]
+            choice.prompt_scores = choice.prompt_scores or choices[index - index % job.n].prompt_scores
+            offset = choice.entry_chars  # offsets count the entries' token texts, as the whole answer's do
+            try:
+                delta = choice.add(event)
+            except fmt.GenerationFailed as exc:
+                yield sse(openai_error_body(exc))
+                return
+            if not delta.empty or event.finish_reason is not None:
+                logprobs = fmt.completion_logprobs(delta.logprobs, offset) if job.want_logprobs else None
+                yield sse(fmt.completion_chunk(job_id, model, created, index, delta.text, choice.finish_reason,
+                                               logprobs, job.include_usage))
     if job.include_usage:
         yield sse(fmt.usage_chunk(job_id, model, created, "text_completion", choices))
     yield sse("[DONE]")

@@ -4,6 +4,8 @@ list of prompts in one call. Every figure is compared with mlx-lm's model on the
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import openai
 import pytest
@@ -80,6 +82,43 @@ def test_echo_puts_the_prompt_before_mlx_lms_answer_streaming_and_not(served, cl
     assert streamed == choice.logprobs.token_logprobs
     offsets = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
     assert offsets == choice.logprobs.text_offset
+
+
+def test_streamed_choices_of_a_prompt_echo_the_scores_its_first_choice_computes_once(served, client, monkeypatch):
+    """n choices of two prompts, streamed: each choice echoes its prompt's scores (mlx-lm's), and the engine is asked
+    to score each prompt once, by its first choice; the later choices' chunks wait for those scores."""
+    engine = served.engine
+    submitted = []
+    real_submit = engine.submit_all
+
+    class FirstLate:  # each prompt's first choice is read late, so its siblings' tokens come before its scores
+        def __init__(self, handle):
+            self.handle = handle
+
+        async def __aiter__(self):
+            await asyncio.sleep(0.3)
+            async for event in self.handle:
+                yield event
+
+        def __getattr__(self, name):
+            return getattr(self.handle, name)
+
+    def submit_all(requests):
+        submitted.extend(requests)
+        return [FirstLate(h) if i % 3 == 0 else h for i, h in enumerate(real_submit(requests))]
+
+    monkeypatch.setattr(engine, "submit_all", submit_all)
+    prompts = [prompt_of(21, seed=425), prompt_of(14, seed=426)]
+    chunks = list(client.completions.create(model=engine.model_id, prompt=prompts, max_tokens=4, n=3, echo=True,
+                                            logprobs=1, temperature=0, stream=True))  # fmt: skip
+    assert [r.sampling.prompt_logprobs is not None for r in submitted] == [True, False, False] * 2
+    for index in range(6):
+        parts = [c.choices[0] for c in chunks if c.choices[0].index == index]
+        tokens = [t for p in parts if p.logprobs for t in p.logprobs.tokens]
+        token_logprobs = [lp for p in parts if p.logprobs for lp in p.logprobs.token_logprobs]
+        top_logprobs = [top for p in parts if p.logprobs for top in p.logprobs.top_logprobs]
+        scored = type("Scored", (), dict(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top_logprobs))
+        _assert_scored(served, prompts[index // 3], scored, 1)
 
 
 def test_echo_without_logprobs_scores_nothing_and_text_prompts_echo_as_given(served, client):
