@@ -40,18 +40,21 @@ OPS = st.lists(
 
 
 @pytest.fixture(scope="module",
-                params=["qwen3", "gemma3-window-space", "qwen3-8-bit-kv", "qwen3_next-recurrent", "deepseek_v3-latent"])
+                params=["qwen3", "gemma3-window-space", "qwen3-8-bit-kv", "qwen3_next-recurrent", "deepseek_v3-latent",
+                        "gemma4_text-window-space", "llama4-window-space"])
 def served(request, tiny_qwen3, tmp_path_factory):
     """The engine, its checkpoint and its KV's bits: 14 blocks of 16 = 224 tokens of KV for up to 7 requests of up to
     180, so requests wait and some are preempted; Gemma 3's sliding-window layers (16 tokens) in a window space of 4
-    blocks besides; or the KV quantized to 8 bits (the references then use mlx-lm's quantized caches); or Qwen3-Next's
-    recurrent layers, each request's state in one of 4 slots; or DeepSeek-V3's latent attention."""
+    blocks besides (also Gemma 4's, whose last layers read an earlier layer's K/V, and Llama 4's chunked layers); or
+    the KV quantized to 8 bits (the references then use mlx-lm's quantized caches); or Qwen3-Next's recurrent layers,
+    each request's state in one of 4 slots; or DeepSeek-V3's latent attention."""
     path, bits = tiny_qwen3, None
     settings = dict(block_size=16, kv_blocks=14, row_ceiling=48, row_floor=8, max_running=4)
-    if request.param == "gemma3-window-space":
+    if request.param.endswith("-window-space"):
         from mlx_serve.checkpoints import make_checkpoint
 
-        path = make_checkpoint(tmp_path_factory.mktemp("chaos") / "gemma3", arch="gemma3", seed=4)
+        arch = request.param.split("-")[0]
+        path = make_checkpoint(tmp_path_factory.mktemp("chaos") / arch, arch=arch, seed=4)
         settings["window_kv_tokens"] = 64
     if request.param in ("qwen3_next-recurrent", "deepseek_v3-latent"):
         from mlx_serve.checkpoints import make_checkpoint
