@@ -283,7 +283,11 @@ class RaggedLayerCache:
         return self.step.chunk_attention(q, keys, values, scale, mask)
 
     def _lane_kv(self, lane: LaneRows) -> tuple[mx.array, mx.array]:
-        """A multi-row lane's history and own rows `[1, kv_heads, kv_len, D]`: through its block table, or its slots."""
+        """A multi-row lane's history and own rows `[1, kv_heads, kv_len, D]`: through its block table, or its slots;
+        gathered once a step for a layer and those that read its K/V (`SharedKVCache`)."""
+        return self.step.once(("lane kv", self.layer, lane.row_start), self._gather_lane_kv, lane)
+
+    def _gather_lane_kv(self, lane: LaneRows) -> tuple[mx.array, mx.array]:
         if lane.table is None:
             return self.pool.gather(self.layer, lane.kv_slots)
         pool_keys, pool_values = self.pool.keys[self.layer], self.pool.values[self.layer]
@@ -302,8 +306,10 @@ class RaggedLayerCache:
         window, chunked, dtype = self.window, self.chunked, queries.dtype
         if decode is not None:
             reads = self.space.once(("decode", window, chunked, dtype), decode_reads, decode, window, dtype, chunked)
-            outputs.append(masked_decode_attention(queries[: decode.count], pool_keys, pool_values, reads, scale,
-                                                   sinks, softcap, quantized))  # fmt: skip
+            # a layer that reads another's K/V (`SharedKVCache`) takes the owner's gathered window
+            keys, values = self.step.once(("decode kv", self.layer), _take_kv, pool_keys, pool_values, reads.slots)
+            outputs.append(_masked_attention(queries[: decode.count], keys, values, scale, reads.mask, sinks, softcap,
+                                             quantized))  # fmt: skip
         for i, lane in enumerate(self.space.lanes):
             q = queries[lane.row_start : lane.row_start + lane.rows].transpose(2, 1, 0, 3)  # [1, H, n, D]
             if lane.query_rows > lane.rows:
@@ -358,14 +364,9 @@ class SharedKVCache(RaggedLayerCache):
         return keys, values
 
 
-def masked_decode_attention(queries: mx.array, pool_keys: Any, pool_values: Any, reads: DecodeReads, scale: float,
-                            sinks: mx.array | None = None, softcap: float | None = None,
-                            quantized: KVLayout | None = None) -> mx.array:  # fmt: skip
-    """Single-row lanes `[n, H, 1, D]` over the positions `reads` gives them: one batched SDPA, with `sinks` where
-    given (or, with `softcap`, one `softcapped_attention`)."""
-    keys = take_rows(pool_keys, reads.slots)  # [n, kv_heads, span, D]
-    values = take_rows(pool_values, reads.slots)
-    return _masked_attention(queries, keys, values, scale, reads.mask, sinks, softcap, quantized)
+def _take_kv(pool_keys: Any, pool_values: Any, slots: mx.array) -> tuple[Any, Any]:
+    """The single-row lanes' keys and values at `slots` `[n, span]`: `[n, kv_heads, span, D]` each."""
+    return take_rows(pool_keys, slots), take_rows(pool_values, slots)
 
 
 def _masked_attention(q: mx.array, keys: Any, values: Any, scale: float, mask: Any, sinks: mx.array | None,

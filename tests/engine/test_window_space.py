@@ -15,6 +15,7 @@ from mlx_serve.engine import Engine, EngineConfig
 from mlx_serve.errors import InvalidRequest
 from mlx_serve.kernels.paged_gather import table_gather
 from mlx_serve.model_loading import kv_pool_size, load_model
+from mlx_serve.types import GenerationRequest
 from tests.engine.reference import (
     generate_in_cuda_layout,
     prompt_of,
@@ -153,3 +154,23 @@ def test_a_steps_window_reads_and_masks_are_built_once_for_all_its_windowed_laye
     for kind, inputs in built.items():
         assert inputs, f"no step built {kind} reads"
         assert len({id(x) for x in inputs}) == len(inputs), f"a step built its {kind} reads more than once"
+
+
+def test_layers_that_read_another_layers_kv_take_its_gathered_window(checkpoints, monkeypatch):
+    """Gemma 4's shared sliding layer attends over its owner's window: the owner's gather serves both, no second
+    gather of the same pool array in a step."""
+    from mlx_serve import ragged
+
+    gathered = []
+    real_take = ragged._take_kv
+    monkeypatch.setattr(ragged, "_take_kv", lambda keys, *a: gathered.append(keys) or real_take(keys, *a))
+    path = checkpoints["gemma4_text"]
+    prompt = prompt_of(30, seed=640)
+    engine = Engine.load(tight(path))
+    try:
+        [done] = engine.generate([GenerationRequest(prompt_ids=tuple(prompt), max_tokens=6)])
+    finally:
+        engine.shutdown()
+    assert list(done.token_ids) == reference_tokens(path, prompt, 6)
+    assert gathered, "no decode step gathered a window"
+    assert len({id(keys) for keys in gathered}) == len(gathered), "a pool array was gathered twice"
