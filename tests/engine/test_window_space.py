@@ -163,7 +163,11 @@ def test_layers_that_read_another_layers_kv_take_its_gathered_window(checkpoints
 
     gathered = []
     real_take = ragged._take_kv
-    monkeypatch.setattr(ragged, "_take_kv", lambda keys, *a: gathered.append(keys) or real_take(keys, *a))
+    def take(keys, values, slots):  # the step's slots are built once a step: (pool array, slots) names one gather
+        gathered.append((keys, slots))
+        return real_take(keys, values, slots)
+
+    monkeypatch.setattr(ragged, "_take_kv", take)
     path = checkpoints["gemma4_text"]
     prompt = prompt_of(30, seed=640)
     engine = Engine.load(tight(path))
@@ -173,4 +177,4 @@ def test_layers_that_read_another_layers_kv_take_its_gathered_window(checkpoints
         engine.shutdown()
     assert list(done.token_ids) == reference_tokens(path, prompt, 6)
     assert gathered, "no decode step gathered a window"
-    assert len({id(keys) for keys in gathered}) == len(gathered), "a pool array was gathered twice"
+    assert len({(id(keys), id(slots)) for keys, slots in gathered}) == len(gathered), "a window was gathered twice"
