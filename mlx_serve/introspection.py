@@ -94,13 +94,14 @@ def allocation_summary(model_id: str, weight_bytes: int, pool: Any, context: int
     layers' where a window space holds the others."""
     tokens = pool.num_blocks * pool.block_size
     bytes_per_token, windows = pool.layout.bytes_per_token(), ""
+    kind = "chunked-attention" if pool.layout.chunked else "sliding-window"
     if pool.window_blocks:
         windowed = pool.layout.windowed_bytes_per_token()
         bytes_per_token -= windowed
-        windows = (f"; sliding-window layers {pool.window_blocks} blocks ({pool.window_blocks * pool.block_size} "
+        windows = (f"; {kind} layers {pool.window_blocks} blocks ({pool.window_blocks * pool.block_size} "
                    f"tokens, {windowed} bytes/token)")  # fmt: skip
     elif pool.layout.num_windowed:  # auto found no split that costs no mix of requests anything (or it was turned off)
-        windows = "; sliding-window layers keep every token's KV (--window-kv-tokens N holds them to N tokens)"
+        windows = f"; {kind} layers keep every token's KV (--window-kv-tokens N holds them to N tokens)"
     quantized = f", {pool.layout.bits}-bit KV" if pool.layout.quantized else ""
     return (
         f"{model_id}: weights {size_text(weight_bytes)}; KV pool {size_text(pool.nbytes)} = {pool.num_blocks} blocks x "

@@ -151,6 +151,7 @@ def test_a_steps_window_reads_and_masks_are_built_once_for_all_its_windowed_laye
     finally:
         engine.shutdown()
     assert tokens[1] == reference_tokens(path, prompts[1], 6)
+    assert "; chunked-attention layers 4 blocks (64 tokens" in engine.allocation_summary()
     for kind, inputs in built.items():
         assert inputs, f"no step built {kind} reads"
         assert len({id(x) for x in inputs}) == len(inputs), f"a step built its {kind} reads more than once"
