@@ -40,7 +40,7 @@ class _HeadView:
         self._inner = _GivenHidden(model.model, hidden)
 
     def __getattr__(self, name: str) -> Any:
-        return self._inner if name in ("model", "backbone") else getattr(self._model, name)
+        return self._inner if name in ("model", "backbone", "transformer") else getattr(self._model, name)
 
 
 def plain_head(model: Any) -> bool:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from mlx_serve.adapters import AdapterSet, install_adapters
 from mlx_serve.config import EngineConfig
@@ -150,8 +151,8 @@ def kv_layout(model: Any, windows: tuple[int | None, ...] = ()) -> KVLayout:
         return KVLayout(layers, 1, latent.latent, dtype, windows, value_dim=latent.rope_key, latent=True)
     if (expanded := expanded_latent_heads(model)) is not None:  # keys of q_head_dim, values of v_head_dim, every head
         return KVLayout(layers, args.num_attention_heads, expanded.key, dtype, windows, value_dim=expanded.value)
-    n_heads = args.num_attention_heads
-    head_dim = getattr(args, "head_dim", None) or args.hidden_size // n_heads
+    n_heads = getattr(args, "num_attention_heads", None) or args.n_head  # GPT-2 keeps its own names
+    head_dim = getattr(args, "head_dim", None) or (getattr(args, "hidden_size", None) or args.n_embd) // n_heads
     kv_heads = getattr(args, "num_key_value_heads", None) or n_heads
     return KVLayout(layers, kv_heads, head_dim, dtype, windows, layer_heads=_layer_heads(model))
 
@@ -278,8 +279,14 @@ def text_model(model: Any) -> Any:
         if not hasattr(inner, "make_cache") and hasattr(model, "make_cache"):  # Llama 4: the wrapper says the caches
             object.__setattr__(inner, "make_cache", model.make_cache)
         return inner
-    if "backbone" in model and "model" not in model:  # Nemotron-H names its inner model `backbone`
-        object.__setattr__(model, "model", model.backbone)  # an alias, not a child: its parameters are not listed twice
+    # the inner model and its layers under the names the engine reads, where a family names them otherwise (Nemotron-H:
+    # `backbone`; GPT-2, nanochat, EXAONE 3: `transformer` and `h`): aliases, not children (parameters listed once)
+    inner_name = next((name for name in ("backbone", "transformer") if name in model), None)
+    if inner_name is not None and "model" not in model:
+        object.__setattr__(model, "model", model[inner_name])
+    inner = getattr(model, "model", None)
+    if isinstance(inner, dict) and "h" in inner and "layers" not in inner:
+        object.__setattr__(inner, "layers", inner["h"])
     return model
 
 
@@ -290,11 +297,16 @@ def module_buffers(model: Any) -> list[mx.array]:
 
 
 def activation_dtype(model: Any) -> mx.Dtype:
-    """The dtype hidden states (and so K/V) take: the final norm's weights (floating even when quantized; every
-    family served has one, under one of these names; some have no per-layer input norm)."""
+    """The dtype hidden states (and so K/V) take: the final norm's weights (floating even when quantized; under one
+    of these names; some families have no per-layer input norm), or where it has no weights (nanochat) the
+    embedding's (its scales, when quantized)."""
     inner = model.model
-    name = next(name for name in ("norm", "embedding_norm", "final_layernorm", "norm_f") if name in inner)
-    return inner[name].weight.dtype
+    name = next((name for name in ("norm", "embedding_norm", "final_layernorm", "norm_f", "ln_f") if name in inner),
+                None)  # fmt: skip
+    if name is not None:
+        return inner[name].weight.dtype
+    embedding = next(m for _, m in inner.named_modules() if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding)))
+    return embedding.scales.dtype if isinstance(embedding, nn.QuantizedEmbedding) else embedding.weight.dtype
 
 
 def _materialize(model: Any, show_progress: bool, label: str) -> None:

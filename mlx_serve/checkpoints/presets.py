@@ -134,6 +134,14 @@ MLX_FAMILIES: dict[str, dict] = {
     "minicpm3": dict(q_lora_rank=48, qk_nope_head_dim=32, qk_rope_head_dim=16, kv_lora_rank=32, dim_model_base=32,
                      scale_depth=1.4, scale_emb=12.0, rope_scaling={"type": "longrope", "short_factor": [1.0] * 8,
                      "long_factor": [1.5] * 8, "original_max_position_embeddings": 1024}),
+    "exaone": dict(num_layers=2, layer_norm_epsilon=1e-5),
+    "gpt2": dict(n_ctx=TINY_CONTEXT, n_embd=128, n_head=4, n_layer=2, n_positions=TINY_CONTEXT,
+                 layer_norm_epsilon=1e-5, num_key_value_heads=None),
+    "nanochat": dict(),
+    "kimi_k25": dict(text_config={"model_type": "deepseek_v3", **_FAMILY_BASE, **_V3_MOE, **_MLA,
+                                  "first_k_dense_replace": 1, "moe_layer_freq": 1}),  # Kimi K2.5: DeepSeek-V3 inside
+    "qwen2_vl": dict(text_config={"model_type": "qwen2", **_FAMILY_BASE}),  # Qwen2-VL's text half
+    "pixtral": dict(text_config={"model_type": "llama", **_FAMILY_BASE}),  # Pixtral's text half
     # Qwen3-VL's multimodal checkpoints: their text half is a Qwen3 (or Qwen3-MoE) model
     "qwen3_vl": dict(text_config={"model_type": "qwen3", **_FAMILY_BASE}),
     "qwen3_vl_moe": dict(text_config={"model_type": "qwen3_moe", **_FAMILY_BASE, **_MOE, "decoder_sparse_step": 1,
@@ -151,6 +159,10 @@ MLX_FAMILIES: dict[str, dict] = {
     # and attention sinks (a per-head logit in every softmax)
     "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=16, rope_scaling=None,
                     layer_types=["sliding_attention", "full_attention"]),
+    "mellum": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+                   sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+                   rope_parameters={"sliding_attention": {"rope_theta": 10000.0},
+                                    "full_attention": {"rope_theta": 1000000.0}}),
     # recurrent layers beside attention (`mlx_serve.recurrent`): gated delta nets, short convolutions, Mamba-2
     "qwen3_next": dict(_QWEN3_NEXT, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
                        shared_expert_intermediate_size=64, moe_intermediate_size=64, norm_topk_prob=True),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-HELP = "Write a random-weight checkpoint of a real architecture (llama, qwen2, qwen3, qwen3_moe, mistral at real sizes; 71 more mlx-lm families at a tiny size)."
+HELP = "Write a random-weight checkpoint of a real architecture (llama, qwen2, qwen3, qwen3_moe, mistral at real sizes; 78 more mlx-lm families at a tiny size)."
 
 # Kept here, not imported, so `--help` does not import MLX; tests check they match mlx_serve.checkpoints.
 ARCHS = (
@@ -61,6 +61,12 @@ ARCHS = (
     "mistral4",
     "deepseek_v2",
     "minicpm3",
+    "exaone",
+    "gpt2",
+    "nanochat",
+    "kimi_k25",
+    "qwen2_vl",
+    "pixtral",
     "qwen3_vl",
     "qwen3_vl_moe",
     "gemma3_text",
@@ -72,6 +78,7 @@ ARCHS = (
     "gemma4_text",
     "gemma4",
     "gpt_oss",
+    "mellum",
     "qwen3_next",
     "qwen3_5",
     "qwen3_5_moe",
