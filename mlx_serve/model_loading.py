@@ -151,18 +151,22 @@ def kv_layout(model: Any, windows: tuple[int | None, ...] = ()) -> KVLayout:
         return KVLayout(layers, 1, latent.latent, dtype, windows, value_dim=latent.rope_key, latent=True)
     if (expanded := expanded_latent_heads(model)) is not None:  # keys of q_head_dim, values of v_head_dim, every head
         return KVLayout(layers, args.num_attention_heads, expanded.key, dtype, windows, value_dim=expanded.value)
+    heads = _layer_heads(model)
+    if len(set(heads)) == 1:  # the attention modules' own counts, where they give them (Step 3.5: attention groups)
+        return KVLayout(layers, heads[0][0], heads[0][1], dtype, windows)
     n_heads = getattr(args, "num_attention_heads", None) or args.n_head  # GPT-2 keeps its own names
     head_dim = getattr(args, "head_dim", None) or (getattr(args, "hidden_size", None) or args.n_embd) // n_heads
     kv_heads = getattr(args, "num_key_value_heads", None) or n_heads
-    return KVLayout(layers, kv_heads, head_dim, dtype, windows, layer_heads=_layer_heads(model))
+    return KVLayout(layers, kv_heads, head_dim, dtype, windows, layer_heads=heads)
 
 
 def _layer_heads(model: Any) -> tuple[tuple[int, int], ...]:
-    """Each cached layer's (kv heads, head size) as its attention module says, where they differ between layers
-    (Gemma 4); () where they do not, or where a module does not say."""
+    """Each cached layer's (kv heads, head size) as its attention module says (Gemma 4's differ between layers);
+    () where a module does not say."""
     modules = [getattr(model.model.layers[i], "self_attn", None) for i in cache_layers(model)]
-    heads = [(getattr(m, "n_kv_heads", None), getattr(m, "head_dim", None)) for m in modules]
-    if any(None in pair for pair in heads) or len(set(heads)) < 2:
+    heads = [(getattr(m, "n_kv_heads", None) or getattr(m, "num_kv_heads", None), getattr(m, "head_dim", None))
+             for m in modules]  # fmt: skip
+    if any(None in pair for pair in heads):
         return ()
     return tuple((int(kv), int(size)) for kv, size in heads)
 

@@ -159,6 +159,11 @@ MLX_FAMILIES: dict[str, dict] = {
     # and attention sinks (a per-head logit in every softmax)
     "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=16, rope_scaling=None,
                     layer_types=["sliding_attention", "full_attention"]),
+    # Step 3.5: sliding layers with more heads (attention_other_setting), a gate a head, zero-centred norms, experts
+    "step3p5": dict(num_attention_groups=2, sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+                    attention_other_setting={"num_attention_heads": 8, "num_attention_groups": 4},
+                    partial_rotary_factors=[1.0, 0.5], moe_num_experts=4, moe_top_k=2, moe_intermediate_size=64,
+                    share_expert_dim=64, moe_layers_enum="1"),
     "mellum": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
                    sliding_window=16, layer_types=["sliding_attention", "full_attention"],
                    rope_parameters={"sliding_attention": {"rope_theta": 10000.0},
