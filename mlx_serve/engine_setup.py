@@ -387,7 +387,9 @@ def prefill_gather(pool: Any) -> Any:
     one for quantized KV)."""
     from mlx_serve.kernels.paged_gather import select_prefill_gather
 
-    if pool.layout.quantized or pool.layout.value_dim or len(pool.layout.recurrent) == pool.layout.num_layers:
+    layout = pool.layout
+    if layout.quantized or any(layout.values_differ(i) for i in range(layout.num_layers)) \
+            or len(layout.recurrent) == layout.num_layers:
         return None  # the gather kernel reads keys and values of one size, in the model's dtype (or: no attention)
     return select_prefill_gather(pool.keys[pool.layout.first_attention_layer])
 

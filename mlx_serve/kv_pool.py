@@ -36,9 +36,10 @@ class KVLayout:
     # "key" and the RoPE key as its "value" (`mla_attention`, `latent`), DeepSeek-V2's expanded heads a shorter value
     value_dim: int = 0
     latent: bool = False
-    # each layer's (kv heads, head size) where the layers differ (Gemma 4's full-attention layers: wider heads, fewer
-    # of them); empty: `num_kv_heads` and `head_dim` in every layer
-    layer_heads: tuple[tuple[int, int], ...] = ()
+    # each layer's (kv heads, key size, value size) where the layers differ (Gemma 4's full-attention layers: wider
+    # heads, fewer of them; MiMo-V2's sliding layers: heads of other sizes); empty: `num_kv_heads`, `head_dim` and
+    # `value_size` in every layer
+    layer_heads: tuple[tuple[int, int, int], ...] = ()
 
     def kv_heads_of(self, layer: int) -> int:
         return self.layer_heads[layer][0] if self.layer_heads else self.num_kv_heads
@@ -47,7 +48,11 @@ class KVLayout:
         return self.layer_heads[layer][1] if self.layer_heads else self.head_dim
 
     def value_size_of(self, layer: int) -> int:
-        return self.value_dim or self.key_size_of(layer)
+        return self.layer_heads[layer][2] if self.layer_heads else self.value_size
+
+    def values_differ(self, layer: int) -> bool:
+        """Whether the layer's values are of another size than its keys (the paged kernels read one size)."""
+        return self.value_size_of(layer) != self.key_size_of(layer)
 
     @property
     def key_sizes(self) -> set[int]:

@@ -153,22 +153,32 @@ def kv_layout(model: Any, windows: tuple[int | None, ...] = ()) -> KVLayout:
         return KVLayout(layers, args.num_attention_heads, expanded.key, dtype, windows, value_dim=expanded.value)
     heads = _layer_heads(model)
     if len(set(heads)) == 1:  # the attention modules' own counts, where they give them (Step 3.5: attention groups)
-        return KVLayout(layers, heads[0][0], heads[0][1], dtype, windows)
+        kv_heads, key, value = heads[0]
+        return KVLayout(layers, kv_heads, key, dtype, windows, value_dim=value if value != key else 0)
     n_heads = getattr(args, "num_attention_heads", None) or args.n_head  # GPT-2 keeps its own names
     head_dim = getattr(args, "head_dim", None) or (getattr(args, "hidden_size", None) or args.n_embd) // n_heads
     kv_heads = getattr(args, "num_key_value_heads", None) or n_heads
     return KVLayout(layers, kv_heads, head_dim, dtype, windows, layer_heads=heads)
 
 
-def _layer_heads(model: Any) -> tuple[tuple[int, int], ...]:
-    """Each cached layer's (kv heads, head size) as its attention module says (Gemma 4's differ between layers);
-    () where a module does not say."""
-    modules = [getattr(model.model.layers[i], "self_attn", None) for i in cache_layers(model)]
-    heads = [(getattr(m, "n_kv_heads", None) or getattr(m, "num_kv_heads", None), getattr(m, "head_dim", None))
-             for m in modules]  # fmt: skip
-    if any(None in pair for pair in heads):
-        return ()
-    return tuple((int(kv), int(size)) for kv, size in heads)
+def _layer_heads(model: Any) -> tuple[tuple[int, int, int], ...]:
+    """Each cached layer's (kv heads, key size, value size) as its attention module says (Gemma 4's differ between
+    layers): its kv head count, and its `head_dim` or else its key and value projections' widths a head; () where a
+    module does not say."""
+    heads = [_module_heads(getattr(model.model.layers[i], "self_attn", None)) for i in cache_layers(model)]
+    return () if any(h is None for h in heads) else tuple(heads)
+
+
+def _module_heads(attention: Any) -> tuple[int, int, int] | None:
+    kv_heads = getattr(attention, "n_kv_heads", None) or getattr(attention, "num_kv_heads", None)
+    if not kv_heads:
+        return None
+    width = {name: getattr(attention, name).weight.shape[0] // kv_heads for name in ("k_proj", "v_proj")
+             if name in attention}  # fmt: skip
+    key = getattr(attention, "head_dim", None) or width.get("k_proj")
+    if key is None:
+        return None
+    return int(kv_heads), int(key), int(width.get("v_proj", key))
 
 
 def quantized_kv_layout(model: Any, layout: KVLayout, config: EngineConfig) -> KVLayout:

@@ -230,7 +230,7 @@ class RaggedLayerCache:
         tanh cap (Gemma 2, `softcap_attention`)."""
         layout = self.pool.layout
         if self.window is not None or sinks is not None or softcap is not None or layout.quantizes(self.layer) \
-                or layout.value_dim:  # the paged kernels read keys and values of one size
+                or layout.values_differ(self.layer):  # the paged kernels read keys and values of one size
             return self._masked(queries, scale, sinks, softcap)
         outputs = []
         decode = self.step.decode

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-HELP = "Write a random-weight checkpoint of a real architecture (llama, qwen2, qwen3, qwen3_moe, mistral at real sizes; 79 more mlx-lm families at a tiny size)."
+HELP = "Write a random-weight checkpoint of a real architecture (llama, qwen2, qwen3, qwen3_moe, mistral at real sizes; 80 more mlx-lm families at a tiny size)."
 
 # Kept here, not imported, so `--help` does not import MLX; tests check they match mlx_serve.checkpoints.
 ARCHS = (
@@ -79,6 +79,7 @@ ARCHS = (
     "gemma4",
     "gpt_oss",
     "step3p5",
+    "mimo_v2_flash",
     "mellum",
     "qwen3_next",
     "qwen3_5",

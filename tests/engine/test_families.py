@@ -104,6 +104,7 @@ def test_gemma4s_pool_holds_each_layers_own_heads_and_only_the_layers_that_keep_
 
     for family, heads in [("gemma4_text", [(2, 32), (2, 32), (2, 64), (2, 32)]),
                           ("gemma4", [(2, 32), (2, 32), (1, 64), (2, 32), (2, 32), (1, 64)])]:
+        heads = [(kv, size, size) for kv, size in heads]
         path = checkpoints[family]
         model, _ = load_reference(str(path))
         cache = make_prompt_cache(model)
@@ -113,7 +114,8 @@ def test_gemma4s_pool_holds_each_layers_own_heads_and_only_the_layers_that_keep_
         try:
             layout = engine.pool.layout
             assert len(cache) == layout.num_layers == len(heads)
-            assert [k.shape[1:] for k in engine.pool.keys] == heads == list(layout.layer_heads)
+            assert [(*k.shape[1:], v.shape[2]) for k, v in zip(engine.pool.keys, engine.pool.values)] == heads
+            assert heads == list(layout.layer_heads)
             assert layout.bytes_per_token() == per_token
         finally:
             engine.shutdown()
