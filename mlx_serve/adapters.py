@@ -83,6 +83,11 @@ class AdaptedLinear(nn.Module):
         return y + z.reshape(*y.shape[:-1], z.shape[-1]).astype(x.dtype)
 
 
+def unadapted(linear: nn.Module) -> nn.Module:
+    """The linear under a LoRA adapter's wrapper (`AdaptedLinear`), or the linear itself."""
+    return linear.base if isinstance(linear, AdaptedLinear) else linear
+
+
 Entry = tuple[mx.array, mx.array, float]  # one adapter's lora_a, lora_b and scale for one linear
 
 

@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
-from mlx_serve.adapters import AdaptedLinear
+from mlx_serve.adapters import unadapted
 from mlx_serve.kernels.add_norm import AddNorm, select_add_norm
 from mlx_serve.kernels.decode_qkv import HeadSpec, QKVRows, plain_qkv_rows, select_qkv_rows
 from mlx_serve.kv_pool import KVPool
@@ -69,11 +69,6 @@ def _linear_leaves(block: nn.Module) -> list[nn.Module]:
     names = ("gate_proj", "up_proj", "down_proj") if type(mlp).__name__ == "MLP" else ()
     linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, *(getattr(mlp, name) for name in names)]
     return [unadapted(linear) for linear in linears]
-
-
-def unadapted(linear: nn.Module) -> nn.Module:
-    """The linear under a LoRA adapter's wrapper (`adapters.AdaptedLinear`), or the linear itself."""
-    return linear.base if isinstance(linear, AdaptedLinear) else linear
 
 
 def _projections(attn: Any) -> list[nn.Module]:

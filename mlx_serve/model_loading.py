@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_serve.adapters import AdapterSet, install_adapters
+from mlx_serve.adapters import AdapterSet, install_adapters, unadapted
 from mlx_serve.config import EngineConfig
 from mlx_serve.errors import InvalidRequest, MlxServeError, ModelNotFound
 from mlx_serve.kv_pool import KVLayout
@@ -169,12 +169,18 @@ def _layer_heads(model: Any) -> tuple[tuple[int, int, int], ...]:
     return () if any(h is None for h in heads) else tuple(heads)
 
 
+def _out_features(linear: Any) -> int:
+    """A linear's output width, under an adapter's wrapper (the engine's, or mlx-lm's LoRA of `--adapter-path`)."""
+    while "weight" not in linear:
+        linear = unadapted(linear) if "base" in linear else linear.linear
+    return int(linear.weight.shape[0])
+
+
 def _module_heads(attention: Any) -> tuple[int, int, int] | None:
     kv_heads = getattr(attention, "n_kv_heads", None) or getattr(attention, "num_kv_heads", None)
     if not kv_heads:
         return None
-    width = {name: getattr(attention, name).weight.shape[0] // kv_heads for name in ("k_proj", "v_proj")
-             if name in attention}  # fmt: skip
+    width = {name: _out_features(attention[name]) // kv_heads for name in ("k_proj", "v_proj") if name in attention}
     key = getattr(attention, "head_dim", None) or width.get("k_proj")
     if key is None:
         return None
