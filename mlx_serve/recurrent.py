@@ -188,25 +188,14 @@ def _indices(values: list[int]) -> mx.array | None:
 
 
 def state_shapes(model: Any, layers: Sequence[int]) -> dict[int, list[StateEntry | None]]:
-    """One request's state per recurrent layer, as the mixer leaves it after a first token (None for an entry it
-    leaves unset)."""
-    from mlx_lm.models.cache import ArraysCache
-
+    """One request's state per recurrent layer, as mlx-lm's own forward over one token leaves its caches (None for
+    an entry a layer leaves unset)."""
     caches = model.make_cache()
-    from mlx_serve.model_loading import activation_dtype
-
-    hidden = int(model.args.hidden_size) if hasattr(model.args, "hidden_size") else None
-    dtype = activation_dtype(model)
-    shapes = {}
-    owners = cache_layers(model)
-    for index in layers:
-        _, mixer = layer_mixer(model.model.layers[owners[index]], index)
-        width = hidden or int(model.model.embed_tokens.weight.shape[-1])
-        cache = ArraysCache(len(_state_part(caches[index]).cache))
-        _original_call(mixer)(mixer, **_arguments(mixer, mx.zeros((1, 1, width), dtype), cache))
-        mx.eval([c for c in cache.cache if c is not None])
-        shapes[index] = [None if c is None else StateEntry(tuple(c.shape[1:]), c.dtype) for c in cache.cache]
-    return shapes
+    model.model(mx.zeros((1, 1), dtype=mx.int32), cache=caches)
+    states = {index: _state_part(caches[index]).cache for index in layers}
+    mx.eval([c for entries in states.values() for c in entries if c is not None])
+    return {index: [None if c is None else StateEntry(tuple(c.shape[1:]), c.dtype) for c in entries]
+            for index, entries in states.items()}  # fmt: skip
 
 
 class RecurrentLayerCache:
