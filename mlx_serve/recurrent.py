@@ -1,8 +1,9 @@
 """Recurrent layers: the gated delta nets of Qwen3-Next, Qwen3.5 and OLMo Hybrid, LFM2's short convolutions, the Mamba
-mixers of Granite 4, Nemotron-H, Jamba and Falcon-H1 (beside attention), and Mamba's and Mamba-2's (alone).
+mixers of Granite 4, Nemotron-H, Jamba and Falcon-H1 (beside attention), and Mamba's, Mamba-2's and RWKV-7's (alone).
 
 A recurrence reads its rows in order, so the ragged step's `[T, 1]` rows (every row its own sequence) cannot reach
-it as they are. Each such layer's mixer (the one module of the layer that takes mlx-lm's `ArraysCache`) is called
+it as they are. Each such layer's mixer (the one module of the layer that takes mlx-lm's `ArraysCache`; where two do,
+as RWKV-7's time and channel mixing, the layer itself) is called
 once per group of the step's lanes instead: the single-row lanes together as `[lanes, 1]`, each prefill chunk as
 `[1, rows]`, exactly as mlx-lm's own generation calls it. Every running request keeps its layers' state (what
 mlx-lm's `ArraysCache` holds for it) in a slot of a `StatePool`; a lane that starts at position 0 starts from zeros,
@@ -103,6 +104,8 @@ def layer_mixer(layer: Any, index: int) -> tuple[str, Any]:
              if module is not layer and "cache" in inspect.signature(_original_call(module)).parameters]  # fmt: skip
     if len(found) > 1:  # beside attention (Falcon-H1): the state's reader is the module that is not attention
         found = [(name, module) for name, module in found if not hasattr(module, "q_proj")]
+    if len(found) > 1 and "cache" in inspect.signature(_original_call(layer)).parameters:
+        found = [("", layer)]  # several modules read one state (RWKV-7's time and channel mixing): the whole layer
     if len(found) != 1:
         names = ", ".join(name for name, _ in found) or "none"
         raise UnsupportedModel(
@@ -209,9 +212,11 @@ class RecurrentLayerCache:
     def make_mask(self, *args: Any, **kwargs: Any) -> None:
         return None
 
-    def run(self, mixer: Callable[[mx.array, Any], mx.array], x: mx.array) -> mx.array:
-        """`mixer(x_group, cache_group)` over each group of the step's rows `x` `[T, 1, D]`, each group's lanes
-        reading and leaving their states in the pool; the outputs in row order, `[T, 1, D']`."""
+    def run(self, mixer: Callable[..., Any], x: mx.array, rows_in: dict[str, Any] | None = None) -> Any:
+        """`mixer(x_group, cache_group, rows_in_group)` over each group of the step's rows `x` `[T, 1, D]`, each
+        group's lanes reading and leaving their states in the pool; the outputs in row order, `[T, 1, ...]` (each of
+        them where the mixer gives several: RWKV-7's layers also pass on `v_first`). `rows_in`: other inputs of one
+        row each, `[T, 1, ...]` (None passes as None), cut to each group as `x` is."""
         from mlx_lm.models.cache import ArraysCache
 
         states = self.pool.states[self.layer]
@@ -225,15 +230,34 @@ class RecurrentLayerCache:
         for group in step.groups:
             cache = ArraysCache(len(states))
             cache.cache = [None if state is None else state[group.slots] for state in states]
-            group_x = x[group.row_start : group.row_start + group.lanes * group.rows]
-            out = mixer(group_x.reshape(group.lanes, group.rows, -1), cache)
-            outputs.append(out.reshape(group.lanes * group.rows, 1, -1))
+            start, end = group.row_start, group.row_start + group.lanes * group.rows
+
+            def grouped(rows: Any, group: StateGroup = group, start: int = start, end: int = end) -> Any:
+                return None if rows is None else rows[start:end].reshape(group.lanes, group.rows, *rows.shape[2:])
+
+            out = mixer(grouped(x), cache, {name: grouped(value) for name, value in (rows_in or {}).items()})
+            outputs.append(_as_rows(out, group.lanes * group.rows))
             for state, value in zip(states, cache.cache):
                 if state is not None and value is not None:
                     state[group.slots] = value
                     if group.snapshot_slots is not None:
                         state[group.snapshot_slots] = value[group.snapshot_lanes]
-        return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
+        if len(outputs) == 1:
+            return outputs[0]
+        if isinstance(outputs[0], tuple):
+            return tuple(_joined(parts) for parts in zip(*outputs))
+        return mx.concatenate(outputs, axis=0)
+
+
+def _as_rows(out: Any, count: int) -> Any:
+    """A group's output(s) `[lanes, rows, ...]` as `[count, 1, ...]`."""
+    if isinstance(out, tuple):
+        return tuple(_as_rows(part, count) for part in out)
+    return None if out is None else out.reshape(count, 1, *out.shape[2:])
+
+
+def _joined(parts: tuple[Any, ...]) -> Any:
+    return None if parts[0] is None else mx.concatenate(parts, axis=0)
 
 
 def install_regrouped_mixers(model: Any, layers: Sequence[int]) -> None:
@@ -259,11 +283,28 @@ def _regrouped_class(cls: type) -> type:
             cache = bound.arguments.get("cache")
             if not isinstance(cache, RecurrentLayerCache):
                 return original(self, *args, **kwargs)
-            x = bound.arguments[_input_name(signature)]
-            return cache.run(lambda rows, group: original(self, **_arguments(self, rows, group, signature)), x)
+            name = _input_name(signature)
+            x = bound.arguments[name]
+            # other inputs of one row each (RWKV-7's v_first, or None for its first layer) are cut as x is
+            rows_in = {key: value for key, value in bound.arguments.items()
+                       if key not in (name, "self", "cache", "mask") and _one_per_row(value, x)}  # fmt: skip
+            others = {key: value for key, value in bound.arguments.items()
+                      if key not in (name, "self", "cache", "mask") and key not in rows_in}  # fmt: skip
+
+            def call(rows: mx.array, group: Any, group_rows: dict[str, Any]) -> Any:
+                return original(self, **_arguments(self, rows, group, signature), **others, **group_rows)
+
+            return cache.run(call, x, rows_in)
 
         _REGROUPED[cls] = type(f"Regrouped{cls.__name__}", (cls,), {"__call__": __call__, "regrouped": True})
     return _REGROUPED[cls]
+
+
+def _one_per_row(value: Any, x: mx.array) -> bool:
+    """An input of one row each beside `x` `[T, 1, D]` (`[T, 1, ...]`), or None in such an input's place."""
+    if value is None:
+        return True
+    return isinstance(value, mx.array) and value.ndim >= 2 and value.shape[:2] == x.shape[:2]
 
 
 def _original_call(mixer: Any) -> Callable:

@@ -214,6 +214,8 @@ MLX_FAMILIES: dict[str, dict] = {
     "mamba2": dict(num_heads=4, head_dim=64, state_size=16, layer_norm_epsilon=1e-5, conv_kernel=4, n_groups=1,
                    use_bias=False, use_conv_bias=True, tie_word_embeddings=True, time_step_limit=[0.0, 1e9],
                    time_step_rank=8, expand=2),
+    # RWKV-7: a layer's time mixing and channel mixing read one state, and pass v_first on from the first layer
+    "rwkv7": dict(norm_eps=1e-5, a_low_rank_dim=16, v_low_rank_dim=16, gate_low_rank_dim=32, decay_low_rank_dim=16),
     "jamba": dict(num_hidden_layers=4, attn_layer_offset=1, attn_layer_period=2, expert_layer_offset=1,
                   expert_layer_period=2, mamba_d_conv=4, mamba_d_state=16, mamba_expand=2, num_experts=4,
                   num_experts_per_tok=2, tie_word_embeddings=True),

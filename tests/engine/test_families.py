@@ -140,8 +140,8 @@ def test_caches_other_than_full_sliding_or_recurrent_are_refused():
 def test_an_unserved_family_is_refused_with_the_list(tmp_path):
     path = make_checkpoint(tmp_path / "qwen3", arch="qwen3", seed=0)
     config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "model_type": "rwkv7"}))
-    with pytest.raises(UnsupportedModel, match="'rwkv7' is not supported; supported model types: llama"):
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "gemma3n"}))
+    with pytest.raises(UnsupportedModel, match="'gemma3n' is not supported; supported model types: llama"):
         Engine.load(EngineConfig(model=str(path), kv_blocks=16))
 
 

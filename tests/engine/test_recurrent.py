@@ -32,7 +32,7 @@ from tests.engine.reference import (
 )
 
 FAMILIES = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe", "granitemoehybrid", "olmo_hybrid", "nemotron_h",
-            "falcon_h1", "mamba", "mamba2", "jamba"]
+            "falcon_h1", "mamba", "mamba2", "jamba", "rwkv7"]
 
 
 @pytest.fixture(scope="module")
