@@ -164,26 +164,51 @@ class StatePool:
         slots = [self.slot(lane.request_id, lane.start, lane.restore_slot is not None) for lane in lanes]
         fresh = [slot for slot, lane in zip(slots, lanes) if lane.start == 0]
         restoring = [(slot, lane.restore_slot) for slot, lane in zip(slots, lanes) if lane.restore_slot is not None]
-        groups = []
+        groups: list[_Calls] = []
         if num_single:
             marked = [(i, lane.snapshot.slot) for i, lane in enumerate(lanes[:num_single]) if lane.snapshot is not None]
-            groups.append(self._group(0, num_single, 1, slots[:num_single], marked))
+            groups.append(_Calls(0, num_single, 1, slots[:num_single], marked))
         row_start = num_single
         for slot, lane in list(zip(slots, lanes))[num_single:]:
             cut = lane.snapshot.position - lane.start if lane.snapshot is not None else lane.rows
-            groups.append(self._group(row_start, 1, cut, [slot], [(0, lane.snapshot.slot)] if lane.snapshot else []))
+            _add_lane(groups, _Calls(row_start, 1, cut, [slot], [(0, lane.snapshot.slot)] if lane.snapshot else []))
             if cut < lane.rows:
-                groups.append(self._group(row_start + cut, 1, lane.rows - cut, [slot], []))
+                _add_lane(groups, _Calls(row_start + cut, 1, lane.rows - cut, [slot], []))
             row_start += lane.rows
         return StateRows(
-            tuple(groups), _indices(fresh), _indices([to for to, _ in restoring]),
-            _indices([self.slots + source for _, source in restoring]),
+            tuple(self._group(g.row_start, g.lanes, g.rows, g.slots, g.marked) for g in groups), _indices(fresh),
+            _indices([to for to, _ in restoring]), _indices([self.slots + source for _, source in restoring]),
         )
 
     def _group(self, row_start: int, lanes: int, rows: int, slots: list[int], marked: list[tuple[int, int]]) -> StateGroup:
         """`marked`: (lane index in the group, snapshot slot) of the lanes that leave a snapshot after it."""
         return StateGroup(row_start, lanes, rows, mx.array(slots, dtype=mx.int32),
                           _indices([i for i, _ in marked]), _indices([self.slots + s for _, s in marked]))  # fmt: skip
+
+
+@dataclass(slots=False)
+class _Calls:
+    """A group being built: lanes of `rows` rows each from `row_start`, their slots and (index, snapshot slot) marks."""
+
+    row_start: int
+    lanes: int
+    rows: int
+    slots: list[int]
+    marked: list[tuple[int, int]]
+
+
+def _add_lane(groups: list[_Calls], lane: _Calls) -> None:
+    """Append a prefill lane's call, or widen the last group with it where that one's lanes have as many rows and end
+    where it starts: equal chunks of several prompts go through a mixer as one batch, as mlx-lm's batched prefill
+    reads them. A lane read in two calls (split at its snapshot) is never joined to its own first part."""
+    last = groups[-1] if groups else None
+    if (last is not None and last.rows == lane.rows and last.row_start + last.lanes * last.rows == lane.row_start
+            and lane.slots[0] not in last.slots):
+        last.marked += [(last.lanes + i, slot) for i, slot in lane.marked]
+        last.slots += lane.slots
+        last.lanes += lane.lanes
+    else:
+        groups.append(lane)
 
 
 def _indices(values: list[int]) -> mx.array | None:

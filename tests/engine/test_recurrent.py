@@ -259,6 +259,28 @@ def test_the_state_pool_hands_out_slots_and_refuses_a_continuation_without_one(c
     assert restored.restore_to.tolist() == rows.groups[0].slots.tolist() and restored.restore_from.tolist() == [2 + 1]
 
 
+def test_equal_chunks_of_several_prompts_go_through_a_mixer_as_one_batch(checkpoints):
+    """Lanes whose chunks have as many rows, one after another, are one call ([lanes, rows]), as mlx-lm's batched
+    prefill reads them; a lane split at its snapshot is not joined to its own first part, and the marks follow their
+    lanes."""
+    model, _ = load_reference(str(checkpoints["lfm2"]))
+    pool = StatePool(state_shapes(model, recurrent_layers(model)), slots=7, snapshots=2)
+
+    def lane(request_id: str, rows: int, **kwargs) -> Lane:
+        return Lane(request_id, LaneKind.PREFILL, (5,) * rows, 0, (), False, **kwargs)
+
+    lanes = [lane("a", 1), lane("b", 1), lane("c", 16), lane("d", 16, snapshot=SnapshotPoint(16, 1, b"h")),
+             lane("e", 32, snapshot=SnapshotPoint(16, 0, b"i")), lane("f", 16), lane("g", 8)]
+    rows = pool.rows(lanes, num_single=1)
+    # a one-row prompt beside the decode lane; c, d and e's first part; e's rest with f; g alone
+    assert [(g.row_start, g.lanes, g.rows) for g in rows.groups] == [(0, 2, 1), (2, 3, 16), (50, 2, 16), (82, 1, 8)]
+    assert rows.groups[1].snapshot_lanes.tolist() == [1, 2] and rows.groups[1].snapshot_slots.tolist() == [8, 7]
+    assert rows.groups[2].snapshot_lanes is None
+    slot = {request: pool.slot(request, 16) for request in "abcdefg"}
+    assert rows.groups[1].slots.tolist() == [slot["c"], slot["d"], slot["e"]]
+    assert rows.groups[2].slots.tolist() == [slot["e"], slot["f"]]
+
+
 def test_a_step_whose_submission_failed_leaves_no_snapshot_slot_held(checkpoints, monkeypatch):
     """b restores a's snapshot and is to leave its own; its step fails before it runs. b errors, its state slot and
     the snapshots' pins come back, and c (b's prompt again) restores a's snapshot and gets mlx-lm's tokens."""
