@@ -90,6 +90,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--decode-attention", default="auto")
+    parser.add_argument("--kv-blocks", type=int, help="the KV pool's blocks (default: sized from the memory budget)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -111,7 +112,7 @@ def main() -> None:
         del model
         mx.clear_cache()
         params = WorkloadParams(requests=args.requests, prompt_len=args.prompt_len, max_tokens=args.max_tokens)
-        ours = run_ours(path, params, {"decode_attention": args.decode_attention})
+        ours = run_ours(path, params, {"decode_attention": args.decode_attention, "kv_blocks": args.kv_blocks})
     result = {
         "model": f"{args.arch}-{args.preset}-{args.dtype}" + (f"-q{args.quantize}" if args.quantize else ""),
         "device": str(mx.default_device()),
