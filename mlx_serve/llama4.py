@@ -16,7 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_serve.ragged import RaggedLayerCache
+from mlx_serve.ragged import RaggedLayerCache, project_heads
 
 LLAMA4_MODULE = "mlx_lm.models.llama4"  # checked against mlx-lm 0.32.2
 _ATTENTION_ATTRIBUTES = ("q_proj", "k_proj", "v_proj", "o_proj", "use_rope", "use_qk_norm", "n_heads", "n_kv_heads",
@@ -46,9 +46,7 @@ def _attention_forward(original: Callable[..., mx.array]) -> Callable[..., mx.ar
         if not isinstance(cache, RaggedLayerCache):
             return original(self, x, mask, cache)
         batch, length, _ = x.shape  # [T, 1, hidden]: every row its own batch element
-        queries = self.q_proj(x).reshape(batch, length, self.n_heads, -1).transpose(0, 2, 1, 3)
-        keys = self.k_proj(x).reshape(batch, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        values = self.v_proj(x).reshape(batch, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        queries, keys, values = project_heads(self, x)
         if self.use_rope:
             queries = self.rope(queries, offset=cache.offset)
             keys = self.rope(keys, offset=cache.offset)

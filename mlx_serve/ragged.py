@@ -353,6 +353,16 @@ def decode_reads(rows: DecodeRows, window: int | None, dtype: mx.Dtype, chunked:
     return DecodeReads(blocks * size + positions % size, mask)
 
 
+def project_heads(attention: Any, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """An mlx-lm attention module's queries, keys and values of rows `x` `[T, L, hidden]` as `[T, heads, L, D]`, for
+    the forwards the engine gives modules that compute attention themselves (`softcap_attention`, `llama4`)."""
+    batch, length, _ = x.shape
+    queries = attention.q_proj(x).reshape(batch, length, attention.n_heads, -1).transpose(0, 2, 1, 3)
+    keys = attention.k_proj(x).reshape(batch, length, attention.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    values = attention.v_proj(x).reshape(batch, length, attention.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    return queries, keys, values
+
+
 class SharedKVCache(RaggedLayerCache):
     """A layer that attends over another layer's K/V (Gemma 4's last layers): the owner's pool arrays and window,
     which the owner wrote earlier in the same step; it writes nothing of its own."""

@@ -15,7 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_serve.ragged import RaggedLayerCache
+from mlx_serve.ragged import RaggedLayerCache, project_heads
 
 # mlx-lm modules whose Attention class computes soft-capped scores itself (checked against mlx-lm 0.32.2)
 SOFTCAPPED_MODULES = ("mlx_lm.models.gemma2",)
@@ -28,9 +28,7 @@ def _ragged_forward(original: Callable[..., mx.array]) -> Callable[..., mx.array
         if not isinstance(cache, RaggedLayerCache):
             return original(self, x, mask, cache)
         batch, length, _ = x.shape  # [T, 1, hidden]: every row its own batch element
-        queries = self.q_proj(x).reshape(batch, length, self.n_heads, -1).transpose(0, 2, 1, 3)
-        keys = self.k_proj(x).reshape(batch, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        values = self.v_proj(x).reshape(batch, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        queries, keys, values = project_heads(self, x)
         queries = self.rope(queries, offset=cache.offset)
         keys = self.rope(keys, offset=cache.offset)
         cache.update_and_fetch(keys, values)
