@@ -390,11 +390,13 @@ def _masked_attention(q: mx.array, keys: Any, values: Any, scale: float, mask: A
             raise ValueError("quantized KV with attention sinks or soft-capped scores")
         return quantized_scaled_dot_product_attention(q, keys, values, scale, mask, quantized.group_size,
                                                       quantized.bits)  # fmt: skip
-    if softcap is None:
+    if softcap is None and (values.shape[-1] == keys.shape[-1] or mx.default_device() == mx.cpu):
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask, sinks=sinks)
-    if sinks is not None:
+    if sinks is not None and softcap is not None:
         raise ValueError("soft-capped attention with sinks")
-    return softcapped_attention(q, keys, values, scale, softcap, mask)
+    # values of another size than the keys: MLX's fused attention on CUDA failed at launch with them (DeepSeek-V2,
+    # thirty-sixth run); on the CPU its own fallback is these same ops
+    return unfused_attention(q, keys, values, scale, mask, softcap=softcap, sinks=sinks)
 
 
 def softcapped_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, softcap: float,
@@ -402,6 +404,14 @@ def softcapped_attention(q: mx.array, keys: mx.array, values: mx.array, scale: f
     """`[B, H, L, D]` queries over `[B, kv_heads, S, D]` KV with scores capped to (-softcap, softcap) by a tanh
     before the mask and softmax, in mlx-lm's gemma2 op order (so its tokens). `mask`: as MLX's fused attention takes
     (additive or boolean `[.., L, S]`, "causal" with the queries as the last L of S positions, or None)."""
+    return unfused_attention(q, keys, values, scale, mask, softcap=softcap)
+
+
+def unfused_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any,
+                      softcap: float | None = None, sinks: mx.array | None = None) -> mx.array:  # fmt: skip
+    """Attention as matmuls and a softmax: `[B, H, L, D]` queries over `[B, kv_heads, S, D]` keys and
+    `[B, kv_heads, S, Dv]` values (Dv may differ from D), scores soft-capped where `softcap` is given, each head's
+    `sinks` logit counted in its softmax where given. `mask`: as MLX's fused attention takes it."""
     batch, heads, rows, head_dim = q.shape
     kv_heads, length = keys.shape[1], keys.shape[2]
     repeats = heads // kv_heads
@@ -415,15 +425,23 @@ def softcapped_attention(q: mx.array, keys: mx.array, values: mx.array, scale: f
         keys, values = mx.expand_dims(keys, 2), mx.expand_dims(values, 2)
         mask = mx.expand_dims(mask, 2) if mask is not None and mask.ndim == 4 else mask
     scores = q @ keys.swapaxes(-1, -2)
-    scores = mx.tanh(scores / softcap)
-    scores *= softcap
+    if softcap is not None:
+        scores = mx.tanh(scores / softcap)
+        scores *= softcap
     if mask is not None:
         if mask.dtype == mx.bool_:
             scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
         else:
             scores = scores + mask
-    out = mx.softmax(scores, precise=True, axis=-1) @ values
-    return out.reshape(batch, heads, rows, head_dim) if repeats > 1 else out
+    if sinks is not None:  # one more logit a head, in the softmax only
+        sink = sinks.astype(scores.dtype).reshape(1, kv_heads, repeats, 1, 1) if repeats > 1 else \
+            sinks.astype(scores.dtype).reshape(1, heads, 1, 1)
+        sink = mx.broadcast_to(sink, (*scores.shape[:-1], 1))
+        weights = mx.softmax(mx.concatenate([scores, sink], axis=-1), precise=True, axis=-1)[..., :-1]
+    else:
+        weights = mx.softmax(scores, precise=True, axis=-1)
+    out = weights @ values
+    return out.reshape(batch, heads, rows, values.shape[-1]) if repeats > 1 else out
 
 
 def windowed_lane_mask(lane: LaneRows, keys: int, window: int, dtype: mx.Dtype, chunked: bool = False) -> mx.array:

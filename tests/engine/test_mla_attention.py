@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from mlx_serve.checkpoints import make_checkpoint
@@ -139,3 +140,38 @@ def test_the_expanded_form_caches_each_heads_key_and_shorter_value_and_refuses_q
     with pytest.raises(InvalidRequest, match="two sizes") as caught:
         _load(path, kv_bits=8)
     assert caught.value.param == "kv_bits"
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "mimo_v2_flash"])
+def test_values_of_another_size_attend_through_matmuls_off_the_cpu_and_keep_mlx_lms_tokens(tmp_path, monkeypatch, family):
+    """MLX's fused attention failed at launch on CUDA over values shorter than their keys (DeepSeek-V2, thirty-sixth
+    run): off the CPU those layers take `ragged.unfused_attention` (MiMo's sliding layers with their sinks too). Here
+    the device check answers GPU while MLX still computes on the CPU: mlx-lm's tokens."""
+    from mlx_serve import ragged
+
+    path = make_checkpoint(tmp_path / family, arch=family, seed=6)
+    prompts = [prompt_of(n, seed=750 + i) for i, n in enumerate((30, 9))]
+    want = [reference_tokens(path, p, 8) for p in prompts]
+    unfused = []
+    real = ragged.unfused_attention
+    monkeypatch.setattr(ragged, "unfused_attention", lambda *a, **k: unfused.append(1) or real(*a, **k))
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
+    engine = _load(path)
+    try:
+        completions = engine.generate([GenerationRequest(prompt_ids=tuple(p), max_tokens=8) for p in prompts])
+    finally:
+        engine.shutdown()
+    assert unfused, "no layer took the matmul form"
+    assert [list(c.token_ids) for c in completions] == want
+
+
+def test_unfused_attention_is_mlxs_fused_attention():
+    from mlx_serve.ragged import unfused_attention
+
+    mx.random.seed(0)
+    q, k, v = mx.random.normal((1, 8, 5, 48)), mx.random.normal((1, 2, 12, 48)), mx.random.normal((1, 2, 12, 24))
+    sinks = mx.random.normal((8,))
+    for mask in (None, "causal", mx.random.normal((1, 1, 5, 12)), mx.random.uniform(shape=(1, 1, 5, 12)) > 0.3):
+        for with_sinks in (None, sinks):
+            want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask=mask, sinks=with_sinks)
+            np.testing.assert_allclose(unfused_attention(q, k, v, 0.2, mask, sinks=with_sinks), want, atol=1e-6)
