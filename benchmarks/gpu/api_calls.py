@@ -37,10 +37,24 @@ def cupti_dirs() -> list[Path]:
     return [d for d in found if (d / "include" / "cupti.h").exists() and (d / "lib" / CUPTI_LIBRARY).exists()]
 
 
+def crt_include_dirs() -> list[Path]:
+    """Include directories holding `crt/host_defines.h`, which CUPTI's headers reach through the runtime's: the
+    lent machine's `nvidia/cu13` wheel has none (thirty-sixth run), so look in every NVIDIA wheel, MLX's own files (its
+    JIT compiles against these headers) and the toolkits."""
+    roots = [Path(entry) for entry in sys.path if entry] + [Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))]
+    roots += sorted(Path("/usr/local").glob("cuda*"))
+    found = []
+    for root in roots:
+        for pattern in ("nvidia/*/include/crt/host_defines.h", "mlx/**/crt/host_defines.h", "include/crt/host_defines.h"):
+            found += [header.parent.parent for header in root.glob(pattern)]
+    return list(dict.fromkeys(found))
+
+
 def build(cupti: Path, target: Path) -> Path:
     """The shim built against `cupti` at `target` (again only when its source is newer)."""
     if not target.exists() or target.stat().st_mtime < SOURCE.stat().st_mtime:
-        command = ["cc", "-O2", "-shared", "-fPIC", "-o", str(target), str(SOURCE), f"-I{cupti / 'include'}",
+        includes = [f"-I{path}" for path in (cupti / "include", *crt_include_dirs())]
+        command = ["cc", "-O2", "-shared", "-fPIC", "-o", str(target), str(SOURCE), *includes,
                    f"-L{cupti / 'lib'}", f"-l:{CUPTI_LIBRARY}"]  # fmt: skip
         subprocess.run(command, check=True, capture_output=True, text=True)
     return target
