@@ -392,11 +392,13 @@ def _masked_attention(q: mx.array, keys: Any, values: Any, scale: float, mask: A
                                                       quantized.bits)  # fmt: skip
     if softcap is None and (values.shape[-1] == keys.shape[-1] or mx.default_device() == mx.cpu):
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask, sinks=sinks)
-    if sinks is not None and softcap is not None:
-        raise ValueError("soft-capped attention with sinks")
+    if softcap is not None:
+        if sinks is not None:
+            raise ValueError("soft-capped attention with sinks")
+        return softcapped_attention(q, keys, values, scale, softcap, mask)
     # values of another size than the keys: MLX's fused attention on CUDA failed at launch with them (DeepSeek-V2,
     # thirty-sixth run); on the CPU its own fallback is these same ops
-    return unfused_attention(q, keys, values, scale, mask, softcap=softcap, sinks=sinks)
+    return unfused_attention(q, keys, values, scale, mask, sinks=sinks)
 
 
 def softcapped_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, softcap: float,
