@@ -5,7 +5,7 @@ A recurrence reads its rows in order, so the ragged step's `[T, 1]` rows (every 
 it as they are. Each such layer's mixer (the one module of the layer that takes mlx-lm's `ArraysCache`; where two do,
 as RWKV-7's time and channel mixing, the layer itself) is called
 once per group of the step's lanes instead: the single-row lanes together as `[lanes, 1]`, each prefill chunk as
-`[1, rows]`, exactly as mlx-lm's own generation calls it. Every running request keeps its layers' state (what
+`[1, rows]` (consecutive chunks of as many rows together), exactly as mlx-lm's own generation calls it. Every running request keeps its layers' state (what
 mlx-lm's `ArraysCache` holds for it) in a slot of a `StatePool`; a lane that starts at position 0 starts from zeros,
 as a fresh `ArraysCache` does. The rest of the model (attention, MLPs, norms) runs over the ragged rows as usual.
 """
