@@ -13,7 +13,7 @@ import pytest
 
 from mlx_serve.checkpoints import make_checkpoint
 from mlx_serve.engine import Engine, EngineConfig
-from mlx_serve.types import GenerationRequest
+from mlx_serve.types import GenerationRequest, SamplingParams
 from tests.engine.reference import prompt_of, reference_tokens, run_staggered
 
 pytestmark = [
@@ -23,7 +23,8 @@ pytestmark = [
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "lfm2", "granitemoehybrid", "nemotron_h", "falcon_h1", "jamba",
-                                    "deepseek_v3", "glm4_moe_lite", "llama4", "deepseek_v2", "mistral4", "gemma4"])  # fmt: skip
+                                    "deepseek_v3", "glm4_moe_lite", "llama4", "deepseek_v2", "mistral4", "gemma4",
+                                    "mimo_v2_flash", "rwkv7", "step3p5"])  # fmt: skip
 def test_a_family_beside_the_cuda_fast_paths_gives_mlx_lms_tokens(tmp_path, family):
     path = make_checkpoint(tmp_path / family, arch=family, seed=6)
     prompts = [prompt_of(n, seed=800 + i) for i, n in enumerate((9, 300, 40, 1))]
@@ -37,3 +38,42 @@ def test_a_family_beside_the_cuda_fast_paths_gives_mlx_lms_tokens(tmp_path, fami
     for i, prompt in enumerate(prompts):
         assert tokens[i] == reference_tokens(path, prompt, 12), f"prompt {i}"
     assert list(again.token_ids) == reference_tokens(path, follow, 8)
+
+
+def _reference_steps(path, prompt: list[int], max_tokens: int) -> tuple[list[int], list[mx.array]]:
+    """mlx-lm's greedy tokens and, for each, its whole log-probability row (generate_step, one request alone)."""
+    from mlx_lm.generate import generate_step
+
+    from tests.engine.reference import load_reference
+
+    model, _ = load_reference(str(path))
+    tokens, rows = [], []
+    for token, row in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
+        tokens.append(int(token))
+        rows.append(row.astype(mx.float32))
+    return tokens, rows
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "nemotron_h", "lfm2"])
+def test_where_a_recurrent_familys_tokens_part_from_mlx_lms_the_two_were_at_a_near_tie(tmp_path, family):
+    """Tells a numerical near-tie from a wrong state (the thirty-sixth run: qwen3_next, qwen3_5 and nemotron_h parted
+    from mlx-lm's greedy tokens after several): every log-probability up to where the tokens part is mlx-lm's for the
+    same token, and there mlx-lm's own margin between its token and ours is small."""
+    path = make_checkpoint(tmp_path / family, arch=family, seed=6)
+    prompts = [prompt_of(n, seed=800 + i) for i, n in enumerate((9, 300, 40, 1))]
+    engine = Engine.load(EngineConfig(model=str(path), row_ceiling=128, row_floor=16))
+    try:
+        requests = [GenerationRequest(prompt_ids=tuple(p), max_tokens=12, sampling=SamplingParams(logprobs=0))
+                    for p in prompts]  # fmt: skip
+        completions = engine.generate(requests)
+    finally:
+        engine.shutdown()
+    for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+        want, rows = _reference_steps(path, prompt, 12)
+        ours = list(completion.token_ids)
+        for step, (token, logprob) in enumerate(zip(ours, completion.logprobs)):
+            assert abs(logprob - rows[step][token].item()) < 0.05, f"prompt {i} step {step}: another distribution"
+            if token != want[step]:
+                margin = rows[step][want[step]].item() - rows[step][token].item()
+                assert margin < 0.05, f"prompt {i} step {step}: mlx-lm's token led ours by {margin:.3f}"
+                break
