@@ -49,6 +49,10 @@ def plain_head(model: Any) -> bool:
 
 def family_head(model: Any) -> Callable[[mx.array], mx.array]:
     """`hidden` `[T, hidden]` -> the model's logits `[T, V]`, exactly as its own forward makes them."""
+    from mlx_serve import gemma3n
+
+    if gemma3n.is_gemma3n(model):  # its forward is not an inner model and a head: the head, as it ends
+        return lambda hidden: gemma3n.head(model, hidden)
     call = type(model).__call__
 
     def head(hidden: mx.array) -> mx.array:

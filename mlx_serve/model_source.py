@@ -26,7 +26,7 @@ SUPPORTED_MODEL_TYPES = (
     "gpt_oss", "gemma2", "qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe",
     "granitemoehybrid", "olmo_hybrid", "nemotron_h", "falcon_h1", "mamba", "mamba2", "rwkv7", "jamba", "llama4", "deepseek_v2",
     "minicpm3", "mistral4", "gemma4_text", "gemma4", "step3p5", "mimo_v2_flash", "mellum", "exaone", "nanochat",
-    "kimi_k25", "qwen2_vl", "pixtral",
+    "kimi_k25", "qwen2_vl", "pixtral", "gemma3n",
 )  # fmt: skip
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -101,6 +101,7 @@ def _download(repo_id: str, where: str) -> Path:
 _CACHED_LAYERS: dict[str, Any] = {
     "nemotron_h": lambda layer: layer.block_type in ("M", "*"),
     "gemma4_text": lambda layer: layer.self_attn.has_kv,  # the last layers read an earlier layer's K/V (`gemma4`)
+    "gemma3n_text": lambda layer: not layer.self_attn.is_kv_shared_layer,  # as Gemma 4's (`gemma3n`)
 }
 
 

@@ -217,6 +217,11 @@ class RaggedLayerCache:
     def make_mask(self, *args: Any, **kwargs: Any) -> None:
         return None
 
+    def keys_and_values(self) -> tuple[None, None]:
+        """What a layer reading this one's K/V takes (Gemma 3n's shared layers): nothing; its attention call, routed
+        here, reads the pool."""
+        return None, None
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         # keys: [T, kv_heads, 1, head_dim] -> rows [T, kv_heads, head_dim]
         self.pool.write(self.layer, self.space.write_slots, keys[:, :, 0, :], values[:, :, 0, :])

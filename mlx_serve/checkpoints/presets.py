@@ -152,6 +152,17 @@ MLX_FAMILIES: dict[str, dict] = {
                     tie_word_embeddings=True),
     "ministral3": dict(_MINISTRAL3),
     "mistral3": dict(text_config={"model_type": "ministral3", **_FAMILY_BASE, **_MINISTRAL3}),  # a multimodal wrapper
+    # Gemma 3n: AltUp, learned residuals, per-layer inputs, sparse activations in the first MLPs, and its last two
+    # layers reading the K/V of the last earlier layer of their kind; its language model's forward ends in its head
+    "gemma3n": dict(text_config={"model_type": "gemma3n_text", **_FAMILY_BASE, "num_hidden_layers": 6,
+                                 "num_kv_shared_layers": 2, "vocab_size_per_layer_input": TINY_VOCAB,
+                                 "sliding_window": 16, "rope_local_base_freq": 10000.0, "final_logit_softcapping": 4.0,
+                                 "layer_types": ["sliding_attention", "sliding_attention", "full_attention",
+                                                 "sliding_attention", "sliding_attention", "full_attention"],
+                                 "activation_sparsity_pattern": [0.95, 0.95, 0.0, 0.0, 0.0, 0.0],
+                                 "hidden_size_per_layer_input": 16, "altup_num_inputs": 4, "altup_coef_clip": 120.0,
+                                 "altup_correct_scale": True, "altup_active_idx": 0, "laurel_rank": 16,
+                                 "hidden_activation": "gelu_pytorch_tanh"}),
     "gemma4_text": dict(_GEMMA4_E),
     "gemma4": dict(text_config={"model_type": "gemma4_text", **_FAMILY_BASE, **_GEMMA4_MOE}),  # a multimodal wrapper
     # and attention sinks (a per-head logit in every softmax)

@@ -67,9 +67,12 @@ def reference_adapter_tokens(path: Path, adapter_path: Path, prompt_ids: list[in
 def reference_prompt_logprobs(path: Path, prompt_ids: list[int], kv_bits: int | None = None,
                               kv_group_size: int = 64) -> np.ndarray:
     """mlx-lm's log-softmax of every prompt row `[n, V]` (float32), one forward over the whole prompt: row p scores
-    the prompt token at p + 1. `kv_bits`: through its quantized caches (`reference_cache`)."""
+    the prompt token at p + 1. `kv_bits`: through its quantized caches (`reference_cache`). Gemma 3n's forward
+    without caches has its KV-shared layers compute K/V of their own, which its generation never does: it reads
+    through fresh caches, as generation would."""
     model, _ = load_reference(str(path))
-    cache = reference_cache(model, kv_bits, kv_group_size) if kv_bits is not None else None
+    cached = kv_bits is not None or getattr(model, "model_type", None) == "gemma3n"
+    cache = reference_cache(model, kv_bits, kv_group_size) if cached else None
     logits = model(mx.array(prompt_ids)[None], cache=cache)[0].astype(mx.float32)
     return np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 

@@ -25,7 +25,7 @@ from tests.engine.reference import (
     run_staggered_counted,
 )
 
-WINDOWED = ["gemma3", "olmo3", "cohere2", "gpt_oss", "ministral3", "llama4", "gemma4_text"]  # every preset's window: 16 tokens
+WINDOWED = ["gemma3", "olmo3", "cohere2", "gpt_oss", "ministral3", "llama4", "gemma4_text", "gemma3n"]  # every preset's window: 16 tokens
 
 
 @pytest.fixture(scope="module")
