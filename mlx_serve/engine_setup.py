@@ -388,8 +388,7 @@ def prefill_gather(pool: Any) -> Any:
     from mlx_serve.kernels.paged_gather import select_prefill_gather
 
     layout = pool.layout
-    if layout.quantized or any(layout.values_differ(i) for i in range(layout.num_layers)) \
-            or len(layout.recurrent) == layout.num_layers:
+    if layout.quantized or layout.any_values_differ or len(layout.recurrent) == layout.num_layers:
         return None  # the gather kernel reads keys and values of one size, in the model's dtype (or: no attention)
     return select_prefill_gather(pool.keys[pool.layout.first_attention_layer])
 

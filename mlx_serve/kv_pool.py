@@ -55,6 +55,11 @@ class KVLayout:
         return self.value_size_of(layer) != self.key_size_of(layer)
 
     @property
+    def any_values_differ(self) -> bool:
+        """Whether some layer's values differ in size from its keys (latent attention, expanded latent heads, MiMo)."""
+        return any(self.values_differ(layer) for layer in range(self.num_layers))
+
+    @property
     def key_sizes(self) -> set[int]:
         """Every layer's head size (one, but for `layer_heads`)."""
         return {self.key_size_of(layer) for layer in range(self.num_layers)}

@@ -192,7 +192,7 @@ def quantized_kv_layout(model: Any, layout: KVLayout, config: EngineConfig) -> K
     (mlx-lm's quantized attention has no sinks or soft-capped scores) or its heads do not split into groups."""
     if config.kv_bits is None:
         return layout
-    if layout.value_dim:
+    if layout.any_values_differ:
         raise InvalidRequest("--kv-bits: not with multi-head latent attention (mlx-lm quantizes no latent cache; "
                              "expanded heads keep keys and values of two sizes)", param="kv_bits")  # fmt: skip
     from mlx_serve.softcap_attention import SOFTCAPPED_MODULES
