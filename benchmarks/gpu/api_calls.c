@@ -1,14 +1,38 @@
 // CUPTI callback shim: times every CUDA driver and runtime API call of this process, MLX's included (libmlx links
 // the CUDA runtime statically, so an LD_PRELOAD shim sees none of its runtime calls; CUPTI sees them at the driver).
-// Build: cc -O2 -shared -fPIC -o api_calls.so api_calls.c -I$CUPTI/include -L$CUPTI/lib -l:libcupti.so.13
+// Build: cc -O2 -shared -fPIC -o api_calls.so api_calls.c -L$CUPTI/lib -l:libcupti.so.13
 // Read from Python with benchmarks/gpu/api_calls.py (ctypes); times are CLOCK_MONOTONIC ns, tid the kernel's.
 #define _GNU_SOURCE
-#include <cupti.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
+
+// The few declarations of CUPTI's callback API this uses (cupti_callbacks.h, CUDA 13), written out because its
+// headers need the CUDA runtime's, which the lent machine's `nvidia/cu13` wheels lack (thirty-sixth run).
+typedef int CUptiResult;  // CUPTI_SUCCESS is 0
+typedef enum { CUPTI_CB_DOMAIN_DRIVER_API = 1, CUPTI_CB_DOMAIN_RUNTIME_API = 2 } CUpti_CallbackDomain;
+typedef enum { CUPTI_API_ENTER = 0, CUPTI_API_EXIT = 1 } CUpti_ApiCallbackSite;
+typedef uint32_t CUpti_CallbackId;
+typedef struct CUpti_Subscriber_st* CUpti_SubscriberHandle;
+typedef void (*CUpti_CallbackFunc)(void* userdata, CUpti_CallbackDomain domain, CUpti_CallbackId cbid,
+                                   const void* data);
+typedef struct {
+  CUpti_ApiCallbackSite callbackSite;
+  const char* functionName;
+  const void* functionParams;
+  void* functionReturnValue;
+  const char* symbolName;
+  void* context;  // CUcontext
+  uint32_t contextUid;
+  uint64_t* correlationData;
+  uint32_t correlationId;
+} CUpti_CallbackData;
+CUptiResult cuptiSubscribe(CUpti_SubscriberHandle* subscriber, CUpti_CallbackFunc callback, void* userdata);
+CUptiResult cuptiEnableDomain(uint32_t enable, CUpti_SubscriberHandle subscriber, CUpti_CallbackDomain domain);
+CUptiResult cuptiUnsubscribe(CUpti_SubscriberHandle subscriber);
+#define CUPTI_SUCCESS 0
 
 #define CAPACITY (1L << 20)  // records kept; later calls are counted in `dropped`
 
@@ -31,7 +55,7 @@ static int64_t now_ns(void) {
   return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-static void CUPTIAPI on_call(void* userdata, CUpti_CallbackDomain domain, CUpti_CallbackId cbid, const void* data) {
+static void on_call(void* userdata, CUpti_CallbackDomain domain, CUpti_CallbackId cbid, const void* data) {
   (void)userdata;
   (void)cbid;
   const CUpti_CallbackData* call = (const CUpti_CallbackData*)data;

@@ -29,33 +29,20 @@ class ApiCall:
 
 
 def cupti_dirs() -> list[Path]:
-    """Directories holding CUPTI's `include/cupti.h` and `lib/libcupti.so.13`: the pip wheel's, then toolkits'."""
+    """Directories holding CUPTI's `lib/libcupti.so.13`: the pip wheel's, then toolkits'. The shim declares the few
+    CUPTI functions it calls itself, so no headers are needed (the lent machine's wheels lack the runtime's)."""
     found = []
     for entry in sys.path:
         found.append(Path(entry) / "nvidia" / "cu13")
     found += [Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")), *sorted(Path("/usr/local").glob("cuda-1*"))]
-    return [d for d in found if (d / "include" / "cupti.h").exists() and (d / "lib" / CUPTI_LIBRARY).exists()]
-
-
-def crt_include_dirs() -> list[Path]:
-    """Include directories holding `crt/host_defines.h`, which CUPTI's headers reach through the runtime's: the
-    lent machine's `nvidia/cu13` wheel has none (thirty-sixth run), so look in every NVIDIA wheel, MLX's own files (its
-    JIT compiles against these headers) and the toolkits."""
-    roots = [Path(entry) for entry in sys.path if entry] + [Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))]
-    roots += sorted(Path("/usr/local").glob("cuda*"))
-    found = []
-    for root in roots:
-        for pattern in ("nvidia/*/include/crt/host_defines.h", "mlx/**/crt/host_defines.h", "include/crt/host_defines.h"):
-            found += [header.parent.parent for header in root.glob(pattern)]
-    return list(dict.fromkeys(found))
+    return [d for d in found if (d / "lib" / CUPTI_LIBRARY).exists()]
 
 
 def build(cupti: Path, target: Path) -> Path:
     """The shim built against `cupti` at `target` (again only when its source is newer)."""
     if not target.exists() or target.stat().st_mtime < SOURCE.stat().st_mtime:
-        includes = [f"-I{path}" for path in (cupti / "include", *crt_include_dirs())]
-        command = ["cc", "-O2", "-shared", "-fPIC", "-o", str(target), str(SOURCE), *includes,
-                   f"-L{cupti / 'lib'}", f"-l:{CUPTI_LIBRARY}"]  # fmt: skip
+        command = ["cc", "-O2", "-shared", "-fPIC", "-o", str(target), str(SOURCE), f"-L{cupti / 'lib'}",
+                   f"-l:{CUPTI_LIBRARY}"]  # fmt: skip
         subprocess.run(command, check=True, capture_output=True, text=True)
     return target
 
@@ -77,7 +64,7 @@ class ApiCalls:
         """The reader with the shim loaded, or None and why not."""
         dirs = cupti_dirs()
         if not dirs:
-            return None, f"no CUPTI found (include/cupti.h and lib/{CUPTI_LIBRARY}: pip's nvidia-cuda-cupti)"
+            return None, f"no CUPTI found (lib/{CUPTI_LIBRARY}: pip's nvidia-cuda-cupti)"
         try:
             ctypes.CDLL(str(dirs[0] / "lib" / CUPTI_LIBRARY), mode=ctypes.RTLD_GLOBAL)
             return cls(ctypes.CDLL(str(build(dirs[0], target)))), ""
