@@ -351,6 +351,11 @@ class CompiledMixed:
         self.pool.keys[:], self.pool.values[:] = keys, values
         return mx.concatenate([logits[:n], logits[-1:]]) if count > n else logits
 
+    def writes_in_place(self, gather: PrefillGather) -> bool:
+        """Whether the traces read through `gather` write K/V in place (see `FusedDecode.mixed`; the chunk always
+        reads through a block table), not through MLX's scatter."""
+        return self.fused.mixed_writes_in_place(gather, ())
+
     def _traced(
         self,
         with_decode: bool,

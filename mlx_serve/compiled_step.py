@@ -134,6 +134,11 @@ class CompiledDecode:
         self.pool.keys[:], self.pool.values[:] = keys, values
         return logits[:n] if count > n else logits
 
+    def writes_in_place(self, adapted: bool) -> bool:
+        """Whether a replay writes K/V in place (the fused forward's CUDA prologue), not through MLX's scatter; traces
+        with adapter rows run the model's own modules."""
+        return self.fused is not None and self.fused.writes_in_place and not adapted
+
     def forget_adapter_traces(self) -> None:
         """An adapter was loaded or unloaded: its stacks changed, so the traces holding the old ones go."""
         self._adapted_step = None

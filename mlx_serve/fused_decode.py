@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -158,6 +158,17 @@ class FusedDecode:
 
         return self._forward(tokens, positions, slots, pool, attend, self.qkv_rows)
 
+    @property
+    def writes_in_place(self) -> bool:
+        """Whether decode steps write their K/V through the CUDA prologue (in place) rather than MLX's scatter."""
+        return getattr(self.qkv_rows, "in_place", False)
+
+    def mixed_writes_in_place(self, gather: Any, lanes: Sequence[Any]) -> bool:
+        """Whether `mixed` writes in place for lanes read through `gather`: only where every read of the history
+        is ordered after the writes (a paged gather that takes `after`, every lane with a block table)."""
+        ordered_reads = getattr(gather, "orders_after", False) and all(lane.table is not None for lane in lanes)
+        return self.writes_in_place and ordered_reads
+
     def mixed(self, tokens: mx.array, layout: StepLayout, pool: KVPool) -> mx.array:
         """The same forward for any step (`--fuse-mixed`): decode rows and prefill chunks, attention per lane as in
         `RaggedLayerCache`.
@@ -167,12 +178,9 @@ class FusedDecode:
         arrays are re-pointed through `mx.depends` on them so that a step evaluating only the pool (prefill without
         sampling) still runs the writes; and the history gather takes them as an input so it reads the pool after
         the writes. A step whose history is read any other way takes mlx-lm's prologue (a functional scatter)."""
-        qkv_rows = self.qkv_rows
-        in_place = getattr(qkv_rows, "in_place", False)
         gather, chunk = layout.prefill_gather, layout.chunk_attention
-        ordered_reads = getattr(gather, "orders_after", False) and all(lane.table is not None for lane in layout.lanes)
-        if in_place and not ordered_reads:
-            qkv_rows, in_place = plain_qkv_rows, False
+        in_place = self.mixed_writes_in_place(gather, layout.lanes)
+        qkv_rows = self.qkv_rows if in_place or not self.writes_in_place else plain_qkv_rows
 
         def attend(index: int, queries: mx.array, scale: float) -> mx.array:
             step = layout

@@ -129,6 +129,8 @@ class KVPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.window_blocks = window_blocks if layout.num_windowed else 0
+        self.owner = self  # the pool whose `functional_writes` a view's writes count toward
+        self.functional_writes = 0  # writes through MLX's scatter so far (see `write`)
         # each layer's array, or with quantized KV its (packed values, scales, biases) as mlx-lm's quantized caches hold
         self.keys = [self._zeros(layer, layout.key_size_of(layer)) for layer in range(layout.num_layers)]
         self.values = [self._zeros(layer, layout.value_size_of(layer)) for layer in range(layout.num_layers)]
@@ -172,11 +174,16 @@ class KVPool:
         view = object.__new__(KVPool)
         view.layout, view.num_blocks, view.block_size = self.layout, self.num_blocks, self.block_size
         view.window_blocks = self.window_blocks
+        view.owner, view.functional_writes = self.owner, 0
         view.keys, view.values = list(keys), list(values)
         return view
 
     def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
-        """Store rows `[T, kv_heads, head_dim]` at `slots` `[T]` (quantized first where the pool is)."""
+        """Store rows `[T, kv_heads, head_dim]` at `slots` `[T]` (quantized first where the pool is).
+
+        A scatter writes in place only where MLX may donate the layer's array to it, which it may not while a queued
+        step still holds that array: the runner waits for such a step first (counted here, `ModelRunner._queue`)."""
+        self.owner.functional_writes += 1
         layout = self.layout
         if not layout.quantizes(layer):
             self.keys[layer][slots] = keys

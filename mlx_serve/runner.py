@@ -417,7 +417,8 @@ class ModelRunner:
         elif mixed:
             sample_ids, sampled = self._submit_compiled_mixed(gpu_lanes, previous, mixed_shape)
         else:
-            sample_ids, (sampled, scores, verify, embeddings) = prepared.sample_ids, self._submit_eager(prepared)
+            sample_ids, (sampled, scores, verify, embeddings) = prepared.sample_ids, self._submit_eager(prepared,
+                                                                                                       previous)
         stamp = self._stamp(sampled) if gpu_lanes else None
         t2 = time.perf_counter()
         phases = {"preparation": (t1 - t0) * 1e3, "submission": (t2 - t1) * 1e3}
@@ -503,13 +504,16 @@ class ModelRunner:
         return self.clock.stamp(sampled.tokens if sampled is not None else self.pool.state()[-1])
 
     def _submit_eager(
-        self, prepared: _PreparedStep
+        self, prepared: _PreparedStep, previous: InFlightStep | None
     ) -> tuple[SampledRows | None, list[QueuedScores], DraftCheck | None, list[QueuedEmbedding]]:
         """The step's sampled rows (None: none sample), the prompt scores its rows compute, the model's greedy
         token at each drafted row and the embeddings its rows finish."""
         if not prepared.layout.decode and not prepared.layout.lanes:  # every lane of the step is on the ANE lane
             return None, [], None, []
+        writes = self.pool.functional_writes
         hidden = self._forward(prepared)
+        # recurrent states are always written through MLX's scatter
+        functional = self.pool.functional_writes != writes or self.states is not None
         scores = self.scorer.queue(hidden, prepared.scored, self._logits) if prepared.scored else []
         embeddings, pooled = self.pooler.queue(hidden, prepared.pooled) if prepared.pooled else ([], [])
         verify = None
@@ -523,7 +527,8 @@ class ModelRunner:
         extra = list(pooled)
         if verify is not None:
             extra += [verify.kept, verify.tokens] + ([verify.logprobs] if verify.logprobs is not None else [])
-        return self._queue(logits, prepared.sample_ids, scores, extra), scores, verify, embeddings
+        wait_for = previous if functional else None
+        return self._queue(logits, prepared.sample_ids, scores, extra, wait_for), scores, verify, embeddings
 
     def _draft_check(self, logprobs: mx.array, drafted: Sequence[tuple[str, tuple[int, ...]]]) -> DraftCheck:
         """Each drafted lane's verdict on its rows (drafting requests draw from raw logits: no processors), and the
@@ -552,7 +557,8 @@ class ModelRunner:
         sample_ids = tuple(lanes[i].request_id for i in sampling)
         if 0 < len(sampling) < len(lanes):
             logits = logits[mx.array(sampling, dtype=mx.int32)]
-        return sample_ids, self._queue(logits if sample_ids else None, sample_ids)
+        wait_for = None if self.compiled.writes_in_place(any(adapter_slots)) else previous
+        return sample_ids, self._queue(logits if sample_ids else None, sample_ids, wait_for=wait_for)
 
     def _submit_compiled_mixed(
         self, lanes: list[Lane], previous: InFlightStep | None, shape: MixedShape
@@ -565,14 +571,21 @@ class ModelRunner:
         sample_ids = tuple(ordered[i].request_id for i in sampling)
         if 0 < len(sampling) < len(ordered):
             logits = logits[mx.array(sampling, dtype=mx.int32)]
-        return sample_ids, self._queue(logits if sample_ids else None, sample_ids)
+        wait_for = None if self.compiled_mixed.writes_in_place(self.prefill_gather) else previous
+        return sample_ids, self._queue(logits if sample_ids else None, sample_ids, wait_for=wait_for)
 
     def _queue(
         self, logits: mx.array | None, sample_ids: tuple[str, ...], scores: Sequence[QueuedScores] = (),
-        extra: Sequence[mx.array] = (),
+        extra: Sequence[mx.array] = (), wait_for: InFlightStep | None = None,
     ) -> SampledRows | None:
         """Sample the step's rows (if any) and queue the step on the device with its KV writes (and prompt scores,
-        pooled rows and draft checks: `extra`)."""
+        pooled rows and draft checks: `extra`).
+
+        `wait_for`: a step still in flight whose reads hold arrays this one writes through MLX's scatter. MLX writes
+        an array in place only where no queued work holds it, else it copies it (a whole pool layer, each step), so
+        the device finishes that step first; the host built this step's graph meanwhile."""
+        if wait_for is not None:
+            mx.synchronize()
         outputs = [*score_arrays(scores), *extra]
         if logits is None:
             mx.async_eval(*outputs, self.pool.state())
