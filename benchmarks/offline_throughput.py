@@ -74,9 +74,27 @@ def run_ours(path: Path, params, config_kwargs: dict) -> dict:
     config = EngineConfig(model=str(path), max_running=params.requests, trace=MemorySink(), **config_kwargs)
     engine = Engine.load(config)
     try:
-        return asdict(offline(engine, params))
+        loaded = mx.get_active_memory()  # weights and the KV pool
+        mx.reset_peak_memory()
+        figures = asdict(offline(engine, params))
+        # what the steps held above the weights and the pool: a pool layer copied instead of written in place shows
+        return figures | {"peak_above_loaded_mb": (mx.get_peak_memory() - loaded) / (1 << 20)}
     finally:
         engine.shutdown()
+
+
+def engine_fields(pairs: list[str]) -> dict:
+    """`FIELD=VALUE` pairs as EngineConfig keywords: true/false and numbers as such, the rest as strings."""
+    fields = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--engine takes FIELD=VALUE, not {pair!r}")
+        try:
+            fields[name] = json.loads(text)
+        except json.JSONDecodeError:
+            fields[name] = text
+    return fields
 
 
 def main() -> None:
@@ -91,6 +109,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--decode-attention", default="auto")
     parser.add_argument("--kv-blocks", type=int, help="the KV pool's blocks (default: sized from the memory budget)")
+    parser.add_argument("--engine", action="append", default=[], metavar="FIELD=VALUE",
+                        help="an EngineConfig field for ours (repeatable), e.g. fuse_decode=off, pipeline=false")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -112,7 +132,8 @@ def main() -> None:
         del model
         mx.clear_cache()
         params = WorkloadParams(requests=args.requests, prompt_len=args.prompt_len, max_tokens=args.max_tokens)
-        ours = run_ours(path, params, {"decode_attention": args.decode_attention, "kv_blocks": args.kv_blocks})
+        ours = run_ours(path, params, {"decode_attention": args.decode_attention, "kv_blocks": args.kv_blocks,
+                                       **engine_fields(args.engine)})
     result = {
         "model": f"{args.arch}-{args.preset}-{args.dtype}" + (f"-q{args.quantize}" if args.quantize else ""),
         "device": str(mx.default_device()),
@@ -126,13 +147,13 @@ def main() -> None:
     if args.json:
         print(json.dumps(result))
         return
-    print("| engine | generated tok/s | total s | steps | decode step ms p50 | host ms/step |")
-    print("|---|---|---|---|---|---|")
+    print("| engine | generated tok/s | total s | steps | decode step ms p50 | host ms/step | peak MB above loaded |")
+    print("|---|---|---|---|---|---|---|")
     p, o = peer, ours
     print(f"| mlx-lm {p.get('peer', 'BatchGenerator')} | {p['tokens'] / p['total_s']:.1f} | {p['total_s']:.2f} | {p['steps']} | "
-          f"{1e3 * p['decode_s'] / max(p['steps'], 1):.2f} (mean) | - |")
+          f"{1e3 * p['decode_s'] / max(p['steps'], 1):.2f} (mean) | - | - |")
     print(f"| mlx_serve | {o['generated_tok_per_s']:.1f} | {o['total_s']:.2f} | {o['steps']} | "
-          f"{o['decode_step_ms_p50']:.2f} | {o['host_ms_per_step']:.2f} |")
+          f"{o['decode_step_ms_p50']:.2f} | {o['host_ms_per_step']:.2f} | {o['peak_above_loaded_mb']:.0f} |")
     print(f"\nthroughput ratio (ours / mlx-lm): {result['throughput_ratio']:.2f}x  [{result['model']}, {result['device']}]")
 
 
