@@ -155,8 +155,8 @@ def kv_layout(model: Any, windows: tuple[int | None, ...] = ()) -> KVLayout:
     if len(set(heads)) == 1:  # the attention modules' own counts, where they give them (Step 3.5: attention groups)
         kv_heads, key, value = heads[0]
         return KVLayout(layers, kv_heads, key, dtype, windows, value_dim=value if value != key else 0)
-    n_heads = args.num_attention_heads
-    head_dim = getattr(args, "head_dim", None) or args.hidden_size // n_heads
+    n_heads = getattr(args, "num_attention_heads", None) or args.n_head  # GPT-2 keeps its own names
+    head_dim = getattr(args, "head_dim", None) or (getattr(args, "hidden_size", None) or args.n_embd) // n_heads
     kv_heads = getattr(args, "num_key_value_heads", None) or n_heads
     return KVLayout(layers, kv_heads, head_dim, dtype, windows, layer_heads=heads)
 

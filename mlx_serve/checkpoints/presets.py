@@ -135,6 +135,8 @@ MLX_FAMILIES: dict[str, dict] = {
                      scale_depth=1.4, scale_emb=12.0, rope_scaling={"type": "longrope", "short_factor": [1.0] * 8,
                      "long_factor": [1.5] * 8, "original_max_position_embeddings": 1024}),
     "exaone": dict(num_layers=2, layer_norm_epsilon=1e-5),
+    "gpt2": dict(n_ctx=TINY_CONTEXT, n_embd=128, n_head=4, n_layer=2, n_positions=TINY_CONTEXT,
+                 layer_norm_epsilon=1e-5, num_key_value_heads=None),
     "nanochat": dict(),
     "kimi_k25": dict(text_config={"model_type": "deepseek_v3", **_FAMILY_BASE, **_V3_MOE, **_MLA,
                                   "first_k_dense_replace": 1, "moe_layer_freq": 1}),  # Kimi K2.5: DeepSeek-V3 inside

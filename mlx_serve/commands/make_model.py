@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-HELP = "Write a random-weight checkpoint of a real architecture (llama, qwen2, qwen3, qwen3_moe, mistral at real sizes; 81 more mlx-lm families at a tiny size)."
+HELP = "Write a random-weight checkpoint of a real architecture (llama, qwen2, qwen3, qwen3_moe, mistral at real sizes; 82 more mlx-lm families at a tiny size)."
 
 # Kept here, not imported, so `--help` does not import MLX; tests check they match mlx_serve.checkpoints.
 ARCHS = (
@@ -62,6 +62,7 @@ ARCHS = (
     "deepseek_v2",
     "minicpm3",
     "exaone",
+    "gpt2",
     "nanochat",
     "kimi_k25",
     "qwen2_vl",
