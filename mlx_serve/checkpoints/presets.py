@@ -239,6 +239,10 @@ MLX_FAMILIES: dict[str, dict] = {
                                 "attn_scale": 0.1, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                 "original_max_position_embeddings": 1024}}),
+    # EXAONE 4: three sliding layers with RoPE, then a global one without. mlx-lm reads the pattern string, transformers
+    # (the tokenizer's config) the layer types: a real checkpoint carries both
+    "exaone4": dict(num_hidden_layers=4, sliding_window=16, sliding_window_pattern="LLLG",
+                    layer_types=["sliding_attention"] * 3 + ["full_attention"], rope_scaling=None),
 }
 
 ARCHS = (*HF_ARCHS, *MLX_FAMILIES)

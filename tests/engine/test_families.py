@@ -146,7 +146,7 @@ def test_an_unserved_family_is_refused_with_the_list(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["granite", "cohere", "internlm2", "mixtral", "gemma3", "cohere2", "gpt_oss", "minimax",
-                                    "gemma2", "llama4", "deepseek_v2", "minicpm3", "gemma4", "gemma3n"])
+                                    "gemma2", "llama4", "deepseek_v2", "minicpm3", "gemma4", "gemma3n", "exaone4"])
 def test_a_family_in_the_cuda_layout_with_compiled_decode_steps(checkpoints, family):
     """As on CUDA: decode steps replay one compiled graph (the family's head traced in it), prefill history in
     buckets read through the block table. mlx-lm's tokens."""
