@@ -49,10 +49,12 @@ def plain_head(model: Any) -> bool:
 
 def family_head(model: Any) -> Callable[[mx.array], mx.array]:
     """`hidden` `[T, hidden]` -> the model's logits `[T, V]`, exactly as its own forward makes them."""
-    from mlx_serve import gemma3n
+    from mlx_serve import gemma3n, gpt_neox
 
     if gemma3n.is_gemma3n(model):  # its forward is not an inner model and a head: the head, as it ends
         return lambda hidden: gemma3n.head(model, hidden)
+    if gpt_neox.is_gpt_neox(model):  # its inner model ends in the head
+        return lambda hidden: gpt_neox.head(model, hidden)
     call = type(model).__call__
 
     def head(hidden: mx.array) -> mx.array:

@@ -294,10 +294,12 @@ def _load(path: Path, adapter_path: str | None, chat_template: str | None = None
 def text_model(model: Any) -> Any:
     """A multimodal wrapper's language model (Gemma 3, Mistral 3: the checkpoint's text half, which the wrapper's
     forward only passes through); any other model as it is."""
-    from mlx_serve import gemma3n
+    from mlx_serve import gemma3n, gpt_neox
 
     if gemma3n.is_gemma3n(getattr(getattr(model, "model", None), "language_model", None)):
         return gemma3n.text_model(model)
+    if gpt_neox.is_gpt_neox(model):
+        return gpt_neox.text_model(model)
     inner = getattr(model, "language_model", None)
     if inner is not None and hasattr(getattr(inner, "model", None), "layers"):
         if not hasattr(inner, "make_cache") and hasattr(model, "make_cache"):  # Llama 4: the wrapper says the caches

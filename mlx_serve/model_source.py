@@ -26,7 +26,7 @@ SUPPORTED_MODEL_TYPES = (
     "gpt_oss", "gemma2", "qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe",
     "granitemoehybrid", "olmo_hybrid", "nemotron_h", "falcon_h1", "mamba", "mamba2", "rwkv7", "jamba", "llama4", "deepseek_v2",
     "minicpm3", "mistral4", "gemma4_text", "gemma4", "step3p5", "mimo_v2_flash", "mellum", "exaone", "gpt2", "nanochat",
-    "kimi_k25", "qwen2_vl", "pixtral", "gemma3n", "exaone4",
+    "kimi_k25", "qwen2_vl", "pixtral", "gemma3n", "exaone4", "gpt_neox",
 )  # fmt: skip
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

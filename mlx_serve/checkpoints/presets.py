@@ -243,6 +243,9 @@ MLX_FAMILIES: dict[str, dict] = {
     # (the tokenizer's config) the layer types: a real checkpoint carries both
     "exaone4": dict(num_hidden_layers=4, sliding_window=16, sliding_window_pattern="LLLG",
                     layer_types=["sliding_attention"] * 3 + ["full_attention"], rope_scaling=None),
+    # GPT-NeoX (Pythia): fused q/k/v per head, RoPE over a quarter of each head, attention and MLP in parallel
+    "gpt_neox": dict(num_key_value_heads=None, layer_norm_eps=1e-5, rotary_emb_base=10000, rotary_pct=0.25,
+                     use_parallel_residual=True),
 }
 
 ARCHS = (*HF_ARCHS, *MLX_FAMILIES)

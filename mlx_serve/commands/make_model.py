@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-HELP = "Write a random-weight checkpoint of a real architecture (llama, qwen2, qwen3, qwen3_moe, mistral at real sizes; 83 more mlx-lm families at a tiny size)."
+HELP = "Write a random-weight checkpoint of a real architecture (llama, qwen2, qwen3, qwen3_moe, mistral at real sizes; 84 more mlx-lm families at a tiny size)."
 
 # Kept here, not imported, so `--help` does not import MLX; tests check they match mlx_serve.checkpoints.
 ARCHS = (
@@ -97,6 +97,7 @@ ARCHS = (
     "jamba",
     "llama4",
     "exaone4",
+    "gpt_neox",
 )
 PRESETS = ("tiny", "0.6b", "8b", "30b-a3b")
 DTYPES = ("bfloat16", "float16", "float32")
