@@ -104,7 +104,7 @@ def test_supported_architectures_pass(model_type: str) -> None:
     check_supported({"model_type": model_type})
 
 
-@pytest.mark.parametrize("config", [{"model_type": "gpt_neox"}, {}])
+@pytest.mark.parametrize("config", [{"model_type": "bloom"}, {}])
 def test_unsupported_architectures_are_named(config: dict) -> None:
     with pytest.raises(UnsupportedModel) as caught:
         check_supported(config)
