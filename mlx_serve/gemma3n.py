@@ -1,7 +1,7 @@
 """Gemma 3n on ragged steps. mlx-lm's Gemma 3n language model has no inner model of its own: one forward runs the
 per-layer inputs, AltUp and the layers, and ends in its head (the tied embedding, then a soft cap). The engine reads
 hidden states and applies the head itself (only to the rows it samples), so the text model it is given is that
-language model with `model` aliased to `HiddenStates`: the same forward, run over a view whose embedding's
+language model with `model` aliased to `model_head.HiddenStates`: the same forward, run over a view whose embedding's
 `as_linear` passes the normed hidden states through and whose soft cap is off. Its head is `head`.
 
 Its last `num_kv_shared_layers` layers read the K/V of the last earlier layer of their kind through
@@ -14,6 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+
+from mlx_serve.model_head import HiddenStates
 
 GEMMA3N_MODULE = "mlx_lm.models.gemma3n"  # checked against mlx-lm 0.32.2
 
@@ -52,29 +54,10 @@ class _WithoutHead:
         return bound.__get__(self) if bound is not None else value
 
 
-class HiddenStates:
-    """`model.model` of a Gemma 3n text model: its forward up to the final norm; attributes are the model's."""
-
-    def __init__(self, model: Any) -> None:
-        self._model = model
-
-    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
-        return type(self._model).__call__(_WithoutHead(self._model), inputs, cache=cache)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._model, name)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._model
-
-    def __getitem__(self, name: str) -> Any:
-        return self._model[name]
-
-
 def text_model(model: Any) -> Any:
     """The language model of a Gemma 3n checkpoint, given `model` (hidden states), `args` and `model_type`."""
     language_model = model.model.language_model
-    object.__setattr__(language_model, "model", HiddenStates(language_model))
+    object.__setattr__(language_model, "model", HiddenStates(language_model, _WithoutHead))
     object.__setattr__(language_model, "args", language_model.config)
     object.__setattr__(language_model, "model_type", language_model.config.model_type)
     return language_model

@@ -1,6 +1,6 @@
 """GPT-NeoX (Pythia and its kin) on ragged steps. mlx-lm's GPT-NeoX inner model ends in its head (`embed_out`, after
 the final norm), where the engine reads hidden states and applies the head itself, only to the rows it samples. The
-text model it is given has `model` aliased to `HiddenStates`: the inner forward run over a view whose `embed_out`
+text model it is given has `model` aliased to `model_head.HiddenStates`: the inner forward run over a view whose `embed_out`
 passes the normed hidden states through. Its head is `head`.
 """
 
@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+
+from mlx_serve.model_head import HiddenStates
 
 GPT_NEOX_MODULE = "mlx_lm.models.gpt_neox"  # checked against mlx-lm 0.32.2
 
@@ -31,25 +33,6 @@ class _WithoutHead:
         return getattr(self._inner, name)
 
 
-class HiddenStates:
-    """`model.model` of a GPT-NeoX model: its forward up to the final norm; attributes are the inner model's."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
-        return type(self._inner).__call__(_WithoutHead(self._inner), inputs, cache=cache)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._inner
-
-    def __getitem__(self, name: str) -> Any:
-        return self._inner[name]
-
-
 def text_model(model: Any) -> Any:
     """The model with `model` read as hidden states and its layers (`h`) also under `layers`: aliases, not children
     (the parameters stay listed once, under their own names)."""
@@ -57,7 +40,7 @@ def text_model(model: Any) -> Any:
     if isinstance(inner, HiddenStates):  # asked again of a model already seen so
         return model
     object.__setattr__(inner, "layers", inner["h"])
-    object.__setattr__(model, "model", HiddenStates(inner))
+    object.__setattr__(model, "model", HiddenStates(inner, _WithoutHead))
     return model
 
 

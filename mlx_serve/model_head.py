@@ -43,6 +43,27 @@ class _HeadView:
         return self._inner if name in ("model", "backbone", "transformer") else getattr(self._model, name)
 
 
+class HiddenStates:
+    """`model.model` for a family whose forward ends in its head (Gemma 3n, GPT-NeoX): that forward run over
+    `without_head(model)`, a view whose head passes the normed hidden states through; attributes are the model's."""
+
+    def __init__(self, model: Any, without_head: Callable[[Any], Any]) -> None:
+        self._model = model
+        self._without_head = without_head
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        return type(self._model).__call__(self._without_head(self._model), inputs, cache=cache)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._model
+
+    def __getitem__(self, name: str) -> Any:
+        return self._model[name]
+
+
 def plain_head(model: Any) -> bool:
     return type(model).__module__ in PLAIN_HEADS
 
