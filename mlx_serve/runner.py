@@ -417,8 +417,8 @@ class ModelRunner:
         elif mixed:
             sample_ids, sampled = self._submit_compiled_mixed(gpu_lanes, previous, mixed_shape)
         else:
-            sample_ids, (sampled, scores, verify, embeddings) = prepared.sample_ids, self._submit_eager(prepared,
-                                                                                                       previous)
+            sampled, scores, verify, embeddings = self._submit_eager(prepared, previous)
+            sample_ids = prepared.sample_ids
         stamp = self._stamp(sampled) if gpu_lanes else None
         t2 = time.perf_counter()
         phases = {"preparation": (t1 - t0) * 1e3, "submission": (t2 - t1) * 1e3}
