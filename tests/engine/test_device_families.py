@@ -24,7 +24,8 @@ pytestmark = [
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "lfm2", "granitemoehybrid", "nemotron_h", "falcon_h1", "jamba",
                                     "deepseek_v3", "glm4_moe_lite", "llama4", "deepseek_v2", "mistral4", "gemma4",
-                                    "mimo_v2_flash", "rwkv7", "step3p5", "gemma3n"])  # fmt: skip
+                                    "mimo_v2_flash", "rwkv7", "step3p5", "gemma3n", "gpt2", "gpt_neox", "exaone4",
+                                    "gemma3"])  # fmt: skip
 def test_a_family_beside_the_cuda_fast_paths_gives_mlx_lms_tokens(tmp_path, family):
     path = make_checkpoint(tmp_path / family, arch=family, seed=6)
     prompts = [prompt_of(n, seed=800 + i) for i, n in enumerate((9, 300, 40, 1))]
