@@ -51,6 +51,7 @@ from mlx_serve.ragged import (
     sdpa_chunk_attention,
 )
 from mlx_serve.recurrent import LayerCaches, RecurrentLayerCache, StatePool
+from mlx_serve.rope_guard import install_rope_guard
 from mlx_serve.sampling import RequestSampler, SampledRows, draft_verdict, sample_rows, top_logprobs
 from mlx_serve.types import PromptLogprob, SamplingParams, TokenLogprob
 from scheduler import Lane, StepOutcome, StepPlan
@@ -191,6 +192,7 @@ class ModelRunner:
         self._last_done = 0.0  # host time the last step was read back
         self._last_end_ns: int | None = None  # the device clock at the last step's end
         install_ragged_attention(model, any(pool.layout.attends(layer) for layer in range(pool.layout.num_layers)))
+        install_rope_guard()  # the ragged rows as RoPE's batch: MLX's CUDA launch needs it split past 127 rows
         # how many there are sets the scheduler's row tile
         self.quantized_projections = fold_quantized_rows(model, dequantize_rows, quantized_tiles, quantized_gemv)
         if dense_moe or expert_tiles is not None:  # MoE blocks pick their form by the step's rows
