@@ -14,7 +14,9 @@ import pytest
 from mlx_serve.checkpoints import make_checkpoint
 from mlx_serve.engine import Engine, EngineConfig
 from mlx_serve.types import GenerationRequest, SamplingParams
-from tests.engine.reference import prompt_of, reference_tokens, run_staggered
+from tests.engine.reference import prompt_of, run_staggered
+
+NEAR_TIE = 0.05  # nats between mlx-lm's top token and ours where the two may part
 
 pytestmark = [
     pytest.mark.device,
@@ -37,21 +39,37 @@ def test_a_family_beside_the_cuda_fast_paths_gives_mlx_lms_tokens(tmp_path, fami
     finally:
         engine.shutdown()
     for i, prompt in enumerate(prompts):
-        assert tokens[i] == reference_tokens(path, prompt, 12), f"prompt {i}"
-    assert list(again.token_ids) == reference_tokens(path, follow, 8)
+        _assert_mlx_lms_tokens_or_a_near_tie(path, prompt, tokens[i], 12, f"prompt {i}")
+    _assert_mlx_lms_tokens_or_a_near_tie(path, follow, list(again.token_ids), 8, "the prefix hit")
+
+
+def _assert_mlx_lms_tokens_or_a_near_tie(path, prompt: list[int], ours: list[int], max_tokens: int, what: str) -> None:
+    """Our tokens are mlx-lm's, all of them, or up to a step where mlx-lm's own log-probabilities (same prefix) put
+    ours within `NEAR_TIE` of its pick: a near-tie of dummy weights that different CUDA kernels may break either way
+    (nemotron_h in session 41). A request cut short by a failed step fails here."""
+    want, rows = _reference_steps(path, prompt, max_tokens)
+    for step, (token, wanted) in enumerate(zip(ours, want)):
+        if token != wanted:
+            margin = rows[step][wanted].item() - rows[step][token].item()
+            assert margin < NEAR_TIE, f"{what} step {step}: mlx-lm's token led ours by {margin:.3f}"
+            return
+    assert ours == want, f"{what}: {len(ours)} tokens, mlx-lm {len(want)}"
 
 
 def _reference_steps(path, prompt: list[int], max_tokens: int) -> tuple[list[int], list[mx.array]]:
-    """mlx-lm's greedy tokens and, for each, its whole log-probability row (generate_step, one request alone)."""
+    """mlx-lm's greedy tokens, cut after the first eos as the engine's are, and for each its whole log-probability
+    row (generate_step, one request alone)."""
     from mlx_lm.generate import generate_step
 
     from tests.engine.reference import load_reference
 
-    model, _ = load_reference(str(path))
+    model, tokenizer = load_reference(str(path))
     tokens, rows = [], []
     for token, row in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
         tokens.append(int(token))
         rows.append(row.astype(mx.float32))
+        if tokens[-1] in tokenizer.eos_token_ids:
+            break
     return tokens, rows
 
 
@@ -76,5 +94,5 @@ def test_where_a_recurrent_familys_tokens_part_from_mlx_lms_the_two_were_at_a_ne
             assert abs(logprob - rows[step][token].item()) < 0.05, f"prompt {i} step {step}: another distribution"
             if token != want[step]:
                 margin = rows[step][want[step]].item() - rows[step][token].item()
-                assert margin < 0.05, f"prompt {i} step {step}: mlx-lm's token led ours by {margin:.3f}"
+                assert margin < NEAR_TIE, f"prompt {i} step {step}: mlx-lm's token led ours by {margin:.3f}"
                 break
