@@ -10,6 +10,7 @@ pieces along the batch axis, each with its rows' offsets; every other call goes 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -17,6 +18,8 @@ import mlx.core as mx
 
 CUDA_MAX_BLOCK_Z = 64
 MAX_BLOCK_THREADS_LOG2 = 10  # MLX's 1,024-thread block
+# from 32 rotated dims the block's x size (16 or more) leaves z at most 64 in the 1,024 threads
+SAFE_ROTATED_DIMS = 32
 
 
 def block_dims(dim0: int, dim1: int, dim2: int) -> tuple[int, int, int]:
@@ -44,8 +47,12 @@ def rope_block(shape: tuple[int, ...], rotated_dims: int) -> tuple[int, int, int
     return block_dims(rotated_dims // 2, sequence, batch * -(-heads // 4))
 
 
+@functools.lru_cache(maxsize=1024)
 def piece_rows(shape: tuple[int, ...], rotated_dims: int) -> int | None:
-    """Batch rows a piece of this call may hold for its launch to fit CUDA (None: the whole call fits)."""
+    """Batch rows a piece of this call may hold for its launch to fit CUDA (None: the whole call fits). Cached: it
+    runs on every RoPE call, and a step's shapes repeat."""
+    if rotated_dims >= SAFE_ROTATED_DIMS:
+        return None
     block = rope_block(shape, rotated_dims)
     if block is None or block[2] <= CUDA_MAX_BLOCK_Z:
         return None
@@ -57,7 +64,7 @@ def guarded(rope: Callable[..., mx.array]) -> Callable[..., mx.array]:
     """`rope` (mx.fast.rope's signature), run in batch pieces where one launch would not fit."""
 
     def guarded_rope(a: mx.array, dims: int, *args, **kwargs) -> mx.array:
-        rows = piece_rows(a.shape, dims)
+        rows = piece_rows(tuple(a.shape), dims)
         if rows is None:
             return rope(a, dims, *args, **kwargs)
         offset = kwargs.get("offset", 0)

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_serve.rope_guard import block_dims, guarded, install_rope_guard, piece_rows
+from mlx_serve.rope_guard import SAFE_ROTATED_DIMS, block_dims, guarded, install_rope_guard, piece_rows
 
 on_cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
 
@@ -88,3 +88,12 @@ def test_a_128_row_ragged_step_with_a_small_rotary_part_runs_on_cuda():
     rows = [mx.fast.rope(x[i : i + 1], 16, offset=offset[i : i + 1], **kwargs) for i in range(128)]
     one_by_one = mx.concatenate(rows)
     assert mx.allclose(ours, one_by_one, atol=1e-6).item()
+
+
+def test_from_32_rotated_dims_no_launch_needs_pieces():
+    """`piece_rows` skips its arithmetic from `SAFE_ROTATED_DIMS` on: MLX's pick never passes a z of 64 there."""
+    for rotated in (SAFE_ROTATED_DIMS, 48, 64, 128, 256):
+        for sequence in (1, 2, 7):
+            for groups in range(1, 5000, 37):
+                assert block_dims(rotated // 2, sequence, groups)[2] <= 64
+    assert block_dims((SAFE_ROTATED_DIMS - 2) // 2, 1, 128)[2] > 64  # and just under it, some do
