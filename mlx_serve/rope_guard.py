@@ -70,8 +70,8 @@ def guarded(rope: Callable[..., mx.array]) -> Callable[..., mx.array]:
         offset = kwargs.get("offset", 0)
         pieces = []
         for start in range(0, a.shape[0], rows):
-            # one offset a batch row (the ragged rows' positions), or one for all
-            if isinstance(offset, mx.array) and offset.ndim > 0:
+            # one offset a batch row (the ragged rows' positions), or one for all (a scalar, or one broadcast)
+            if isinstance(offset, mx.array) and offset.ndim > 0 and offset.shape[0] == a.shape[0] > 1:
                 kwargs["offset"] = offset[start : start + rows]
             pieces.append(rope(a[start : start + rows], dims, *args, **kwargs))
         return mx.concatenate(pieces, axis=0)

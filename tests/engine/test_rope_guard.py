@@ -38,11 +38,12 @@ def test_only_launches_past_the_limit_are_split(shape, dims, pieces):
 
 
 @pytest.mark.parametrize("traditional", [False, True])
-@pytest.mark.parametrize("offsets", ["rows", "scalar"])
+@pytest.mark.parametrize("offsets", ["rows", "scalar", "one"])
 def test_pieces_give_mlxs_rope_exactly(traditional, offsets):
     rng = np.random.default_rng(0)
     x = mx.array(rng.standard_normal((300, 4, 1, 32)).astype(np.float32))
-    offset = mx.array(rng.integers(0, 5000, 300).astype(np.int32)) if offsets == "rows" else 17
+    offset = {"rows": mx.array(rng.integers(0, 5000, 300).astype(np.int32)), "scalar": 17,
+              "one": mx.array([23], dtype=mx.int32)}[offsets]  # fmt: skip
     calls = []
 
     def counted(*args, **kwargs):
