@@ -43,17 +43,21 @@ def test_a_family_beside_the_cuda_fast_paths_gives_mlx_lms_tokens(tmp_path, fami
     _assert_mlx_lms_tokens_or_a_near_tie(path, follow, list(again.token_ids), 8, "the prefix hit")
 
 
-def _assert_mlx_lms_tokens_or_a_near_tie(path, prompt: list[int], ours: list[int], max_tokens: int, what: str) -> None:
+def _assert_mlx_lms_tokens_or_a_near_tie(
+    path, prompt: list[int], ours: list[int], max_tokens: int, what: str
+) -> list[mx.array]:
     """Our tokens are mlx-lm's, all of them, or up to a step where mlx-lm's own log-probabilities (same prefix) put
     ours within `NEAR_TIE` of its pick: a near-tie of dummy weights that different CUDA kernels may break either way
-    (nemotron_h in session 41). A request cut short by a failed step fails here."""
+    (nemotron_h in session 41). A request cut short by a failed step fails here. Returns mlx-lm's log-probability
+    rows of the steps the two share (the parting one included)."""
     want, rows = _reference_steps(path, prompt, max_tokens)
     for step, (token, wanted) in enumerate(zip(ours, want)):
         if token != wanted:
             margin = rows[step][wanted].item() - rows[step][token].item()
             assert margin < NEAR_TIE, f"{what} step {step}: mlx-lm's token led ours by {margin:.3f}"
-            return
+            return rows[: step + 1]
     assert ours == want, f"{what}: {len(ours)} tokens, mlx-lm {len(want)}"
+    return rows
 
 
 def _reference_steps(path, prompt: list[int], max_tokens: int) -> tuple[list[int], list[mx.array]]:
@@ -88,11 +92,7 @@ def test_where_a_recurrent_familys_tokens_part_from_mlx_lms_the_two_were_at_a_ne
     finally:
         engine.shutdown()
     for i, (prompt, completion) in enumerate(zip(prompts, completions)):
-        want, rows = _reference_steps(path, prompt, 12)
         ours = list(completion.token_ids)
-        for step, (token, logprob) in enumerate(zip(ours, completion.logprobs)):
-            assert abs(logprob - rows[step][token].item()) < 0.05, f"prompt {i} step {step}: another distribution"
-            if token != want[step]:
-                margin = rows[step][want[step]].item() - rows[step][token].item()
-                assert margin < NEAR_TIE, f"prompt {i} step {step}: mlx-lm's token led ours by {margin:.3f}"
-                break
+        rows = _assert_mlx_lms_tokens_or_a_near_tie(path, prompt, ours, 12, f"prompt {i}")
+        for step, (token, logprob, row) in enumerate(zip(ours, completion.logprobs, rows)):
+            assert abs(logprob - row[token].item()) < 0.05, f"prompt {i} step {step}: another distribution"
