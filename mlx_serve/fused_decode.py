@@ -131,6 +131,28 @@ def split_fused_projections(layers: list[FusedLayer]) -> int:
     return changed
 
 
+@dataclass(frozen=True, slots=True)
+class TransposedWeight:
+    """A dense linear's weight and its transpose, evaluated once. An evaluated view is a leaf of every later graph,
+    where the linear's own `x @ weight.T` adds a Transpose node a call (112 a 0.6B step, each one host work on
+    CUDA); the product reads the same memory with the same strides either way."""
+
+    linear: nn.Linear
+    weight: mx.array
+    transposed: mx.array
+
+    def applies_to(self, linear: nn.Module) -> bool:
+        """Whether `linear` is still this one over this weight (not an adapter put in its place, nor re-pointed)."""
+        return linear is self.linear and linear.get("weight") is self.weight
+
+
+def transposed_weights(linears: Sequence[nn.Module]) -> dict[int, TransposedWeight]:
+    """The dense (`nn.Linear`) ones of `linears`, by id, with their transposes evaluated."""
+    entries = {id(m): TransposedWeight(m, m["weight"], m["weight"].T) for m in linears if type(m) is nn.Linear}
+    mx.eval([entry.transposed for entry in entries.values()])
+    return entries
+
+
 class FusedDecode:
     """The hidden states `[T, hidden]` of a single-row step, with its KV written to the pool."""
 
@@ -147,6 +169,7 @@ class FusedDecode:
         # kernels on CUDA, mlx-lm's ops elsewhere
         self.qkv_rows = qkv_rows or select_qkv_rows(self.layers[0].spec)
         self.add_norm = add_norm or select_add_norm()
+        self._transposed = transposed_weights([m for layer in self.layers for m in _dense_projections(layer)])
 
     def __call__(
         self, tokens: mx.array, positions: mx.array, slots: mx.array, rows: DecodeRows, pool: KVPool
@@ -204,19 +227,34 @@ class FusedDecode:
         for index, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
             block, attn = layer.block, layer.block.self_attn
             # quantized projections of many rows run dense where the runner folded them so (`--dequantize-rows`)
-            queries = qkv_rows(layer.qkv(x), layer.spec, attn, positions, slots, pool, index)
+            queries = qkv_rows(self._project(layer.qkv, x), layer.spec, attn, positions, slots, pool, index)
             out = attend(index, queries, attn.scale)
-            h, x = self.add_norm(h, attn.o_proj(out.reshape(h.shape[0], -1)), block.post_attention_layernorm)
+            attended = self._project(attn.o_proj, out.reshape(h.shape[0], -1))
+            h, x = self.add_norm(h, attended, block.post_attention_layernorm)
             h, x = self.add_norm(h, self._mlp(layer, x), next_norm)
         return x
 
-    @staticmethod
-    def _mlp(layer: FusedLayer, x: mx.array) -> mx.array:
+    def _project(self, linear: nn.Module, x: mx.array) -> mx.array:
+        """`linear(x)`, through its evaluated transpose where it is a dense linear met at start-up."""
+        entry = self._transposed.get(id(linear))
+        if entry is None or not entry.applies_to(linear):
+            return linear(x)
+        return mx.addmm(linear["bias"], x, entry.transposed) if "bias" in linear else x @ entry.transposed
+
+    def _mlp(self, layer: FusedLayer, x: mx.array) -> mx.array:
         if layer.gate_up is None:  # an experts block (dense for enough rows where `dense_experts` is installed)
             return layer.block.mlp(x)
-        gate_up = layer.gate_up(x)
+        gate_up = self._project(layer.gate_up, x)
         hidden = gate_up.shape[-1] // 2
-        return layer.block.mlp.down_proj(swiglu(gate_up[:, :hidden], gate_up[:, hidden:]))
+        return self._project(layer.block.mlp.down_proj, swiglu(gate_up[:, :hidden], gate_up[:, hidden:]))
+
+
+def _dense_projections(layer: FusedLayer) -> list[nn.Module]:
+    """The projections the fused forward calls itself: q/k/v as one, o_proj, and a dense MLP's gate/up and down."""
+    projections = [layer.qkv, layer.block.self_attn.o_proj]
+    if layer.gate_up is not None:
+        projections += [layer.gate_up, layer.block.mlp.down_proj]
+    return projections
 
 
 def _head_dim(attn: Any) -> int:
