@@ -131,6 +131,13 @@ def step_phases(
             "pipelined_ms": round(1e3 * pipelined, 3)}  # fmt: skip
 
 
+def graph_primitives(*outputs: mx.array) -> list[str]:
+    """The primitive of every node in the graph that computes `outputs`, as MLX's DOT export names them."""
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as dot:
+        mx.export_to_dot(dot.name, *outputs)
+        return re.findall(r'label ="([^"]+)", shape=rectangle', dot.read())
+
+
 def step_ops(model, layout: KVLayout, lanes: int, rows: int, history: int, variant: str) -> dict:
     """The primitives in one step's graph, by kind, as MLX is handed it once the step's shape is warm (a compiled
     variant then replays its trace): a host-bound step costs about one encode per primitive that is not a view."""
@@ -138,12 +145,10 @@ def step_ops(model, layout: KVLayout, lanes: int, rows: int, history: int, varia
     for step in range(WARMUP):
         runner.collect(runner.submit(plan(step)))
     queued = mx.async_eval
-    graphs: list[str] = []
+    labels: list[str] = []
 
     def exporting(*outputs):
-        with tempfile.NamedTemporaryFile("r", suffix=".dot") as dot:
-            mx.export_to_dot(dot.name, *[array for _, array in tree_flatten(list(outputs))])
-            graphs.append(dot.read())
+        labels.extend(graph_primitives(*[array for _, array in tree_flatten(list(outputs))]))
         return queued(*outputs)
 
     mx.async_eval = exporting
@@ -151,9 +156,7 @@ def step_ops(model, layout: KVLayout, lanes: int, rows: int, history: int, varia
         runner.collect(runner.submit(plan(WARMUP)))
     finally:
         mx.async_eval = queued
-    kinds = collections.Counter(
-        label for graph in graphs for label in re.findall(r'label ="([^"]+)", shape=rectangle', graph)
-    )
+    kinds = collections.Counter(labels)
     views = sum(kinds[name] for name in VIEW_PRIMITIVES)
     return {"primitives": sum(kinds.values()), "views": views, "per_layer": round(
         (sum(kinds.values()) - views) / model.args.num_hidden_layers, 1), "kinds": dict(kinds.most_common())}

@@ -10,6 +10,7 @@ import mlx.nn as nn
 import pytest
 from mlx_lm import load
 
+from benchmarks.gpu.profile_mixed import graph_primitives
 from mlx_serve.engine import Engine, EngineConfig
 from mlx_serve.errors import InvalidRequest
 from mlx_serve.fused_decode import FusedDecode, unsupported_reason
@@ -440,15 +441,6 @@ def test_the_moe_warm_up_runs_each_form_once(tiny_qwen3_moe, monkeypatch):
     assert engine.runner.warm_moe_blocks(100) == 2  # within the ceiling only
 
 
-def _primitives(*outputs: mx.array) -> list[str]:
-    import re
-    import tempfile
-
-    with tempfile.NamedTemporaryFile("r", suffix=".dot") as dot:
-        mx.export_to_dot(dot.name, *outputs)
-        return re.findall(r'label ="([^"]+)", shape=rectangle', dot.read())
-
-
 def test_dense_projections_multiply_by_transposes_evaluated_once(tiny_qwen3):
     """No Transpose node a projection a step (each is host work on CUDA), the same products bit for bit, and a
     module put in a projection's place (an adapter) or a weight re-pointed is called as it is."""
@@ -459,7 +451,7 @@ def test_dense_projections_multiply_by_transposes_evaluated_once(tiny_qwen3):
     o_in = mx.random.normal((5, layer.block.self_attn.o_proj.weight.shape[1]), key=mx.random.key(2))
     for linear, inputs in ((layer.qkv, x), (layer.gate_up, x), (layer.block.self_attn.o_proj, o_in)):
         ours, theirs = fused._project(linear, inputs), linear(inputs)
-        assert "Transpose" not in _primitives(ours) and "Transpose" in _primitives(theirs)
+        assert "Transpose" not in graph_primitives(ours) and "Transpose" in graph_primitives(theirs)
         assert mx.array_equal(ours, theirs).item()
 
     class Wrapped(nn.Module):  # what an adapter install does: another module where the projection was
@@ -473,7 +465,7 @@ def test_dense_projections_multiply_by_transposes_evaluated_once(tiny_qwen3):
     wrapped = Wrapped(layer.block.self_attn.o_proj)
     assert mx.array_equal(fused._project(wrapped, o_in), layer.block.self_attn.o_proj(o_in) * 2).item()
     layer.qkv.weight = layer.qkv.weight * 1  # re-pointed: the cached transpose no longer applies
-    assert "Transpose" in _primitives(fused._project(layer.qkv, x))
+    assert "Transpose" in graph_primitives(fused._project(layer.qkv, x))
 
 
 def test_a_projection_with_a_bias_adds_it_as_the_linear_does():
@@ -486,4 +478,4 @@ def test_a_projection_with_a_bias_adds_it_as_the_linear_does():
     assert list(holder._transposed) == [id(linear)]  # only dense linears
     x = mx.random.normal((3, 8), key=mx.random.key(3))
     ours = FusedDecode._project(holder, linear, x)
-    assert "Transpose" not in _primitives(ours) and mx.array_equal(ours, linear(x)).item()
+    assert "Transpose" not in graph_primitives(ours) and mx.array_equal(ours, linear(x)).item()

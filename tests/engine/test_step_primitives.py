@@ -6,13 +6,12 @@ rows) must stay gone. Nothing is evaluated: the step's graph is read from the ar
 from __future__ import annotations
 
 import collections
-import re
 import sys
 
 import mlx.core as mx
 import pytest
 
-from benchmarks.gpu.profile_mixed import mixed_step_runner
+from benchmarks.gpu.profile_mixed import graph_primitives, mixed_step_runner
 from mlx_serve import ragged
 from mlx_serve.checkpoints.builder import checkpoint_config
 from mlx_serve.checkpoints.weights import build_mlx_model
@@ -67,11 +66,7 @@ def step_graph(model, launches: list, queued: list, lanes: int, rows: int) -> tu
     queued.clear()
     runner.submit(plan(0))
     roots = [a for arrays in queued for a in arrays] + [a for _, inputs in launches for a in inputs.values()]
-    path = f"/tmp/step_primitives_{id(roots)}.dot"
-    mx.export_to_dot(path, *roots)
-    with open(path) as dot:
-        labels = re.findall(r'label ="([^"]+)", shape=rectangle', dot.read())
-    return collections.Counter(labels), list(launches)
+    return collections.Counter(graph_primitives(*roots)), list(launches)
 
 
 @pytest.mark.parametrize("lanes", [4, 0])
