@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks.gpu import api_trace
+from benchmarks.gpu import api_trace, gc_pauses
 from benchmarks.gpu.api_calls import ApiCall, ApiCalls
 from benchmarks.gpu.host_samples import StackSampler, runs, time_in
 from benchmarks.gpu.host_waits import HostWaits, overlap_ms
@@ -89,6 +89,7 @@ class OurSide:
         self.api_calls_result = 0  # CUPTI's answer to the last subscription (0: timing)
         # HOST_SAMPLES=1: the engine thread's Python stack sampled through the contended pass (`host_samples`)
         self.samples: list = []
+        self.gc_pauses: list[gc_pauses.GcPause] = []  # the last contended pass's collections
 
     def _record_cost_observations(self) -> None:
         """Every step the cost model is shown, as it is shown (the engine thread appends): [[[rows, history] per
@@ -190,6 +191,7 @@ class OurSide:
             self.api_calls.clear()
             self.api_calls_result = self.api_calls.start(float(os.environ.get("API_CALLS_MIN_US", "50")))
         sampler = StackSampler(self.engine._thread.ident).start() if os.environ.get("HOST_SAMPLES") == "1" else None
+        collections = gc_pauses.GcPauses().start()
         first_observation = len(self.cost_observations)
         capacity = self.engine.pool.num_blocks * self.engine.pool.block_size // (n + 2)
         budget = (
@@ -215,6 +217,7 @@ class OurSide:
             self.samples = sampler.stop()
         if self.api_calls is not None:
             self.api_calls.stop()
+        self.gc_pauses = collections.stop()
         gaps = list(rec.gaps)
         return {
             "cost_observations_from": first_observation,  # this pass's first entry in `cost_observations`
@@ -222,6 +225,7 @@ class OurSide:
             **gap_summary(gaps, gaps[:before], gaps[before:]),
             "steps": self._contended_steps(),
             "longest_gap": self._longest_gap(),
+            "gc": gc_pauses.summary(self.gc_pauses),  # Python's collections in the pass, any thread
         }
 
     def _longest_gap(self) -> dict | None:
@@ -250,6 +254,9 @@ class OurSide:
         if self.samples:  # where the engine thread was, as runs of one stack: [from ms, to ms, frames...]
             t0 = self.sink.origin
             result["samples"] = runs(self.samples, start + t0, end + t0, start + t0)
+        t0 = self.sink.origin  # collections overlapping the gap: [generation, from ms, to ms, thread]
+        result["gc"] = [[p.generation, ms(p.start - t0), ms(p.end - t0), p.thread]
+                        for p in gc_pauses.overlapping(self.gc_pauses, start + t0, end + t0)]  # fmt: skip
         waits = self._engine_waits()
         if waits is not None:  # the engine thread blocked in MLX (wait_for_one: too many commits in flight)
             result["waits"] = [[ms(a), ms(b)] for a, b in _overlapping(waits, start, end)]

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.gpu.api_calls import cupti_dirs
+from mlx_serve.config import AUTO_STEP_FLOOR_MS
 
 
 def run_bench(out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -63,7 +64,7 @@ def test_contended_only_run_and_its_refusal(tmp_path):
     assert written["command"].startswith("MLX_MAX_OPS_PER_BUFFER=400 python -m benchmarks.gpu.run_gpu_bench ")
     (result,) = written["results"]
     assert result["peer"] == {} and "decode" not in result["ours"]
-    assert result["step_target_ms"] >= 20.0  # learned by the end of the run, never under the floor
+    assert result["step_target_ms"] >= AUTO_STEP_FLOOR_MS  # learned by the end of the run, never under the floor
     assert result["ours"]["step_target_ms"] == result["step_target_ms"]
     assert result["ours"]["row_quantum"] == 16  # as the engine resolved it
     steps = result["ours"]["contended"]["steps"]
@@ -83,6 +84,10 @@ def test_contended_only_run_and_its_refusal(tmp_path):
     longest = result["ours"]["contended"]["longest_gap"]
     assert longest["ms"] == pytest.approx(result["ours"]["contended"]["gap_max_ms"], abs=1.0)  # the same gap
     assert longest["spans"] and all(span[3] >= 0 and span[2] <= longest["ms"] for span in longest["spans"])
+    # Python's collections: per generation in the pass, and any inside the longest gap
+    collections = result["ours"]["contended"]["gc"]
+    assert all(c["count"] >= 1 and c["max_ms"] <= c["total_ms"] for c in collections.values())
+    assert all(p[0] in (0, 1, 2) and p[1] <= p[2] for p in longest["gc"])
     assert len(result["ours"]["settled_traces"]) == 2  # two warm passes by default, each settled
     if cupti_dirs():  # API_CALLS=1: the shim built and loaded; without a driver CUPTI refuses and times nothing
         assert steps["api_calls_status"]["cupti_result"] != 0 and steps["api_calls_status"]["dropped"] == 0
