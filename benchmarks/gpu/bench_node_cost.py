@@ -28,7 +28,7 @@ from mlx_serve.kernels.paged_attention import cuda_available
 
 SCALE_SOURCE = """
   const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < x_size) y[i] = x[i] * static_cast<T>(0.5f);
+  if (i < N) y[i] = x[i] * static_cast<T>(0.5f);
 """
 
 
@@ -37,7 +37,7 @@ def _scale_kernel() -> Callable[[mx.array], mx.array]:
 
     def scale(x: mx.array) -> mx.array:
         threads = 256
-        (y,) = kernel(inputs=[x], template=[("T", x.dtype)], grid=(-(-x.size // threads) * threads, 1, 1),
+        (y,) = kernel(inputs=[x], template=[("T", x.dtype), ("N", x.size)], grid=(-(-x.size // threads) * threads, 1, 1),
                       threadgroup=(threads, 1, 1), output_shapes=[x.shape], output_dtypes=[x.dtype])  # fmt: skip
         return y
 
