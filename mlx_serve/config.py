@@ -11,6 +11,9 @@ from mlx_serve.adapter_specs import AdapterSpec
 # kernel's two row tiles (twenty-sixth run): at 3, 8B's 16k TTFT under 8 streams went from 1.57x solo to 1.32x and
 # 8B 4-bit's to 1.45x, and 30B-A3B, whose decode step is long, keeps its gaps near 3x the median (3.0-3.1, 4.2 at 4)
 AUTO_STEP_FACTOR = 3.0
+# the auto target's least value, binding only where 3 decode steps are shorter (0.6B: 4-6 ms steps on an H100, where
+# its contended gap ratio was 4.5-12 at 20 ms in 3 runs, 2.2-3.6 at 15 ms in 10 of 13; RESULTS thirty-ninth run)
+AUTO_STEP_FLOOR_MS = 15.0
 
 
 @dataclass(slots=True)
@@ -38,7 +41,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     step_target_ms: float | str = 500.0  # or "auto": step_target_factor measured decode-only steps (engine_setup)
     step_target_factor: float = AUTO_STEP_FACTOR  # with auto: decode steps a contended step may take
-    step_target_floor_ms: float = 20.0  # with auto: the least target (a tiny model's decode step is mostly noise)
+    step_target_floor_ms: float = AUTO_STEP_FLOOR_MS  # with auto: the least target (a tiny model's decode step is mostly noise)
     row_ceiling: int = 2048  # most rows one step carries (SCHEDULER.md)
     row_floor: int = 64  # fewest prefill rows a contended step is cut to
     row_quantum: int | str = "auto"  # contended steps fill their last row tile of this many rows; auto: engine_setup

@@ -35,7 +35,7 @@ from benchmarks.gpu.report import markdown
 from benchmarks.gpu.workloads import FULL, QUICK, TINY, BenchParams, Prompts
 from mlx_serve import ragged
 from mlx_serve.commands.serve import floor_slack_arg, row_quantum_arg, step_target_arg
-from mlx_serve.config import AUTO_STEP_FACTOR
+from mlx_serve.config import AUTO_STEP_FACTOR, AUTO_STEP_FLOOR_MS
 from mlx_serve.kernels import paged_attention
 
 
@@ -191,7 +191,7 @@ def measure_ours(
         if str(p.contended_streams) in out.get("decode", {})
         else None
     )
-    target = args.step_target_ms or max(20.0, args.target_factor * (step8 or 10.0))  # or "auto": the engine's own
+    target = args.step_target_ms or max(args.target_floor_ms, args.target_factor * (step8 or 10.0))  # or "auto": the engine's own
     side = OurSide(dummy, kv_blocks, target, args.attention, **engine)
     try:
         side.prefill(prompts, p.prefill_lengths[0])  # the cost model learns prefill, then contended steps
@@ -286,7 +286,7 @@ def main() -> None:
         help="default: target-factor x 8-stream step; auto: the engine's own (target-factor x its measured decode step)"
     )
     parser.add_argument("--target-factor", type=float, default=AUTO_STEP_FACTOR)
-    parser.add_argument("--target-floor-ms", type=float, default=20.0,
+    parser.add_argument("--target-floor-ms", type=float, default=AUTO_STEP_FLOOR_MS,
                         help="EngineConfig.step_target_floor_ms: the least auto target")
     parser.add_argument(
         "--reference-streams",

@@ -8,7 +8,7 @@ import socket
 import sys
 from typing import Any
 
-from mlx_serve.config import AUTO_STEP_FACTOR
+from mlx_serve.config import AUTO_STEP_FACTOR, AUTO_STEP_FLOOR_MS
 
 HELP = "Serve a model over an OpenAI- and Anthropic-compatible HTTP API."
 
@@ -183,7 +183,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--step-target-factor", type=positive_float_arg, default=AUTO_STEP_FACTOR, metavar="F",
                    help="with --step-target-ms auto: how many measured decode steps a contended step may take "
                         "(default: %(default)s)")
-    s.add_argument("--step-target-floor-ms", type=nonnegative_float_arg, default=20.0, metavar="MS",
+    s.add_argument("--step-target-floor-ms", type=nonnegative_float_arg, default=AUTO_STEP_FLOOR_MS, metavar="MS",
                    help="with --step-target-ms auto: the least step target (default: %(default)s)")
     s.add_argument("--row-ceiling", type=whole_number_arg(1), default=2048,
                    help="most rows (tokens) per step (default: %(default)s)")

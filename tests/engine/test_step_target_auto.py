@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mlx_serve import engine_setup
+from mlx_serve.config import AUTO_STEP_FLOOR_MS
 from mlx_serve.engine import Engine, EngineConfig
 from mlx_serve.errors import InvalidRequest
 from mlx_serve.types import GenerationRequest
@@ -18,7 +19,7 @@ def test_auto_learns_the_decode_step_and_keeps_the_floor(tiny_qwen3):
         assert target.ms == 500.0  # nothing measured yet
         engine.generate([GenerationRequest(prompt_ids=tuple(prompt_of(12, seed=1)), max_tokens=12)])
         assert target.decode_step_ms is not None and target.decode_step_ms > 0
-        assert target.ms == max(20.0, engine_setup.AUTO_STEP_FACTOR * target.decode_step_ms)
+        assert target.ms == max(AUTO_STEP_FLOOR_MS, engine_setup.AUTO_STEP_FACTOR * target.decode_step_ms)
         assert engine.status()["step_target_ms"] == round(target.ms, 2)  # what /v1/status shows
     finally:
         engine.shutdown()
@@ -30,7 +31,7 @@ def test_the_auto_factor_is_configurable(tiny_qwen3):
     try:
         engine.generate([GenerationRequest(prompt_ids=tuple(prompt_of(12, seed=2)), max_tokens=8)])
         target = engine.scheduler.step_target
-        assert target.factor == 4.5 and target.ms == max(20.0, 4.5 * target.decode_step_ms)
+        assert target.factor == 4.5 and target.ms == max(AUTO_STEP_FLOOR_MS, 4.5 * target.decode_step_ms)
     finally:
         engine.shutdown()
     with pytest.raises(InvalidRequest, match="step_target_factor must be a number > 0"):
