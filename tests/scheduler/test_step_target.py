@@ -13,7 +13,7 @@ from scheduler_helpers import fake_outcome, make_request, plan_after, prompt_bes
 from scheduler import Scheduler, SchedulerConfig
 from scheduler.cost_models import EmaCostModel
 from scheduler.plan import Lane, LaneKind, StepOutcome, StepPlan
-from scheduler.step_target import StepTarget
+from scheduler.step_target import DECODE_WINDOW, StepTarget
 
 
 def _plan(decode: int, prefill_rows: int = 0) -> StepPlan:
@@ -32,11 +32,25 @@ def test_the_fixed_target_holds_until_a_decode_step_is_measured() -> None:
     assert target.ms == 500.0
     target.observe(_plan(8), StepOutcome({}, 10.0))
     assert target.ms == 30.0
-    target.observe(_plan(8), StepOutcome({}, 2.0))  # EMA: 10 + 0.25 * (2 - 10) = 8 -> 24 ms
-    assert target.ms == 24.0
+    target.observe(_plan(8), StepOutcome({}, 8.0))  # the median of 10 and 8: 9 -> 27 ms
+    assert target.ms == 27.0
     for _ in range(20):
         target.observe(_plan(8), StepOutcome({}, 1.0))
     assert target.ms == 20.0  # the floor
+
+
+def test_a_stalled_decode_step_or_two_leave_the_target_where_it_was() -> None:
+    """The thirty-ninth run's H100 sequence: 4.3 ms decode steps, then two whose submission stalled (29.2, 35.2 ms).
+    An EMA of weight 0.25 made the target 50 ms; the window's median keeps 3 x 4.3, so the 15 ms floor."""
+    target = StepTarget(500.0, factor=3.0, floor_ms=15.0)
+    for _ in range(10):
+        target.observe(_plan(8), StepOutcome({}, 4.3))
+    for stalled in (29.2, 35.2):
+        target.observe(_plan(8), StepOutcome({}, stalled))
+    assert target.ms == 15.0
+    for _ in range(DECODE_WINDOW // 2 + 1):  # a real change (more streams: 12 ms steps) is followed within half a window
+        target.observe(_plan(8), StepOutcome({}, 12.0))
+    assert target.ms == 36.0
 
 
 def test_without_a_factor_the_target_is_fixed() -> None:
