@@ -9,6 +9,8 @@ block, and their logits are dropped.
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -105,6 +107,9 @@ class CompiledDecode:
         self._adapted_step: Callable[..., Any] | None = None
         self._selection: AdapterRows | None = None
         self.shapes: set[tuple[int, ...]] = set()  # (lanes, width) buckets traced so far; (lanes, width, 1) adapted
+        # when MLX last traced a step (`time.perf_counter()`): a trace costs tens of ms of host time, so a report can
+        # tell a retraced step from a stalled one
+        self.trace_times: deque[float] = deque(maxlen=64)
 
     def __call__(
         self, lanes: Sequence[Lane], tokens: mx.array, adapter_slots: Sequence[int] = (),
@@ -168,6 +173,7 @@ class CompiledDecode:
         keys: list[mx.array],
         values: list[mx.array],
     ) -> tuple[mx.array, list[mx.array], list[mx.array]]:
+        self.trace_times.append(time.perf_counter())  # mx.compile calls this only while tracing
         pool = self.pool.view(keys, values)
         rows = DecodeRows(tables.shape[0], tables, lengths, pool.block_size, lanes=())
         if fused is not None:

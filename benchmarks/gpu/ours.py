@@ -90,6 +90,7 @@ class OurSide:
         # HOST_SAMPLES=1: the engine thread's Python stack sampled through the contended pass (`host_samples`)
         self.samples: list = []
         self.gc_pauses: list[gc_pauses.GcPause] = []  # the last contended pass's collections
+        self.pass_started = 0.0  # perf_counter() at the last contended pass's start
 
     def _record_cost_observations(self) -> None:
         """Every step the cost model is shown, as it is shown (the engine thread appends): [[[rows, history] per
@@ -192,6 +193,7 @@ class OurSide:
             self.api_calls_result = self.api_calls.start(float(os.environ.get("API_CALLS_MIN_US", "50")))
         sampler = StackSampler(self.engine._thread.ident).start() if os.environ.get("HOST_SAMPLES") == "1" else None
         collections = gc_pauses.GcPauses().start()
+        self.pass_started = time.perf_counter()
         first_observation = len(self.cost_observations)
         capacity = self.engine.pool.num_blocks * self.engine.pool.block_size // (n + 2)
         budget = (
@@ -226,6 +228,7 @@ class OurSide:
             "steps": self._contended_steps(),
             "longest_gap": self._longest_gap(),
             "gc": gc_pauses.summary(self.gc_pauses),  # Python's collections in the pass, any thread
+            "decode_traces": len(self._decode_traces(self.pass_started, math.inf)),  # compiled decode shapes traced
         }
 
     def _longest_gap(self) -> dict | None:
@@ -257,6 +260,7 @@ class OurSide:
         t0 = self.sink.origin  # collections overlapping the gap: [generation, from ms, to ms, thread]
         result["gc"] = [[p.generation, ms(p.start - t0), ms(p.end - t0), p.thread]
                         for p in gc_pauses.overlapping(self.gc_pauses, start + t0, end + t0)]  # fmt: skip
+        result["decode_traces"] = [ms(t - t0) for t in self._decode_traces(start + t0, end + t0)]  # traced in the gap
         waits = self._engine_waits()
         if waits is not None:  # the engine thread blocked in MLX (wait_for_one: too many commits in flight)
             result["waits"] = [[ms(a), ms(b)] for a, b in _overlapping(waits, start, end)]
@@ -265,6 +269,11 @@ class OurSide:
             result["api_calls"] = [[f"{c.domain}:{c.name}", ms(c.start), ms(c.end)] for c in calls
                                    if c.end >= start and c.start <= end]  # fmt: skip
         return result
+
+    def _decode_traces(self, start: float, end: float) -> list[float]:
+        """When the compiled decode step was traced between two `perf_counter()` readings (none: not compiled)."""
+        compiled = self.engine.runner.compiled
+        return [] if compiled is None else [t for t in compiled.trace_times if start <= t <= end]
 
     def _engine_api_calls(self) -> list[ApiCall] | None:
         """The engine thread's timed CUDA calls in the sink's seconds, in order (None: API_CALLS is off)."""

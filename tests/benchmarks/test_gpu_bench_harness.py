@@ -88,6 +88,8 @@ def test_contended_only_run_and_its_refusal(tmp_path):
     collections = result["ours"]["contended"]["gc"]
     assert all(c["count"] >= 1 and c["max_ms"] <= c["total_ms"] for c in collections.values())
     assert all(p[0] in (0, 1, 2) and p[1] <= p[2] for p in longest["gc"])
+    # compiled decode shapes traced in the pass (the warm passes met them) and inside the longest gap
+    assert result["ours"]["contended"]["decode_traces"] == len(longest["decode_traces"]) == 0
     assert len(result["ours"]["settled_traces"]) == 2  # two warm passes by default, each settled
     if cupti_dirs():  # API_CALLS=1: the shim built and loaded; without a driver CUPTI refuses and times nothing
         assert steps["api_calls_status"]["cupti_result"] != 0 and steps["api_calls_status"]["dropped"] == 0

@@ -38,8 +38,12 @@ def test_compiled_decode_matches_mlx_lm(fixture, fuse, request):
         # alone, a short prompt's history crosses several table widths
         [alone] = engine.generate([GenerationRequest(prompt_ids=tuple(prompt_of(5, seed=99)), max_tokens=40)])
         shapes = engine.runner.compiled.shapes
+        traced = len(engine.runner.compiled.trace_times)
+        engine.generate([GenerationRequest(prompt_ids=tuple(prompt_of(5, seed=99)), max_tokens=40)])  # shapes met
+        retraced = len(engine.runner.compiled.trace_times) - traced
     finally:
         engine.shutdown()
+    assert traced == len(shapes) and retraced == 0  # one trace a shape, each recorded; a shape met again replays
     for i, prompt in enumerate(prompts):
         assert results[i] == reference_tokens(path, prompt, 16), f"request {i} (prompt {len(prompt)} tokens)"
     assert list(alone.token_ids) == reference_tokens(path, prompt_of(5, seed=99), 40)
