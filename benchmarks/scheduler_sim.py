@@ -91,6 +91,9 @@ class CostFunction:
     row_tile: int = 1  # the step's rows run in GEMM tiles of this many
     eager_extra_ms: float = 0.0  # with kv_bucket: added to a step of decode lanes and one chunk that has no trace
     prefill_host_ms: float = 0.0  # the least a step with prefill takes: its host submission (H200 0.6B: 8-12 ms)
+    # a step whose host submission stalls: this fraction of steps take stall_ms more (H100 0.6B: 25-50 ms, a few a run)
+    stall_rate: float = 0.0
+    stall_ms: float = 0.0
 
     def step_ms(self, plan: StepPlan, rng: random.Random, eager: bool = False) -> float:
         """`eager`: a compilable step whose shape has no trace (it pays `eager_extra_ms`)."""
@@ -106,7 +109,8 @@ class CostFunction:
             base += self.eager_extra_ms
         if chunks:
             base = max(base, self.prefill_host_ms)
-        return base * math.exp(rng.gauss(0.0, self.noise))
+        stalled = self.stall_rate > 0 and rng.random() < self.stall_rate  # no draw without stalls: same runs as before
+        return base * math.exp(rng.gauss(0.0, self.noise)) + (self.stall_ms if stalled else 0.0)
 
 
 @dataclass
@@ -370,6 +374,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="with --kv-bucket: what a step of decode lanes and one chunk costs more without a trace")
     parser.add_argument("--ms-prefill-host", type=float, default=0.0,
                         help="the least a step with prefill takes (its host submission, where that bounds it)")
+    parser.add_argument("--stall-rate", type=float, default=0.0, help="fraction of steps whose host stalls")
+    parser.add_argument("--stall-ms", type=float, default=0.0, help="what a stalled step adds")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", type=config_override,
                         help="a SchedulerConfig field set over every policy (repeatable): --set floor_slack=1.25")
     parser.add_argument("--warm-passes", type=int, default=0,
@@ -384,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     arrivals = load_trace(args.trace) if args.trace else synthetic_trace(args)
     cost = CostFunction(args.ms_fixed, args.ms_row, args.ms_pair, args.ms_decode_lane, args.noise,
                         args.ms_prefill_fixed, args.kv_bucket, args.row_tile, args.eager_extra_ms,
-                        args.ms_prefill_host)
+                        args.ms_prefill_host, args.stall_rate, args.stall_ms)
     # with padding the engine's paged chunk kernel reads exactly the KV each row sees (pads_history False)
     base = SchedulerConfig(num_blocks=args.num_blocks, max_running=args.max_running,
                            step_target_ms=args.step_target_ms, max_model_len=1 << 20, kv_bucket=args.kv_bucket,

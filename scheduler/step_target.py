@@ -8,8 +8,9 @@ their calm speed while a long prompt is read. Until a decode-only step has been 
 
 The decode step is the median of the last `DECODE_WINDOW` decode-only steps, not a moving average: on an H100 (0.6B,
 thirty-ninth run) one or two decode-only steps whose submission stalled 29-53 ms, against 4-5 ms, lifted an EMA of
-weight 0.25 three- to fourfold, the target to 30-50 ms, and the next mixed steps to 31-41 ms: gap ratios of 5.6-12 in
-4 of 19 runs. A median ignores such steps and still follows a real change (more streams) within half a window.
+weight 0.25 three- to fourfold, the target to 30-50 ms, and the next mixed steps were planned to it (25-38 ms, in 4
+of 19 runs; the stall itself stayed each such run's longest gap). A median ignores such steps and still follows a
+real change (more streams) within half a window.
 """
 
 from __future__ import annotations

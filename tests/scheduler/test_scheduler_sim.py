@@ -158,6 +158,22 @@ def test_a_step_with_prefill_takes_at_least_its_host_submission() -> None:
     assert cost.step_ms(decode_only, random.Random(0)) == pytest.approx(3.0 + 0.001 * 8 + 0.1 * 8)  # no floor
 
 
+def test_a_stalled_step_adds_its_stall_and_no_stall_draws_nothing() -> None:
+    import random
+
+    from scheduler import LaneKind, StepPlan
+    from scheduler.plan import Lane
+
+    sim = load_sim()
+    decode_only = StepPlan(0, tuple(Lane(f"d{i}", LaneKind.DECODE, (1,), 10, (0,), True) for i in range(8)), 0, "t",
+                           None, True)  # fmt: skip
+    calm = sim.CostFunction(fixed_ms=3.0, noise=0.1)
+    stalled = sim.CostFunction(fixed_ms=3.0, noise=0.1, stall_rate=1.0, stall_ms=35.0)
+    assert stalled.step_ms(decode_only, random.Random(5)) > calm.step_ms(decode_only, random.Random(5)) + 30.0
+    never = sim.CostFunction(fixed_ms=3.0, noise=0.1, stall_rate=0.0, stall_ms=35.0)
+    assert never.step_ms(decode_only, random.Random(5)) == calm.step_ms(decode_only, random.Random(5))
+
+
 def test_the_contended_trace_reports_the_gap_ratio_and_ttft_against_solo(capsys: pytest.CaptureFixture[str]) -> None:
     sim = load_sim()
     trace = SIM_PATH.parent / "traces" / "contended_16k.jsonl"
