@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import mlx.core as mx
+
 from benchmarks.gpu import api_trace, gc_pauses
 from benchmarks.gpu.api_calls import ApiCall, ApiCalls
 from benchmarks.gpu.host_samples import StackSampler, runs, time_in
@@ -194,6 +196,8 @@ class OurSide:
         sampler = StackSampler(self.engine._thread.ident).start() if os.environ.get("HOST_SAMPLES") == "1" else None
         collections = gc_pauses.GcPauses().start()
         self.pass_started = time.perf_counter()
+        mx.reset_peak_memory()
+        active_before = mx.get_active_memory()
         first_observation = len(self.cost_observations)
         capacity = self.engine.pool.num_blocks * self.engine.pool.block_size // (n + 2)
         budget = (
@@ -229,6 +233,10 @@ class OurSide:
             "longest_gap": self._longest_gap(),
             "gc": gc_pauses.summary(self.gc_pauses),  # Python's collections in the pass, any thread
             "decode_traces": len(self._decode_traces(self.pass_started, math.inf)),  # compiled decode shapes traced
+            # MLX's peak over the pass against one pool layer's K: a layer copied behind a step in flight (a write
+            # MLX could not do in place) lifts the peak by at least that much
+            "peak_above_start_mb": round((mx.get_peak_memory() - active_before) / (1 << 20), 1),
+            "pool_layer_mb": round(getattr(self.engine.pool.keys[0], "nbytes", 0) / (1 << 20), 1),
         }
 
     def _longest_gap(self) -> dict | None:

@@ -90,6 +90,7 @@ def test_contended_only_run_and_its_refusal(tmp_path):
     assert all(p[0] in (0, 1, 2) and p[1] <= p[2] for p in longest["gc"])
     # compiled decode shapes traced in the pass (the warm passes met them) and inside the longest gap
     assert result["ours"]["contended"]["decode_traces"] == len(longest["decode_traces"]) == 0
+    assert result["ours"]["contended"]["peak_above_start_mb"] > 0 and result["ours"]["contended"]["pool_layer_mb"] > 0
     assert len(result["ours"]["settled_traces"]) == 2  # two warm passes by default, each settled
     if cupti_dirs():  # API_CALLS=1: the shim built and loaded; without a driver CUPTI refuses and times nothing
         assert steps["api_calls_status"]["cupti_result"] != 0 and steps["api_calls_status"]["dropped"] == 0
