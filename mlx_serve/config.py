@@ -41,7 +41,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     step_target_ms: float | str = 500.0  # or "auto": step_target_factor measured decode-only steps (engine_setup)
     step_target_factor: float = AUTO_STEP_FACTOR  # with auto: decode steps a contended step may take
-    step_target_floor_ms: float = AUTO_STEP_FLOOR_MS  # with auto: the least target (a tiny model's decode step is mostly noise)
+    step_target_floor_ms: float = AUTO_STEP_FLOOR_MS  # with auto: the least target (a tiny model's step is noise)
     row_ceiling: int = 2048  # most rows one step carries (SCHEDULER.md)
     row_floor: int = 64  # fewest prefill rows a contended step is cut to
     row_quantum: int | str = "auto"  # contended steps fill their last row tile of this many rows; auto: engine_setup

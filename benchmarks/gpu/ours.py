@@ -262,10 +262,10 @@ class OurSide:
                  for e in self.sink.events
                  if isinstance(e, StepExecuted) and e.t >= start and e.t - e.measured_ms / 1e3 <= end]  # fmt: skip
         result = {"ms": round(gap * 1e3, 2), "request_id": request_id, "spans": spans, "steps": steps}
+        t0 = self.sink.origin  # the perf_counter() reading the sink's times count from
         if self.samples:  # where the engine thread was, as runs of one stack: [from ms, to ms, frames...]
-            t0 = self.sink.origin
             result["samples"] = runs(self.samples, start + t0, end + t0, start + t0)
-        t0 = self.sink.origin  # collections overlapping the gap: [generation, from ms, to ms, thread]
+        # collections overlapping the gap: [generation, from ms, to ms, thread]
         result["gc"] = [[p.generation, ms(p.start - t0), ms(p.end - t0), p.thread]
                         for p in gc_pauses.overlapping(self.gc_pauses, start + t0, end + t0)]  # fmt: skip
         result["decode_traces"] = [ms(t - t0) for t in self._decode_traces(start + t0, end + t0)]  # traced in the gap

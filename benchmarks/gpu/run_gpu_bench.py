@@ -191,7 +191,8 @@ def measure_ours(
         if str(p.contended_streams) in out.get("decode", {})
         else None
     )
-    target = args.step_target_ms or max(args.target_floor_ms, args.target_factor * (step8 or 10.0))  # or "auto": the engine's own
+    # or "auto": the engine's own
+    target = args.step_target_ms or max(args.target_floor_ms, args.target_factor * (step8 or 10.0))
     side = OurSide(dummy, kv_blocks, target, args.attention, **engine)
     try:
         side.prefill(prompts, p.prefill_lengths[0])  # the cost model learns prefill, then contended steps
