@@ -1,4 +1,4 @@
-"""`python -m benchmarks.gpu.replay_cost_model RESULT.json...`: the contended steps of recorded GPU bench runs, replayed
+"""`python -m benchmarks.gpu.replay_cost_model RESULT.json[.gz]...`: the contended steps of recorded GPU bench runs, replayed
 through the affine cost model counted exactly and counted as the engine pads (`SchedulerConfig.kv_bucket`, and the
 run's `pads_history`: whether its chunk attention computed over the padded history).
 
@@ -15,6 +15,7 @@ Runs recorded before the prefill lanes were (a sixth field) count every step as 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 from collections import defaultdict
@@ -45,11 +46,18 @@ class RecordedRun(NamedTuple):
     live: bool  # from the engine's own `cost_observations` (since the twenty-fourth run), not `prefill_steps`
 
 
+def read_result(path: Path) -> dict:
+    """A bench result file, plain or gzipped (`benchmarks/gpu/logs` keeps them gzipped: the device's copy of the
+    working tree is capped at 64 MiB, beside the staged MLX wheel)."""
+    data = path.read_bytes()
+    return json.loads(gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data)
+
+
 def recorded_runs(paths: list[Path]) -> list[RecordedRun]:
     """Every run in the bench result files that recorded its steps."""
     runs = []
     for path in paths:
-        for result in json.loads(path.read_text()).get("results", []):
+        for result in read_result(path).get("results", []):
             ours = result.get("ours", {})
             pads_history = bool(ours.get("pads_history", True))
             if ours.get("cost_observations"):
@@ -108,7 +116,7 @@ def final_coefficients(run: RecordedRun) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", nargs="+", type=Path, help="gpu_bench.json files")
+    parser.add_argument("results", nargs="+", type=Path, help="gpu_bench.json files (or .json.gz)")
     parser.add_argument("--coefficients", action="store_true", help="also print each run's fit at its end")
     args = parser.parse_args(argv)
     runs = recorded_runs(args.results)

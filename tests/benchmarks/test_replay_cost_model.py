@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 
 from benchmarks.gpu.replay_cost_model import main, observations, recorded_runs, signed_errors
@@ -33,6 +34,18 @@ def test_padded_counts_predict_padded_steps_better_and_the_table_prints(tmp_path
     assert sum(map(abs, padded)) < 0.2 * sum(map(abs, exact))
     assert main([str(path)]) == 0
     assert "| 0.6b | 1 | 121 |" in capsys.readouterr().out  # 121 contended steps, all predicted
+
+
+def test_gzipped_logs_replay_as_the_plain_file(tmp_path) -> None:
+    """`benchmarks/gpu/logs` keeps its results gzipped: read back, they are the same runs."""
+    steps = [[2048, 0, 0, 60.0, None, 4]] + [[512, 8, 1000 * i, 9.0 + i, None, 1] for i in range(12)]
+    text = json.dumps({"results": [{"shape": "0.6b", "ours": {"contended": {"steps": {"prefill_steps": steps}}}}]})
+    plain, packed = tmp_path / "gpu_bench.json", tmp_path / "gpu_bench.json.gz"
+    plain.write_text(text)
+    packed.write_bytes(gzip.compress(text.encode()))
+    ((_, from_plain, _, _),) = recorded_runs([plain])
+    ((_, from_packed, _, _),) = recorded_runs([packed])
+    assert len(from_packed) == 13 and from_packed == from_plain
 
 
 def test_files_without_recorded_steps_are_refused(tmp_path, capsys) -> None:
