@@ -86,6 +86,10 @@ class TracedMixedShapes:
         shape = self._shape(chunks, decode)
         return shape is not None and self.mixed.has_trace(shape)
 
+    def met(self, chunks: Sequence[PrefillChunk], decode: Sequence[Lane]) -> bool:
+        shape = self._shape(chunks, decode)
+        return shape is None or self.mixed.has_run(shape)  # other steps: not tracked here
+
     def want(self, chunks: Sequence[PrefillChunk], decode: Sequence[Lane]) -> None:
         shape = self._shape(chunks, decode)
         if shape is not None:
@@ -167,6 +171,12 @@ class CompiledMixed:
     def has_trace(self, shape: MixedShape) -> bool:
         """Whether a step of `shape` replays a trace now (`ready` without recording the shape as met)."""
         return not self.defer_traces or shape in self.shapes
+
+    def has_run(self, shape: MixedShape) -> bool:
+        """Whether a step of `shape` would replay a trace that has run (on real inputs, or on scratch ones when idle)
+        or, without a trace, run eager on a shape run eager before: a shape's first run in either form pays one-off
+        work (a trace made on zero inputs evaluated nothing; an eager shape's first builds its kernels)."""
+        return shape in self._ran if self.has_trace(shape) else shape in self._ran_eager
 
     def want(self, shape: MixedShape, gather: PrefillGather, kv_bucket: int) -> None:
         """Queue `shape` for `trace_deferred` as if a step had met it (the scheduler wanted a budget of it)."""

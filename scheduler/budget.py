@@ -50,6 +50,12 @@ before it (H200, 0.6B beside 8 streams: eager 1,536-row midpoints, 21-22 ms, wer
 it removed those midpoints, but the longest gaps were then compiled steps whose submission ran long (gap ratio
 2.92-4.13 on, 2.86-3.74 off).
 
+`met_midpoints` declines less: only a midpoint whose step's shape has never run in the form it would run (reason
+`+unmet`; the engine traces that shape when next idle). A shape's first eager run pays one-off work the cost model
+never learns (it does not train on such steps): on an H100 (fortieth run, 0.6B beside 8 streams) first eager
+1,536-row midpoints ran 3-16 ms over their predictions, later eager steps of a shape 1 ms under them, and they were
+the longest gap of 5 of 18 runs. Off by default until measured against off on the device.
+
 The prediction changes only which budget is chosen: the order of the lanes and who is admitted are decided
 elsewhere and never look at it.
 """
@@ -77,9 +83,10 @@ RATE_GROWTH_CAP = 2.0
 class BudgetDecision:
     row_budget: int  # prefill rows the step may carry
     # "uncontended", "contended", "contended-untrained", "halved:<n>[+half]" (contended ones end in "+kept-trace"
-    # where `traced_midpoints` declined a midpoint that would run eager, "+bucket" where `checked_fill` held the
-    # row-tile fill to the budget's bucket, "+slack" where the floor slack raised the target: `slack_allowance_ms`,
-    # then "+rate" where `grow_for_rate` grew it), "decode-debt"
+    # where `traced_midpoints` declined a midpoint that would run eager, "+unmet" where `met_midpoints` declined one
+    # whose shape never ran, "+bucket" where `checked_fill` held the row-tile fill to the budget's bucket, "+slack"
+    # where the floor slack raised the target: `slack_allowance_ms`, then "+rate" where `grow_for_rate` grew it),
+    # "decode-debt"
     reason: str
     halvings: int
     predicted_ms: float | None  # the cost model's prediction for the planned prefill at this budget
@@ -111,11 +118,13 @@ def choose_row_budget(
     target_ms: float,
     traced: Callable[[Sequence[PrefillChunk]], bool] | None = None,
     allowance_ms: float | None = None,
+    met: Callable[[Sequence[PrefillChunk]], bool] | None = None,
 ) -> BudgetDecision:
     """The prefill row budget for a step whose ordered prefill demand is `demand`, against `target_ms` (the
     scheduler's `StepTarget`: fixed, or a multiple of the measured decode step) or, where the floor slack allows
     more, `allowance_ms` (`slack_allowance_ms`; None: worked out here), less `config.plan_headroom`.
-    `traced`: whether a step of these chunks would run compiled now (None: the engine compiles no prefill)."""
+    `traced`: whether a step of these chunks would run compiled now (None: the engine compiles no prefill); `met`:
+    whether such a step's shape has run before in that form (None: not known, `met_midpoints` declines nothing)."""
     if allowance_ms is None and contended and not in_debt:
         allowance_ms = slack_allowance_ms(config, model, demand, decode_lanes, target_ms, traced)
     slack = allowance_ms is not None and allowance_ms > target_ms
@@ -155,13 +164,15 @@ def choose_row_budget(
         return runs_compiled(budget) and not runs_compiled(grown)
 
     budget, predicted, held = fill_paid_rows(config, budget, predicted, decode_lanes, target_ms, predict, loses_trace)
-    widened = kept_trace = False
+    widened = kept_trace = unmet = False
     if halvings and config.budget_midpoints and predicted is not None and predicted <= target_ms:
         wider = paid_rows(budget + budget // 2, decode_lanes, config)
         wider_predicted = predict(wider) if wider > budget else None
         if wider_predicted is not None and wider_predicted <= target_ms:
-            if config.traced_midpoints and loses_trace(budget, wider):
-                kept_trace = True
+            kept_trace = config.traced_midpoints and loses_trace(budget, wider)
+            unmet = not kept_trace and config.met_midpoints and met is not None
+            unmet = unmet and not met(fill_shortest_first(demand, wider))
+            if kept_trace or unmet:
                 wanted = wanted or fill_shortest_first(demand, wider)  # traced when the engine is next idle
             else:
                 budget, predicted, widened = wider, wider_predicted, True
@@ -172,7 +183,8 @@ def choose_row_budget(
         reason = f"halved:{halvings}" + ("+half" if widened else "")
     else:
         reason = "contended-untrained" if predicted is None and demand else "contended"
-    reason += ("+kept-trace" if kept_trace else "") + ("+bucket" if held else "") + ("+slack" if slack else "")
+    reason += ("+kept-trace" if kept_trace else "") + ("+unmet" if unmet else "") + ("+bucket" if held else "")
+    reason += "+slack" if slack else ""
     reason += "+rate" if grown else ""
     if sum(chunk.rows for chunk in wanted) <= budget:
         wanted = ()  # the step got as many rows anyway (a tile or bucket grew it back)

@@ -46,6 +46,11 @@ class SchedulerConfig:
     # gaps, 3.0x the median, where 1,024-row compiled steps ran 12-18 ms; thirtieth run). Off: on 0.6B it removed
     # those midpoints but not the longest gaps (3 runs each: gap 2.92-4.13 on, 2.86-3.74 off; thirty-first run)
     traced_midpoints: bool = False
+    # with `budget_midpoints`: a midpoint only where the wider step's shape has run before in the form it would run
+    # (else it asks for that shape's trace, reason `+unmet`): a shape's first eager run pays one-off work (H100, 0.6B
+    # beside 8 streams: first eager 1,536-row midpoints ran 3-16 ms over their predictions, the longest gap of 5 of 18
+    # runs; fortieth run). Narrower than `traced_midpoints`, which declines every eager midpoint
+    met_midpoints: bool = False
     # contended budgets are planned to this fraction of the step target (below 1: a step's ordinary spread, H200:
     # 67-83 ms for one 768-row shape, stays under it). 1.0 since the H200's fourteenth run: at 0.9 the 8B shape's
     # 512-row chunks no longer fit its auto target (16k TTFT 1.19x solo at 1.0, 1.74x at 0.9)

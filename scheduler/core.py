@@ -348,6 +348,7 @@ class Scheduler:
         target = self.step_target.ms
         shapes = self.traced_shapes
         traced = None if shapes is None else lambda chunks: shapes.traced(chunks, decode_lanes)
+        met = None if shapes is None else lambda chunks: shapes.met(chunks, decode_lanes)
         demand = planner.demand()
         contended = bool(decode_lanes) or bool(self.decoding_streams())  # a stream in flight still streams
         # what a contended step may take: the budget plans to it and decode debt counts from it
@@ -367,7 +368,7 @@ class Scheduler:
                 if r.last_token_time is not None
             )
         decision = choose_row_budget(
-            self.config, self.cost_model, demand, len(decode_lanes), in_debt, contended, target, traced, allowance
+            self.config, self.cost_model, demand, len(decode_lanes), in_debt, contended, target, traced, allowance, met
         )
         if decision.wanted and shapes is not None:
             shapes.want(decision.wanted, decode_lanes)

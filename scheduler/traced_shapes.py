@@ -27,6 +27,11 @@ class TracedShapes(Protocol):
         """Whether a GPU step of these prefill chunks beside these decode lanes would run compiled now."""
         ...
 
+    def met(self, chunks: Sequence[PrefillChunk], decode: Sequence[Lane]) -> bool:
+        """Whether that step's shape has run before in the form it would run now (a shape's first run, traced or
+        eager, pays one-off work); True where the engine cannot tell."""
+        ...
+
     def want(self, chunks: Sequence[PrefillChunk], decode: Sequence[Lane]) -> None:
         """Ask for a trace of that step's shape (the engine traces it when quiet; ignored if it cannot)."""
         ...

@@ -200,6 +200,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="with --budget-midpoints: a halved budget whose step replays a compiled trace grows by half "
                         "only where the wider step has a trace too (else that trace is asked for): an eager step's "
                         "host build holds the previous step's tokens (unmeasured on a GPU; default: %(default)s)")
+    s.add_argument("--met-midpoints", choices=["on", "off"], default="off",
+                   help="with --budget-midpoints: a halved budget grows by half only where the wider step's shape has "
+                        "run before (else its trace is asked for): a shape's first eager run pays one-off work "
+                        "(default: %(default)s)")
     s.add_argument("--checked-fill", choices=["off", "untraced", "on"], default="on",
                    help="a contended budget grown to fill its last row tile with the decode lanes (--row-quantum) "
                         "past its own query bucket (256 -> 384, 512 -> 768 with 8 lanes): off keeps the rows; on "
@@ -350,7 +354,7 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
         max_model_len=args.max_model_len, step_target_ms=args.step_target_ms,
         step_target_factor=args.step_target_factor, step_target_floor_ms=args.step_target_floor_ms,
         row_ceiling=args.row_ceiling, row_floor=args.row_floor,
-        row_quantum=args.row_quantum, budget_midpoints=args.budget_midpoints == "on", traced_midpoints=args.traced_midpoints == "on", checked_fill=args.checked_fill, plan_headroom=args.plan_headroom, floor_slack=args.floor_slack, max_prefill_slowdown=args.max_prefill_slowdown, plan_padding=args.plan_padding == "on", cost_model=args.prefill_cost_model, cost_trust_factor=args.cost_trust_factor, max_overtakes=args.max_overtakes,
+        row_quantum=args.row_quantum, budget_midpoints=args.budget_midpoints == "on", traced_midpoints=args.traced_midpoints == "on", met_midpoints=args.met_midpoints == "on", checked_fill=args.checked_fill, plan_headroom=args.plan_headroom, floor_slack=args.floor_slack, max_prefill_slowdown=args.max_prefill_slowdown, plan_padding=args.plan_padding == "on", cost_model=args.prefill_cost_model, cost_trust_factor=args.cost_trust_factor, max_overtakes=args.max_overtakes,
         enable_prefix_cache=not args.no_prefix_cache, shared_prefill_tokens=args.shared_prefill_tokens,
         decode_debt=not args.no_decode_debt,
         speculative_tokens=args.speculative_tokens, speculative_ngram=args.speculative_ngram,

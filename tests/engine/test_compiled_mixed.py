@@ -203,6 +203,29 @@ def test_the_scheduler_sees_which_steps_run_compiled_and_its_wants_are_traced(ti
     assert runner.traced_shapes() is not None and _runner(model, compile_mixed=False).traced_shapes() is None
 
 
+def test_the_scheduler_sees_which_step_shapes_have_run(tiny_qwen3):
+    """`traced_shapes().met`: a step's shape has run once a step ran it eager (no trace yet) or, once traced, once
+    its trace ran (on real inputs, or over the scratch block when idle): a trace made on zero inputs ran nothing, so
+    its first step is a first run again. Steps the compiled forward never takes (two chunks) are not tracked."""
+    model, _ = load(str(tiny_qwen3))
+    runner = _runner(model, compile_mixed=True, defer=True)
+    shapes, mixed = runner.traced_shapes(), runner.compiled_mixed
+    decode = [Lane(rid, LaneKind.DECODE, (1,), 17 + i, _blocks(i), True) for i, rid in enumerate(DECODE)]  # 2 blocks
+    first, later = (PrefillChunk(30, 0),), (PrefillChunk(30, 200),)  # history buckets 32 and 256
+    assert not shapes.met(first, decode) and not shapes.met(later, decode)
+    assert shapes.met((PrefillChunk(30, 0), PrefillChunk(20, 0)), decode)
+    _steps(runner)  # eager: the shapes are deferred
+    assert shapes.met(first, decode) and not shapes.traced(first, decode) and not shapes.met(later, decode)
+    while runner.trace_deferred():  # traced on zero inputs only (`run_traces` off)
+        pass
+    assert shapes.traced(first, decode) and not shapes.met(first, decode)
+    _steps(runner)
+    assert shapes.met(first, decode)
+    shapes.want(later, decode)
+    mixed.run_traces = True
+    assert runner.trace_deferred() and shapes.traced(later, decode) and shapes.met(later, decode)  # ran over scratch
+
+
 def test_continuation_shapes_are_traced_before_serving(tiny_qwen3):
     """`warm_continuation_traces`: a short prompt alone at every history bucket (32-token unit up to 128: 32, 64,
     128) and query bucket 64 or 128 that fits it is traced before a request meets it, so the lone chunk replays.

@@ -55,12 +55,13 @@ def test_checked_fill_reaches_the_scheduler():
         Engine.load(EngineConfig(checked_fill="always"))
 
 
-def test_traced_midpoints_reaches_the_scheduler():
+def test_traced_and_met_midpoints_reach_the_scheduler():
     from mlx_serve.engine_setup import scheduler_config
 
     for on in (False, True):
-        config = scheduler_config(EngineConfig(traced_midpoints=on), num_blocks=64, context_length=4096)
-        assert config.traced_midpoints is on
+        config = scheduler_config(EngineConfig(traced_midpoints=on, met_midpoints=not on), num_blocks=64,
+                                  context_length=4096)  # fmt: skip
+        assert (config.traced_midpoints, config.met_midpoints) == (on, not on)
 
 
 @pytest.mark.parametrize(

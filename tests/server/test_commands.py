@@ -43,6 +43,7 @@ def test_serve_help_explains_the_engine_flags(capsys):
         ("--budget-midpoints", {None: "on", "off": "off"}, ("yes", "")),
         ("--checked-fill", {None: "on", "off": "off", "untraced": "untraced"}, ("maybe",)),
         ("--traced-midpoints", {None: "off", "on": "on"}, ("yes",)),
+        ("--met-midpoints", {None: "off", "on": "on"}, ("first",)),
         ("--plan-padding", {None: "on", "off": "off"}, ("exact",)),
         ("--defer-mixed-traces", {None: "on", "off": "off"}, ("later",)),
         ("--stand-in-traces", {None: "on", "off": "off"}, ("padded",)),
@@ -198,12 +199,13 @@ def test_scheduling_flags_reach_the_engine_config():
     from mlx_serve.commands.serve import engine_config
 
     args = build_parser().parse_args(["serve", "--floor-slack", "1.25", "--max-prefill-slowdown", "1.3",
-                                      "--checked-fill", "untraced", "--traced-midpoints", "on"])
+                                      "--checked-fill", "untraced", "--traced-midpoints", "on", "--met-midpoints", "on"])
     config = engine_config(args)
     assert (config.floor_slack, config.max_prefill_slowdown, config.checked_fill) == (1.25, 1.3, "untraced")
-    assert config.traced_midpoints is True
+    assert config.traced_midpoints is True and config.met_midpoints is True
     defaults = engine_config(build_parser().parse_args(["serve"]))
     assert (defaults.checked_fill, defaults.floor_slack, defaults.traced_midpoints) == ("on", "auto", False)
+    assert defaults.met_midpoints is False
 
 
 def test_adapter_memory_is_kept_only_where_adapters_may_be_loaded():
