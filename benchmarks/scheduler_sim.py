@@ -65,6 +65,9 @@ POLICIES: dict[str, dict] = {
     # and midpoints only where they keep the halved step's compiled trace (`traced_midpoints`)
     "affine-auto-target-traced-midpoints": {"cost_model": "affine", "step_target_factor": 3.0, "checked_fill": "on",
                                             "floor_slack": CHECKED_FLOOR_SLACK, "traced_midpoints": True},
+    # and midpoints only where the wider step's shape has run before (`met_midpoints`)
+    "affine-auto-target-met-midpoints": {"cost_model": "affine", "step_target_factor": 3.0, "checked_fill": "on",
+                                         "met_midpoints": True},
     "affine-auto-target-checked-untraced": {"cost_model": "affine", "step_target_factor": 3.0,
                                             "checked_fill": "untraced"},
 }
@@ -94,9 +97,13 @@ class CostFunction:
     # a step whose host submission stalls: this fraction of steps take stall_ms more (H100 0.6B: 25-50 ms, a few a run)
     stall_rate: float = 0.0
     stall_ms: float = 0.0
+    # with kv_bucket: added to such an eager step whose shape runs for the first time (one-off builds: H100 0.6B,
+    # first eager 1,536-row steps 3-16 ms over their predictions; fortieth run)
+    first_run_ms: float = 0.0
 
-    def step_ms(self, plan: StepPlan, rng: random.Random, eager: bool = False) -> float:
-        """`eager`: a compilable step whose shape has no trace (it pays `eager_extra_ms`)."""
+    def step_ms(self, plan: StepPlan, rng: random.Random, eager: bool = False, first_run: bool = False) -> float:
+        """`eager`: a compilable step whose shape has no trace (it pays `eager_extra_ms`); `first_run`: its shape's
+        first eager run (it also pays `first_run_ms`)."""
         decode_lanes = sum(1 for lane in plan.lanes if lane.kind is LaneKind.DECODE)
         chunks = [lane for lane in plan.lanes if lane.kind is not LaneKind.DECODE]
         padded = [query_bucket(lane.rows) if self.kv_bucket else lane.rows for lane in chunks]
@@ -106,7 +113,7 @@ class CostFunction:
         base = (self.fixed_ms + self.row_ms * rows + self.pair_ms * pairs + self.decode_lane_ms * decode_lanes
                 + (self.prefill_fixed_ms if chunks else 0.0))
         if eager:
-            base += self.eager_extra_ms
+            base += self.eager_extra_ms + (self.first_run_ms if first_run else 0.0)
         if chunks:
             base = max(base, self.prefill_host_ms)
         stalled = self.stall_rate > 0 and rng.random() < self.stall_rate  # no draw without stalls: same runs as before
@@ -117,11 +124,12 @@ class CostFunction:
 class SimTraces:
     """The engine's compiled mixed shapes as the scheduler asks about them (`scheduler.traced_shapes`): a step of
     decode lanes and one chunk of 2+ rows, keyed by the chunk's query bucket and history bucket. Shapes met or
-    wanted become traced at `settle` (the idle engine tracing between passes)."""
+    wanted become traced at `settle` (the idle engine tracing between passes, each trace run there once)."""
 
     kv_bucket: int
     shapes: set[tuple[int, int]] = field(default_factory=set)
-    met: set[tuple[int, int]] = field(default_factory=set)
+    pending: set[tuple[int, int]] = field(default_factory=set)  # met or wanted, traced at `settle`
+    ran_eager: set[tuple[int, int]] = field(default_factory=set)
 
     def _key(self, chunks: Sequence[PrefillChunk], decode: Sequence) -> tuple[int, int] | None:
         if len(chunks) != 1 or chunks[0].rows < 2 or not decode:
@@ -132,10 +140,14 @@ class SimTraces:
         key = self._key(chunks, decode)
         return key is not None and key in self.shapes
 
+    def met(self, chunks: Sequence[PrefillChunk], decode: Sequence) -> bool:
+        key = self._key(chunks, decode)
+        return key is None or key in self.shapes or key in self.ran_eager
+
     def want(self, chunks: Sequence[PrefillChunk], decode: Sequence) -> None:
         key = self._key(chunks, decode)
         if key is not None:
-            self.met.add(key)
+            self.pending.add(key)
 
     def meet(self, plan: StepPlan) -> bool | None:
         """Record the step's shape as met (traced at the next `settle`); whether the step replays a trace now
@@ -143,11 +155,18 @@ class SimTraces:
         key = self._key(*_chunks_and_decode(plan))
         if key is None:
             return None
-        self.met.add(key)
+        self.pending.add(key)
         return key in self.shapes
 
+    def first_eager_run(self, plan: StepPlan) -> bool:
+        """Whether the step, run eager, is its shape's first eager run (recorded)."""
+        key = self._key(*_chunks_and_decode(plan))
+        first = key is not None and key not in self.ran_eager
+        self.ran_eager.add(key)
+        return first
+
     def settle(self) -> None:
-        self.shapes |= self.met
+        self.shapes |= self.pending
 
 
 def _chunks_and_decode(plan: StepPlan) -> tuple[list, list]:
@@ -188,7 +207,7 @@ def simulate(
     """Run the trace to completion on a virtual clock, after `warm_passes` runs of it on the same scheduler (its
     cost model learns, the engine traces what they met); returns the last run's per-request token times and step
     counters."""
-    traces = SimTraces(cost.kv_bucket) if cost.kv_bucket and cost.eager_extra_ms else None
+    traces = SimTraces(cost.kv_bucket) if cost.kv_bucket and (cost.eager_extra_ms or cost.first_run_ms) else None
     scheduler = Scheduler(config, traced_shapes=traces)
     rng = random.Random(seed)
     now = 0.0
@@ -228,10 +247,12 @@ def _run_pass(
             now = max(now, pending[-1].t)
             continue
         compiled = traces.meet(plan) if traces is not None else None
-        elapsed_ms = cost.step_ms(plan, rng, eager=compiled is False)
+        first = compiled is False and traces.first_eager_run(plan)  # as the engine: its time trains no cost model
+        elapsed_ms = cost.step_ms(plan, rng, eager=compiled is False, first_run=first)
         now += elapsed_ms / 1000.0
         sampled = {lane.request_id: 1 for lane in plan.lanes if lane.samples}
-        for request in scheduler.update(plan, StepOutcome(sampled, elapsed_ms, compiled=compiled is True), now):
+        outcome = StepOutcome(sampled, elapsed_ms, auxiliary=first, compiled=compiled is True)
+        for request in scheduler.update(plan, outcome, now):
             tracked[request.request_id].token_times.append(now)
     return {"tracked": tracked, "refused": refused, "end": now, "stats": scheduler.stats.as_dict()}
 
@@ -372,6 +393,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--row-tile", type=int, default=1, help="a step's rows run in tiles of this many")
     parser.add_argument("--eager-extra-ms", type=float, default=0.0,
                         help="with --kv-bucket: what a step of decode lanes and one chunk costs more without a trace")
+    parser.add_argument("--first-run-extra-ms", type=float, default=0.0,
+                        help="with --kv-bucket: what such a step costs more again on its shape's first eager run")
     parser.add_argument("--ms-prefill-host", type=float, default=0.0,
                         help="the least a step with prefill takes (its host submission, where that bounds it)")
     parser.add_argument("--stall-rate", type=float, default=0.0, help="fraction of steps whose host stalls")
@@ -390,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     arrivals = load_trace(args.trace) if args.trace else synthetic_trace(args)
     cost = CostFunction(args.ms_fixed, args.ms_row, args.ms_pair, args.ms_decode_lane, args.noise,
                         args.ms_prefill_fixed, args.kv_bucket, args.row_tile, args.eager_extra_ms,
-                        args.ms_prefill_host, args.stall_rate, args.stall_ms)
+                        args.ms_prefill_host, args.stall_rate, args.stall_ms, args.first_run_extra_ms)
     # with padding the engine's paged chunk kernel reads exactly the KV each row sees (pads_history False)
     base = SchedulerConfig(num_blocks=args.num_blocks, max_running=args.max_running,
                            step_target_ms=args.step_target_ms, max_model_len=1 << 20, kv_bucket=args.kv_bucket,
