@@ -54,7 +54,9 @@ it removed those midpoints, but the longest gaps were then compiled steps whose 
 `+unmet`; the engine traces that shape when next idle). A shape's first eager run pays one-off work the cost model
 never learns (it does not train on such steps): on an H100 (fortieth run, 0.6B beside 8 streams) first eager
 1,536-row midpoints ran 3-16 ms over their predictions, later eager steps of a shape 1 ms under them, and they were
-the longest gap of 5 of 18 runs. Off by default until measured against off on the device.
+the slowest step at the longest gap of 6 of 18 runs (5 of them misses). Off by default until measured against off on
+the device; in the policy simulation it lowered the ratio in 5 of 6 seeds where shapes change between passes, and
+cost TTFT where every shape is new.
 
 The prediction changes only which budget is chosen: the order of the lanes and who is admitted are decided
 elsewhere and never look at it.

@@ -48,8 +48,8 @@ class SchedulerConfig:
     traced_midpoints: bool = False
     # with `budget_midpoints`: a midpoint only where the wider step's shape has run before in the form it would run
     # (else it asks for that shape's trace, reason `+unmet`): a shape's first eager run pays one-off work (H100, 0.6B
-    # beside 8 streams: first eager 1,536-row midpoints ran 3-16 ms over their predictions, the longest gap of 5 of 18
-    # runs; fortieth run). Narrower than `traced_midpoints`, which declines every eager midpoint
+    # beside 8 streams: first eager 1,536-row midpoints ran 3-16 ms over their predictions, at the longest gap of 6 of
+    # 18 runs, 5 of them misses; fortieth run). Narrower than `traced_midpoints`, which declines every eager midpoint
     met_midpoints: bool = False
     # contended budgets are planned to this fraction of the step target (below 1: a step's ordinary spread, H200:
     # 67-83 ms for one 768-row shape, stays under it). 1.0 since the H200's fourteenth run: at 0.9 the 8B shape's
