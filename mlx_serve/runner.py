@@ -346,7 +346,8 @@ class ModelRunner:
         adapter: int = 0, speculate: bool = False, pooling: str | None = None, stop_ids: Iterable[int] = (),
     ) -> None:
         """`constraint`: a `grammar.Constraint` the request's every token must satisfy (None: free text);
-        `prompt_ids`: the prompt whose tokens `params.prompt_logprobs` scores; `adapter`: its adapter's slot; `stop_ids`: the tokens that end it (held back for `params.min_tokens`)."""
+        `prompt_ids`: the prompt whose tokens `params.prompt_logprobs` scores; `adapter`: its adapter's slot;
+        `stop_ids`: the tokens that end it (held back for `params.min_tokens`)."""
         self.samplers[request_id] = RequestSampler.create(params, constraint, stop_ids)
         if adapter:
             self._adapter_of[request_id] = adapter

@@ -206,8 +206,9 @@ def fill_paid_rows(
     filling its last row tile with the decode lanes' rows crosses into the next bucket (8 lanes: 256 -> 384 rows,
     512 -> 768). `config.checked_fill` "on" keeps that growth only where the grown step is predicted within
     `limit_ms`; "untraced" only where it is so predicted or keeps the compiled trace the budget's own step replays
-    (`loses_trace`: the filled step would run eager where the budget's own replays a trace); otherwise the budget fills its tile only as far as its own bucket. Returns the budget, its
-    prediction and whether the fill was held to the bucket."""
+    (`loses_trace`: the filled step would run eager where the budget's own replays a trace); otherwise the budget
+    fills its tile only as far as its own bucket. Returns the budget, its prediction and whether the fill was held to
+    the bucket."""
     filled = paid_rows(budget, decode_lanes, config)
     if filled == budget:
         return budget, predicted, False

@@ -59,7 +59,9 @@ def agreement(
     same = sum(a == b for t, o in zip(theirs, ours) for a, b in zip(t, o)) / (TOKENS * len(prompts))
     first = sum(t[0] == o[0] for t, o in zip(theirs, ours)) / len(prompts)
     print(
-        f"{shape} {dtype}, compile {compile_decode}, fuse {fuse_decode}, mixed {fuse_mixed}, compiled mixed {compile_mixed} {engine}: tokens agree {same:.0%}, first tokens {first:.0%}; ours {ours[0][:6]} theirs {theirs[0][:6]}"
+        f"{shape} {dtype}, compile {compile_decode}, fuse {fuse_decode}, mixed {fuse_mixed}, "
+        f"compiled mixed {compile_mixed} {engine}: tokens agree {same:.0%}, first tokens {first:.0%}; "
+        f"ours {ours[0][:6]} theirs {theirs[0][:6]}"
     )
     return same, first
 

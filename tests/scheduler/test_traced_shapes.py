@@ -60,10 +60,10 @@ class FakeTraces:
         self.wanted.append((tuple(chunks), len(decode)))
 
 
-def plan_beside_streams(traces: FakeTraces | None) -> tuple[Scheduler, object]:
+def plan_beside_streams(traces: FakeTraces | None, **settings) -> tuple[Scheduler, object]:
     """8 streams decoding, a 4,000-token prompt arrives; a 14 ms target; eager and compiled fits trained."""
     # no floor slack: the budget's forms against the target alone (`test_step_target` covers the slack)
-    config = SchedulerConfig(num_blocks=4096, cost_model="affine", step_target_ms=14.0, floor_slack=1.0)
+    config = SchedulerConfig(num_blocks=4096, cost_model="affine", step_target_ms=14.0, floor_slack=1.0, **settings)
     scheduler = Scheduler(config, traced_shapes=traces)
     trained(scheduler.cost_model, compiled=False)
     trained(scheduler.cost_model, compiled=True)
