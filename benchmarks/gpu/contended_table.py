@@ -1,0 +1,136 @@
+"""`python -m benchmarks.gpu.contended_table RESULT.json[.gz]... [--by SETTING ...]`: the contended figures of recorded
+GPU bench runs, one markdown row a run, then a summary by setting (how many met the gap target, the ratio's median
+and range, the worst TTFT). An A/B on the device is several runs a side, interleaved: one run's ratio swings 2.1-7.3
+with nothing changed (fortieth run), so the table is what is compared, not a single figure.
+
+Each row: the run's label (its folder, or the file's name), the settings named in `--by`, the max gap over the median
+gap (bold where within 3), the median and longest gaps, the 16k prompt's TTFT over its solo prefill, the shared
+prefix's warm over cold TTFT, the steps with prefill, the auto target at the pass's end, the contended steps planned
+under the floor slack, and the slowest step the longest-gap report lists (rows, form, ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+from benchmarks.gpu.replay_cost_model import read_result
+
+GAP_TARGET = 3.0  # issue 7: max gap at most 3x the median gap
+TTFT_TARGET = 1.5  # ... and the long prompt's TTFT at most 1.5x its solo prefill
+SETTINGS = ("step_target_floor_ms", "traced_midpoints", "met_midpoints", "floor_slack", "budget_midpoints")
+
+
+def label_of(path: Path) -> str:
+    """A device run's folder (`/root/r/LABEL/gpu_bench.json`), else the file's name without `gpu_bench_` and suffixes."""
+    if path.name in ("gpu_bench.json", "gpu_bench.json.gz"):
+        return path.parent.name
+    return path.name.split(".")[0].removeprefix("gpu_bench_")
+
+
+def run_row(label: str, shape: str, ours: dict, settings: tuple[str, ...]) -> dict | None:
+    """One run's contended figures (None: the run has no contended pass)."""
+    contended = ours.get("contended")
+    if not contended or "gap_ratio" not in contended:
+        return None
+    steps = contended.get("steps", {})
+    budgets = [b for b in steps.get("prefill_budgets", []) if b]
+    longest = contended.get("longest_gap", {}).get("steps", [])
+    slowest = max(longest, key=lambda s: s["ms"], default=None)
+    solo = ours.get("prefill", {}).get("16384", {}).get("ttft_s")
+    shared = ours.get("shared_prefix", {})
+    return {
+        "label": label,
+        "shape": shape,
+        "settings": {name: ours.get(name) for name in settings},
+        "ratio": contended["gap_ratio"],
+        "median_ms": contended["gap_p50_ms"],
+        "max_ms": contended["gap_max_ms"],
+        "before_ms": contended.get("gap_max_before_ms"),
+        "from_arrival_ms": contended.get("gap_max_from_arrival_ms"),
+        "ttft": contended["long_ttft_s"] / solo if solo else None,
+        "shared": shared["warm_ttft_s"] / shared["cold_ttft_s"] if shared.get("cold_ttft_s") else None,
+        "steps": steps,
+        "target_ms": ours.get("step_target_ms"),
+        "slack_steps": sum("+slack" in b[1] for b in budgets if len(b) > 1 and b[1]),
+        "slowest": slowest,
+    }
+
+
+def rows_of(paths: list[Path], settings: tuple[str, ...]) -> list[dict]:
+    rows = []
+    for path in paths:
+        results = read_result(path).get("results", [])
+        for result in results:
+            label = label_of(path) + ("" if len(results) == 1 else f" {result['shape']}")
+            row = run_row(label, result.get("shape", "?"), result.get("ours", {}), settings)
+            if row is not None:
+                rows.append(row)
+    return rows
+
+
+def _num(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def table(rows: list[dict], settings: tuple[str, ...]) -> list[str]:
+    head = ["run", "shape", *settings, "max gap / median", "median ms", "longest gap ms (before / from arrival)",
+            "16k TTFT / solo", "shared prefix", "steps with prefill (count, rows p50, ms p50); decode-only p50 ms",
+            "target ms", "slack steps", "slowest step at the longest gap"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        ratio = _num(row["ratio"])
+        steps, slowest = row["steps"], row["slowest"]
+        cells = [
+            row["label"], row["shape"], *(str(row["settings"][name]) for name in settings),
+            f"**{ratio}**" if row["ratio"] <= GAP_TARGET else ratio, _num(row["median_ms"], 1),
+            f"{_num(row['max_ms'], 1)} ({_num(row['before_ms'], 0)} / {_num(row['from_arrival_ms'], 0)})",
+            _num(row["ttft"]), _num(row["shared"]),
+            f"{steps.get('mixed_steps', '-')}, {steps.get('mixed_rows_p50') or 0:,.0f}, "
+            f"{_num(steps.get('mixed_ms_p50'), 1)}; {_num(steps.get('decode_only_ms_p50'))}",
+            _num(row["target_ms"], 1), str(row["slack_steps"]),
+            "-" if slowest is None else
+            f"{slowest['prefill_rows']:,} {'compiled' if slowest['compiled'] else 'eager'}, {slowest['ms']:.1f}",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def summary(rows: list[dict], settings: tuple[str, ...]) -> list[str]:
+    """Per shape and combination of the settings: runs, how many met the gap target (and TTFT), the ratio's median and range."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["shape"], *(row["settings"][name] for name in settings)), []).append(row)
+    head = ["shape", *settings, "runs", "gap met", "TTFT met", "ratio median (range)", "worst TTFT"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key, group in groups.items():
+        ratios = [row["ratio"] for row in group]
+        ttfts = [row["ttft"] for row in group if row["ttft"] is not None]
+        lines.append("| " + " | ".join([
+            *map(str, key), str(len(group)), str(sum(r <= GAP_TARGET for r in ratios)),
+            str(sum(t <= TTFT_TARGET for t in ttfts)),
+            f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})",
+            _num(max(ttfts, default=None)),
+        ]) + " |")  # fmt: skip
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", nargs="+", type=Path, help="gpu_bench.json files (or .json.gz)")
+    parser.add_argument("--by", nargs="*", default=["step_target_floor_ms", "met_midpoints"], choices=SETTINGS,
+                        help="settings shown and grouped by (default: %(default)s)")
+    args = parser.parse_args(argv)
+    settings = tuple(args.by)
+    rows = rows_of(args.results, settings)
+    if not rows:
+        print("no contended passes in these files", file=sys.stderr)
+        return 1
+    print("\n".join([*table(rows, settings), "", *summary(rows, settings)]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

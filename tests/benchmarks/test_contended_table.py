@@ -1,0 +1,57 @@
+"""The contended table of recorded GPU bench runs: a row a run, and a summary by shape and setting that counts the
+runs within issue 7's targets (gap ratio <= 3, TTFT <= 1.5x solo)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+from benchmarks.gpu.contended_table import main
+
+
+def _result(ratio: float, ttft_s: float, met_midpoints: bool, slack_steps: int = 0, shape: str = "0.6b") -> dict:
+    budgets = [[1024, "halved:1+slack", 20.0]] * slack_steps + [[1024, "halved:1", 15.0], None]
+    contended = {
+        "gap_ratio": ratio, "gap_p50_ms": 5.0, "gap_max_ms": 5.0 * ratio, "gap_max_before_ms": 9.0,
+        "gap_max_from_arrival_ms": 5.0 * ratio, "long_ttft_s": ttft_s,
+        "steps": {"mixed_steps": 18, "mixed_rows_p50": 1024.0, "mixed_ms_p50": 13.2, "decode_only_ms_p50": 4.4,
+                  "prefill_budgets": budgets},
+        "longest_gap": {"steps": [{"prefill_rows": 1024, "ms": 13.0, "compiled": True},
+                                  {"prefill_rows": 1536, "ms": 5.0 * ratio, "compiled": False}]},
+    }  # fmt: skip
+    ours = {"contended": contended, "prefill": {"16384": {"ttft_s": 0.2}}, "step_target_ms": 15.0,
+            "shared_prefix": {"warm_ttft_s": 0.008, "cold_ttft_s": 0.1}, "step_target_floor_ms": 15.0,
+            "met_midpoints": met_midpoints}  # fmt: skip
+    return {"results": [{"shape": shape, "ours": ours}]}
+
+
+def test_rows_and_the_summary_by_setting(tmp_path, capsys) -> None:
+    runs = {"off_1": _result(2.5, 0.22, False), "off_2": _result(4.2, 0.32, False, slack_steps=3),
+            "on_1": _result(2.9, 0.25, True), "on_2": _result(2.1, 0.24, True), "big": _result(1.5, 0.25, False, shape="8b")}  # fmt: skip
+    paths = []
+    for label, result in runs.items():
+        folder = tmp_path / label
+        folder.mkdir()
+        path = folder / ("gpu_bench.json.gz" if label.startswith("on") else "gpu_bench.json")
+        text = json.dumps(result)
+        path.write_bytes(gzip.compress(text.encode())) if path.suffix == ".gz" else path.write_text(text)
+        paths.append(str(path))
+    assert main(paths) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = {line.split(" | ")[0].strip("| "): line for line in out if line.startswith("| ") and "_" in line[:8]}
+    assert "| **2.50** |" in rows["off_1"] and "| 4.20 |" in rows["off_2"]  # bold: within 3
+    assert "| 1.10 | 0.08 |" in rows["off_1"]  # TTFT 0.22 / 0.2 solo; warm / cold prefix
+    assert "| 3 | 1,536 eager, 21.0 |" in rows["off_2"]  # slack steps; the slowest step at the longest gap
+    summary = [line for line in out if line.startswith("| 0.6b") or line.startswith("| 8b")]
+    assert summary[-3:] == [
+        "| 0.6b | 15.0 | False | 2 | 1 | 1 | 3.35 (2.50-4.20) | 1.60 |",
+        "| 0.6b | 15.0 | True | 2 | 2 | 2 | 2.50 (2.10-2.90) | 1.25 |",
+        "| 8b | 15.0 | False | 1 | 1 | 1 | 1.50 (1.50-1.50) | 1.25 |",
+    ]
+
+
+def test_files_without_a_contended_pass_are_refused(tmp_path, capsys) -> None:
+    path = tmp_path / "gpu_bench.json"
+    path.write_text(json.dumps({"results": [{"shape": "8b", "ours": {"decode": {}}}]}))
+    assert main([str(path)]) == 1
+    assert "no contended passes" in capsys.readouterr().err
