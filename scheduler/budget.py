@@ -19,7 +19,13 @@ contended step may take `floor_slack` times the floor step's prediction where th
 contended run each: slack 1.25 16k TTFT 2.98x solo, gap 1.65; 1.5 TTFT 1.65x, gap 1.84. Where the floor step is
 far over the target (`SLACK_WITHIN`) the fit is more likely wrong and the target holds (unguarded, a fresh fit once
 grew a first step to 1,536 rows, 62 ms against 30). On the other shapes measured the floor is well under the
-target and nothing changes.
+target and nothing changes, but for one case: where the floor step is priced eager (its 64-row shape has no trace)
+on a model whose host makes eager steps dear, its prediction can reach a compiled 2,040-row step's (H100, 0.6B
+beside 8 streams, fortieth run: 15.9 against 16.9 ms), and the slack then let ceiling-sized chunks run 17-35 ms
+against a 14-19 ms target. So the slack applies only where a step of `slack_guard_rows` (512) rows, compiled where
+the engine compiles prefill, is predicted over the target (`guarded_by_rows`): in those 0.6B runs 512-1,024-row
+compiled steps fit, while on 8B 4-bit (the thirtieth run's steps replayed through the cost model) at most 384 rows
+fit a 20 ms target, 128-192 typically, so its slack is unchanged.
 
 Where the engine runs some shapes through compiled traces (`traced_shapes.py`), each candidate is predicted in
 the form it would run now, and the largest candidate turned down only for want of a trace (over the target eager,
@@ -282,16 +288,37 @@ def slack_allowance_ms(
     that is more and the floor step is predicted at most `SLACK_WITHIN` times the target (far over it, the fit is
     more likely wrong). The budget plans to it, and a stream is in decode debt only past it: where a step's fixed
     cost fills the target, a debt step cannot bring the next contended step under the target, it only delays the
-    prompt (H200, 8B 4-bit: 77 debt steps beside 74 mixed ones, 0.4 s of a 2.1 s TTFT)."""
+    prompt (H200, 8B 4-bit: 77 debt steps beside 74 mixed ones, 0.4 s of a 2.1 s TTFT). Not where a step of
+    `config.slack_guard_rows` rows fits the target in its cheaper form (`guarded_by_rows`)."""
     if config.floor_slack <= 1 or not demand:
         return target_ms
     planned = target_ms * config.plan_headroom  # what budgets are planned to: the floor is compared with it
+    if guarded_by_rows(config, model, demand, decode_lanes, planned, traced):
+        return target_ms
     chunks = fill_shortest_first(demand, paid_rows(config.row_floor, decode_lanes, config))
     compiled = traced is not None and traced(chunks)
     floor_ms = model.predict(StepShape(chunks, decode_lanes, compiled=compiled)) if chunks else None
     if floor_ms is None or not 0 < floor_ms <= SLACK_WITHIN * planned:
         return target_ms
     return max(target_ms, config.floor_slack * floor_ms / config.plan_headroom)
+
+
+def guarded_by_rows(
+    config: SchedulerConfig,
+    model: CostModel,
+    demand: Sequence[PrefillChunk],
+    decode_lanes: int,
+    planned_ms: float,
+    traced: Callable[[Sequence[PrefillChunk]], bool] | None,
+) -> bool:
+    """Whether a step of `config.slack_guard_rows` of the demand's rows (all of them, if fewer) is predicted within
+    `planned_ms`, compiled where the engine compiles prefill: then the target admits steps of many rows and the floor
+    slack is not for this step (0 rows: never)."""
+    if not config.slack_guard_rows:
+        return False
+    chunks = fill_shortest_first(demand, config.slack_guard_rows)
+    predicted = model.predict(StepShape(chunks, decode_lanes, compiled=traced is not None)) if chunks else None
+    return predicted is not None and predicted <= planned_ms
 
 
 def stream_in_debt(waited_s: float, last_gap_s: float | None, target_ms: float) -> bool:

@@ -59,6 +59,10 @@ class SchedulerConfig:
     # (a step whose fixed cost fills the target: H200 8B 4-bit, ~21 ms at 128 rows against a 20.4 ms target; TTFT
     # 2.98x solo at 1.25, 1.65x at 1.5), decode debt counting from it too (`budget.slack_allowance_ms`). 1: off
     floor_slack: float = 1.5
+    # the floor slack only where a step of this many prefill rows (in its cheaper form: compiled where the engine
+    # compiles prefill) is predicted over the target: where the target admits such a step, the fixed cost does not
+    # fill it and halving buys rows (`budget.slack_allowance_ms`). 0: off (the slack wherever its floor step allows)
+    slack_guard_rows: int = 512
     # a contended chunk grows, one query bucket at a time and to at most `budget.RATE_GROWTH_CAP` x what the step
     # may take, until its predicted cost a row is within this multiple of a ceiling-sized uncontended chunk's at the
     # same history: a long prompt's prefill then runs at least 1/x of its solo speed (`budget.grow_for_rate`). 0: off
@@ -118,6 +122,8 @@ class SchedulerConfig:
             raise ValueError(f"checked_fill must be one of {CHECKED_FILL}, got {self.checked_fill!r}")
         if not self.floor_slack >= 1:
             raise ValueError(f"floor_slack must be >= 1, got {self.floor_slack}")
+        if self.slack_guard_rows < 0:
+            raise ValueError(f"slack_guard_rows must be >= 0, got {self.slack_guard_rows}")
         if not (self.max_prefill_slowdown == 0 or self.max_prefill_slowdown >= 1):
             raise ValueError(f"max_prefill_slowdown must be 0 (off) or >= 1, got {self.max_prefill_slowdown}")
         if not 0 < self.plan_headroom <= 1:

@@ -149,6 +149,7 @@ def measure_ours(
               "checked_fill": args.checked_fill,
               "plan_headroom": args.plan_headroom,
               "cost_trust_factor": args.cost_trust_factor, "floor_slack": args.floor_slack,
+              "slack_guard_rows": args.slack_guard_rows,
               "max_prefill_slowdown": args.max_prefill_slowdown, "plan_padding": args.plan_padding == "on"}  # fmt: skip
     # only the contended engine meets long prompts' chunk shapes: the others skip the warm-up
     side = OurSide(dummy, kv_blocks, 500.0, args.attention, **engine, warm_up=False)
@@ -206,6 +207,7 @@ def measure_ours(
         out["plan_headroom"] = side.engine.scheduler.config.plan_headroom
         out["cost_trust_factor"] = side.engine.scheduler.config.cost_trust_factor
         out["floor_slack"] = side.engine.scheduler.config.floor_slack
+        out["slack_guard_rows"] = side.engine.scheduler.config.slack_guard_rows
         out["max_prefill_slowdown"] = side.engine.scheduler.config.max_prefill_slowdown
         out["plan_kv_bucket"] = side.engine.scheduler.config.kv_bucket  # 0: planned with exact counts
         out["pads_history"] = side.engine.scheduler.config.pads_history  # False: the attention read the pool
@@ -351,6 +353,8 @@ def main() -> None:
     parser.add_argument("--floor-slack", type=floor_slack_arg, default="auto",
                         help="EngineConfig.floor_slack: a step may take this x the floor step's time over the target "
                              "(auto: engine_setup.floor_slack)")
+    parser.add_argument("--slack-guard-rows", type=int, default=512,
+                        help="EngineConfig.slack_guard_rows: no floor slack where a step of this many rows fits (0: off)")
     parser.add_argument("--max-prefill-slowdown", type=float, default=0.0,
                         help="EngineConfig.max_prefill_slowdown: contended chunks grow until a long prompt runs at "
                              "least 1/x its solo speed (0: off)")

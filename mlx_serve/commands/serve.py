@@ -217,6 +217,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "predicted time where that is more than the step target: a fixed cost that fills the "
                         "target buys nothing by halving (X >= 1; 1: off; auto: 1.75 where a row-tile fill is "
                         "checked, --checked-fill on with --row-quantum > 1, else 1.5; default: %(default)s)")
+    s.add_argument("--slack-guard-rows", type=whole_number_arg(0), default=512, metavar="N",
+                   help="the floor slack only where a contended step of N prefill rows (compiled, where prefill "
+                        "compiles) is predicted over the step target: where such a step fits, halving buys rows "
+                        "(0: off; default: %(default)s)")
     s.add_argument("--max-prefill-slowdown", type=_factor_or_off, default=0.0, metavar="X",
                    help="a contended chunk grows (to at most twice what a step may take) until a long prompt's "
                         "prefill runs at least 1/X of its speed alone, by the cost model (X >= 1; 0: off; "
@@ -357,6 +361,7 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
         row_quantum=args.row_quantum, budget_midpoints=args.budget_midpoints == "on",
         traced_midpoints=args.traced_midpoints == "on", met_midpoints=args.met_midpoints == "on",
         checked_fill=args.checked_fill, plan_headroom=args.plan_headroom, floor_slack=args.floor_slack,
+        slack_guard_rows=args.slack_guard_rows,
         max_prefill_slowdown=args.max_prefill_slowdown, plan_padding=args.plan_padding == "on",
         cost_model=args.prefill_cost_model, cost_trust_factor=args.cost_trust_factor, max_overtakes=args.max_overtakes,
         enable_prefix_cache=not args.no_prefix_cache, shared_prefill_tokens=args.shared_prefill_tokens,

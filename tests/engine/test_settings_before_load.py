@@ -29,6 +29,7 @@ MISSING = "/nonexistent/model-dir"
         ({"floor_slack": "wide"}, "floor_slack must be a number >= 1 or 'auto'"),
         ({"max_prefill_slowdown": 0.5}, "max_prefill_slowdown must be 0"),
         ({"trace_neighbour_shapes": -1}, "trace_neighbour_shapes must be a whole number"),
+        ({"slack_guard_rows": -64}, "slack_guard_rows must be a whole number"),
         ({"chat_template": "{% for m in messages %}{{ m.content }}"}, "chat template: line 1: Unexpected end"),
         ({"chat_template": "/no/such/template.jinja"}, "is neither a file nor a Jinja template"),
         ({"adapter_path": "/a", "ane_lane": "ane"}, "--adapter-path cannot run with --ane-lane ane"),
@@ -55,13 +56,13 @@ def test_checked_fill_reaches_the_scheduler():
         Engine.load(EngineConfig(checked_fill="always"))
 
 
-def test_traced_and_met_midpoints_reach_the_scheduler():
+def test_midpoint_and_slack_settings_reach_the_scheduler():
     from mlx_serve.engine_setup import scheduler_config
 
     for on in (False, True):
-        config = scheduler_config(EngineConfig(traced_midpoints=on, met_midpoints=not on), num_blocks=64,
-                                  context_length=4096)  # fmt: skip
-        assert (config.traced_midpoints, config.met_midpoints) == (on, not on)
+        config = scheduler_config(EngineConfig(traced_midpoints=on, met_midpoints=not on, slack_guard_rows=64 * on),
+                                  num_blocks=64, context_length=4096)  # fmt: skip
+        assert (config.traced_midpoints, config.met_midpoints, config.slack_guard_rows) == (on, not on, 64 * on)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,81 @@
+"""`slack_guard_rows`: the floor slack (a contended step may take `floor_slack` x the floor step's prediction) only
+where a step of that many rows, compiled where the engine compiles prefill, is predicted over the target. Where the
+target admits such a step, the fixed cost does not fill it: the slack there only came from a floor step priced
+eager (its shape untraced) and let ceiling-sized chunks run far over the target (H100 0.6B, fortieth run)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scheduler_helpers import LinearCostModel
+
+from scheduler import SchedulerConfig
+from scheduler.budget import choose_row_budget, guarded_by_rows, slack_allowance_ms
+from scheduler.cost_models import PrefillChunk
+
+LANES = 8
+DEMAND = [PrefillChunk(rows=16_000, history=2048)]
+
+
+def _untraced_floor(chunks) -> bool:
+    return sum(chunk.rows for chunk in chunks) != 64  # every shape traced but the floor's
+
+
+def _decide(guard_rows: int, model, target_ms: float):
+    config = SchedulerConfig(num_blocks=4096, kv_bucket=1024, floor_slack=1.5, slack_guard_rows=guard_rows)
+    return choose_row_budget(config, model, DEMAND, LANES, False, True, target_ms, _untraced_floor)
+
+
+def test_a_floor_priced_eager_gives_no_slack_where_many_rows_fit_compiled():
+    """A 0.6B-like step (6 ms fixed, 0.005 ms a row) whose eager form costs 10 ms more: the untraced floor step is
+    priced at 16.3 ms, over a 14 ms target. Unguarded, 1.5 x that (24.5 ms) lets the 2,048-row ceiling run (16.2 ms);
+    guarded, 512 compiled rows fit (8.6 ms): no slack, 1,024 rows and their midpoint, 1,536 (13.7 ms)."""
+    model = LinearCostModel(fixed_ms=6.0, row_ms=0.005, eager_ms=10.0)
+    loose = _decide(0, model, 14.0)
+    assert (loose.row_budget, loose.reason) == (2048, "contended+slack")
+    assert loose.limit_ms == pytest.approx(1.5 * (6.0 + 0.005 * 64 + 10.0))
+    guarded = _decide(512, model, 14.0)
+    assert (guarded.row_budget, guarded.reason, guarded.limit_ms) == (1536, "halved:1+half", 14.0)
+    assert guarded.predicted_ms == pytest.approx(6.0 + 0.005 * 1536)
+
+
+def test_a_fixed_cost_that_fills_the_target_keeps_its_slack():
+    """An 8B 4-bit-like step (22 ms fixed, 0.02 ms a row, one form) against a 20 ms target: 512 rows (32.2 ms) do not
+    fit, so the guard changes nothing: planned to 1.5 x the floor's 23.3 ms."""
+    model = LinearCostModel()
+    decisions = [_decide(rows, model, 20.0) for rows in (0, 512)]
+    assert decisions[0] == decisions[1]
+    assert decisions[1].limit_ms == pytest.approx(1.5 * (22.0 + 0.02 * 64)) and decisions[1].reason.endswith("+slack")
+
+
+def test_the_guard_prices_its_rows_compiled_only_where_prefill_compiles():
+    model = LinearCostModel(fixed_ms=6.0, row_ms=0.005, eager_ms=10.0)  # 512 rows: 8.6 ms compiled, 18.6 eager
+    config = SchedulerConfig(num_blocks=4096, slack_guard_rows=512)
+    assert guarded_by_rows(config, model, DEMAND, LANES, 14.0, _untraced_floor)
+    assert not guarded_by_rows(config, model, DEMAND, LANES, 14.0, None)  # no compiled prefill: its one form
+    assert not guarded_by_rows(config, model, DEMAND, LANES, 8.0, _untraced_floor)  # 512 rows: over 8 ms
+    assert guarded_by_rows(config, model, [PrefillChunk(100, 0)], LANES, 8.0, _untraced_floor)  # all that is left fits
+    assert not guarded_by_rows(SchedulerConfig(num_blocks=4096, slack_guard_rows=0), model, DEMAND, LANES, 99.0, None)
+    with pytest.raises(ValueError, match="slack_guard_rows"):
+        SchedulerConfig(num_blocks=16, slack_guard_rows=-1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    fixed_ms=st.floats(1.0, 30.0),
+    row_ms=st.floats(0.001, 0.05),
+    eager_ms=st.floats(0.0, 15.0),
+    target_ms=st.floats(5.0, 80.0),
+    guard_rows=st.sampled_from([0, 128, 256, 512, 1024]),
+)
+def test_the_guard_only_ever_withdraws_the_slack(fixed_ms, row_ms, eager_ms, target_ms, guard_rows):
+    """Guarded, what a step may take is the unguarded allowance or the target; the target exactly where the guard's
+    step fits it, compiled."""
+    model = LinearCostModel(fixed_ms, row_ms, eager_ms=eager_ms)
+    loose = SchedulerConfig(num_blocks=4096, kv_bucket=1024, floor_slack=1.5, slack_guard_rows=0)
+    guarded = SchedulerConfig(num_blocks=4096, kv_bucket=1024, floor_slack=1.5, slack_guard_rows=guard_rows)
+    unguarded = slack_allowance_ms(loose, model, DEMAND, LANES, target_ms, _untraced_floor)
+    allowed = slack_allowance_ms(guarded, model, DEMAND, LANES, target_ms, _untraced_floor)
+    fits = guard_rows > 0 and fixed_ms + row_ms * guard_rows <= target_ms
+    assert allowed == (target_ms if fits else unguarded)
