@@ -171,6 +171,10 @@ def choose_row_budget(
         """Whether growing `budget` to `grown` rows trades a step that replays a compiled trace for an eager one."""
         return runs_compiled(budget) and not runs_compiled(grown)
 
+    def never_ran(rows: int) -> bool:
+        """Whether a step of `rows` would be its shape's first run in its form (False where the engine cannot say)."""
+        return met is not None and not met(fill_shortest_first(demand, rows))
+
     budget, predicted, held = fill_paid_rows(config, budget, predicted, decode_lanes, target_ms, predict, loses_trace)
     widened = kept_trace = unmet = False
     if halvings and config.budget_midpoints and predicted is not None and predicted <= target_ms:
@@ -178,8 +182,7 @@ def choose_row_budget(
         wider_predicted = predict(wider) if wider > budget else None
         if wider_predicted is not None and wider_predicted <= target_ms:
             kept_trace = config.traced_midpoints and loses_trace(budget, wider)
-            unmet = not kept_trace and config.met_midpoints and met is not None
-            unmet = unmet and not met(fill_shortest_first(demand, wider))
+            unmet = not kept_trace and config.met_midpoints and never_ran(wider)
             if kept_trace or unmet:
                 wanted = wanted or fill_shortest_first(demand, wider)  # traced when the engine is next idle
             else:
