@@ -110,6 +110,33 @@ def test_untraced_shapes_cost_more_until_a_pass_has_met_them() -> None:
     assert cost.step_ms(plan, random.Random(0), eager=traces.meet(plan) is False) == pytest.approx(eager - 12.0)
 
 
+def test_a_shapes_first_eager_run_costs_more_and_counts_as_run() -> None:
+    """With `first_run_ms`, an eager step of a shape never run eager pays it once more; after it the shape has run
+    (`SimTraces.met`), as it has once traced; steps the engine never compiles are not tracked (met)."""
+    import random
+
+    from scheduler import LaneKind, StepPlan
+    from scheduler.cost_models import PrefillChunk
+    from scheduler.plan import Lane
+
+    sim = load_sim()
+    decode = tuple(Lane(f"s{i}", LaneKind.DECODE, (1,), 100, (), True) for i in range(8))
+    plan = StepPlan(1, (*decode, Lane("long", LaneKind.PREFILL, (1,) * 300, 1000, (), False)), 300, "halved:2", None, True)
+    chunk, later = [PrefillChunk(rows=300, history=1000)], [PrefillChunk(rows=300, history=5000)]
+    cost = sim.CostFunction(noise=0.0, kv_bucket=1024, eager_extra_ms=1.0, first_run_ms=10.0)
+    traces = sim.SimTraces(1024)
+    assert not traces.met(chunk, list(decode)) and traces.met(chunk + later, list(decode))
+    times = []
+    for _ in range(2):
+        first = traces.meet(plan) is False and traces.first_eager_run(plan)
+        times.append(cost.step_ms(plan, random.Random(0), eager=True, first_run=first))
+    assert times[0] == pytest.approx(times[1] + 10.0)
+    assert traces.met(chunk, list(decode)) and not traces.met(later, list(decode))
+    traces.want(later, list(decode))
+    traces.settle()
+    assert traces.met(later, list(decode))
+
+
 def test_warm_passes_leave_the_measured_pass_its_own_counts() -> None:
     sim = load_sim()
     arrivals = sim.load_trace(SIM_PATH.parent / "traces" / "contended_16k.jsonl")
