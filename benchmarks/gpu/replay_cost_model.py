@@ -1,6 +1,6 @@
-"""`python -m benchmarks.gpu.replay_cost_model RESULT.json[.gz]...`: the contended steps of recorded GPU bench runs, replayed
-through the affine cost model counted exactly and counted as the engine pads (`SchedulerConfig.kv_bucket`, and the
-run's `pads_history`: whether its chunk attention computed over the padded history).
+"""`python -m benchmarks.gpu.replay_cost_model RESULT.json[.gz]...`: the contended steps of recorded GPU bench runs,
+replayed through the affine cost model counted exactly and counted as the engine pads (`SchedulerConfig.kv_bucket`,
+and the run's `pads_history`: whether its chunk attention computed over the padded history).
 
 Each run's steps with prefill (warm pass, then the measured pass, as `run_gpu_bench` records them) go through
 `tracing.prefill_prediction.replay`: predicted from the earlier ones only, then observed, as the scheduler does live;
