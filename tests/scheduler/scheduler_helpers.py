@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
+from hypothesis import strategies as st
+
 from scheduler import Request, Scheduler, SchedulerConfig, StepOutcome, StepPlan
 from scheduler.cost_models import StepShape
+
+# a `LinearCostModel` of a small model's contended step (a few ms fixed, an eager form dearer) and a step target, as
+# the budget rules' properties draw them (`test_traced_midpoints`, `test_met_midpoints`, `test_slack_guard`)
+SMALL_STEP_COSTS = {
+    "fixed_ms": st.floats(1.0, 30.0),
+    "row_ms": st.floats(0.001, 0.05),
+    "eager_ms": st.floats(0.0, 10.0),
+    "target_ms": st.floats(5.0, 80.0),
+}
 
 
 def make_request(request_id: str, prompt_len: int, max_tokens: int = 4, **kwargs) -> Request:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from scheduler_helpers import LinearCostModel
+from scheduler_helpers import SMALL_STEP_COSTS, LinearCostModel
 from test_traced_shapes import plan_beside_streams
 
 from scheduler import SchedulerConfig
@@ -46,10 +46,7 @@ def test_a_midpoint_of_a_shape_never_run_is_declined_and_its_trace_asked_for():
 
 @settings(max_examples=300, deadline=None)
 @given(
-    fixed_ms=st.floats(1.0, 30.0),
-    row_ms=st.floats(0.001, 0.05),
-    eager_ms=st.floats(0.0, 10.0),
-    target_ms=st.floats(5.0, 80.0),
+    **SMALL_STEP_COSTS,
     prompt_rows=st.integers(1, 5000),
     met_rows=st.sets(st.sampled_from(ROWS)),
     traced_rows=st.frozensets(st.sampled_from(ROWS)),

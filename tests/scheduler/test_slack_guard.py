@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from scheduler_helpers import LinearCostModel
+from scheduler_helpers import SMALL_STEP_COSTS, LinearCostModel
 
 from scheduler import SchedulerConfig
 from scheduler.budget import choose_row_budget, guarded_by_rows, slack_allowance_ms
@@ -63,10 +63,7 @@ def test_the_guard_prices_its_rows_compiled_only_where_prefill_compiles():
 
 @settings(max_examples=300, deadline=None)
 @given(
-    fixed_ms=st.floats(1.0, 30.0),
-    row_ms=st.floats(0.001, 0.05),
-    eager_ms=st.floats(0.0, 15.0),
-    target_ms=st.floats(5.0, 80.0),
+    **SMALL_STEP_COSTS,
     guard_rows=st.sampled_from([0, 128, 256, 512, 1024]),
 )
 def test_the_guard_only_ever_withdraws_the_slack(fixed_ms, row_ms, eager_ms, target_ms, guard_rows):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from scheduler_helpers import LinearCostModel
+from scheduler_helpers import SMALL_STEP_COSTS, LinearCostModel
 
 from scheduler import SchedulerConfig
 from scheduler.budget import choose_row_budget
@@ -52,10 +52,7 @@ def test_a_midpoint_is_taken_where_it_loses_no_trace(traced_rows, why):
 
 @settings(max_examples=300, deadline=None)
 @given(
-    fixed_ms=st.floats(1.0, 30.0),
-    row_ms=st.floats(0.001, 0.05),
-    eager_ms=st.floats(0.0, 10.0),
-    target_ms=st.floats(5.0, 80.0),
+    **SMALL_STEP_COSTS,
     prompt_rows=st.integers(1, 5000),
     traced_rows=st.sets(st.sampled_from([64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048])),
 )
