@@ -55,26 +55,26 @@ def read_result(path: Path) -> dict:
 
 def recorded_runs(paths: list[Path]) -> list[RecordedRun]:
     """Every run in the bench result files that recorded its steps."""
-    runs = []
-    for path in paths:
-        for result in read_result(path).get("results", []):
-            ours = result.get("ours", {})
-            pads_history = bool(ours.get("pads_history", True))
-            if ours.get("cost_observations"):
-                scored_from = ours.get("contended", {}).get("cost_observations_from", 0)
-                runs.append(RecordedRun(result["shape"], live_observations(ours["cost_observations"], scored_from),
-                                        pads_history, True))  # fmt: skip
-                continue
-            steps = []
-            for phase in ("contended_warm", "contended"):
-                for step in ours.get(phase, {}).get("steps", {}).get("prefill_steps", []):
-                    lanes = step[5] if len(step) > 5 else 1  # recorded since the eighteenth run
-                    auxiliary = bool(step[6]) if len(step) > 6 else False  # since the nineteenth
-                    compiled = bool(step[7]) if len(step) > 7 else False  # since the twentieth
-                    steps.append((step[0], step[1], step[2], step[3], lanes, auxiliary, compiled))
-            if steps:
-                runs.append(RecordedRun(result["shape"], observations(steps), pads_history, False))
-    return runs
+    found = (recorded_run(result) for path in paths for result in read_result(path).get("results", []))
+    return [run for run in found if run is not None]
+
+
+def recorded_run(result: dict) -> RecordedRun | None:
+    """One shape's recorded steps (None: it recorded none)."""
+    ours = result.get("ours", {})
+    pads_history = bool(ours.get("pads_history", True))
+    if ours.get("cost_observations"):
+        scored_from = ours.get("contended", {}).get("cost_observations_from", 0)
+        return RecordedRun(result["shape"], live_observations(ours["cost_observations"], scored_from), pads_history,
+                           True)  # fmt: skip
+    steps = []
+    for phase in ("contended_warm", "contended"):
+        for step in ours.get(phase, {}).get("steps", {}).get("prefill_steps", []):
+            lanes = step[5] if len(step) > 5 else 1  # recorded since the eighteenth run
+            auxiliary = bool(step[6]) if len(step) > 6 else False  # since the nineteenth
+            compiled = bool(step[7]) if len(step) > 7 else False  # since the twentieth
+            steps.append((step[0], step[1], step[2], step[3], lanes, auxiliary, compiled))
+    return RecordedRun(result["shape"], observations(steps), pads_history, False) if steps else None
 
 
 def live_observations(recorded: list[list], scored_from: int) -> list[Observation]:
