@@ -20,7 +20,8 @@ from benchmarks.gpu.replay_cost_model import read_result
 
 GAP_TARGET = 3.0  # issue 7: max gap at most 3x the median gap
 TTFT_TARGET = 1.5  # ... and the long prompt's TTFT at most 1.5x its solo prefill
-SETTINGS = ("step_target_floor_ms", "traced_midpoints", "met_midpoints", "floor_slack", "budget_midpoints")
+SETTINGS = ("step_target_floor_ms", "traced_midpoints", "met_midpoints", "floor_slack", "budget_midpoints",
+            "paced_slowdown")
 
 
 def label_of(path: Path) -> str:

@@ -24,9 +24,10 @@ from typing import NamedTuple
 from benchmarks.gpu.contended_table import GAP_TARGET, TTFT_TARGET, label_of
 from benchmarks.gpu.replay_cost_model import read_result, recorded_run
 from scheduler.affine_cost import features
-from scheduler.buckets import KV_BUCKET, query_buckets
+from scheduler.buckets import KV_BUCKET
 from scheduler.cost_models import PrefillChunk, StepShape
 from scheduler.plan import Path as LanePath
+from scheduler.prompt_pace import read_steps
 
 WIDEST_ROWS = 4096  # the bench's prefill chunk cap (`SchedulerConfig.max_prefill_rows`)
 
@@ -97,18 +98,10 @@ def _least_squares(points: list[tuple[float, float, float]]) -> tuple[float, flo
 
 
 def prompt_steps(price: StepPrice, prompt: int, lanes: int, limit_ms: float) -> list[float] | None:
-    """The priced steps that read `prompt` tokens, each the widest chunk within `limit_ms` (None: 64 rows do not)."""
-    costs, history = [], 0
-    while history < prompt:
-        left = prompt - history
-        buckets = query_buckets(min(left, WIDEST_ROWS))
-        fitting = [rows for rows in buckets if price.of(min(rows, left), history, lanes) <= limit_ms]
-        if not fitting:
-            return None
-        rows = min(fitting[-1], left)
-        costs.append(price.of(rows, history, lanes))
-        history += rows
-    return costs
+    """The priced steps that read `prompt` tokens, each the widest chunk within `limit_ms` (None: 64 rows do not),
+    planned as the scheduler's paced target plans them (`scheduler.prompt_pace.read_steps`)."""
+    steps = read_steps(lambda rows, history: price.of(rows, history, lanes), prompt, 0, limit_ms, WIDEST_ROWS)
+    return None if steps is None else [cost for _, cost in steps]
 
 
 def least_limit(price: StepPrice, prompt: int, lanes: int, allowed_ms: float, low: float, high: float) -> float | None:

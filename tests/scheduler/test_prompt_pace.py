@@ -1,0 +1,141 @@
+"""`paced_slowdown`: a contended step's target rises from step_target_factor x the decode step, a quarter at a time
+up to paced_factor_cap x, until the leading prompt's predicted read under it fits what is left of its TTFT allowance
+(`paced_slowdown` x its predicted read alone, less the time since its arrival)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scheduler_helpers import LinearCostModel, fake_outcome, make_request
+
+from scheduler import Scheduler, SchedulerConfig
+from scheduler.buckets import query_bucket
+from scheduler.cost_models import PrefillChunk
+from scheduler.prompt_pace import PACE_REFRESH_ROWS, PromptPace, paced_target_ms, read_steps, solo_ms
+
+CEILING = 2048
+
+
+def linear(fixed_ms: float, row_ms: float, pair_ms: float = 0.0):
+    return lambda rows, history: fixed_ms + row_ms * rows + pair_ms * rows * (history + rows / 2)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    fixed_ms=st.floats(0.0, 30.0),
+    row_ms=st.floats(0.0005, 0.05),
+    pair_ms=st.floats(0.0, 2e-6),
+    rows=st.integers(1, 20000),
+    history=st.integers(0, 16000),
+    limit_ms=st.floats(1.0, 200.0),
+)
+def test_each_step_is_the_widest_within_the_limit(fixed_ms, row_ms, pair_ms, rows, history, limit_ms) -> None:
+    """Steps read exactly the prompt's rows, each priced within the limit, each a query bucket (or the rows left), and
+    the next wider bucket (within the ceiling and the rows left) over the limit; None only where the first step's
+    narrowest chunk is over it (a price rising with history never lets a narrower one fit later)."""
+    price = linear(fixed_ms, row_ms, pair_ms)
+    steps = read_steps(price, rows, history, limit_ms, CEILING)
+    if steps is None:
+        assert price(min(64, rows), history) > limit_ms or any(
+            price(min(64, rows - done), history + done) > limit_ms for done in range(0, rows, 64)
+        )
+        return
+    assert sum(taken for taken, _ in steps) == rows
+    done = 0
+    for taken, cost in steps:
+        left = rows - done
+        assert cost == price(taken, history + done) and cost <= limit_ms
+        assert taken == left or (taken == query_bucket(taken) and taken <= CEILING)
+        wider = query_bucket(taken + 1)
+        if taken < left and wider <= CEILING:
+            assert price(min(wider, left), history + done) > limit_ms
+        done += taken
+
+
+def test_the_read_alone_is_in_ceiling_chunks() -> None:
+    price = linear(10.0, 0.01)
+    assert solo_ms(price, 5000, 0, CEILING) == pytest.approx(3 * 10.0 + 0.01 * 5000)
+    assert solo_ms(lambda rows, history: None, 5000, 0, CEILING) is None
+    assert read_steps(lambda rows, history: None, 5000, 0, 50.0, CEILING) is None
+
+
+# a step of 10 ms + 0.01 ms a row (no decode lanes' cost): at a 25 ms target 1,024-row steps read 5,000 rows in 100 ms,
+# at 27.5 and 30 ms 1,536-row steps in 90 ms; alone, 2,048-row chunks in 80 ms
+PRICE = linear(10.0, 0.01)
+
+
+@pytest.mark.parametrize(
+    "left_ms,target_ms",
+    [(100.0, 25.0), (99.0, 27.5), (90.0, 27.5), (89.0, 30.0), (-5.0, 30.0)],
+)
+def test_the_least_factor_whose_read_fits_what_is_left(left_ms, target_ms) -> None:
+    chunk = PrefillChunk(5000, 0)
+    assert paced_target_ms(chunk, left_ms, 10.0, 2.5, 3.0, 0.0, PRICE, CEILING) == target_ms
+
+
+def test_the_floor_holds_and_a_cap_under_the_factor_is_the_factor() -> None:
+    chunk = PrefillChunk(5000, 0)
+    assert paced_target_ms(chunk, 100.0, 10.0, 2.5, 3.0, 26.0, PRICE, CEILING) == 26.0  # the floor over 2.5 x 10
+    assert paced_target_ms(chunk, 0.0, 10.0, 2.5, 0.0, 0.0, PRICE, CEILING) == 25.0  # cap 0: the factor alone
+
+
+def test_the_pace_is_worked_out_again_only_when_something_changed() -> None:
+    pace, calls = PromptPace(), []
+
+    def work() -> float:
+        calls.append(1)
+        return 25.0
+
+    for history in (0, 512, PACE_REFRESH_ROWS - 1):
+        assert pace.target_ms("a", history, 10.0, 8, work) == 25.0
+    assert len(calls) == 1
+    pace.target_ms("a", PACE_REFRESH_ROWS, 10.0, 8, work)  # read another block of rows
+    pace.target_ms("a", PACE_REFRESH_ROWS, 11.0, 8, work)  # the decode step moved
+    pace.target_ms("a", PACE_REFRESH_ROWS, 11.0, 7, work)  # a stream finished
+    pace.target_ms("b", PACE_REFRESH_ROWS, 11.0, 7, work)  # another prompt leads
+    assert len(calls) == 5
+    assert pace.allowed_ms("a", lambda: 80.0) == 80.0
+    assert pace.allowed_ms("a", lambda: 1.0) == 80.0  # once per prompt
+    assert pace.allowed_ms("b", lambda: None) is None  # not priced yet: asked again
+    assert pace.allowed_ms("b", lambda: 90.0) == 90.0
+
+
+def _paced_plan(slowdown: float, waited_s: float, cap: float = 3.0):
+    """One stream whose decode steps take 10 ms (factor 2.5: a 25 ms target), then a 5,000-token prompt that arrived
+    `waited_s` before it is planned, priced by PRICE's model (10 ms + 0.01 ms a row): its read alone is 80 ms."""
+    config = SchedulerConfig(num_blocks=4096, step_target_factor=2.5, step_target_floor_ms=0.0, floor_slack=1.0,
+                             paced_slowdown=slowdown, paced_factor_cap=cap)  # fmt: skip
+    scheduler = Scheduler(config)
+    scheduler.add(make_request("stream", 10, max_tokens=100))
+    now = 0.0
+    for _ in range(4):  # its prefill, then decode-only steps: the decode step is measured
+        plan = scheduler.schedule(now)
+        now += 0.010
+        scheduler.update(plan, fake_outcome(plan, elapsed_ms=10.0), now)
+    scheduler.cost_model = LinearCostModel(fixed_ms=10.0, row_ms=0.01)
+    scheduler.add(make_request("prompt", 5000, base=7000, arrival_time=now - waited_s))
+    return scheduler.schedule(now)
+
+
+@pytest.mark.parametrize(
+    "slowdown,waited_s,limit_ms,rows",
+    [
+        (0.0, 0.0, 25.0, 1024),  # off: the factor's target
+        (1.3, 0.0, 25.0, 1024),  # 104 ms allowed: 1,024-row steps (100 ms) fit
+        (1.2, 0.0, 27.5, 1536),  # 96 ms: 1,536-row steps (90 ms)
+        (1.3, 0.010, 27.5, 1536),  # 104 ms less 10 waited
+        (1.0, 0.0, 30.0, 1536),  # 80 ms: nothing fits, the cap's
+    ],
+)
+def test_the_scheduler_plans_to_the_paced_target(slowdown, waited_s, limit_ms, rows) -> None:
+    plan = _paced_plan(slowdown, waited_s)
+    assert plan.limit_ms == pytest.approx(limit_ms)
+    assert plan.prefill_rows == rows
+
+
+def test_the_paced_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="paced_slowdown"):
+        SchedulerConfig(num_blocks=16, paced_slowdown=0.5)
+    with pytest.raises(ValueError, match="paced_factor_cap"):
+        SchedulerConfig(num_blocks=16, paced_factor_cap=-1.0)
