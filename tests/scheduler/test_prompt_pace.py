@@ -12,7 +12,7 @@ from scheduler_helpers import LinearCostModel, fake_outcome, make_request
 from scheduler import Scheduler, SchedulerConfig
 from scheduler.buckets import query_bucket
 from scheduler.cost_models import PrefillChunk
-from scheduler.prompt_pace import PACE_REFRESH_ROWS, PromptPace, paced_target_ms, read_steps, solo_ms
+from scheduler.prompt_pace import PACE_REFRESH_ROWS, PromptPace, paced_target_ms, read_ms, read_steps, solo_ms
 
 CEILING = 2048
 
@@ -101,9 +101,11 @@ def test_the_pace_is_worked_out_again_only_when_something_changed() -> None:
     assert pace.allowed_ms("b", lambda: 90.0) == 90.0
 
 
-def _paced_plan(slowdown: float, waited_s: float, cap: float = 3.0):
-    """One stream whose decode steps take 10 ms (factor 2.5: a 25 ms target), then a 5,000-token prompt that arrived
-    `waited_s` before it is planned, priced by PRICE's model (10 ms + 0.01 ms a row): its read alone is 80 ms."""
+def _paced_plan(slowdown: float, waited_s: float, cap: float = 3.0, model: LinearCostModel | None = None,
+                prompt: int = 5000):  # fmt: skip
+    """One stream whose decode steps take 10 ms (factor 2.5: a 25 ms target), then a `prompt`-token prompt that
+    arrived `waited_s` before it is planned, priced by `model` (default PRICE's: 10 ms + 0.01 ms a row, so a
+    5,000-token prompt's read alone is 80 ms)."""
     config = SchedulerConfig(num_blocks=4096, step_target_factor=2.5, step_target_floor_ms=0.0, floor_slack=1.0,
                              paced_slowdown=slowdown, paced_factor_cap=cap)  # fmt: skip
     scheduler = Scheduler(config)
@@ -113,8 +115,8 @@ def _paced_plan(slowdown: float, waited_s: float, cap: float = 3.0):
         plan = scheduler.schedule(now)
         now += 0.010
         scheduler.update(plan, fake_outcome(plan, elapsed_ms=10.0), now)
-    scheduler.cost_model = LinearCostModel(fixed_ms=10.0, row_ms=0.01)
-    scheduler.add(make_request("prompt", 5000, base=7000, arrival_time=now - waited_s))
+    scheduler.cost_model = model or LinearCostModel(fixed_ms=10.0, row_ms=0.01)
+    scheduler.add(make_request("prompt", prompt, base=7000, arrival_time=now - waited_s))
     return scheduler.schedule(now)
 
 
@@ -139,3 +141,31 @@ def test_the_paced_settings_are_checked() -> None:
         SchedulerConfig(num_blocks=16, paced_slowdown=0.5)
     with pytest.raises(ValueError, match="paced_factor_cap"):
         SchedulerConfig(num_blocks=16, paced_factor_cap=-1.0)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    fixed_ms=st.floats(0.0, 40.0),
+    row_ms=st.floats(0.001, 0.1),
+    lane_ms=st.floats(0.0, 3.0),
+    slowdown=st.floats(1.0, 3.0),
+    cap=st.floats(0.0, 5.0),
+    waited_s=st.floats(0.0, 0.5),
+    prompt=st.integers(65, 9000),
+)
+def test_the_paced_target_stays_between_the_factor_and_the_cap(fixed_ms, row_ms, lane_ms, slowdown, cap, waited_s,
+                                                                prompt) -> None:  # fmt: skip
+    """Whatever the prices and however long the prompt waited, a contended step is planned to a target on the ladder
+    from the factor's (25 ms) to the cap's, and where the factor's read fits what is left, to the factor's."""
+    model = LinearCostModel(fixed_ms, row_ms, lane_ms)
+    plan = _paced_plan(slowdown, waited_s, cap, model, prompt)
+    if plan.limit_ms is None:  # a debt step, or nothing contended
+        return
+    top = 10.0 * max(cap, 2.5)
+    assert 25.0 - 1e-9 <= plan.limit_ms <= top + 1e-9
+    rungs = [10.0 * (2.5 + k * 0.25) for k in range(int((max(cap, 2.5) - 2.5) / 0.25) + 2)]
+    assert any(abs(plan.limit_ms - rung) < 1e-6 for rung in rungs) or abs(plan.limit_ms - top) < 1e-6
+    alone = solo_ms(lambda rows, history: fixed_ms + row_ms * rows, prompt, 0, CEILING)
+    factors = read_ms(lambda rows, history: max(fixed_ms + row_ms * rows + lane_ms, 10.0), prompt, 0, 25.0, CEILING)
+    if factors is not None and factors <= slowdown * alone - waited_s * 1e3 - 1e-6:
+        assert plan.limit_ms == pytest.approx(25.0)
