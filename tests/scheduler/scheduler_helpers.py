@@ -7,6 +7,13 @@ from hypothesis import strategies as st
 from scheduler import Request, Scheduler, SchedulerConfig, StepOutcome, StepPlan
 from scheduler.cost_models import StepShape
 
+# a `LinearCostModel`'s prices, for properties over any of them (prefill rate, paced target)
+LINEAR_COSTS = {
+    "fixed_ms": st.floats(0.0, 40.0),
+    "row_ms": st.floats(0.001, 0.1),
+    "lane_ms": st.floats(0.0, 3.0),
+}
+
 # a `LinearCostModel` of a small model's contended step (a few ms fixed, an eager form dearer) and a step target, as
 # the budget rules' properties draw them (`test_traced_midpoints`, `test_met_midpoints`, `test_slack_guard`)
 SMALL_STEP_COSTS = {

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from scheduler_helpers import LinearCostModel, plan_after, prompt_beside_a_stream
+from scheduler_helpers import LINEAR_COSTS, LinearCostModel, plan_after, prompt_beside_a_stream
 
 from scheduler import SchedulerConfig
 from scheduler.buckets import query_bucket
@@ -62,9 +62,7 @@ def test_the_slowdown_must_be_off_or_at_least_one():
 
 @settings(max_examples=200, deadline=None)
 @given(
-    fixed_ms=st.floats(0.0, 40.0),
-    row_ms=st.floats(0.001, 0.1),
-    lane_ms=st.floats(0.0, 3.0),
+    **LINEAR_COSTS,
     lanes=st.integers(0, 16),
     target_ms=st.floats(5.0, 80.0),
     limit=st.floats(1.0, 3.0),

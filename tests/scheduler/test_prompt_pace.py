@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from scheduler_helpers import LinearCostModel, fake_outcome, make_request
+from scheduler_helpers import LINEAR_COSTS, LinearCostModel, fake_outcome, make_request
 
 from scheduler import Scheduler, SchedulerConfig
 from scheduler.buckets import query_bucket
@@ -145,9 +145,7 @@ def test_the_paced_settings_are_checked() -> None:
 
 @settings(max_examples=150, deadline=None)
 @given(
-    fixed_ms=st.floats(0.0, 40.0),
-    row_ms=st.floats(0.001, 0.1),
-    lane_ms=st.floats(0.0, 3.0),
+    **LINEAR_COSTS,
     slowdown=st.floats(1.0, 3.0),
     cap=st.floats(0.0, 5.0),
     waited_s=st.floats(0.0, 0.5),
