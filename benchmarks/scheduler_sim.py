@@ -14,7 +14,8 @@ model's dequantized weights). With `--eager-extra-ms` a step of decode lanes and
 compiled trace costs that much more, and the scheduler sees which shapes are traced, as on CUDA: shapes met (or
 wanted) in the `--warm-passes` runs of the trace before the measured one are traced, as the idle engine traces them
 between the GPU bench's passes. `--ms-prefill-host` makes a step with prefill take at least that long (its host
-submission, which bounds a small model's mixed steps: H200 0.6B 8-12 ms), and `--set FIELD=VALUE` sets a
+submission, which bounds a small model's mixed steps: H200 0.6B 8-12 ms), `--ms-solo-extra` adds to an
+uncontended prefill step (no decode lanes; on the H100 0.6B's ran ~6 ms over its contended steps' price), and `--set FIELD=VALUE` sets a
 `SchedulerConfig` field over every policy (`--set step_target_floor_ms=12`). A trace with a long prompt (`--long-threshold`) also gets the GPU bench's contended figures: the
 streams' longest gap over their median from 16 tokens before its arrival to 16 after its first token, and its TTFT
 over its TTFT alone. Results are only as good as the cost function: confirm a winner with the serving A/B harness
@@ -100,6 +101,9 @@ class CostFunction:
     # with kv_bucket: added to such an eager step whose shape runs for the first time (one-off builds: H100 0.6B,
     # first eager 1,536-row steps 3-16 ms over their predictions; fortieth run)
     first_run_ms: float = 0.0
+    # added to a step with prefill and no decode lanes (an uncontended, ceiling-sized chunk): on the H100 0.6B's such
+    # steps ran ~6 ms over what its contended steps' price gives (solo 16k 195-210 ms against ~150 priced)
+    solo_extra_ms: float = 0.0
 
     def step_ms(self, plan: StepPlan, rng: random.Random, eager: bool = False, first_run: bool = False) -> float:
         """`eager`: a compilable step whose shape has no trace (it pays `eager_extra_ms`); `first_run`: its shape's
@@ -114,6 +118,8 @@ class CostFunction:
                 + (self.prefill_fixed_ms if chunks else 0.0))
         if eager:
             base += self.eager_extra_ms + (self.first_run_ms if first_run else 0.0)
+        if chunks and not decode_lanes:
+            base += self.solo_extra_ms
         if chunks:
             base = max(base, self.prefill_host_ms)
         stalled = self.stall_rate > 0 and rng.random() < self.stall_rate  # no draw without stalls: same runs as before
@@ -397,6 +403,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="with --kv-bucket: what such a step costs more again on its shape's first eager run")
     parser.add_argument("--ms-prefill-host", type=float, default=0.0,
                         help="the least a step with prefill takes (its host submission, where that bounds it)")
+    parser.add_argument("--ms-solo-extra", type=float, default=0.0,
+                        help="what a step with prefill and no decode lanes costs more (an uncontended chunk)")
     parser.add_argument("--stall-rate", type=float, default=0.0, help="fraction of steps whose host stalls")
     parser.add_argument("--stall-ms", type=float, default=0.0, help="what a stalled step adds")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", type=config_override,
@@ -413,7 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     arrivals = load_trace(args.trace) if args.trace else synthetic_trace(args)
     cost = CostFunction(args.ms_fixed, args.ms_row, args.ms_pair, args.ms_decode_lane, args.noise,
                         args.ms_prefill_fixed, args.kv_bucket, args.row_tile, args.eager_extra_ms,
-                        args.ms_prefill_host, args.stall_rate, args.stall_ms, args.first_run_extra_ms)
+                        args.ms_prefill_host, args.stall_rate, args.stall_ms, args.first_run_extra_ms,
+                        args.ms_solo_extra)
     # with padding the engine's paged chunk kernel reads exactly the KV each row sees (pads_history False)
     base = SchedulerConfig(num_blocks=args.num_blocks, max_running=args.max_running,
                            step_target_ms=args.step_target_ms, max_model_len=1 << 20, kv_bucket=args.kv_bucket,

@@ -185,6 +185,22 @@ def test_a_step_with_prefill_takes_at_least_its_host_submission() -> None:
     assert cost.step_ms(decode_only, random.Random(0)) == pytest.approx(3.0 + 0.001 * 8 + 0.1 * 8)  # no floor
 
 
+def test_an_uncontended_prefill_step_pays_the_solo_extra() -> None:
+    import random
+
+    from scheduler import LaneKind, StepPlan
+    from scheduler.plan import Lane
+
+    sim = load_sim()
+    chunk = Lane("long", LaneKind.PREFILL, (1,) * 64, 0, (), False)
+    solo = StepPlan(1, (chunk,), 64, "uncontended", None, True)
+    mixed = StepPlan(2, (Lane("s", LaneKind.DECODE, (1,), 100, (), True), chunk), 64, "halved:5", None, True)
+    plain = sim.CostFunction(fixed_ms=3.0, row_ms=0.01, pair_ms=0.0, decode_lane_ms=0.1, noise=0.0)
+    dearer = sim.CostFunction(fixed_ms=3.0, row_ms=0.01, pair_ms=0.0, decode_lane_ms=0.1, noise=0.0, solo_extra_ms=6.0)
+    assert dearer.step_ms(solo, random.Random(0)) == pytest.approx(plain.step_ms(solo, random.Random(0)) + 6.0)
+    assert dearer.step_ms(mixed, random.Random(0)) == pytest.approx(plain.step_ms(mixed, random.Random(0)))
+
+
 def test_a_stalled_step_adds_its_stall_and_no_stall_draws_nothing() -> None:
     import random
 
