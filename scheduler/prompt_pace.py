@@ -8,6 +8,10 @@ configured factor (2.5, say) and rises a quarter at a time, to `paced_factor_cap
 predicted read, chunk by chunk at that target, is within `paced_slowdown` x its predicted read alone in ceiling-sized
 chunks. A contended step is never priced under a decode step: the affine fit, trained on wide chunks, prices a
 64-row step beside 8 streams at a third of one.
+
+Known weakness: the cost model trains on contended steps only, so the read alone is its extrapolation to steps
+without decode lanes. An H100's solo 0.6B steps (eager, ceiling-sized) ran ~6 ms over that; where the fit misses
+so, the allowance comes out tight and the pace rises further than the prompt needs (never past the cap).
 """
 
 from __future__ import annotations
