@@ -216,9 +216,7 @@ class Scheduler:
             self.stats.steps += 1
             self._last_update_had_prefill = plan.prefill_rows > 0
             self._reported_rate_grown = plan.budget_reason.endswith("+rate")
-        if plan.contended:
-            train_cost_model(self.cost_model, plan, outcome)
-        self.step_target.observe(plan, outcome)
+        self._learn(plan, outcome)
         return got_token
 
     def abandon(self, plan: StepPlan, updated: bool = False) -> None:
@@ -236,7 +234,14 @@ class Scheduler:
     def observe(self, plan: StepPlan, outcome: StepOutcome) -> None:
         """Learn a step's measured time when it was updated before it was known (a step left in flight is updated
         with placeholder tokens and no time, which the cost model and the step target ignore)."""
+        self._learn(plan, outcome)
+
+    def _learn(self, plan: StepPlan, outcome: StepOutcome) -> None:
+        """A step's measured time: the cost model learns contended steps, the paced target's read alone uncontended
+        ones, the step target decode-only ones."""
         train_cost_model(self.cost_model, plan, outcome)
+        if self.config.paced_slowdown:
+            self.pace.observe_alone(plan, outcome)
         self.step_target.observe(plan, outcome)
 
     # ---- internals used by PrefillPlanner
@@ -391,14 +396,18 @@ class Scheduler:
         now: float,
     ) -> float:
         """The step target the leading prompt's pace allows (`prompt_pace.py`); the plain one until a decode step is
-        measured or where its read alone cannot be priced. Prices are the cost model's, compiled where the engine
-        would run the step compiled (alone: wherever it compiles prefill), a contended step at least a decode step."""
+        measured or where its read alone cannot be priced. Prices are the cost model's: a contended step compiled
+        where the engine would run it so, and at least a decode step; the read alone eager, scaled by what the
+        uncontended steps seen measured against their price."""
         decode_ms, config = self.step_target.decode_step_ms, self.config
         if decode_ms is None or self.step_target.factor <= 0:
             return self.step_target.ms
 
+        scale = self.pace.alone_scale(self.cost_model.predict)
+
         def alone(rows: int, history: int) -> float | None:
-            return self.cost_model.predict(StepShape((PrefillChunk(rows, history),), 0, compiled=traced is not None))
+            predicted = self.cost_model.predict(StepShape((PrefillChunk(rows, history),), 0))
+            return None if predicted is None else scale * predicted
 
         def contended(rows: int, history: int) -> float | None:
             chunks = (PrefillChunk(rows, history),)

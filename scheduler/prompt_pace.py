@@ -9,20 +9,29 @@ predicted read, chunk by chunk at that target, is within `paced_slowdown` x its 
 chunks. A contended step is never priced under a decode step: the affine fit, trained on wide chunks, prices a
 64-row step beside 8 streams at a third of one.
 
-Known weakness: the cost model trains on contended steps only, so the read alone is its extrapolation to steps
-without decode lanes. An H100's solo 0.6B steps (eager, ceiling-sized) ran ~6 ms over that; where the fit misses
-so, the allowance comes out tight and the pace rises further than the prompt needs (never past the cap).
+The cost model trains on contended steps only, so its price of a read alone is an extrapolation to steps without
+decode lanes (on an H100, 0.6B's solo 2,048-row steps ran ~16 ms against ~7 ms of the contended price's row and
+pair parts). So the read alone is the model's eager price times the median measured / priced ratio of the last
+uncontended prefill steps the scheduler saw (`ALONE_MEMORY`, each of `ALONE_MIN_ROWS` or more); 1 before any.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
+from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 
 from scheduler.buckets import query_buckets
-from scheduler.cost_models import PrefillChunk
+from scheduler.cost_models import PrefillChunk, StepShape
+from scheduler.learning import step_shapes
+from scheduler.plan import Path, StepOutcome, StepPlan
 
 PACE_STEP = 0.25  # the factor ladder's step
 PACE_REFRESH_ROWS = 1024  # a prompt's pace is worked out again once it has read this many more rows
+ALONE_MEMORY = 16  # the uncontended prefill steps whose measured / priced ratio calibrates the read alone
+ALONE_MIN_ROWS = 256  # narrower steps say more about a step's fixed cost than about a read's
 
 # (rows, history) -> predicted ms, None where the model cannot say
 Price = Callable[[int, int], float | None]
@@ -109,6 +118,7 @@ class PromptPace:
 
     def __init__(self) -> None:
         self._allowed: tuple[str, float] | None = None  # (request, its predicted TTFT allowance, ms)
+        self._alone: deque[tuple[StepShape, float]] = deque(maxlen=ALONE_MEMORY)  # uncontended steps, measured ms
         self._key: tuple | None = None
         self._target_ms = 0.0
         self.worked_out = 0  # how many times a target was worked out (for tests and status)
@@ -128,3 +138,23 @@ class PromptPace:
             self._key, self._target_ms = key, work()
             self.worked_out += 1
         return self._target_ms
+
+    def observe_alone(self, plan: StepPlan, outcome: StepOutcome) -> None:
+        """Keep an uncontended prefill step's shape and measured time (GPU lanes, no decode lanes, wide enough)."""
+        elapsed = outcome.elapsed_ms
+        if plan.contended or outcome.failed or outcome.auxiliary or not isinstance(elapsed, float | int):
+            return
+        shape = step_shapes(plan.lanes).get(Path.GPU)
+        if shape is None or shape.decode_lanes or shape.prefill_rows < ALONE_MIN_ROWS:
+            return
+        if math.isfinite(elapsed) and elapsed > 0:
+            self._alone.append((shape, float(elapsed)))
+
+    def alone_scale(self, predict: Callable[[StepShape], float | None]) -> float:
+        """The median measured / priced ratio of the kept uncontended steps, each priced eager (1 before any)."""
+        ratios = []
+        for shape, elapsed in self._alone:
+            priced = predict(replace(shape, compiled=False))
+            if priced is not None and math.isfinite(priced) and priced > 0:
+                ratios.append(elapsed / priced)
+        return statistics.median(ratios) if ratios else 1.0

@@ -167,3 +167,50 @@ def test_the_paced_target_stays_between_the_factor_and_the_cap(fixed_ms, row_ms,
     factors = read_ms(lambda rows, history: max(fixed_ms + row_ms * rows + lane_ms, 10.0), prompt, 0, 25.0, CEILING)
     if factors is not None and factors <= slowdown * alone - waited_s * 1e3 - 1e-6:
         assert plan.limit_ms == pytest.approx(25.0)
+
+
+def test_the_read_alone_is_scaled_by_what_uncontended_steps_measured() -> None:
+    """Kept: uncontended GPU prefill steps of 256 rows or more that trained nothing else away; the scale is the median
+    of measured / priced (eager), 1 before any."""
+    from scheduler.plan import Lane, LaneKind, StepOutcome, StepPlan
+
+    pace, model = PromptPace(), LinearCostModel(fixed_ms=10.0, row_ms=0.01, eager_ms=5.0)
+    assert pace.alone_scale(model.predict) == 1.0
+
+    def plan(rows: int, contended: bool = False, decode: int = 0) -> StepPlan:
+        lanes = tuple(Lane(f"d{i}", LaneKind.DECODE, (1,), 10, (), True) for i in range(decode))
+        lanes += (Lane("p", LaneKind.PREFILL, (1,) * rows, 0, (), False),)
+        return StepPlan(1, lanes, rows, "uncontended", None, contended)
+
+    priced = 10.0 + 0.01 * 2048 + 5.0  # eager, whatever form it ran in
+    pace.observe_alone(plan(2048), StepOutcome({}, 2 * priced))
+    pace.observe_alone(plan(2048), StepOutcome({}, 4 * priced))
+    pace.observe_alone(plan(2048), StepOutcome({}, 3 * priced, compiled=True))
+    pace.observe_alone(plan(128), StepOutcome({}, 50 * priced))  # too narrow
+    pace.observe_alone(plan(2048, contended=True, decode=1), StepOutcome({}, 50 * priced))  # contended
+    pace.observe_alone(plan(2048), StepOutcome({}, 50 * priced, auxiliary=True))  # one-off work rode along
+    pace.observe_alone(plan(2048), StepOutcome({}, 50 * priced, failed={"p": "boom"}))
+    pace.observe_alone(plan(2048), StepOutcome({}, None))  # a step updated before its time was known
+    assert pace.alone_scale(model.predict) == pytest.approx(3.0)
+
+
+def test_a_slow_read_alone_gives_the_prompt_room() -> None:
+    """As `_paced_plan` with slowdown 1: 80 ms allowed, nothing fits, the cap's 30 ms target. Once the scheduler has
+    seen an uncontended 2,048-row step run at twice its price, the read alone is 160 ms and the factor's 25 ms fits."""
+    config = SchedulerConfig(num_blocks=4096, step_target_factor=2.5, step_target_floor_ms=0.0, floor_slack=1.0,
+                             paced_slowdown=1.0)  # fmt: skip
+    scheduler = Scheduler(config)
+    scheduler.cost_model = LinearCostModel(fixed_ms=10.0, row_ms=0.01)
+    scheduler.add(make_request("alone", 2048, max_tokens=1, base=20000))
+    alone = scheduler.schedule(0.0)
+    assert not alone.contended and alone.prefill_rows == 2048
+    scheduler.update(alone, fake_outcome(alone, elapsed_ms=2 * (10.0 + 0.01 * 2048)), 0.05)
+    scheduler.add(make_request("stream", 10, max_tokens=100, arrival_time=0.05))
+    now = 0.05
+    for _ in range(4):
+        plan = scheduler.schedule(now)
+        now += 0.010
+        scheduler.update(plan, fake_outcome(plan, elapsed_ms=10.0), now)
+    scheduler.add(make_request("prompt", 5000, base=7000, arrival_time=now))
+    plan = scheduler.schedule(now)
+    assert plan.limit_ms == pytest.approx(25.0) and plan.prefill_rows == 1024
