@@ -403,12 +403,6 @@ class Scheduler:
         if decode_ms is None or self.step_target.factor <= 0:
             return self.step_target.ms
 
-        scale = self.pace.alone_scale(self.cost_model.predict)
-
-        def alone(rows: int, history: int) -> float | None:
-            predicted = self.cost_model.predict(StepShape((PrefillChunk(rows, history),), 0))
-            return None if predicted is None else scale * predicted
-
         def contended(rows: int, history: int) -> float | None:
             chunks = (PrefillChunk(rows, history),)
             compiled = traced is not None and traced(chunks)
@@ -416,6 +410,12 @@ class Scheduler:
             return None if predicted is None else max(predicted, decode_ms)
 
         def allowance() -> float | None:
+            scale = self.pace.alone_scale(self.cost_model.predict)  # once a prompt, not every step
+
+            def alone(rows: int, history: int) -> float | None:
+                predicted = self.cost_model.predict(StepShape((PrefillChunk(rows, history),), 0))
+                return None if predicted is None else scale * predicted
+
             # from its first uncached row: a waiting prompt's prefix hits end where its chunk starts
             waiting = request.state in (RequestState.WAITING, RequestState.PREEMPTED)
             start = chunk.history if waiting else request.num_cached_tokens
