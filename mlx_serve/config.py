@@ -59,7 +59,7 @@ class EngineConfig:
     # auto target: a contended step's target rises from the factor (up to paced_factor_cap x the decode step) until
     # the leading prompt's predicted TTFT is within this multiple of its read alone (SchedulerConfig); 0: off
     paced_slowdown: float = 0.0
-    paced_factor_cap: float = 3.0
+    paced_factor_cap: float = 6.0
     plan_padding: bool = True  # budgets and the affine cost model see chunks padded as the runner pads them (CUDA)
     cost_model: str = "ema"
     cost_trust_factor: float = 1.5  # affine: steps past this many times the largest recent one priced by its cost per row

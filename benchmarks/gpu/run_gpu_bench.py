@@ -361,7 +361,7 @@ def main() -> None:
     parser.add_argument("--paced-slowdown", type=float, default=0.0,
                         help="EngineConfig.paced_slowdown: the auto target rises from --target-factor until the long "
                              "prompt's predicted TTFT is within this multiple of its read alone (0: off)")
-    parser.add_argument("--paced-factor-cap", type=float, default=3.0, help="EngineConfig.paced_factor_cap")
+    parser.add_argument("--paced-factor-cap", type=float, default=6.0, help="EngineConfig.paced_factor_cap")
     parser.add_argument("--max-prefill-slowdown", type=float, default=0.0,
                         help="EngineConfig.max_prefill_slowdown: contended chunks grow until a long prompt runs at "
                              "least 1/x its solo speed (0: off)")

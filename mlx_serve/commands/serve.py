@@ -236,7 +236,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="with --step-target-ms auto: a contended step's target rises from --step-target-factor x "
                         "the decode step, by quarters up to --paced-factor-cap x, until the leading prompt's "
                         "predicted TTFT is within X times its read alone (X >= 1; 0: off; default: %(default)s)")
-    s.add_argument("--paced-factor-cap", type=nonnegative_float_arg, default=3.0, metavar="F",
+    s.add_argument("--paced-factor-cap", type=nonnegative_float_arg, default=6.0, metavar="F",
                    help="the paced target's highest factor of the decode step (default: %(default)s)")
     s.add_argument("--cost-trust-factor", type=_factor_or_off, default=1.5, metavar="X",
                    help="affine: a step of more than X times the rows of the largest recent step is priced at least "
