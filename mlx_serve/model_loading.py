@@ -173,7 +173,8 @@ def _out_features(linear: Any) -> int:
     """A linear's output width, under an adapter's wrapper (the engine's, or mlx-lm's LoRA of `--adapter-path`)."""
     while "weight" not in linear:
         linear = unadapted(linear) if "base" in linear else linear.linear
-    return int(linear.weight.shape[0])
+    # [out, in], or [splits, out, in / splits] where an earlier engine split it over K (`quantized_rows.split_k`)
+    return int(linear.weight.shape[-2])
 
 
 def _module_heads(attention: Any) -> tuple[int, int, int] | None:

@@ -220,8 +220,11 @@ def test_projections_split_over_k_match_mlx_lm(tiny_qwen3_4bit, narrow_k_splits,
         q_width = block.self_attn.q_proj.weight.shape[1]
         want = layer.qkv(x.reshape(3, -1))[:, :q_width]
         assert mx.allclose(block.self_attn.q_proj(x).reshape(3, -1), want, rtol=1e-5, atol=1e-5).item()
-        # a second engine over the same, already split model (the GPU bench builds one model for several engines)
-        again = Engine(engine.config, engine.loaded, engine.pool.num_blocks)
+        # a second engine over the same, already split model (the GPU bench builds one model for several engines),
+        # its layout read again off the split projections
+        loaded = engine.loaded
+        again = Engine.from_model(loaded.model, loaded.tokenizer, loaded.config, engine.config)
+        assert again.loaded.layout == loaded.layout
         prompts = [prompt_of(n, seed=133 + n) for n in (23, 9)]
         try:
             results = run_staggered(again, prompts, first=1, max_tokens=8)

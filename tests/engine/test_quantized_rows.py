@@ -121,3 +121,17 @@ def test_split_auto_is_all_with_cuda_and_the_fused_mixed_forward(monkeypatch):
     assert engine_setup.split_quantized_k("on", fused_mixed=True) == "standalone"
     monkeypatch.setattr(paged_attention, "cuda_available", lambda: False)
     assert engine_setup.split_quantized_k("auto", fused_mixed=True) == "off"
+
+
+def test_the_kv_layout_reads_the_same_heads_from_projections_split_over_k(tiny_qwen3_4bit, narrow_k_splits):
+    # a second engine on the same model (the GPU bench's solo and contended sides) reads the heads off projections
+    # an earlier engine split: weights [splits, out, in / splits], whose first axis is not the output width
+    from mlx_serve.fused_decode import split_fused_projections, viewed_projections
+    from mlx_serve.model_loading import kv_layout
+
+    model, fused = _folded_and_fused(tiny_qwen3_4bit)
+    before = kv_layout(model)
+    assert quantized_rows.split_standalone_projections(model, viewed_projections(fused.layers)) > 0
+    assert split_fused_projections(fused.layers) > 0
+    assert model.model.layers[0].self_attn.k_proj.k_splits > 1
+    assert kv_layout(model) == before
