@@ -128,7 +128,11 @@ class OurSide:
         requests = [
             GenerationRequest(prompt_ids=tuple(p), max_tokens=max_tokens, ignore_eos=True) for p in prompts
         ]
-        return self.engine.generate(requests)
+        results = self.engine.generate(requests)
+        failed = [r.request_id for r in results if r.finish_reason == "error"]
+        if failed:  # the engine logged why; say so here rather than fail later on a missing first token
+            raise RuntimeError(f"{len(failed)} of {len(results)} requests failed in the engine (its log says why)")
+        return results
 
     def decode(self, prompts: Prompts, p: BenchParams, streams: int) -> dict:
         """All streams decoding together for `decode_tokens` steps (after the warm-up steps). Streams get room for

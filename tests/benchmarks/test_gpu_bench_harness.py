@@ -160,3 +160,23 @@ def test_mlx_lm_side_runs_on_modules_our_engine_never_changes(narrow_k_splits):
     assert type(theirs.mlp.down_proj) is nn.QuantizedLinear and theirs.mlp.down_proj.weight.ndim == 2
     assert theirs.self_attn.q_proj is not ours.self_attn.q_proj
     assert mx.array_equal(dummy.peer_model(tokens), before).item()
+
+
+def test_a_request_the_engine_fails_stops_the_measurement_with_a_clear_error(monkeypatch):
+    """A step that fails (as the 8B 4-bit layout did on the device) ends the shape's run with the engine's failure,
+    not an IndexError on a first token that never came."""
+    from benchmarks.gpu.models import build_dummy_model
+    from benchmarks.gpu.ours import OurSide
+    from benchmarks.gpu.workloads import Prompts
+
+    dummy = build_dummy_model("tiny", "float32")
+    side = OurSide(dummy, kv_blocks=64, step_target_ms=100.0, attention="auto")
+    try:
+        def broken(*args, **kwargs):
+            raise ValueError("a step that cannot run")
+
+        monkeypatch.setattr(side.engine.runner, "submit", broken)
+        with pytest.raises(RuntimeError, match="1 of 1 requests failed in the engine"):
+            side.prefill(Prompts(dummy.config["vocab_size"], seed=0), 32)
+    finally:
+        side.close()
