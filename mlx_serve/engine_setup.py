@@ -153,6 +153,7 @@ def scheduler_config(
         budget_midpoints=c.budget_midpoints,
         traced_midpoints=c.traced_midpoints,
         met_midpoints=c.met_midpoints,
+        price_first_runs=c.price_first_runs,
         checked_fill=c.checked_fill,
         plan_headroom=c.plan_headroom,
         floor_slack=floor_slack(c.floor_slack, quantum, c.checked_fill),

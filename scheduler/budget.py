@@ -127,12 +127,14 @@ def choose_row_budget(
     traced: Callable[[Sequence[PrefillChunk]], bool] | None = None,
     allowance_ms: float | None = None,
     met: Callable[[Sequence[PrefillChunk]], bool] | None = None,
+    first_run_ms: float = 0.0,
 ) -> BudgetDecision:
     """The prefill row budget for a step whose ordered prefill demand is `demand`, against `target_ms` (the
     scheduler's `StepTarget`: fixed, or a multiple of the measured decode step) or, where the floor slack allows
     more, `allowance_ms` (`slack_allowance_ms`; None: worked out here), less `config.plan_headroom`.
     `traced`: whether a step of these chunks would run compiled now (None: the engine compiles no prefill); `met`:
-    whether such a step's shape has run before in that form (None: not known, `met_midpoints` declines nothing)."""
+    whether such a step's shape has run before in that form (None: not known, `met_midpoints` declines nothing);
+    `first_run_ms`: what a shape's first run costs over its price (`first_runs.py`; 0: not priced)."""
     if allowance_ms is None and contended and not in_debt:
         allowance_ms = slack_allowance_ms(config, model, demand, decode_lanes, target_ms, traced)
     slack = allowance_ms is not None and allowance_ms > target_ms
@@ -187,6 +189,14 @@ def choose_row_budget(
                 wanted = wanted or fill_shortest_first(demand, wider)  # traced when the engine is next idle
             else:
                 budget, predicted, widened = wider, wider_predicted, True
+    first_run = False
+    if first_run_ms and predicted is not None and never_ran(budget) and predicted + first_run_ms > target_ms:
+        # the budget's shape would run for the first time and overrun with its one-off work: the largest smaller
+        # budget whose shape has run and fits is taken instead, and the declined shape traced when next idle
+        smaller = _met_budget_below(config, demand, budget, decode_lanes, target_ms, predict, never_ran)
+        if smaller is not None:
+            wanted = wanted or fill_shortest_first(demand, budget)
+            (budget, predicted), first_run = smaller, True
     grown = False
     if config.max_prefill_slowdown:
         budget, predicted, grown = grow_for_rate(config, model, demand, budget, predicted, target_ms, predict)
@@ -195,11 +205,40 @@ def choose_row_budget(
     else:
         reason = "contended-untrained" if predicted is None and demand else "contended"
     reason += ("+kept-trace" if kept_trace else "") + ("+unmet" if unmet else "") + ("+bucket" if held else "")
+    reason += "+first-run" if first_run else ""
     reason += "+slack" if slack else ""
     reason += "+rate" if grown else ""
     if sum(chunk.rows for chunk in wanted) <= budget:
         wanted = ()  # the step got as many rows anyway (a tile or bucket grew it back)
     return BudgetDecision(budget, reason, halvings, predicted, wanted, target_ms)
+
+
+def _met_budget_below(
+    config: SchedulerConfig,
+    demand: Sequence[PrefillChunk],
+    budget: int,
+    decode_lanes: int,
+    limit_ms: float,
+    predict: Callable[[int], float | None],
+    never_ran: Callable[[int], bool],
+) -> tuple[int, float] | None:
+    """The largest budget under `budget` on the halving ladder (halvings of the ceiling and their midpoints, as the
+    engine pays for them) whose step reads fewer rows, has run in its form and is predicted within `limit_ms`; None:
+    there is none (then the first run is paid rather than spiralling onto ever smaller new shapes)."""
+    rows_now = sum(chunk.rows for chunk in fill_shortest_first(demand, budget))
+    ladder, step = set(), config.row_ceiling
+    while step >= config.row_floor:
+        ladder.update({step, step + step // 2})
+        step //= 2
+    for rows in sorted({paid_rows(r, decode_lanes, config) for r in ladder}, reverse=True):
+        if rows >= budget or rows < config.row_floor:
+            continue
+        if sum(chunk.rows for chunk in fill_shortest_first(demand, rows)) >= rows_now or never_ran(rows):
+            continue
+        predicted = predict(rows)
+        if predicted is not None and predicted <= limit_ms:
+            return rows, predicted
+    return None
 
 
 def fill_paid_rows(

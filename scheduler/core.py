@@ -28,6 +28,7 @@ from scheduler.chain_memo import ChainMemo
 from scheduler.config import SchedulerConfig
 from scheduler.cost_models import PrefillChunk, StepShape, make_cost_model
 from scheduler.errors import QueueFull, RequestTooLarge
+from scheduler.first_runs import FirstRunPrice
 from scheduler.kv_blocks import BlockManager, extend_hash_chain
 from scheduler.learning import predict_planned_gpu_ms, train_cost_model
 from scheduler.plan import NO_BLOCK, Lane, LaneKind, SnapshotPoint, StepOutcome, StepPlan
@@ -69,6 +70,7 @@ class Scheduler:
         )
         self.step_target = StepTarget(config.step_target_ms, config.step_target_factor, config.step_target_floor_ms)
         self.pace = PromptPace()  # the paced target's last working (`config.paced_slowdown`)
+        self.first_runs = FirstRunPrice()  # what one-off steps ran over their prices (`config.price_first_runs`)
         self.stats = SchedulerStats()
         self.max_len = min(config.max_model_len, config.pool_tokens)
         self._waiting: list[Request] = []  # WAITING or PREEMPTED: no KV held
@@ -242,6 +244,7 @@ class Scheduler:
         train_cost_model(self.cost_model, plan, outcome)
         if self.config.paced_slowdown:
             self.pace.observe_alone(plan, outcome)
+        self.first_runs.observe(plan, outcome)
         self.step_target.observe(plan, outcome)
 
     # ---- internals used by PrefillPlanner
@@ -380,7 +383,8 @@ class Scheduler:
                 if r.last_token_time is not None
             )
         decision = choose_row_budget(
-            self.config, self.cost_model, demand, len(decode_lanes), in_debt, contended, target, traced, allowance, met
+            self.config, self.cost_model, demand, len(decode_lanes), in_debt, contended, target, traced, allowance, met,
+            self.first_runs.extra_ms if self.config.price_first_runs else 0.0,
         )
         if decision.wanted and shapes is not None:
             shapes.want(decision.wanted, decode_lanes)

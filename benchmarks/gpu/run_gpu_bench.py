@@ -145,7 +145,7 @@ def measure_ours(
               "trace_neighbour_shapes": args.trace_neighbour_shapes, "run_idle_traces": args.run_idle_traces == "on",
               "stand_in_traces": args.stand_in_traces == "on",
               "budget_midpoints": args.budget_midpoints == "on", "traced_midpoints": args.traced_midpoints == "on",
-              "met_midpoints": args.met_midpoints == "on",
+              "met_midpoints": args.met_midpoints == "on", "price_first_runs": args.price_first_runs == "on",
               "checked_fill": args.checked_fill,
               "plan_headroom": args.plan_headroom,
               "cost_trust_factor": args.cost_trust_factor, "floor_slack": args.floor_slack,
@@ -204,6 +204,7 @@ def measure_ours(
         out["budget_midpoints"] = side.engine.scheduler.config.budget_midpoints
         out["traced_midpoints"] = side.engine.scheduler.config.traced_midpoints
         out["met_midpoints"] = side.engine.scheduler.config.met_midpoints
+        out["price_first_runs"] = side.engine.scheduler.config.price_first_runs
         out["checked_fill"] = side.engine.scheduler.config.checked_fill
         out["plan_headroom"] = side.engine.scheduler.config.plan_headroom
         out["cost_trust_factor"] = side.engine.scheduler.config.cost_trust_factor
@@ -345,6 +346,8 @@ def main() -> None:
                         help="EngineConfig.traced_midpoints: a midpoint only where it keeps the halved step's trace")
     parser.add_argument("--met-midpoints", choices=["on", "off"], default="off",
                         help="EngineConfig.met_midpoints: a midpoint only where the wider step's shape has run before")
+    parser.add_argument("--price-first-runs", choices=["on", "off"], default="off",
+                        help="EngineConfig.price_first_runs: a never-run shape priced with its first run's excess")
     parser.add_argument("--checked-fill", choices=["off", "untraced", "on"], default="on",
                         help="EngineConfig.checked_fill: when a row-tile fill past the budget's bucket is held")
     parser.add_argument("--kv-blocks", type=int, default=0,

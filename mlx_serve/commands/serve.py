@@ -204,6 +204,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="with --budget-midpoints: a halved budget grows by half only where the wider step's shape has "
                         "run before (else its trace is asked for): a shape's first eager run pays one-off work "
                         "(default: %(default)s)")
+    s.add_argument("--price-first-runs", choices=["on", "off"], default="off",
+                   help="a contended step whose shape has not run yet is priced with what such first runs took over "
+                        "their prices, so the budget halves past it where it would overrun (default: %(default)s)")
     s.add_argument("--checked-fill", choices=["off", "untraced", "on"], default="on",
                    help="a contended budget grown to fill its last row tile with the decode lanes (--row-quantum) "
                         "past its own query bucket (256 -> 384, 512 -> 768 with 8 lanes): off keeps the rows; on "
@@ -366,6 +369,7 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
         row_ceiling=args.row_ceiling, row_floor=args.row_floor,
         row_quantum=args.row_quantum, budget_midpoints=args.budget_midpoints == "on",
         traced_midpoints=args.traced_midpoints == "on", met_midpoints=args.met_midpoints == "on",
+        price_first_runs=args.price_first_runs == "on",
         checked_fill=args.checked_fill, plan_headroom=args.plan_headroom, floor_slack=args.floor_slack,
         slack_guard_rows=args.slack_guard_rows,
         max_prefill_slowdown=args.max_prefill_slowdown, plan_padding=args.plan_padding == "on",

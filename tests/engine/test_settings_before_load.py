@@ -62,9 +62,10 @@ def test_midpoint_and_slack_settings_reach_the_scheduler():
     from mlx_serve.engine_setup import scheduler_config
 
     for on in (False, True):
-        config = scheduler_config(EngineConfig(traced_midpoints=on, met_midpoints=not on, slack_guard_rows=64 * on),
-                                  num_blocks=64, context_length=4096)  # fmt: skip
+        config = scheduler_config(EngineConfig(traced_midpoints=on, met_midpoints=not on, slack_guard_rows=64 * on,
+                                               price_first_runs=on), num_blocks=64, context_length=4096)  # fmt: skip
         assert (config.traced_midpoints, config.met_midpoints, config.slack_guard_rows) == (on, not on, 64 * on)
+        assert config.price_first_runs is on
     config = scheduler_config(EngineConfig(paced_slowdown=1.25, paced_factor_cap=3.5), num_blocks=64,
                               context_length=4096)  # fmt: skip
     assert (config.paced_slowdown, config.paced_factor_cap) == (1.25, 3.5)
