@@ -193,9 +193,10 @@ def choose_row_budget(
     if first_run_ms and predicted is not None and never_ran(budget) and predicted + first_run_ms > target_ms:
         # the budget's shape would run for the first time and overrun with its one-off work: the largest smaller
         # budget whose shape has run and fits is taken instead, and the declined shape traced when next idle
+        asked = wanted  # what pricing the smaller candidates may ask for is not the declined shape
         smaller = _met_budget_below(config, demand, budget, decode_lanes, target_ms, predict, never_ran)
         if smaller is not None:
-            wanted = wanted or fill_shortest_first(demand, budget)
+            wanted = asked or fill_shortest_first(demand, budget)
             (budget, predicted), first_run = smaller, True
     grown = False
     if config.max_prefill_slowdown:
