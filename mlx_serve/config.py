@@ -48,7 +48,7 @@ class EngineConfig:
     budget_midpoints: bool = True  # a halved budget grows by half again where still predicted within the target
     traced_midpoints: bool = False  # ... only where it keeps the compiled trace the halved step replays (SchedulerConfig)
     met_midpoints: bool = False  # ... only where the wider step's shape has run before in its form (SchedulerConfig)
-    price_first_runs: bool = False  # a never-run shape priced with what first runs measured over (SchedulerConfig)
+    price_first_runs: bool = False  # a never-run shape that would overrun gives way to a smaller run one (SchedulerConfig)
     # "off" | "untraced" | "on": a row-tile fill past the budget's query bucket (SchedulerConfig); it only acts
     # where a row tile is on (`row_quantum` > 1: quantized models on CUDA)
     checked_fill: str = "on"

@@ -51,9 +51,9 @@ class SchedulerConfig:
     # beside 8 streams: first eager 1,536-row midpoints ran 3-16 ms over their predictions, at the longest gap of 6 of
     # 18 runs, 5 of them misses; fortieth run). Narrower than `traced_midpoints`, which declines every eager midpoint
     met_midpoints: bool = False
-    # a contended candidate whose shape has not run in the form it would run is priced with what such first runs
-    # measured over their prices (`first_runs.py`): the budget halves past a new shape that would overrun the target
-    # (H100, 0.6B at an 11 ms target: first eager runs up to 7.2 ms over, holding the longest gap; forty-third run)
+    # a contended budget whose shape has not run in the form it would run, and would overrun the target by what such
+    # first runs measured over their prices (`first_runs.py`), gives way to the largest smaller budget whose shape has
+    # run and fits (H100, 0.6B at an 11 ms target: first eager runs up to 7.2 ms over held the longest gap; 43rd run)
     price_first_runs: bool = False
     # contended budgets are planned to this fraction of the step target (below 1: a step's ordinary spread, H200:
     # 67-83 ms for one 768-row shape, stays under it). 1.0 since the H200's fourteenth run: at 0.9 the 8B shape's

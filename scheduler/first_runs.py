@@ -6,9 +6,9 @@ at an 11 ms target) they were 4-6 steps a pass, mostly in the long prompt's firs
 over their prices by a median of -0.9 to +4.4 ms a run and up to +7.2 ms; they held the longest gap, while without
 them the slowest step was within 3 median gaps in 6 of 7 runs.
 
-So the planner can add what such steps have measured over their prices (the median of the last few, never below 0)
-to a candidate whose shape has not run in the form it would run (`TracedShapes.met`). The budget then halves past
-the new shape onto a smaller one, or one already run, that fits the target with its one-off cost.
+So where the chosen budget's shape has not run in the form it would run (`TracedShapes.met`) and its price plus what
+such steps measured over their prices (the median of the last few, never below 0) is over the target, the planner
+takes the largest smaller budget whose shape has run and fits (`budget.choose_row_budget`, reason `+first-run`).
 """
 
 from __future__ import annotations

@@ -205,8 +205,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "run before (else its trace is asked for): a shape's first eager run pays one-off work "
                         "(default: %(default)s)")
     s.add_argument("--price-first-runs", choices=["on", "off"], default="off",
-                   help="a contended step whose shape has not run yet is priced with what such first runs took over "
-                        "their prices, so the budget halves past it where it would overrun (default: %(default)s)")
+                   help="a contended step whose shape has not run yet, and would overrun the target by what such "
+                        "first runs took over their prices, gives way to the largest smaller step whose shape has run "
+                        "(default: %(default)s)")
     s.add_argument("--checked-fill", choices=["off", "untraced", "on"], default="on",
                    help="a contended budget grown to fill its last row tile with the decode lanes (--row-quantum) "
                         "past its own query bucket (256 -> 384, 512 -> 768 with 8 lanes): off keeps the rows; on "
