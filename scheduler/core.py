@@ -244,7 +244,8 @@ class Scheduler:
         train_cost_model(self.cost_model, plan, outcome)
         if self.config.paced_slowdown:
             self.pace.observe_alone(plan, outcome)
-        self.first_runs.observe(plan, outcome)
+        if self.config.price_first_runs:
+            self.first_runs.observe(plan, outcome)
         self.step_target.observe(plan, outcome)
 
     # ---- internals used by PrefillPlanner

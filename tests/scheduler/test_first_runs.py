@@ -76,30 +76,26 @@ def test_a_first_run_only_gives_way_to_a_smaller_step_that_has_run_and_fits(
     assert priced.predicted_ms <= target_ms
 
 
-def _outcome(plan, elapsed_ms: float, **kwargs):
-    return fake_outcome(plan, elapsed_ms, **kwargs)
-
-
 def test_the_price_is_the_median_excess_of_contended_one_off_steps():
     """Only contended steps with prefill, flagged one-off, priced and timed count; none until three are seen; the
     median of the last ones, never below zero."""
-    scheduler, plan = plan_beside_streams(FakeShapes(set(), set()))
+    _, plan = plan_beside_streams(FakeShapes(set(), set()))
     assert plan.contended and plan.prefill_rows and plan.predicted_ms is not None
     price = FirstRunPrice(kept=4)
     predicted = plan.predicted_ms
-    for ignored in (_outcome(plan, predicted + 50.0),  # not one-off
-                    _outcome(plan, predicted + 50.0, auxiliary=True, failed={"long": "boom"}),
-                    _outcome(plan, math.nan, auxiliary=True)):  # left in flight: timed later  # fmt: skip
+    for ignored in (fake_outcome(plan, predicted + 50.0),  # not one-off
+                    fake_outcome(plan, predicted + 50.0, auxiliary=True, failed={"long": "boom"}),
+                    fake_outcome(plan, math.nan, auxiliary=True)):  # left in flight: timed later  # fmt: skip
         price.observe(plan, ignored)
     assert price.extra_ms == 0.0
     for over in (6.0, 2.0):
-        price.observe(plan, _outcome(plan, predicted + over, auxiliary=True))
+        price.observe(plan, fake_outcome(plan, predicted + over, auxiliary=True))
     assert price.extra_ms == 0.0  # two seen: FIRST_RUNS_LEAST is 3
     assert FIRST_RUNS_LEAST == 3
-    price.observe(plan, _outcome(plan, predicted + 4.0, auxiliary=True))
+    price.observe(plan, fake_outcome(plan, predicted + 4.0, auxiliary=True))
     assert abs(price.extra_ms - 4.0) < 1e-9
     for _ in range(4):  # the window keeps the last 4: steps under their price now
-        price.observe(plan, _outcome(plan, predicted - 1.0, auxiliary=True))
+        price.observe(plan, fake_outcome(plan, predicted - 1.0, auxiliary=True))
     assert price.extra_ms == 0.0
 
 
