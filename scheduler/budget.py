@@ -77,6 +77,7 @@ from dataclasses import dataclass
 from scheduler.buckets import query_bucket
 from scheduler.config import SchedulerConfig
 from scheduler.cost_models import CostModel, PrefillChunk, StepShape
+from scheduler.first_runs import SWAP_LEAST_SHARE
 
 # the floor slack applies only where the floor step is predicted at most this far over the target: far over it, the
 # fit is more likely still wrong (H200, 8B 4-bit: a first contended step planned by a fresh fit grew to 1,536 rows,
@@ -225,7 +226,9 @@ def _met_budget_below(
 ) -> tuple[int, float] | None:
     """The largest budget under `budget` on the halving ladder (halvings of the ceiling and their midpoints, as the
     engine pays for them) whose step reads fewer rows, has run in its form and is predicted within `limit_ms`; None:
-    there is none (then the first run is paid rather than spiralling onto ever smaller new shapes)."""
+    there is none (then the first run is paid rather than spiralling onto ever smaller new shapes). One reading under
+    `SWAP_LEAST_SHARE` of the rows `budget` reads is no candidate: the declined shape stays unmet while the engine is
+    busy, so the swap repeats every step of its history bucket (H100: 16 steps of 64 rows for one of 1,024)."""
     rows_now = sum(chunk.rows for chunk in fill_shortest_first(demand, budget))
     ladder, step = set(), config.row_ceiling
     while step >= config.row_floor:
@@ -234,7 +237,10 @@ def _met_budget_below(
     for rows in sorted({paid_rows(r, decode_lanes, config) for r in ladder}, reverse=True):
         if rows >= budget or rows < config.row_floor:
             continue
-        if sum(chunk.rows for chunk in fill_shortest_first(demand, rows)) >= rows_now or never_ran(rows):
+        read = sum(chunk.rows for chunk in fill_shortest_first(demand, rows))
+        if read < rows_now * SWAP_LEAST_SHARE:
+            return None  # smaller still: more steps' fixed cost than the one-off work saved
+        if read >= rows_now or never_ran(rows):
             continue
         predicted = predict(rows)
         if predicted is not None and predicted <= limit_ms:

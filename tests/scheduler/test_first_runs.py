@@ -15,7 +15,7 @@ from test_traced_shapes import plan_beside_streams
 from scheduler import Scheduler, SchedulerConfig
 from scheduler.budget import choose_row_budget
 from scheduler.cost_models import PrefillChunk
-from scheduler.first_runs import FIRST_RUNS_LEAST, FirstRunPrice
+from scheduler.first_runs import FIRST_RUNS_LEAST, SWAP_LEAST_SHARE, FirstRunPrice
 
 LANES = 8
 ROWS = [64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
@@ -39,8 +39,8 @@ def _decide(met_rows: set[int] | bool | None, first_run_ms: float, model=None, t
 def test_a_new_shape_that_would_overrun_with_its_first_run_gives_way_to_one_that_has_run():
     """1,024 eager rows are priced 10.7 ms against 11: taken where they have run, where no first run is priced, or
     where the engine cannot say. With first runs 3.5 ms dear and 1,024 never run, the step takes the largest smaller
-    budget whose shape has run (512: 7.1 ms; 768: 8.9 ms) and asks for 1,024's trace; where none has run it pays the
-    first run rather than shrink onto other new shapes."""
+    budget whose shape has run (512: 7.1 ms; 768: 8.9 ms) and asks for 1,024's trace; where none has run, or only
+    one under half its rows, it pays the first run rather than shrink onto other new shapes or many more steps."""
     assert _decide({1024}, 3.5).row_budget == 1024
     assert _decide(set(), 0.0).row_budget == 1024
     assert _decide(None, 3.5).row_budget == 1024
@@ -50,6 +50,7 @@ def test_a_new_shape_that_would_overrun_with_its_first_run_gives_way_to_one_that
     assert abs(kept.predicted_ms - (3.0 + 0.007 * 512 + 0.5)) < 1e-9
     assert kept.wanted == (PrefillChunk(rows=1024, history=0),)
     assert _decide({512, 768}, 3.5).row_budget == 768
+    assert _decide({256}, 3.5).row_budget == 1024  # a quarter of the rows: the first run is paid, not 4x the steps
     assert _decide({512}, 0.3).row_budget == 1024  # 10.7 + 0.3 ms fits: the first run is paid
     assert _decide({512}, 3.5, contended=False).row_budget == 2048  # uncontended: no target
 
@@ -62,7 +63,7 @@ def test_a_first_run_only_gives_way_to_a_smaller_step_that_has_run_and_fits(
 ):
     """Against the decision without it: never larger; the same wherever every shape has run; where it differs, the
     plain step's shape never ran and would overrun with its first run, and the one taken has run, reads fewer rows
-    and is predicted within the target."""
+    (but at least half the budget's) and is predicted within the target."""
     model = LinearCostModel(fixed_ms, row_ms, eager_ms=eager_ms)
     plain = _decide(met_rows, 0.0, model, target_ms, prompt_rows)
     priced = _decide(met_rows, first_run_ms, model, target_ms, prompt_rows)
@@ -74,6 +75,7 @@ def test_a_first_run_only_gives_way_to_a_smaller_step_that_has_run_and_fits(
     assert plain.predicted_ms + first_run_ms > target_ms
     assert min(priced.row_budget, prompt_rows) in met_rows and min(priced.row_budget, prompt_rows) < min(plain.row_budget, prompt_rows)
     assert priced.predicted_ms <= target_ms
+    assert min(priced.row_budget, prompt_rows) >= min(plain.row_budget, prompt_rows) * SWAP_LEAST_SHARE
 
 
 def test_the_price_is_the_median_excess_of_contended_one_off_steps():
