@@ -11,9 +11,9 @@ from mlx_serve.adapter_specs import AdapterSpec
 # kernel's two row tiles (twenty-sixth run): at 3, 8B's 16k TTFT under 8 streams went from 1.57x solo to 1.32x and
 # 8B 4-bit's to 1.45x, and 30B-A3B, whose decode step is long, keeps its gaps near 3x the median (3.0-3.1, 4.2 at 4)
 AUTO_STEP_FACTOR = 3.0
-# the auto target's least value, binding only where 3 decode steps are shorter (0.6B: 4-6 ms steps on an H100, where
-# its contended gap ratio was 4.5-12 at 20 ms in 3 runs, 2.2-3.6 at 15 ms in 10 of 13; RESULTS thirty-ninth run)
-AUTO_STEP_FLOOR_MS = 15.0
+# the auto target's least value, binding only where 3 decode steps are shorter (0.6B on an H100: 3.6 ms steps; its
+# contended gap ratio met 3 in 0 of 9 runs at 15 ms, in 7 of 12 at 11 ms, both targets in 6; RESULTS forty-fourth run)
+AUTO_STEP_FLOOR_MS = 11.0
 
 
 @dataclass(slots=True)

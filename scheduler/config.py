@@ -82,7 +82,7 @@ class SchedulerConfig:
     # that many measured decode-only steps (at least step_target_floor_ms), this value only until one is measured
     step_target_ms: float = 500.0
     step_target_factor: float = 0.0
-    step_target_floor_ms: float = 15.0  # mlx_serve's AUTO_STEP_FLOOR_MS (RESULTS: thirty-ninth run)
+    step_target_floor_ms: float = 11.0  # mlx_serve's AUTO_STEP_FLOOR_MS (RESULTS: forty-fourth run)
     cost_model: str = "ema"  # "ema" | "bucketed" | "affine" (env MLX_SERVE_PREFILL_COST_MODEL overrides)
     # the affine model prices a step of more than this many times the rows of its largest recent step at least at
     # that step's cost per row (`affine_cost.TrustRegion`: a fit extrapolated 2x ran 1.5x over); 0: off

@@ -38,7 +38,7 @@ def test_serve_help_explains_the_engine_flags(capsys):
     [
         ("--step-target-ms", {None: 500.0, "auto": "auto", "40": 40.0}, ("fast", "0", "-5")),
         ("--step-target-factor", {None: 3.0, "2.5": 2.5}, ("many", "0", "-1")),
-        ("--step-target-floor-ms", {None: 15.0, "0": 0.0, "8.5": 8.5}, ("low", "-1", "nan")),
+        ("--step-target-floor-ms", {None: 11.0, "0": 0.0, "8.5": 8.5}, ("low", "-1", "nan")),
         ("--row-quantum", {None: "auto", "auto": "auto", "64": 64}, ("tile", "0", "-64", "1.5")),
         ("--budget-midpoints", {None: "on", "off": "off"}, ("yes", "")),
         ("--checked-fill", {None: "on", "off": "off", "untraced": "untraced"}, ("maybe",)),
