@@ -1,0 +1,119 @@
+"""What a mixed step's first run pays, and what it is keyed by: chunk rows, history bucket, or the pair.
+
+On the H100 (0.6B beside 8 streams) a shape's first eager run read up to +10 ms over its price, and such steps held
+most contended runs' longest gaps (NOTES, sessions 45-46). The engine counts a shape as met per (lanes, table width,
+rows bucket, history bucket). If the one-off work (GEMM plans, kernel loads) follows the rows alone, warming each
+rows bucket once at start-up would remove it at every history. This runs one runner's eager (fused) steps of
+`--lanes` decode lanes and one chunk through a sequence of (rows, history) shapes, each three times synchronously,
+and prints each shape's first, second and third step in ms with what was new about it.
+
+    python -m benchmarks.gpu.first_run_keys --shape 0.6b --lanes 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import mlx.core as mx
+
+from benchmarks.gpu.models import dummy_and_layout
+from benchmarks.gpu.profile_mixed import BLOCK, DECODE_HISTORY, VARIANTS
+from mlx_serve.engine_setup import (
+    chunk_attention,
+    dense_experts,
+    expert_tiles,
+    prefill_gather,
+    quantized_gemv,
+    quantized_tiles,
+    split_quantized_k,
+)
+from mlx_serve.kernels.paged_attention import select_decode_attention
+from mlx_serve.kv_pool import KVPool
+from mlx_serve.runner import KV_BUCKET, ModelRunner, history_bucket, query_bucket
+from mlx_serve.types import SamplingParams
+from scheduler.plan import Lane, LaneKind, StepPlan
+
+# (rows, history): after a warm shape, one thing new at a time, then both
+SEQUENCE = (
+    (512, 1024),  # warm-up: every kernel's first use
+    (512, 5120),  # a new history bucket, rows met
+    (768, 5120),  # new rows, history met
+    (768, 1024),  # rows and history both met, the pair new
+    (384, 9216),  # both new
+    (384, 9216 + KV_BUCKET),  # history new again, rows met once
+    (1024, 2048),  # new rows at a new history
+    (1024, 2048 + KV_BUCKET),
+    (256, 12288),
+    (256, 1024),
+)
+REPEATS = 3
+
+
+def probe(shape: str, lanes: int, variant: str) -> list[dict]:
+    dummy, layout = dummy_and_layout(shape)
+    most = max(history + rows for rows, history in SEQUENCE)
+    steps = len(SEQUENCE) * REPEATS
+    decode_blocks = -(-(DECODE_HISTORY + steps + 1) // BLOCK)
+    chunk_blocks = -(-most // BLOCK)
+    pool = KVPool(layout, lanes * decode_blocks + chunk_blocks, BLOCK)
+    fuse_mixed, compile_mixed = VARIANTS[variant]
+    runner = ModelRunner(
+        dummy.model, pool, select_decode_attention("auto"), compile_decode=True, fuse_decode=True,
+        fuse_mixed=fuse_mixed, compile_mixed=compile_mixed, prefill_gather=prefill_gather(pool),
+        split_k=split_quantized_k("auto", fuse_mixed), chunk_attention=chunk_attention("auto"),
+        dense_moe=dense_experts("auto"), expert_tiles=expert_tiles("auto"), quantized_tiles=quantized_tiles("auto"),
+        quantized_gemv=quantized_gemv("auto"),
+    )  # fmt: skip
+    for rid in [f"d{i}" for i in range(lanes)] + ["p"]:
+        runner.add_request(rid, SamplingParams(temperature=0.0))
+    chunk_ids = tuple(range(lanes * decode_blocks, lanes * decode_blocks + chunk_blocks))
+    seen_rows: set[int] = set()
+    seen_history: set[int] = set()
+    rows_out = []
+    step = 0
+    for rows, history in SEQUENCE:
+        row_bucket, padded = query_bucket(rows), history_bucket(history + rows, KV_BUCKET)
+        new = [name for name, fresh in (("rows", row_bucket not in seen_rows), ("history", padded not in seen_history))
+               if fresh]  # fmt: skip
+        times = []
+        for _ in range(REPEATS):
+            decode = tuple(
+                Lane(f"d{i}", LaneKind.DECODE, (7,), DECODE_HISTORY + step, tuple(range(i * decode_blocks, (i + 1) * decode_blocks)), True)
+                for i in range(lanes)
+            )  # fmt: skip
+            chunk = Lane("p", LaneKind.PREFILL, (11,) * rows, history, chunk_ids, not lanes)
+            plan = StepPlan(step, (*decode, chunk), rows, "first-run-keys", None, bool(lanes))
+            mx.synchronize()
+            t0 = time.perf_counter()
+            runner.collect(runner.submit(plan))
+            times.append(round(1e3 * (time.perf_counter() - t0), 2))
+            step += 1
+        seen_rows.add(row_bucket)
+        seen_history.add(padded)
+        rows_out.append({"rows": rows, "history": history, "rows_bucket": row_bucket, "history_bucket": padded,
+                         "new": "+".join(new) or "pair", "ms": times, "first_over_ms": round(times[0] - min(times[1:]), 2)})  # fmt: skip
+    return rows_out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="0.6b")
+    parser.add_argument("--lanes", type=int, default=8)
+    parser.add_argument(
+        "--variants",
+        default="fused",
+        help="fused: eager steps (the engine's first runs); compiled: a trace a shape, traced on its first step",
+    )
+    args = parser.parse_args()
+    for variant in args.variants.split(","):
+        for row in probe(args.shape, args.lanes, variant):
+            print(
+                json.dumps({"shape": args.shape, "lanes": args.lanes, "variant": variant, **row}), flush=True
+            )
+        mx.clear_cache()
+
+
+if __name__ == "__main__":
+    main()
