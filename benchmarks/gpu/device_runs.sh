@@ -9,14 +9,15 @@
 # `HOST_WAITS=1 run LABEL ...` preloads benchmarks/gpu/host_waits.c (built when the .so is older than it): the engine
 # thread's blocking waits in MLX land in the contended pass's `submission_waits` and the longest gap's `waits`.
 # `API_CALLS=1` times every CUDA call of the contended pass through CUPTI (benchmarks/gpu/api_calls.c, built there).
-# `HOST_SAMPLES=1` samples the engine thread's Python stack through the contended pass (benchmarks/gpu/host_samples.py):
+# `RUN_LIMIT_S` (360) bounds each run. `HOST_SAMPLES=1` samples the engine thread's Python stack through the
+# contended pass (benchmarks/gpu/host_samples.py):
 # the longest gap's `samples`, and each prefill step's Python ms against ms inside mx.async_eval (`queue_split`).
 set -uo pipefail
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1  # a crash in MLX prints every thread's Python stack to the log
 source benchmarks/gpu/on_device.sh --install-only || exit 3
 mkdir -p /root/r
 # the tarballs are written after every run too: a call killed at its time limit runs no trap
-pack() { tar czf "$OUT/ptx.tgz" -C "$MLX_PTX_CACHE_DIR" .; tar czf "$OUT/runs.tgz" -C /root/r .; }
+pack() { pack_dir "$MLX_PTX_CACHE_DIR" "$OUT/ptx.tgz"; pack_dir /root/r "$OUT/runs.tgz"; }
 trap pack EXIT
 BENCH=${BENCH:-"--quick --decode-prompt 512 --cost-model affine --step-target-ms auto"}
 run() {
@@ -29,10 +30,12 @@ run() {
       || cc -O2 -shared -fPIC -o "$preload" benchmarks/gpu/host_waits.c -ldl -lpthread \
       || { echo "== $label: the host_waits shim did not build"; return 1; }
   fi
+  # a run past RUN_LIMIT_S is stopped (rc 124), so one hung run cannot spend the whole call (session 47 lost 420 s so)
   # shellcheck disable=SC2086
-  env ${preload:+LD_PRELOAD=$preload} python3 -m benchmarks.gpu.run_gpu_bench $BENCH --out "/root/r/$label" "$@" \
-    > "/root/r/$label.log" 2>&1
+  timeout "${RUN_LIMIT_S:-360}" env ${preload:+LD_PRELOAD=$preload} python3 -m benchmarks.gpu.run_gpu_bench $BENCH \
+    --out "/root/r/$label" "$@" > "/root/r/$label.log" 2>&1
   echo "== $label rc=$? $((SECONDS - started)) s"
+  grep -A12 '^Fatal Python error' "/root/r/$label.log" | cut -c1-200  # PYTHONFAULTHANDLER's stacks, if it crashed
   grep '^|' "/root/r/$label/gpu_bench.md" 2>/dev/null | cut -c1-200
   pack
 }

@@ -23,9 +23,9 @@ export PYTHONPATH=/root/site:$PWD
 # MLX's compiled CUDA kernels (NVRTC: minutes for the 4-bit GEMMs) persist across machines: carry .ptx-cache (the
 # ptx.tgz a previous call left under $OUT) and the JIT reads them instead of compiling; the cache goes back in $OUT
 export MLX_PTX_CACHE_DIR=/root/ptx
-mkdir -p "$MLX_PTX_CACHE_DIR"
-[ -f .ptx-cache/ptx.tgz ] && tar xzf .ptx-cache/ptx.tgz -C "$MLX_PTX_CACHE_DIR"
-trap 'tar czf "$OUT/ptx.tgz" -C "$MLX_PTX_CACHE_DIR" .' EXIT
+source benchmarks/gpu/ptx_cache.sh
+restore_ptx_cache .ptx-cache/ptx.tgz "$MLX_PTX_CACHE_DIR"
+trap 'pack_dir "$MLX_PTX_CACHE_DIR" "$OUT/ptx.tgz"' EXIT
 # llguidance (structured output) has no wheel for the device's Python on the registry mirror; the bench never
 # constrains a request, so an import-only stand-in lets the engine load there
 if ! python3 -c "import llguidance" 2>/dev/null; then
