@@ -19,19 +19,9 @@ import time
 import mlx.core as mx
 
 from benchmarks.gpu.models import dummy_and_layout
-from benchmarks.gpu.profile_mixed import BLOCK, DECODE_HISTORY, VARIANTS
-from mlx_serve.engine_setup import (
-    chunk_attention,
-    dense_experts,
-    expert_tiles,
-    prefill_gather,
-    quantized_gemv,
-    quantized_tiles,
-    split_quantized_k,
-)
-from mlx_serve.kernels.paged_attention import select_decode_attention
+from benchmarks.gpu.profile_mixed import BLOCK, DECODE_HISTORY, engine_runner
 from mlx_serve.kv_pool import KVPool
-from mlx_serve.runner import KV_BUCKET, ModelRunner, history_bucket, query_bucket
+from mlx_serve.runner import KV_BUCKET, history_bucket, query_bucket
 from mlx_serve.types import SamplingParams
 from scheduler.plan import Lane, LaneKind, StepPlan
 
@@ -51,32 +41,30 @@ SEQUENCE = (
 REPEATS = 3
 
 
-def probe(shape: str, lanes: int, variant: str) -> list[dict]:
+def probe(
+    shape: str, lanes: int, variant: str, sequence: tuple[tuple[int, int], ...] = SEQUENCE
+) -> list[dict]:
+    """Each (rows, history) of `sequence` run `REPEATS` times in one runner: its step times and what was new."""
     dummy, layout = dummy_and_layout(shape)
-    most = max(history + rows for rows, history in SEQUENCE)
-    steps = len(SEQUENCE) * REPEATS
+    most = max(history + rows for rows, history in sequence)
+    steps = len(sequence) * REPEATS
     decode_blocks = -(-(DECODE_HISTORY + steps + 1) // BLOCK)
     chunk_blocks = -(-most // BLOCK)
     pool = KVPool(layout, lanes * decode_blocks + chunk_blocks, BLOCK)
-    fuse_mixed, compile_mixed = VARIANTS[variant]
-    runner = ModelRunner(
-        dummy.model, pool, select_decode_attention("auto"), compile_decode=True, fuse_decode=True,
-        fuse_mixed=fuse_mixed, compile_mixed=compile_mixed, prefill_gather=prefill_gather(pool),
-        split_k=split_quantized_k("auto", fuse_mixed), chunk_attention=chunk_attention("auto"),
-        dense_moe=dense_experts("auto"), expert_tiles=expert_tiles("auto"), quantized_tiles=quantized_tiles("auto"),
-        quantized_gemv=quantized_gemv("auto"),
-    )  # fmt: skip
+    runner = engine_runner(dummy.model, pool, variant)
     for rid in [f"d{i}" for i in range(lanes)] + ["p"]:
         runner.add_request(rid, SamplingParams(temperature=0.0))
     chunk_ids = tuple(range(lanes * decode_blocks, lanes * decode_blocks + chunk_blocks))
     seen_rows: set[int] = set()
     seen_history: set[int] = set()
+    seen_pairs: set[tuple[int, int]] = set()
     rows_out = []
     step = 0
-    for rows, history in SEQUENCE:
+    for rows, history in sequence:
         row_bucket, padded = query_bucket(rows), history_bucket(history + rows, KV_BUCKET)
-        new = [name for name, fresh in (("rows", row_bucket not in seen_rows), ("history", padded not in seen_history))
-               if fresh]  # fmt: skip
+        new = "+".join(name for name, fresh in (("rows", row_bucket not in seen_rows),
+                                                ("history", padded not in seen_history)) if fresh)  # fmt: skip
+        new = new or ("pair" if (row_bucket, padded) not in seen_pairs else "none")
         times = []
         for _ in range(REPEATS):
             decode = tuple(
@@ -92,8 +80,9 @@ def probe(shape: str, lanes: int, variant: str) -> list[dict]:
             step += 1
         seen_rows.add(row_bucket)
         seen_history.add(padded)
+        seen_pairs.add((row_bucket, padded))
         rows_out.append({"rows": rows, "history": history, "rows_bucket": row_bucket, "history_bucket": padded,
-                         "new": "+".join(new) or "pair", "ms": times, "first_over_ms": round(times[0] - min(times[1:]), 2)})  # fmt: skip
+                         "new": new, "ms": times, "first_over_ms": round(times[0] - min(times[1:]), 2)})  # fmt: skip
     return rows_out
 
 

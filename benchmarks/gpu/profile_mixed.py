@@ -63,6 +63,17 @@ VARIANTS = {  # name: (fuse_mixed, compile_mixed)
 }
 
 
+def engine_runner(model, pool: KVPool, variant: str, split: str = "auto", attention: str = "auto") -> ModelRunner:
+    """A runner over `pool` with the engine's CUDA choices, its steps with prefill through `variant` (VARIANTS)."""
+    fuse_mixed, compile_mixed = VARIANTS[variant]
+    return ModelRunner(
+        model, pool, select_decode_attention("auto"), compile_decode=True, fuse_decode=True, fuse_mixed=fuse_mixed,
+        compile_mixed=compile_mixed, prefill_gather=prefill_gather(pool), split_k=split_quantized_k(split, fuse_mixed),
+        chunk_attention=chunk_attention(attention), dense_moe=dense_experts("auto"), expert_tiles=expert_tiles("auto"),
+        quantized_tiles=quantized_tiles("auto"), quantized_gemv=quantized_gemv("auto"),
+    )  # fmt: skip
+
+
 def mixed_step_runner(
     model, layout: KVLayout, lanes: int, rows: int, history: int, variant: str, repeats: int, split: str = "auto",
     attention: str = "auto",
@@ -73,13 +84,7 @@ def mixed_step_runner(
     decode_blocks = -(-(DECODE_HISTORY + WARMUP + 2 * repeats + 1) // BLOCK)  # every step writes a row
     chunk_blocks = -(-(history + rows) // BLOCK) if rows else 0
     pool = KVPool(layout, max(1, lanes * decode_blocks + chunk_blocks), BLOCK)
-    fuse_mixed, compile_mixed = VARIANTS[variant]
-    runner = ModelRunner(
-        model, pool, select_decode_attention("auto"), compile_decode=True, fuse_decode=True, fuse_mixed=fuse_mixed,
-        compile_mixed=compile_mixed, prefill_gather=prefill_gather(pool), split_k=split_quantized_k(split, fuse_mixed),
-        chunk_attention=chunk_attention(attention), dense_moe=dense_experts("auto"), expert_tiles=expert_tiles("auto"),
-        quantized_tiles=quantized_tiles("auto"), quantized_gemv=quantized_gemv("auto"),
-    )  # fmt: skip
+    runner = engine_runner(model, pool, variant, split, attention)
     for rid in [f"d{i}" for i in range(lanes)] + ["p"]:
         runner.add_request(rid, SamplingParams(temperature=0.0))
     chunk_ids = tuple(range(lanes * decode_blocks, lanes * decode_blocks + chunk_blocks))
