@@ -81,6 +81,9 @@ class EngineConfig:
     decode_attention: str = "auto"  # "auto" | "reference" | "batched" | "kernel": attention of single-row lanes
     compile_decode: str = "auto"  # "auto" (on with MLX's CUDA backend) | "on" | "off": mx.compile single-row steps
     warm_up: bool = True  # build the prefill attention shapes before serving (CUDA: cuDNN graphs, seconds)
+    # with warm_up: one eager step of this many decode lanes beside a chunk of each rows bucket, before serving (0: off;
+    # ModelRunner.warm_chunk_rows): a rows bucket's first eager step pays one-off work (GEMM kernels' first loads)
+    warm_chunk_rows: int = 0
     fuse_decode: str = "auto"  # "auto" (on when compiled on CUDA and the family is known) | "on" | "off"
     fuse_mixed: str = "auto"  # "auto" (on with CUDA) | "on" | "off": steps with prefill take the fused forward too
     compile_mixed: str = "auto"  # "auto" (on with CUDA) | "on" | "off": decode lanes + one chunk replay a compiled trace

@@ -346,14 +346,17 @@ class Engine:
             paged = self.runner.warm_paged_chunk_attention()
             # and the compiled shapes of a short prompt over a cached prefix, which deferral would first run eager
             traces = self.runner.warm_continuation_traces(self.context_length)
+            # and each rows bucket of an eager step beside decode lanes, whose first run loads kernels
+            chunk_rows = (self.runner.warm_chunk_rows(self.config.row_ceiling, self.config.warm_chunk_rows)
+                          if self.config.warm_chunk_rows else 0)  # fmt: skip
         except Exception:  # a warm-up failure costs first-use time later, never the engine
             log.exception("warm-up failed")
             return
         self.warmed = (shapes, time.perf_counter() - t0)
-        if shapes or products or blocks or paged or traces:
+        if shapes or products or blocks or paged or traces or chunk_rows:
             log.info("warmed %d prefill attention shapes, %d quantized products, %d MoE block forms, %d paged "
-                     "chunk-attention forms and %d continuation traces in %.1f s", shapes, products, blocks, paged,
-                     traces, self.warmed[1])  # fmt: skip
+                     "chunk-attention forms, %d continuation traces and %d chunk rows buckets in %.1f s", shapes,
+                     products, blocks, paged, traces, chunk_rows, self.warmed[1])  # fmt: skip
 
     def _loop(self) -> None:
         while True:

@@ -151,7 +151,8 @@ def measure_ours(
               "cost_trust_factor": args.cost_trust_factor, "floor_slack": args.floor_slack,
               "slack_guard_rows": args.slack_guard_rows,
               "max_prefill_slowdown": args.max_prefill_slowdown, "plan_padding": args.plan_padding == "on",
-              "paced_slowdown": args.paced_slowdown, "paced_factor_cap": args.paced_factor_cap}  # fmt: skip
+              "paced_slowdown": args.paced_slowdown, "paced_factor_cap": args.paced_factor_cap,
+              "warm_chunk_rows": args.warm_chunk_rows}  # fmt: skip
     # only the contended engine meets long prompts' chunk shapes: the others skip the warm-up
     side = OurSide(dummy, kv_blocks, 500.0, args.attention, **engine, warm_up=False)
     try:
@@ -205,6 +206,7 @@ def measure_ours(
         out["traced_midpoints"] = side.engine.scheduler.config.traced_midpoints
         out["met_midpoints"] = side.engine.scheduler.config.met_midpoints
         out["price_first_runs"] = side.engine.scheduler.config.price_first_runs
+        out["warm_chunk_rows"] = side.engine.config.warm_chunk_rows
         out["checked_fill"] = side.engine.scheduler.config.checked_fill
         out["plan_headroom"] = side.engine.scheduler.config.plan_headroom
         out["cost_trust_factor"] = side.engine.scheduler.config.cost_trust_factor
@@ -364,6 +366,9 @@ def main() -> None:
     parser.add_argument("--paced-slowdown", type=float, default=0.0,
                         help="EngineConfig.paced_slowdown: the auto target rises from --target-factor until the long "
                              "prompt's predicted TTFT is within this multiple of its read alone (0: off)")
+    parser.add_argument("--warm-chunk-rows", type=int, default=0, metavar="LANES",
+                        help="EngineConfig.warm_chunk_rows: at start-up an eager step of LANES decode lanes beside a "
+                        "chunk of each rows bucket (0: off)")
     parser.add_argument("--paced-factor-cap", type=float, default=6.0, help="EngineConfig.paced_factor_cap")
     parser.add_argument("--max-prefill-slowdown", type=float, default=0.0,
                         help="EngineConfig.max_prefill_slowdown: contended chunks grow until a long prompt runs at "

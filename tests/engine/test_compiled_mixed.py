@@ -21,6 +21,7 @@ from mlx_serve.kernels.paged_gather import table_gather
 from mlx_serve.kv_pool import KVLayout, KVPool
 from mlx_serve.runner import ModelRunner
 from mlx_serve.types import GenerationRequest, SamplingParams
+from scheduler.buckets import query_buckets
 from scheduler.cost_models import PrefillChunk
 from scheduler.plan import PENDING_TOKEN, Lane, LaneKind, StepOutcome, StepPlan
 from tests.engine.reference import generate_in_cuda_layout, prompt_of, reference_tokens
@@ -515,3 +516,21 @@ def test_shapes_traced_idle_can_also_run_there_over_the_scratch_block_only(tiny_
     replayed = _steps(runner, outcomes)
     assert all(o.compiled and not o.auxiliary for o in outcomes)
     assert [s[:2] for s in replayed] == [s[:2] for s in eager]
+
+
+def test_chunk_rows_warmed_before_serving_leave_every_request_block_untouched(tiny_qwen3):
+    """`warm_chunk_rows`: one eager step of decode lanes beside a chunk of each query bucket, every lane over the
+    scratch block, so a rows bucket's first real step pays no first-load work. No request's block is written, and
+    the steps after it give the tokens and log-probabilities of a runner that never warmed."""
+    model, _ = load(str(tiny_qwen3))
+    cold = _steps(_runner(model, compile_mixed=False))
+    runner = _runner(model, compile_mixed=False)
+    assert runner.warm_chunk_rows(200, 2) == len(query_buckets(200)) == 5  # 64, 96, 128, 192, 256 rows
+    size, scratch = runner.pool.block_size, runner.pool.scratch_block
+    for keys, values in zip(runner.pool.keys, runner.pool.values):  # slots [block * size, (block + 1) * size)
+        assert not mx.any(keys[: scratch * size]).item() and not mx.any(values[: scratch * size]).item()
+        assert mx.any(keys[scratch * size : (scratch + 1) * size]).item()  # the warm-up wrote there
+    assert _steps(runner) == cold
+    assert _runner(model, compile_mixed=False).warm_chunk_rows(200, 0) == 5  # a chunk alone
+    unbucketed = ModelRunner(model, runner.pool, kv_bucket=0)
+    assert unbucketed.warm_chunk_rows(200, 2) == 0

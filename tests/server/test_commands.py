@@ -50,6 +50,7 @@ def test_serve_help_explains_the_engine_flags(capsys):
         ("--defer-mixed-traces", {None: "on", "off": "off"}, ("later",)),
         ("--stand-in-traces", {None: "on", "off": "off"}, ("padded",)),
         ("--trace-neighbour-shapes", {None: 0, "64": 64}, ("-1", "many", "1.5")),
+        ("--warm-chunk-rows", {None: 0, "8": 8}, ("-1", "all", "1.5")),
         ("--expert-tiles", {None: "auto", "on": "on", "off": "off"}, ("kernel",)),
         ("--quantized-tiles", {None: "auto", "on": "on", "off": "off"}, ("kernel",)),
         ("--plan-headroom", {None: 1.0, "0.9": 0.9, "0.75": 0.75}, ("most", "0", "1.5", "-0.5")),
@@ -204,10 +205,11 @@ def test_scheduling_flags_reach_the_engine_config():
 
     args = build_parser().parse_args(["serve", "--floor-slack", "1.25", "--max-prefill-slowdown", "1.3",
                                       "--checked-fill", "untraced", "--traced-midpoints", "on", "--met-midpoints", "on",
-                                      "--price-first-runs", "on"])  # fmt: skip
+                                      "--price-first-runs", "on", "--warm-chunk-rows", "8"])  # fmt: skip
     config = engine_config(args)
     assert (config.floor_slack, config.max_prefill_slowdown, config.checked_fill) == (1.25, 1.3, "untraced")
     assert config.traced_midpoints is True and config.met_midpoints is True and config.price_first_runs is True
+    assert config.warm_chunk_rows == 8 and engine_config(build_parser().parse_args(["serve"])).warm_chunk_rows == 0
     defaults = engine_config(build_parser().parse_args(["serve"]))
     assert (defaults.checked_fill, defaults.floor_slack, defaults.traced_midpoints) == ("on", "auto", False)
     assert defaults.met_midpoints is False and defaults.price_first_runs is False
