@@ -284,14 +284,12 @@ class ModelRunner:
             return 0  # unbucketed chunks never repeat a shape; windowed and recurrent steps need their own tables
         size, scratch = self.pool.block_size, self.pool.scratch_block
         decode = [Lane("warm-up", LaneKind.DECODE, (0,), 0, (scratch,), False) for _ in range(lanes)]
-        steps = 0
-        for rows in query_buckets(max_rows):
+        buckets = query_buckets(max_rows)
+        for rows in buckets:
             chunk = Lane("warm-up", LaneKind.PREFILL, (0,) * rows, 0, (scratch,) * -(-rows // size), False)
-            prepared = self._prepare([*decode, chunk], None)
-            hidden = self._forward(prepared)
+            hidden = self._forward(self._prepare([*decode, chunk], None))
             mx.eval(self._logits(hidden[: lanes + 1]), self.pool.state())  # the LM head over as many rows as samples
-            steps += 1
-        return steps
+        return len(buckets)
 
     def _history_buckets(self, max_len: int) -> list[int]:
         """Every padded history a prefill lane up to `max_len` tokens long meets."""

@@ -1,7 +1,8 @@
 # MLX's CUDA kernel cache carried between device calls (sourced by on_device.sh; tests/benchmarks/test_ptx_cache.py).
 # MLX reads a cached module's .ptx (a cubin on sm_90) and .txt and loads it without a check. In session 47 a call
 # cut at its time limit mid-pack left a truncated ptx.tgz; the next call's extraction left one 4-bit GEMM's cubin at
-# 228 KB of ~2.6 MB, and every 8B 4-bit run then died with a segfault at the first step that loaded it.
+# 228 KB of ~2.6 MB, and both 8B 4-bit full runs then died with a segfault at their first 32-stream step, very
+# likely its load (its m16 and m64 twins were compiled afresh in the same run).
 
 # restore_ptx_cache TARBALL DIR: extract only an archive that reads to its end, then drop half-written modules
 restore_ptx_cache() {
