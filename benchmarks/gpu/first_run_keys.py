@@ -19,11 +19,8 @@ import time
 import mlx.core as mx
 
 from benchmarks.gpu.models import dummy_and_layout
-from benchmarks.gpu.profile_mixed import BLOCK, DECODE_HISTORY, engine_runner
-from mlx_serve.kv_pool import KVPool
+from benchmarks.gpu.profile_mixed import mixed_step_runner
 from mlx_serve.runner import KV_BUCKET, history_bucket, query_bucket
-from mlx_serve.types import SamplingParams
-from scheduler.plan import Lane, LaneKind, StepPlan
 
 # (rows, history): after a warm shape, one thing new at a time, then both
 SEQUENCE = (
@@ -46,15 +43,10 @@ def probe(
 ) -> list[dict]:
     """Each (rows, history) of `sequence` run `REPEATS` times in one runner: its step times and what was new."""
     dummy, layout = dummy_and_layout(shape)
-    most = max(history + rows for rows, history in sequence)
-    steps = len(sequence) * REPEATS
-    decode_blocks = -(-(DECODE_HISTORY + steps + 1) // BLOCK)
-    chunk_blocks = -(-most // BLOCK)
-    pool = KVPool(layout, lanes * decode_blocks + chunk_blocks, BLOCK)
-    runner = engine_runner(dummy.model, pool, variant)
-    for rid in [f"d{i}" for i in range(lanes)] + ["p"]:
-        runner.add_request(rid, SamplingParams(temperature=0.0))
-    chunk_ids = tuple(range(lanes * decode_blocks, lanes * decode_blocks + chunk_blocks))
+    rows_most, history_most = max(rows for rows, _ in sequence), max(history for _, history in sequence)
+    runner, plan = mixed_step_runner(
+        dummy.model, layout, lanes, rows_most, history_most, variant, len(sequence) * REPEATS
+    )
     seen_rows: set[int] = set()
     seen_history: set[int] = set()
     seen_pairs: set[tuple[int, int]] = set()
@@ -67,15 +59,9 @@ def probe(
         new = new or ("pair" if (row_bucket, padded) not in seen_pairs else "none")
         times = []
         for _ in range(REPEATS):
-            decode = tuple(
-                Lane(f"d{i}", LaneKind.DECODE, (7,), DECODE_HISTORY + step, tuple(range(i * decode_blocks, (i + 1) * decode_blocks)), True)
-                for i in range(lanes)
-            )  # fmt: skip
-            chunk = Lane("p", LaneKind.PREFILL, (11,) * rows, history, chunk_ids, not lanes)
-            plan = StepPlan(step, (*decode, chunk), rows, "first-run-keys", None, bool(lanes))
             mx.synchronize()
             t0 = time.perf_counter()
-            runner.collect(runner.submit(plan))
+            runner.collect(runner.submit(plan(step, rows, history)))
             times.append(round(1e3 * (time.perf_counter() - t0), 2))
             step += 1
         seen_rows.add(row_bucket)
