@@ -40,7 +40,7 @@ priced a 2,040-row 0.6B step at 21.3 ms that ran 31.8 (H200, twentieth run), and
 ran 32. So a fitted prediction has a trust region (`TrustRegion`): a step of more than `trust_factor` times the
 rows of the largest step recently trained on at a KV reach at least as long (where none reached as far: of those
 that reached farthest) is priced at least at that step's cost per row. Growing one query bucket at a time (512 ->
-768 -> 1,024) stays inside it.
+768 -> 1,024) stays inside it, and so does growing a small step by `LEAST_GROWTH_ROWS` (64 -> 128 -> 256 rows).
 
 The region has a floor too (`TrustRegion.floor_ms`): a step is priced at least at what the cheapest of the largest
 remembered steps that did no more work took (no more rows, exact KV reach, decode lanes or chunks; a compiled step
@@ -59,7 +59,7 @@ import math
 from collections import deque
 from typing import NamedTuple
 
-from scheduler.buckets import history_bucket, query_bucket
+from scheduler.buckets import QUERY_BUCKET_MIN, history_bucket, query_bucket
 from scheduler.cost_models import EmaCostModel, StepShape, is_trainable
 from scheduler.plan import Path
 
@@ -77,6 +77,11 @@ PAIR_SCALE = 1e-6
 OUTLIER_FACTOR = 3.0  # a fitted path trains on at most 3x (at least a third of) its prediction
 TRUST_FACTOR = 1.5  # default `SchedulerConfig.cost_trust_factor`: rows past the largest recent step priced as fitted
 TRUST_MEMORY = 200  # trained steps the trust region remembers per path (about what the forgetting keeps)
+# the region reaches at least this many rows past its reference: beside decode lanes the engine's shapes from its
+# smallest bucket are 64 -> 128 -> 256 rows (filled row tiles), 2x steps the factor never admits, and a small step's
+# cost a row is mostly its fixed cost (H100, 8B 4-bit: 64 rows 15 ms, 768 rows 35; priced at 64's cost a row, every
+# larger chunk of a 16k prompt read on at 64 rows a step, 169 steps)
+LEAST_GROWTH_ROWS = 2 * QUERY_BUCKET_MIN
 
 
 FEATURES = 6
@@ -241,7 +246,7 @@ class TrustRegion:
         # chunks by the factor a step, not by the fit's word)
         index = min(bisect.bisect_left(self._reaches, reach), len(self._reaches) - 1)
         _, largest, ms_per_row = self.references[index]
-        return None if rows <= self.factor * largest else rows * ms_per_row
+        return None if rows <= max(self.factor * largest, largest + LEAST_GROWTH_ROWS) else rows * ms_per_row
 
     def floor_ms(self, rows: int, exact_reach: int, lanes: int, compiled: bool, width: int) -> float | None:
         """The least a step may be priced from below: what the cheapest of the largest remembered steps that did no

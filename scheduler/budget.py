@@ -25,7 +25,8 @@ beside 8 streams, fortieth run: 15.9 against 16.9 ms), and the slack then let ce
 against a 14-19 ms target. So the slack applies only where a step of `slack_guard_rows` (512) rows, compiled where
 the engine compiles prefill, is predicted over the target (`guarded_by_rows`): in those 0.6B runs 512-1,024-row
 compiled steps fit, while on 8B 4-bit (the thirtieth run's steps replayed through the cost model) at most 384 rows
-fit a 20 ms target, 128-192 typically, so its slack is unchanged.
+fit a 20 ms target, 128-192 typically, so its slack is unchanged. The floor step itself is now priced compiled
+where the engine compiles prefill (`slack_allowance_ms`): its eager price swung with which shapes had traces.
 
 Where the engine runs some shapes through compiled traces (`traced_shapes.py`), each candidate is predicted in
 the form it would run now, and the largest candidate turned down only for want of a trace (over the target eager,
@@ -338,15 +339,21 @@ def slack_allowance_ms(
     more likely wrong). The budget plans to it, and a stream is in decode debt only past it: where a step's fixed
     cost fills the target, a debt step cannot bring the next contended step under the target, it only delays the
     prompt (H200, 8B 4-bit: 77 debt steps beside 74 mixed ones, 0.4 s of a 2.1 s TTFT). Not where a step of
-    `config.slack_guard_rows` rows fits the target in its cheaper form (`guarded_by_rows`)."""
+    `config.slack_guard_rows` rows fits the target in its cheaper form (`guarded_by_rows`).
+
+    The floor step is priced compiled where the engine compiles prefill: the fixed cost the slack is for, not the
+    host build of a shape not traced yet. Priced as it would run, the allowance swung with which shapes had traces:
+    H100, 8B 4-bit beside 8 streams (forty-sixth run), the floor's 128 rows eager rose past `SLACK_WITHIN` x a 16 ms
+    target as the prompt's history grew (25 ms; 18 compiled), the slack went off mid-prompt and 169 steps of 64 rows
+    read the rest (TTFT 3.8x solo)."""
     if config.floor_slack <= 1 or not demand:
         return target_ms
     planned = target_ms * config.plan_headroom  # what budgets are planned to: the floor is compared with it
     if guarded_by_rows(config, model, demand, decode_lanes, planned, traced):
         return target_ms
     chunks = fill_shortest_first(demand, paid_rows(config.row_floor, decode_lanes, config))
-    compiled = traced is not None and traced(chunks)
-    floor_ms = model.predict(StepShape(chunks, decode_lanes, compiled=compiled)) if chunks else None
+    # compiled where the engine compiles prefill, as the guard's step: see `slack_allowance_ms`
+    floor_ms = model.predict(StepShape(chunks, decode_lanes, compiled=traced is not None)) if chunks else None
     if floor_ms is None or not 0 < floor_ms <= SLACK_WITHIN * planned:
         return target_ms
     return max(target_ms, config.floor_slack * floor_ms / config.plan_headroom)

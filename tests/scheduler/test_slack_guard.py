@@ -28,16 +28,31 @@ def _decide(guard_rows: int, model, target_ms: float):
 
 
 def test_a_floor_priced_eager_gives_no_slack_where_many_rows_fit_compiled():
-    """A 0.6B-like step (6 ms fixed, 0.005 ms a row) whose eager form costs 10 ms more: the untraced floor step is
-    priced at 16.3 ms, over a 14 ms target. Unguarded, 1.5 x that (24.5 ms) lets the 2,048-row ceiling run (16.2 ms);
-    guarded, 512 compiled rows fit (8.6 ms): no slack, 1,024 rows and their midpoint, 1,536 (13.7 ms)."""
+    """A 0.6B-like step (6 ms fixed, 0.005 ms a row) whose eager form costs 10 ms more, against a 14 ms target: its
+    untraced floor step ran eager at 16.3 ms, and 1.5 x that (24.5 ms) once let the 2,048-row ceiling run (16.2 ms).
+    Priced compiled (6.3 ms) the floor gives no slack, guarded or not: 1,024 rows and their midpoint, 1,536 (13.7 ms)."""
     model = LinearCostModel(fixed_ms=6.0, row_ms=0.005, eager_ms=10.0)
-    loose = _decide(0, model, 14.0)
-    assert (loose.row_budget, loose.reason) == (2048, "contended+slack")
-    assert loose.limit_ms == pytest.approx(1.5 * (6.0 + 0.005 * 64 + 10.0))
-    guarded = _decide(512, model, 14.0)
-    assert (guarded.row_budget, guarded.reason, guarded.limit_ms) == (1536, "halved:1+half", 14.0)
-    assert guarded.predicted_ms == pytest.approx(6.0 + 0.005 * 1536)
+    for guard_rows in (0, 512):
+        decision = _decide(guard_rows, model, 14.0)
+        assert (decision.row_budget, decision.reason, decision.limit_ms) == (1536, "halved:1+half", 14.0)
+        assert decision.predicted_ms == pytest.approx(6.0 + 0.005 * 1536)
+
+
+def test_an_untraced_floor_keeps_the_slack_its_compiled_form_allows():
+    """H100, 8B 4-bit beside 8 streams (forty-sixth run): 64 rows compiled 15 ms, the floor's 128 filled rows 18 ms
+    compiled and 26 eager. Priced eager, the floor passed `SLACK_WITHIN` x the 16 ms target, the slack went off and
+    64-row steps read the rest of a 16k prompt; priced compiled it stays, 1.75 x 18 ms."""
+    model = LinearCostModel(fixed_ms=12.8, row_ms=0.04, eager_ms=8.0)  # 128 rows: 17.9 compiled, 25.9 eager
+    config = SchedulerConfig(num_blocks=4096, kv_bucket=1024, row_quantum=64, floor_slack=1.75)
+
+    def floor_untraced(chunks) -> bool:
+        return sum(chunk.rows for chunk in chunks) != 128
+
+    allowance = slack_allowance_ms(config, model, DEMAND, LANES, 16.0, floor_untraced)
+    assert allowance == pytest.approx(1.75 * (12.8 + 0.04 * 128))
+    decision = choose_row_budget(config, model, DEMAND, LANES, False, True, 16.0, floor_untraced)
+    assert decision.reason.endswith("+slack") and decision.row_budget >= 256
+    assert decision.predicted_ms <= allowance
 
 
 def test_a_fixed_cost_that_fills_the_target_keeps_its_slack():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from scheduler import SchedulerConfig
-from scheduler.affine_cost import TRUST_MEMORY, AffineCostModel, TrustRegion, features
+from scheduler.affine_cost import LEAST_GROWTH_ROWS, TRUST_MEMORY, AffineCostModel, TrustRegion, features
 from scheduler.cost_models import PrefillChunk, StepShape, make_cost_model
 
 
@@ -107,3 +107,19 @@ def test_a_fit_of_long_histories_is_floored_at_a_large_step_over_a_short_one() -
     fitted = model.fits[first.path].predict(features(first, 1024, pads_history=False))
     assert fitted < 0.75 * 14.0  # the fit alone prices it under what it took
     assert model.predict(first) >= 14.0
+
+
+def test_a_small_step_admits_the_next_shapes_beside_decode_lanes() -> None:
+    """H100, 8B 4-bit (forty-sixth run): once only 64-row steps (15 ms) had reached as far as a 16k prompt's chunks,
+    128 rows were priced at 64's cost a row (30 ms, over the allowance; they ran ~18 compiled), so 64-row steps read
+    the rest of the prompt. Beside 8 lanes the engine's next shapes are 128 and 256 rows: the region admits them."""
+    region = TrustRegion(1.5)
+    for step in range(20):
+        region.record(64, 8192, 15.0, lanes=8, compiled=True, exact_reach=6000 + 64 * step)
+    assert LEAST_GROWTH_ROWS == 128
+    assert region.least_ms(128, 8192) is None
+    assert region.least_ms(192, 8192) is None
+    assert region.least_ms(256, 8192) == pytest.approx(256 * 15.0 / 64)
+    region.record(256, 8192, 24.0, lanes=8, compiled=True, exact_reach=8000)
+    assert region.least_ms(384, 8192) is None  # 1.5 x 256 and 256 + 128 agree from here on
+    assert region.least_ms(512, 8192) == pytest.approx(512 * 24.0 / 256)
