@@ -351,9 +351,8 @@ def slack_allowance_ms(
     planned = target_ms * config.plan_headroom  # what budgets are planned to: the floor is compared with it
     if guarded_by_rows(config, model, demand, decode_lanes, planned, traced):
         return target_ms
-    chunks = fill_shortest_first(demand, paid_rows(config.row_floor, decode_lanes, config))
-    # compiled where the engine compiles prefill, as the guard's step: see `slack_allowance_ms`
-    floor_ms = model.predict(StepShape(chunks, decode_lanes, compiled=traced is not None)) if chunks else None
+    floor_rows = paid_rows(config.row_floor, decode_lanes, config)
+    floor_ms = predict_compiled_where_prefill_compiles(model, demand, floor_rows, decode_lanes, traced)
     if floor_ms is None or not 0 < floor_ms <= SLACK_WITHIN * planned:
         return target_ms
     return max(target_ms, config.floor_slack * floor_ms / config.plan_headroom)
@@ -372,9 +371,21 @@ def guarded_by_rows(
     slack is not for this step (0 rows: never)."""
     if not config.slack_guard_rows:
         return False
-    chunks = fill_shortest_first(demand, config.slack_guard_rows)
-    predicted = model.predict(StepShape(chunks, decode_lanes, compiled=traced is not None)) if chunks else None
+    predicted = predict_compiled_where_prefill_compiles(model, demand, config.slack_guard_rows, decode_lanes, traced)
     return predicted is not None and predicted <= planned_ms
+
+
+def predict_compiled_where_prefill_compiles(
+    model: CostModel,
+    demand: Sequence[PrefillChunk],
+    rows: int,
+    decode_lanes: int,
+    traced: Callable[[Sequence[PrefillChunk]], bool] | None,
+) -> float | None:
+    """The predicted time of a step of `rows` of the demand's rows beside `decode_lanes`, priced compiled wherever
+    the engine compiles prefill (`traced` given), whether or not that shape has a trace yet (None: no rows)."""
+    chunks = fill_shortest_first(demand, rows)
+    return model.predict(StepShape(chunks, decode_lanes, compiled=traced is not None)) if chunks else None
 
 
 def stream_in_debt(waited_s: float, last_gap_s: float | None, target_ms: float) -> bool:

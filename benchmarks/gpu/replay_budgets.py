@@ -21,6 +21,7 @@ from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
 
+from benchmarks.gpu.contended_table import label_of
 from benchmarks.gpu.replay_cost_model import live_observations, read_result
 from scheduler import SchedulerConfig
 from scheduler.affine_cost import AffineCostModel
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = []
     for path in args.results:
-        label = path.parent.name if path.name.startswith("gpu_bench.json") else path.name.split(".")[0]
+        label = label_of(path)
         for result in read_result(path).get("results", []):
             ours = result.get("ours", {})
             if not ours.get("cost_observations") or "step_target_ms" not in ours:
