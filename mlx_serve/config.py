@@ -69,6 +69,7 @@ class EngineConfig:
     # a waiting request waits for a running prefill computing this many of its next prompt tokens; 0: off
     shared_prefill_tokens: int = 256
     decode_debt: bool = True
+    debt_tolerance: float = 1.25  # a stream is in decode debt only past this x what its step may take
     # speculative decoding by prompt lookup: a request's decode lane also verifies up to this many tokens that
     # followed an earlier occurrence of its last `speculative_ngram` tokens (0: off)
     speculative_tokens: int = 0

@@ -166,6 +166,7 @@ def scheduler_config(
         speculative_ngram=c.speculative_ngram,
         max_overtakes=c.max_overtakes,
         decode_debt=c.decode_debt,
+        debt_tolerance=c.debt_tolerance,
         enable_prefix_cache=c.enable_prefix_cache,
         shared_prefill_tokens=c.shared_prefill_tokens,
         ane_lane=c.ane_lane != "off",

@@ -89,6 +89,9 @@ class SchedulerConfig:
     cost_trust_factor: float = 1.5
     max_overtakes: int = 4
     decode_debt: bool = True
+    # a stream is in decode debt only past this multiple of what a contended step may take: a debt step cannot
+    # shorten the gap already suffered, so an overrun within the cost model's ordinary error costs the prompt a step
+    debt_tolerance: float = 1.25
     enable_prefix_cache: bool = True
     # a waiting request waits for a running prefill that is computing at least this many of its next prompt tokens
     # (the same tokens and salt), then takes them from the prefix cache (prefill.py's rules); 0: off
@@ -141,6 +144,8 @@ class SchedulerConfig:
             raise ValueError(f"paced_slowdown must be 0 (off) or >= 1, got {self.paced_slowdown}")
         if not self.paced_factor_cap >= 0:
             raise ValueError(f"paced_factor_cap must be >= 0, got {self.paced_factor_cap}")
+        if not self.debt_tolerance >= 1:
+            raise ValueError(f"debt_tolerance must be >= 1, got {self.debt_tolerance}")
         if not 0 < self.plan_headroom <= 1:
             raise ValueError(f"plan_headroom must be in (0, 1], got {self.plan_headroom}")
         if not (self.cost_trust_factor == 0 or self.cost_trust_factor >= 1):

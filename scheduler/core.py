@@ -376,7 +376,8 @@ class Scheduler:
         if self.config.decode_debt and decode_lanes and not self._last_step_was_debt:
             # a step grown for its prefill rate may be predicted at up to RATE_GROWTH_CAP x the allowance: a gap
             # that long is the plan, not a debt (else every grown step is followed by a decode-only one)
-            debt_ms = allowance * (RATE_GROWTH_CAP if self._planned_rate_grown or self._reported_rate_grown else 1.0)
+            grown = RATE_GROWTH_CAP if self._planned_rate_grown or self._reported_rate_grown else 1.0
+            debt_ms = allowance * grown * self.config.debt_tolerance
             in_debt = any(
                 stream_in_debt(now - r.last_token_time, r.last_token_gap if self._last_update_had_prefill else None,
                                debt_ms)

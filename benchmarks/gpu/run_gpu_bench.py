@@ -34,7 +34,7 @@ from benchmarks.gpu.ours import OurSide
 from benchmarks.gpu.report import markdown
 from benchmarks.gpu.workloads import FULL, QUICK, TINY, BenchParams, Prompts
 from mlx_serve import ragged
-from mlx_serve.commands.serve import floor_slack_arg, row_quantum_arg, step_target_arg
+from mlx_serve.commands.serve import factor_arg, floor_slack_arg, row_quantum_arg, step_target_arg
 from mlx_serve.config import AUTO_STEP_FACTOR, AUTO_STEP_FLOOR_MS
 from mlx_serve.kernels import paged_attention
 
@@ -147,7 +147,7 @@ def measure_ours(
               "budget_midpoints": args.budget_midpoints == "on", "traced_midpoints": args.traced_midpoints == "on",
               "met_midpoints": args.met_midpoints == "on", "price_first_runs": args.price_first_runs == "on",
               "checked_fill": args.checked_fill,
-              "plan_headroom": args.plan_headroom,
+              "plan_headroom": args.plan_headroom, "debt_tolerance": args.debt_tolerance,
               "cost_trust_factor": args.cost_trust_factor, "floor_slack": args.floor_slack,
               "slack_guard_rows": args.slack_guard_rows,
               "max_prefill_slowdown": args.max_prefill_slowdown, "plan_padding": args.plan_padding == "on",
@@ -209,6 +209,7 @@ def measure_ours(
         out["warm_chunk_rows"] = side.engine.config.warm_chunk_rows
         out["checked_fill"] = side.engine.scheduler.config.checked_fill
         out["plan_headroom"] = side.engine.scheduler.config.plan_headroom
+        out["debt_tolerance"] = side.engine.scheduler.config.debt_tolerance
         out["cost_trust_factor"] = side.engine.scheduler.config.cost_trust_factor
         out["floor_slack"] = side.engine.scheduler.config.floor_slack
         out["slack_guard_rows"] = side.engine.scheduler.config.slack_guard_rows
@@ -356,6 +357,8 @@ def main() -> None:
                         help="our engines' KV pool in blocks of 16 (0: what the workloads need, x1.25-2.5)")
     parser.add_argument("--plan-headroom", type=float, default=1.0,
                         help="EngineConfig.plan_headroom: contended steps planned to this fraction of the target")
+    parser.add_argument("--debt-tolerance", type=factor_arg, default=1.25,
+                        help="EngineConfig.debt_tolerance: decode debt only past this x what a contended step may take")
     parser.add_argument("--cost-trust-factor", type=float, default=1.5,
                         help="EngineConfig.cost_trust_factor: the affine fit's trust region in rows (0: off)")
     parser.add_argument("--floor-slack", type=floor_slack_arg, default="auto",

@@ -72,6 +72,13 @@ def floor_slack_arg(text: str) -> float | str:
     return value
 
 
+def factor_arg(text: str) -> float:
+    """A factor of at least 1."""
+    if not (value := _number(text, "a factor")) >= 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {text}")
+    return value
+
+
 def _factor_or_off(text: str) -> float:
     if not ((value := _number(text, "a factor")) == 0 or value >= 1):
         raise argparse.ArgumentTypeError(f"must be 0 (off) or at least 1, not {text}")
@@ -255,6 +262,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "computing them again, e.g. a burst over one system prompt (0 = off; default: %(default)s)")
     s.add_argument("--no-decode-debt", action="store_true",
                    help="turn off decode debt (a late stream normally blocks new prefill rows for a step)")
+    s.add_argument("--debt-tolerance", type=factor_arg, default=1.25, metavar="X",
+                   help="a stream is in decode debt only once it waited, or its last gap lasted, X times what a "
+                        "contended step may take: a decode-only step cannot shorten a gap already suffered, so a step "
+                        "within the cost model's usual error of its plan is not paid back (X >= 1; default: "
+                        "%(default)s)")
     s.add_argument("--ane-lane", choices=["off", "cpu", "ane"], default="off",
                    help="where prefill chunks may also run: off; cpu = the MLX CPU stand-in for testing the lane; "
                         "ane = Core ML on the Neural Engine (macOS only) (default: %(default)s)")
@@ -381,7 +393,7 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
         paced_slowdown=args.paced_slowdown, paced_factor_cap=args.paced_factor_cap,
         cost_model=args.prefill_cost_model, cost_trust_factor=args.cost_trust_factor, max_overtakes=args.max_overtakes,
         enable_prefix_cache=not args.no_prefix_cache, shared_prefill_tokens=args.shared_prefill_tokens,
-        decode_debt=not args.no_decode_debt,
+        decode_debt=not args.no_decode_debt, debt_tolerance=args.debt_tolerance,
         speculative_tokens=args.speculative_tokens, speculative_ngram=args.speculative_ngram,
         draft_model=args.draft_model, draft_kv_tokens=args.draft_kv_tokens,
         ane_lane=args.ane_lane, ane_package=args.ane_package, ane_timeout_s=args.ane_timeout_s,

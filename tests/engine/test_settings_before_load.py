@@ -28,6 +28,7 @@ MISSING = "/nonexistent/model-dir"
         ({"floor_slack": 0.5}, "floor_slack must be a number >= 1 or 'auto'"),
         ({"floor_slack": "wide"}, "floor_slack must be a number >= 1 or 'auto'"),
         ({"max_prefill_slowdown": 0.5}, "max_prefill_slowdown must be 0"),
+        ({"debt_tolerance": 0.5}, "debt_tolerance must be >= 1"),
         ({"paced_slowdown": 0.5}, "paced_slowdown must be 0"),
         ({"paced_factor_cap": -1.0}, "paced_factor_cap must be >= 0"),
         ({"trace_neighbour_shapes": -1}, "trace_neighbour_shapes must be a whole number"),
@@ -87,7 +88,7 @@ def test_floor_slack_auto_is_wider_only_where_the_fill_is_checked(floor_slack, q
 
     config = scheduler_config(EngineConfig(floor_slack=floor_slack, checked_fill=checked_fill), num_blocks=64,
                               context_length=4096, quantum=quantum, kv_bucket=1024)  # fmt: skip
-    assert config.floor_slack == resolved
+    assert config.floor_slack == resolved and config.debt_tolerance == 1.25
     assert (config.row_quantum, config.checked_fill) == (quantum, checked_fill)
 
 

@@ -37,7 +37,8 @@ def test_a_contended_chunk_grows_until_the_prompt_runs_within_the_slowdown(limit
 def test_a_grown_step_within_its_cap_puts_no_stream_in_decode_debt(limit, elapsed_ms, debt):
     """No slack, a 20 ms target: the grown step (768 rows, 37.4 ms predicted) may take up to twice the target before
     its streams are in debt; without the limit a 37 ms step is followed by a decode-only step."""
-    config = SchedulerConfig(num_blocks=4096, step_target_ms=20.0, floor_slack=1.0, max_prefill_slowdown=limit)
+    config = SchedulerConfig(num_blocks=4096, step_target_ms=20.0, floor_slack=1.0, max_prefill_slowdown=limit,
+                             debt_tolerance=1.0)
     scheduler, mixed = prompt_beside_a_stream(config)
     assert mixed.prefill_rows == (768 if limit else 64)
     after = plan_after(scheduler, mixed, elapsed_ms)

@@ -176,8 +176,23 @@ def test_a_step_within_the_floor_slack_puts_no_stream_in_decode_debt(slack, elap
     """Where even the floor step (23.3 ms) is over the 20 ms target, a debt step cannot bring the next contended step
     under it: a mixed step within the slack's allowance (1.25 x 23.3 = 29.1 ms) is followed by another mixed step,
     one past it (35 ms) by a decode-only step, and without slack any step over the target is debt."""
-    scheduler, mixed = prompt_beside_a_stream(SchedulerConfig(num_blocks=4096, step_target_ms=20.0, floor_slack=slack))
+    config = SchedulerConfig(num_blocks=4096, step_target_ms=20.0, floor_slack=slack, debt_tolerance=1.0)
+    scheduler, mixed = prompt_beside_a_stream(config)
     assert mixed.prefill_rows > 0
     after = plan_after(scheduler, mixed, elapsed_ms)
     assert (after.budget_reason == "decode-debt") is debt
     assert (after.prefill_rows == 0) is debt
+
+
+@pytest.mark.parametrize("tolerance,elapsed_ms,debt", [(1.25, 24.0, False), (1.25, 26.0, True), (1.0, 24.0, True)])
+def test_a_step_within_the_debt_tolerance_of_its_allowance_puts_no_stream_in_decode_debt(tolerance, elapsed_ms, debt):
+    """No slack, a 20 ms target: with `debt_tolerance` 1.25 a mixed step of up to 25 ms is followed by another mixed
+    step (a decode-only one would not shorten the 24 ms gap already suffered), one of 26 ms by a decode-only step."""
+    config = SchedulerConfig(num_blocks=4096, step_target_ms=20.0, floor_slack=1.0, debt_tolerance=tolerance)
+    scheduler, mixed = prompt_beside_a_stream(config)
+    assert mixed.prefill_rows > 0
+    after = plan_after(scheduler, mixed, elapsed_ms)
+    assert (after.budget_reason == "decode-debt") is debt
+    assert (after.prefill_rows == 0) is debt
+    with pytest.raises(ValueError, match="debt_tolerance"):
+        SchedulerConfig(num_blocks=16, debt_tolerance=0.9)

@@ -56,6 +56,7 @@ def test_serve_help_explains_the_engine_flags(capsys):
         ("--plan-headroom", {None: 1.0, "0.9": 0.9, "0.75": 0.75}, ("most", "0", "1.5", "-0.5")),
         ("--cost-trust-factor", {None: 1.5, "0": 0.0, "2": 2.0}, ("wide", "0.5", "-1")),
         ("--floor-slack", {None: "auto", "auto": "auto", "1": 1.0, "1.25": 1.25}, ("some", "0.9", "-1")),
+        ("--debt-tolerance", {None: 1.25, "1": 1.0, "1.5": 1.5}, ("late", "0.9", "0", "nan")),
         ("--max-prefill-slowdown", {None: 0.0, "0": 0.0, "1.3": 1.3}, ("fast", "0.5", "-1")),
         ("--paced-slowdown", {None: 0.0, "0": 0.0, "1.25": 1.25}, ("slow", "0.5", "-1")),
         ("--paced-factor-cap", {None: 6.0, "0": 0.0, "3.5": 3.5}, ("high", "-1")),
@@ -205,14 +206,16 @@ def test_scheduling_flags_reach_the_engine_config():
 
     args = build_parser().parse_args(["serve", "--floor-slack", "1.25", "--max-prefill-slowdown", "1.3",
                                       "--checked-fill", "untraced", "--traced-midpoints", "on", "--met-midpoints", "on",
-                                      "--price-first-runs", "on", "--warm-chunk-rows", "8"])  # fmt: skip
+                                      "--price-first-runs", "on", "--warm-chunk-rows", "8",
+                                      "--debt-tolerance", "1.5"])  # fmt: skip
     config = engine_config(args)
     assert (config.floor_slack, config.max_prefill_slowdown, config.checked_fill) == (1.25, 1.3, "untraced")
     assert config.traced_midpoints is True and config.met_midpoints is True and config.price_first_runs is True
     assert config.warm_chunk_rows == 8 and engine_config(build_parser().parse_args(["serve"])).warm_chunk_rows == 0
+    assert config.debt_tolerance == 1.5
     defaults = engine_config(build_parser().parse_args(["serve"]))
     assert (defaults.checked_fill, defaults.floor_slack, defaults.traced_midpoints) == ("on", "auto", False)
-    assert defaults.met_midpoints is False and defaults.price_first_runs is False
+    assert defaults.met_midpoints is False and defaults.price_first_runs is False and defaults.debt_tolerance == 1.25
 
 
 def test_adapter_memory_is_kept_only_where_adapters_may_be_loaded():
