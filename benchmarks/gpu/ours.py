@@ -201,7 +201,7 @@ class OurSide:
         collections = gc_pauses.GcPauses().start()
         self.pass_started = time.perf_counter()
         mx.reset_peak_memory()
-        active_before = mx.get_active_memory()
+        active_before, cache_before = mx.get_active_memory(), mx.get_cache_memory()
         first_observation = len(self.cost_observations)
         capacity = self.engine.pool.num_blocks * self.engine.pool.block_size // (n + 2)
         budget = (
@@ -240,6 +240,10 @@ class OurSide:
             # MLX's peak over the pass against one pool layer's K: a layer copied behind a step in flight (a write
             # MLX could not do in place) lifts the peak by at least that much
             "peak_above_start_mb": round((mx.get_peak_memory() - active_before) / (1 << 20), 1),
+            # what MLX held when the pass began, in use and in its buffer cache: a full run's third pass ran every
+            # step 3-6 ms slower than its warm passes (forty-seventh run), contended-only runs' did not
+            "active_start_mb": round(active_before / (1 << 20), 1),
+            "cache_start_mb": round(cache_before / (1 << 20), 1),
             "pool_layer_mb": round(getattr(self.engine.pool.keys[0], "nbytes", 0) / (1 << 20), 1),
         }
 

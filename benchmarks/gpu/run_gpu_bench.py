@@ -169,6 +169,8 @@ def measure_ours(
         side.close()
     del side
     gc.collect()
+    if args.fresh_cache == "on":  # the contended engine starts without the decode engine's cached buffers
+        mx.clear_cache()
     # levers, before and after: the same engine with one fast path off, decoding the same streams
     levers = [
         ("decode_compile_off", "compile off", {"compile_decode": "off", "fuse_decode": "off"}, args.eager_streams),
@@ -357,6 +359,8 @@ def main() -> None:
                         help="our engines' KV pool in blocks of 16 (0: what the workloads need, x1.25-2.5)")
     parser.add_argument("--plan-headroom", type=float, default=1.0,
                         help="EngineConfig.plan_headroom: contended steps planned to this fraction of the target")
+    parser.add_argument("--fresh-cache", choices=["on", "off"], default="off",
+                        help="empty MLX's buffer cache before the contended engine is built")
     parser.add_argument("--debt-tolerance", type=factor_arg, default=1.25,
                         help="EngineConfig.debt_tolerance: decode debt only past this x what a contended step may take")
     parser.add_argument("--cost-trust-factor", type=float, default=1.5,
