@@ -458,11 +458,10 @@ def speculative_tokens(c: EngineConfig) -> int:
 
 
 def memory_limits(c: EngineConfig, loaded: Any, pool_bytes: int) -> Any:
-    """MLX's allocator held to `memory_budget_gb` where one is given (`mlx_serve.memory_limits`)."""
+    """MLX's allocator held to `memory_budget_gb` where one is given, its buffer cache bounded where not
+    (`mlx_serve.memory_limits`)."""
     from mlx_serve.memory_limits import apply_limits
     from mlx_serve.model_loading import GIB, kept_bytes
 
-    if c.memory_budget_gb is None:
-        return apply_limits(None, 0)
     held = loaded.weight_bytes + pool_bytes + kept_bytes(c, loaded)
-    return apply_limits(int(c.memory_budget_gb * GIB), held)
+    return apply_limits(None if c.memory_budget_gb is None else int(c.memory_budget_gb * GIB), held)

@@ -1,12 +1,13 @@
 """An explicit memory budget holds MLX's allocator to it: its memory limit is the budget, and its cache of freed
-buffers is what the budget leaves after the weights and the KV pool; shutting the engine down puts MLX's own limits
-back (they are process-wide)."""
+buffers is what the budget leaves after the weights and the KV pool; without one only the cache is bounded; shutting
+the engine down puts MLX's own limits back (they are process-wide)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 
 from mlx_serve.engine import Engine, EngineConfig
+from mlx_serve.memory_limits import UNBUDGETED_CACHE_SHARE
 from mlx_serve.model_loading import GIB
 from mlx_serve.types import GenerationRequest
 from tests.engine.reference import prompt_of, reference_tokens
@@ -40,15 +41,41 @@ def test_a_budget_holds_mlx_to_it_until_shutdown(tiny_qwen3):
     assert after == before
 
 
-def test_without_a_budget_mlxs_limits_are_left_alone(tiny_qwen3):
+def test_without_a_budget_only_mlxs_buffer_cache_is_bounded(tiny_qwen3):
+    """MLX's memory limit stands; its cache (as large as that limit on its GPU backends) gets half of what the limit
+    leaves after the weights and the pool, so cached buffers never crowd the steps in flight out of the device."""
+    original = limits()
+    mx.set_memory_limit(2 * GIB)
+    mx.set_cache_limit(2 * GIB)  # as MLX's GPU backends keep it
+    before = limits()
+    engine = Engine.load(EngineConfig(model=str(tiny_qwen3), kv_blocks=32))
+    prompt = prompt_of(30, seed=131)
+    try:
+        held = engine.loaded.weight_bytes + engine.pool.nbytes
+        assert limits() == (2 * GIB, int((2 * GIB - held) * UNBUDGETED_CACHE_SHARE))
+        assert "buffer cache" in engine.allocation_summary() and "memory limit" not in engine.allocation_summary()
+        [done] = engine.generate([GenerationRequest(prompt_ids=tuple(prompt), max_tokens=16)])
+    finally:
+        engine.shutdown()
+        after = limits()
+        mx.set_memory_limit(original[0])
+        mx.set_cache_limit(original[1])
+    assert list(done.token_ids) == reference_tokens(tiny_qwen3, prompt, 16)
+    assert after == before
+
+
+def test_without_a_budget_a_smaller_mlx_cache_limit_stands(tiny_qwen3):
+    """MLX's CPU backend keeps 32 MiB of cache: the bound never raises it."""
+    original = limits()
+    mx.set_cache_limit(32 << 20)
     before = limits()
     engine = Engine.load(EngineConfig(model=str(tiny_qwen3), kv_blocks=32))
     try:
         assert limits() == before
-        assert "MLX limits left as they were" in engine.allocation_summary() or mx.metal.is_available()
     finally:
         engine.shutdown()
-    assert limits() == before
+        mx.set_cache_limit(original[1])
+    assert limits() == original
 
 
 def test_engines_in_one_process_take_turns_with_mlxs_limits(tiny_qwen3):
