@@ -157,7 +157,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="a Jinja chat template, or a file holding one, used in place of the checkpoint's")
     g.add_argument("--memory-budget-gb", type=positive_float_arg, default=None, metavar="GB",
-                   help="memory for weights plus the KV pool; sizes the pool (default: a share of the machine)")
+                   help="memory for weights plus the KV pool; sizes the pool and holds MLX to it (default: a share of "
+                        "the machine, and MLX's buffer cache held to half of what its memory limit leaves)")
     g.add_argument("--kv-blocks", type=whole_number_arg(1), default=None, metavar="N",
                    help="exact KV pool size in blocks (overrides --memory-budget-gb)")
     g.add_argument("--state-snapshots", type=whole_number_arg(0), default=None, metavar="N",
