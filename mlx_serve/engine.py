@@ -90,7 +90,6 @@ class Engine:
         self.trace = config.trace if config.trace is not None else sink_from_env()  # $MLX_SERVE_TRACE
         self.observer = config.observer or NullObserver()
         self.pool = KVPool(loaded.layout, num_blocks, config.block_size, window_blocks)
-        self.memory_limits = engine_setup.memory_limits(config, loaded, self.pool.nbytes)
         compiled = engine_setup.compile_decode(config.compile_decode)
         self.runner = ModelRunner(
             loaded.model,
@@ -134,7 +133,7 @@ class Engine:
                 loaded.layout.widest_window, self.pool.window_blocks, bool(live_states), snapshots,
             ),
             trace=self.trace,
-            traced_shapes=self.runner.traced_shapes(),
+            traced_shapes=self.runner.traced_shapes(config.price_stand_ins),
             drafts=self.drafter,
         )
         self.delivery = Delivery(self.observer, self.trace, self._finish_on_stop_string, self._closed)
@@ -159,6 +158,10 @@ class Engine:
         self._thread = threading.Thread(
             target=_engine_thread, args=(weakref.ref(self),), name="mlx-serve-engine", daemon=True
         )
+        # MLX's limits are process-wide: held last, so a setting refused above holds none, and given back when the
+        # engine shuts down or, never shut down, is collected
+        self.memory_limits = engine_setup.memory_limits(config, loaded, self.pool.nbytes)
+        weakref.finalize(self, self.memory_limits.restore)
         self._thread.start()
 
     # construction ------------------------------------------------------------------------------------

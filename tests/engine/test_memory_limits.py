@@ -4,13 +4,23 @@ the engine down puts MLX's own limits back (they are process-wide)."""
 
 from __future__ import annotations
 
+import gc
+
 import mlx.core as mx
+import pytest
 
 from mlx_serve.engine import Engine, EngineConfig
+from mlx_serve.errors import InvalidRequest
 from mlx_serve.memory_limits import UNBUDGETED_CACHE_SHARE
 from mlx_serve.model_loading import GIB
 from mlx_serve.types import GenerationRequest
 from tests.engine.reference import prompt_of, reference_tokens
+
+
+@pytest.fixture(autouse=True)
+def _engines_of_other_tests_collected():
+    """Engines other tests never shut down give MLX's limits back when collected: these tests start from MLX's own."""
+    gc.collect()
 
 
 def limits() -> tuple[int, int]:
@@ -76,6 +86,21 @@ def test_without_a_budget_a_smaller_mlx_cache_limit_stands(tiny_qwen3):
         engine.shutdown()
         mx.set_cache_limit(original[1])
     assert limits() == original
+
+
+def test_an_engine_refused_or_never_shut_down_holds_no_limits(tiny_qwen3):
+    before = limits()
+    with pytest.raises(InvalidRequest, match="compile_mixed on needs fuse_mixed"):
+        Engine.load(EngineConfig(model=str(tiny_qwen3), memory_budget_gb=0.5, fuse_mixed="off", compile_mixed="on"))
+    assert limits() == before  # refused after the model loaded: nothing held
+    engine = Engine.load(EngineConfig(model=str(tiny_qwen3), memory_budget_gb=0.5, max_running=4, warm_up=False))
+    assert limits()[0] == GIB // 2
+    engine._stopping = True  # its thread ends; the engine itself is dropped without a shutdown
+    engine._wakeup.set()
+    engine._thread.join(5.0)
+    del engine
+    gc.collect()
+    assert limits() == before
 
 
 def test_engines_in_one_process_take_turns_with_mlxs_limits(tiny_qwen3):
