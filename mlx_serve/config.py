@@ -98,6 +98,7 @@ class EngineConfig:
     # (CompiledMixed.stand_in). H200, 0.6B beside 8 streams: a long prompt's 16-272-row tails ran in 15-18 ms, where
     # their eager builds held the streams 20-33 ms
     stand_in_traces: bool = True
+    price_stand_ins: bool = False  # budgets price a step a stand-in would replay as compiled (`TracedMixedShapes`)
     expert_tiles: str = "auto"  # "auto" (the CUDA kernel with CUDA) | "on" | "off": MoE steps of many rows in expert tiles
     dense_experts: str = "auto"  # "auto" (on with CUDA) | "on" | "off": MoE steps of enough rows use every expert
     split_quantized_k: str = "auto"  # "auto" (all with CUDA) | "on" | "off" | "all": quantized projections over K slices

@@ -506,11 +506,12 @@ class ModelRunner:
         """Whether steps of decode lanes and one chunk can replay compiled traces here (bucketed, table-gathered)."""
         return self.compiled_mixed is not None and bool(self.kv_bucket) and self.prefill_gather is not None
 
-    def traced_shapes(self) -> TracedMixedShapes | None:
-        """What the scheduler asks about compiled steps (None: no prefill step runs compiled here)."""
+    def traced_shapes(self, price_stand_ins: bool = False) -> TracedMixedShapes | None:
+        """What the scheduler asks about compiled steps (None: no prefill step runs compiled here); with
+        `price_stand_ins` a step a larger trace would stand in for counts as compiled."""
         if not self._mixed_on:
             return None
-        return TracedMixedShapes(self.compiled_mixed, self.kv_bucket, self.prefill_gather)
+        return TracedMixedShapes(self.compiled_mixed, self.kv_bucket, self.prefill_gather, price_stand_ins)
 
     def trace_deferred(self) -> bool:
         """Trace one compiled shape a step met and ran eager (for when the engine has nothing to run)."""

@@ -26,7 +26,8 @@ TTFT_TARGET = 1.5  # ... and the long prompt's TTFT at most 1.5x its solo prefil
 # a `prefill_steps` entry: [rows, decode lanes, history, ms, predicted ms, prefill lanes, auxiliary, compiled]
 LANES, MS, AUXILIARY = 1, 3, 6
 SETTINGS = ("step_target_floor_ms", "traced_midpoints", "met_midpoints", "floor_slack", "budget_midpoints",
-            "paced_slowdown", "price_first_runs", "warm_chunk_rows", "plan_headroom", "debt_tolerance")
+            "paced_slowdown", "price_first_runs", "warm_chunk_rows", "plan_headroom", "debt_tolerance",
+            "price_stand_ins")
 
 
 def label_of(path: Path) -> str:

@@ -143,7 +143,7 @@ def measure_ours(
               "row_quantum": args.row_quantum, "step_target_factor": args.target_factor,
               "step_target_floor_ms": args.target_floor_ms, "defer_mixed_traces": args.defer_mixed_traces == "on",
               "trace_neighbour_shapes": args.trace_neighbour_shapes, "run_idle_traces": args.run_idle_traces == "on",
-              "stand_in_traces": args.stand_in_traces == "on",
+              "stand_in_traces": args.stand_in_traces == "on", "price_stand_ins": args.price_stand_ins == "on",
               "budget_midpoints": args.budget_midpoints == "on", "traced_midpoints": args.traced_midpoints == "on",
               "met_midpoints": args.met_midpoints == "on", "price_first_runs": args.price_first_runs == "on",
               "checked_fill": args.checked_fill,
@@ -212,6 +212,7 @@ def measure_ours(
         out["checked_fill"] = side.engine.scheduler.config.checked_fill
         out["plan_headroom"] = side.engine.scheduler.config.plan_headroom
         out["debt_tolerance"] = side.engine.scheduler.config.debt_tolerance
+        out["price_stand_ins"] = side.engine.config.price_stand_ins
         out["cost_trust_factor"] = side.engine.scheduler.config.cost_trust_factor
         out["floor_slack"] = side.engine.scheduler.config.floor_slack
         out["slack_guard_rows"] = side.engine.scheduler.config.slack_guard_rows
@@ -331,6 +332,8 @@ def main() -> None:
                         help="EngineConfig.run_idle_traces: each shape traced idle also runs once there (scratch block)")
     parser.add_argument("--stand-in-traces", choices=["on", "off"], default="on",
                         help="EngineConfig.stand_in_traces: an untraced step may replay a larger traced shape, padded")
+    parser.add_argument("--price-stand-ins", choices=["on", "off"], default="off",
+                        help="EngineConfig.price_stand_ins: budgets price a step a stand-in would replay as compiled")
     parser.add_argument("--trace-neighbour-shapes", type=int, default=0,
                         help="EngineConfig.trace_neighbour_shapes: shapes next to met ones traced ahead when idle")
     parser.add_argument(

@@ -204,6 +204,30 @@ def test_the_scheduler_sees_which_steps_run_compiled_and_its_wants_are_traced(ti
     assert runner.traced_shapes() is not None and _runner(model, compile_mixed=False).traced_shapes() is None
 
 
+def test_budgets_may_price_a_step_a_stand_in_would_replay_as_compiled(tiny_qwen3):
+    """`traced_shapes(price_stand_ins=True)`: a step with no trace of its own counts as compiled where a larger
+    trace would stand in for it, within what eager steps take to build (its limit is not known while budgets are
+    chosen); without it, or with stand-ins off, only its own trace counts."""
+    model, _ = load(str(tiny_qwen3))
+    runner = _runner(model, compile_mixed=True, defer=True)
+    mixed = runner.compiled_mixed
+    mixed.stand_ins = True
+    priced, plain = runner.traced_shapes(price_stand_ins=True), runner.traced_shapes()
+    decode = [Lane(rid, LaneKind.DECODE, (1,), 17 + i, _blocks(i), True) for i, rid in enumerate(DECODE)]  # 2 blocks
+    chunk = (PrefillChunk(30, 30),)  # (4 lanes, 2 blocks, 64 rows, 64 of history)
+    own, longer = (4, 2, 64, 64), (4, 2, 64, 128)
+    assert mixed.shape_of(decode, 30, 60, runner.kv_bucket) == own
+    mixed.record_run(longer, 5.0)  # a traced shape of a longer history bucket ran in 5 ms
+    assert not priced.traced(chunk, decode)  # no eager build timed yet: no bound
+    mixed.record_eager_build(own, 8.0)
+    assert priced.traced(chunk, decode) and not plain.traced(chunk, decode)
+    mixed.stand_ins = False
+    assert not priced.traced(chunk, decode)
+    mixed.stand_ins = True
+    mixed.record_run(longer, 9.0)  # its last run now takes longer than an eager build
+    assert not priced.traced(chunk, decode)
+
+
 def test_the_scheduler_sees_which_step_shapes_have_run(tiny_qwen3):
     """`traced_shapes().met`: a step's shape has run once a step ran it eager (no trace yet) or, once traced, once
     its trace ran (on real inputs, or over the scratch block when idle): a trace made on zero inputs ran nothing, so
@@ -490,6 +514,18 @@ def test_compile_mixed_settings(tiny_qwen3):
             assert engine.runner.compiled_mixed.stand_ins is stand_in
         finally:
             engine.shutdown()
+
+
+@pytest.mark.parametrize("priced", [False, True])
+def test_the_engine_asks_its_runner_for_shapes_priced_as_configured(tiny_qwen3, monkeypatch, priced):
+    """`price_stand_ins` reaches the scheduler's view of compiled steps (off by default; on the CPU the runner
+    compiles no prefill, so the request is what can be seen)."""
+    asked = []
+    monkeypatch.setattr(ModelRunner, "traced_shapes", lambda runner, price_stand_ins=False: asked.append(price_stand_ins))
+    engine = Engine.load(EngineConfig(model=str(tiny_qwen3), warm_up=False,
+                                      **({"price_stand_ins": True} if priced else {})))  # fmt: skip
+    engine.shutdown()
+    assert asked == [priced]
 
 
 def test_shapes_traced_idle_can_also_run_there_over_the_scratch_block_only(tiny_qwen3):

@@ -49,6 +49,7 @@ def test_serve_help_explains_the_engine_flags(capsys):
         ("--plan-padding", {None: "on", "off": "off"}, ("exact",)),
         ("--defer-mixed-traces", {None: "on", "off": "off"}, ("later",)),
         ("--stand-in-traces", {None: "on", "off": "off"}, ("padded",)),
+        ("--price-stand-ins", {None: "off", "on": "on"}, ("priced",)),
         ("--trace-neighbour-shapes", {None: 0, "64": 64}, ("-1", "many", "1.5")),
         ("--warm-chunk-rows", {None: 0, "8": 8}, ("-1", "all", "1.5")),
         ("--expert-tiles", {None: "auto", "on": "on", "off": "off"}, ("kernel",)),
