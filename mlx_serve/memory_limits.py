@@ -9,8 +9,8 @@ weights out between requests.
 Without a budget MLX's memory limit stands, but its cache is held to half of what that limit leaves after the same
 held bytes (`UNBUDGETED_CACHE_SHARE`). Left at MLX's default the cache fills the device: on an H100 (forty-seventh
 run, 8B 4-bit) a bench process held 59 GB of cached buffers beside 17 GB in use, at MLX's limit, and every step then
-waited for the one in flight to free memory: decode steps 5.0 -> 7.7-8.3 ms, a 16k prompt beside 8 streams 1.29-1.50x
-its solo time -> 1.73x. Emptied first (30-36 GB cached at the pass's start) it ran as fast as a fresh process.
+waited for the one in flight to free memory: decode steps took 7.7-8.3 ms against 5.0, and a 16k prompt beside 8
+streams 1.73x its solo time. Emptied first (30-36 GB cached at the pass's start): 5.6-5.9 ms, and 1.29x and 1.50x.
 mlx-lm's generation empties the cache after each prefill chunk and every 256 tokens instead.
 
 MLX's limits are process-wide, so engines in one process take turns: the newest engine's limits apply, and when it
