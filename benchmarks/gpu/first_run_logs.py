@@ -11,12 +11,11 @@ exact row count with its lanes, had run in an earlier step, and prints the exces
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import statistics
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from benchmarks.gpu.replay_cost_model import read_result
 from scheduler.buckets import query_bucket
 
 # what a step met: rows and decode lanes -> a key that repeats where that part of the work repeats
@@ -25,12 +24,6 @@ KEYS: dict[str, Callable[[int, int], object]] = {
     "rows bucket and lanes": lambda rows, lanes: (query_bucket(rows), lanes),
     "rows and lanes": lambda rows, lanes: rows + lanes,
 }
-
-
-def load_results(path: Path) -> list[dict]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as f:
-        return json.load(f)["results"]
 
 
 def first_run_excess(results: Iterable[dict], shape: str) -> dict[tuple[str, bool], list[float]]:
@@ -68,7 +61,7 @@ def main() -> None:
     parser.add_argument("--skip", nargs="*", default=[], help="logs to leave out (a name contains one of these)")
     args = parser.parse_args()
     paths = [p for p in args.logs if not any(s in p.name for s in args.skip)]
-    print(table(first_run_excess((r for p in paths for r in load_results(p)), args.shape)))
+    print(table(first_run_excess((r for p in paths for r in read_result(p)["results"]), args.shape)))
 
 
 if __name__ == "__main__":
