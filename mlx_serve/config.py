@@ -52,7 +52,7 @@ class EngineConfig:
     # "off" | "untraced" | "on": a row-tile fill past the budget's query bucket (SchedulerConfig); it only acts
     # where a row tile is on (`row_quantum` > 1: quantized models on CUDA)
     checked_fill: str = "on"
-    plan_headroom: float = 1.0  # contended steps are planned to this fraction of the step target
+    plan_headroom: float = 0.9  # contended steps are planned to this fraction of the step target
     # a contended step may take this x the floor step's time where that exceeds the target; auto: engine_setup
     floor_slack: float | str = "auto"
     slack_guard_rows: int = 512  # ... only where a step of this many rows does not fit the target (SchedulerConfig)

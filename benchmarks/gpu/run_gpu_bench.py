@@ -360,7 +360,7 @@ def main() -> None:
                         help="EngineConfig.checked_fill: when a row-tile fill past the budget's bucket is held")
     parser.add_argument("--kv-blocks", type=int, default=0,
                         help="our engines' KV pool in blocks of 16 (0: what the workloads need, x1.25-2.5)")
-    parser.add_argument("--plan-headroom", type=float, default=1.0,
+    parser.add_argument("--plan-headroom", type=float, default=0.9,
                         help="EngineConfig.plan_headroom: contended steps planned to this fraction of the target")
     parser.add_argument("--fresh-cache", choices=["on", "off"], default="off",
                         help="empty MLX's buffer cache before the contended engine is built")

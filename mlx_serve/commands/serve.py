@@ -221,7 +221,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "past its own query bucket (256 -> 384, 512 -> 768 with 8 lanes): off keeps the rows; on "
                         "only where that step is still predicted to fit; untraced also where it keeps the "
                         "compiled trace the smaller step replays (default: %(default)s)")
-    s.add_argument("--plan-headroom", type=_headroom, default=1.0,
+    s.add_argument("--plan-headroom", type=_headroom, default=0.9,
                    help="contended steps are planned to this fraction of the step target, below 1 so that a step's "
                         "usual spread stays under the target (0 < x <= 1; default: %(default)s)")
     s.add_argument("--floor-slack", type=floor_slack_arg, default="auto", metavar="X|auto",

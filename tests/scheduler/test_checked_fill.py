@@ -18,7 +18,8 @@ LANES = 8
 
 
 def _config(checked: str, **overrides) -> SchedulerConfig:
-    fields = {"num_blocks": 4096, "row_quantum": 64, "kv_bucket": 1024, "floor_slack": 1.0, "checked_fill": checked}
+    fields = {"num_blocks": 4096, "row_quantum": 64, "kv_bucket": 1024, "floor_slack": 1.0, "checked_fill": checked,
+              "plan_headroom": 1.0}
     return SchedulerConfig(**(fields | overrides))
 
 

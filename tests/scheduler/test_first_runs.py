@@ -25,7 +25,7 @@ def _decide(met_rows: set[int] | bool | None, first_run_ms: float, model=None, t
             prompt_rows: int = 16_000, contended: bool = True):  # fmt: skip
     """A 0.6B-like step beside 8 streams on an H100 (3 ms fixed, 0.007 ms a row, eager 0.5 ms dearer), nothing
     traced; `met_rows`: the step sizes whose shapes have run (True: every one; None: the engine cannot say)."""
-    config = SchedulerConfig(num_blocks=4096, kv_bucket=1024, floor_slack=1.0)
+    config = SchedulerConfig(num_blocks=4096, plan_headroom=1.0, kv_bucket=1024, floor_slack=1.0)
     demand = [PrefillChunk(rows=prompt_rows, history=0)]
 
     def rows(chunks) -> int:
@@ -107,7 +107,9 @@ def _plans_of_a_long_prompt(on: bool, over_ms: float, steps: int = 12) -> list[i
     (each new shape's first run, as a live pass's first steps are). The prompt's chunk sizes, step by step (decode
     debt steps left out)."""
     shapes = FakeShapes({1024, 1536}, {1024})
-    config = SchedulerConfig(num_blocks=4096, step_target_ms=14.0, floor_slack=1.0, price_first_runs=on)
+    config = SchedulerConfig(
+        num_blocks=4096, plan_headroom=1.0, step_target_ms=14.0, floor_slack=1.0, price_first_runs=on
+    )
     scheduler = Scheduler(config, traced_shapes=shapes)
     scheduler.cost_model = LinearCostModel(1.0, 0.008, eager_ms=9.0)  # any history: compiled 1 ms + 0.008 a row
     for index in range(8):

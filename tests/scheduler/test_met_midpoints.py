@@ -21,7 +21,9 @@ def _decide(met_rows: set[int] | None, model=None, target_ms: float = 21.0, on: 
             prompt_rows: int = 16_000, traced_rows: frozenset[int] = frozenset()):  # fmt: skip
     """A 0.6B-like step beside 8 streams (8 ms fixed, 0.008 ms a row, eager 0.5 ms dearer); `met_rows`: the step
     sizes whose shapes have run (None: the engine cannot say)."""
-    config = SchedulerConfig(num_blocks=4096, kv_bucket=1024, floor_slack=1.0, met_midpoints=on)
+    config = SchedulerConfig(
+        num_blocks=4096, plan_headroom=1.0, kv_bucket=1024, floor_slack=1.0, met_midpoints=on
+    )
     demand = [PrefillChunk(rows=prompt_rows, history=4096)]
 
     def rows(chunks) -> int:

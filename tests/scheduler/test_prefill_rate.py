@@ -28,7 +28,9 @@ from scheduler.cost_models import PrefillChunk, StepShape
 )
 def test_a_contended_chunk_grows_until_the_prompt_runs_within_the_slowdown(limit, slack, budget, reason):
     """A step of 22 ms + 0.02 ms a row beside one stream, against a 20 ms target."""
-    config = SchedulerConfig(num_blocks=4096, step_target_ms=20.0, floor_slack=slack, max_prefill_slowdown=limit)
+    config = SchedulerConfig(
+        num_blocks=4096, plan_headroom=1.0, step_target_ms=20.0, floor_slack=slack, max_prefill_slowdown=limit
+    )
     _, plan = prompt_beside_a_stream(config)
     assert (plan.row_budget, plan.prefill_rows, plan.budget_reason) == (budget, budget, reason)
 
@@ -37,8 +39,10 @@ def test_a_contended_chunk_grows_until_the_prompt_runs_within_the_slowdown(limit
 def test_a_grown_step_within_its_cap_puts_no_stream_in_decode_debt(limit, elapsed_ms, debt):
     """No slack, a 20 ms target: the grown step (768 rows, 37.4 ms predicted) may take up to twice the target before
     its streams are in debt; without the limit a 37 ms step is followed by a decode-only step."""
-    config = SchedulerConfig(num_blocks=4096, step_target_ms=20.0, floor_slack=1.0, max_prefill_slowdown=limit,
-                             debt_tolerance=1.0)
+    config = SchedulerConfig(
+        num_blocks=4096, plan_headroom=1.0, step_target_ms=20.0, floor_slack=1.0, max_prefill_slowdown=limit,
+        debt_tolerance=1.0
+    )
     scheduler, mixed = prompt_beside_a_stream(config)
     assert mixed.prefill_rows == (768 if limit else 64)
     after = plan_after(scheduler, mixed, elapsed_ms)
@@ -48,7 +52,9 @@ def test_a_grown_step_within_its_cap_puts_no_stream_in_decode_debt(limit, elapse
 
 def test_a_prompt_shorter_than_the_budget_grows_nothing():
     """Growing past the rows the prompt still needs adds no rows: the budget stays where the target put it."""
-    config = SchedulerConfig(num_blocks=4096, step_target_ms=20.0, floor_slack=1.0, max_prefill_slowdown=1.5)
+    config = SchedulerConfig(
+        num_blocks=4096, plan_headroom=1.0, step_target_ms=20.0, floor_slack=1.0, max_prefill_slowdown=1.5
+    )
     decision = choose_row_budget(
         config, LinearCostModel(), [PrefillChunk(rows=60, history=0)], 8, False, True, 20.0, allowance_ms=20.0
     )
@@ -78,8 +84,11 @@ def test_growth_only_adds_rows_within_its_cap_and_stops_where_the_rate_holds(
     bucket would pass the cap."""
     model = LinearCostModel(fixed_ms, row_ms, lane_ms)
     demand = [PrefillChunk(rows=rows, history=history)]
-    base = SchedulerConfig(num_blocks=4096, step_target_ms=target_ms, floor_slack=1.0)
-    limited = SchedulerConfig(num_blocks=4096, step_target_ms=target_ms, floor_slack=1.0, max_prefill_slowdown=limit)
+    base = SchedulerConfig(num_blocks=4096, plan_headroom=1.0, step_target_ms=target_ms, floor_slack=1.0)
+    limited = SchedulerConfig(
+        num_blocks=4096, plan_headroom=1.0, step_target_ms=target_ms, floor_slack=1.0,
+        max_prefill_slowdown=limit
+    )
     before = choose_row_budget(base, model, demand, lanes, False, True, target_ms, allowance_ms=target_ms)
     after = choose_row_budget(limited, model, demand, lanes, False, True, target_ms, allowance_ms=target_ms)
 

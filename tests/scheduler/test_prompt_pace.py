@@ -106,8 +106,10 @@ def _paced_plan(slowdown: float, waited_s: float, cap: float = 3.0, model: Linea
     """One stream whose decode steps take 10 ms (factor 2.5: a 25 ms target), then a `prompt`-token prompt that
     arrived `waited_s` before it is planned, priced by `model` (default PRICE's: 10 ms + 0.01 ms a row, so a
     5,000-token prompt's read alone is 80 ms)."""
-    config = SchedulerConfig(num_blocks=4096, step_target_factor=2.5, step_target_floor_ms=0.0, floor_slack=1.0,
-                             paced_slowdown=slowdown, paced_factor_cap=cap)  # fmt: skip
+    config = SchedulerConfig(
+        num_blocks=4096, plan_headroom=1.0, step_target_factor=2.5, step_target_floor_ms=0.0, floor_slack=1.0,
+        paced_slowdown=slowdown, paced_factor_cap=cap
+    )
     scheduler = Scheduler(config)
     scheduler.add(make_request("stream", 10, max_tokens=100))
     now = 0.0
@@ -197,8 +199,10 @@ def test_the_read_alone_is_scaled_by_what_uncontended_steps_measured() -> None:
 def test_a_slow_read_alone_gives_the_prompt_room() -> None:
     """As `_paced_plan` with slowdown 1: 80 ms allowed, nothing fits, the cap's 30 ms target. Once the scheduler has
     seen an uncontended 2,048-row step run at twice its price, the read alone is 160 ms and the factor's 25 ms fits."""
-    config = SchedulerConfig(num_blocks=4096, step_target_factor=2.5, step_target_floor_ms=0.0, floor_slack=1.0,
-                             paced_slowdown=1.0)  # fmt: skip
+    config = SchedulerConfig(
+        num_blocks=4096, plan_headroom=1.0, step_target_factor=2.5, step_target_floor_ms=0.0, floor_slack=1.0,
+        paced_slowdown=1.0
+    )
     scheduler = Scheduler(config)
     scheduler.cost_model = LinearCostModel(fixed_ms=10.0, row_ms=0.01)
     scheduler.add(make_request("alone", 2048, max_tokens=1, base=20000))

@@ -212,7 +212,9 @@ def test_a_padded_last_chunk_is_planned_at_its_padded_cost() -> None:
     from tests.scheduler.test_cost_models import padded_cost
 
     def plan_last_chunk(kv_bucket: int) -> int:
-        config = SchedulerConfig(num_blocks=8192, cost_model="affine", step_target_ms=14.5, kv_bucket=kv_bucket)
+        config = SchedulerConfig(
+            num_blocks=8192, cost_model="affine", step_target_ms=14.5, kv_bucket=kv_bucket, plan_headroom=1.0
+        )
         scheduler = Scheduler(config)
         model = scheduler.cost_model
         assert isinstance(model, AffineCostModel)

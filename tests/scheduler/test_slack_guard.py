@@ -23,7 +23,9 @@ def _untraced_floor(chunks) -> bool:
 
 
 def _decide(guard_rows: int, model, target_ms: float):
-    config = SchedulerConfig(num_blocks=4096, kv_bucket=1024, floor_slack=1.5, slack_guard_rows=guard_rows)
+    config = SchedulerConfig(
+        num_blocks=4096, plan_headroom=1.0, kv_bucket=1024, floor_slack=1.5, slack_guard_rows=guard_rows
+    )
     return choose_row_budget(config, model, DEMAND, LANES, False, True, target_ms, _untraced_floor)
 
 
@@ -43,7 +45,9 @@ def test_an_untraced_floor_keeps_the_slack_its_compiled_form_allows():
     compiled and 26 eager. Priced eager, the floor passed `SLACK_WITHIN` x the 16 ms target, the slack went off and
     64-row steps read the rest of a 16k prompt; priced compiled it stays, 1.75 x 18 ms."""
     model = LinearCostModel(fixed_ms=12.8, row_ms=0.04, eager_ms=8.0)  # 128 rows: 17.9 compiled, 25.9 eager
-    config = SchedulerConfig(num_blocks=4096, kv_bucket=1024, row_quantum=64, floor_slack=1.75)
+    config = SchedulerConfig(
+        num_blocks=4096, plan_headroom=1.0, kv_bucket=1024, row_quantum=64, floor_slack=1.75
+    )
 
     def floor_untraced(chunks) -> bool:
         return sum(chunk.rows for chunk in chunks) != 128
@@ -85,8 +89,12 @@ def test_the_guard_only_ever_withdraws_the_slack(fixed_ms, row_ms, eager_ms, tar
     """Guarded, what a step may take is the unguarded allowance or the target; the target exactly where the guard's
     step fits it, compiled."""
     model = LinearCostModel(fixed_ms, row_ms, eager_ms=eager_ms)
-    loose = SchedulerConfig(num_blocks=4096, kv_bucket=1024, floor_slack=1.5, slack_guard_rows=0)
-    guarded = SchedulerConfig(num_blocks=4096, kv_bucket=1024, floor_slack=1.5, slack_guard_rows=guard_rows)
+    loose = SchedulerConfig(
+        num_blocks=4096, plan_headroom=1.0, kv_bucket=1024, floor_slack=1.5, slack_guard_rows=0
+    )
+    guarded = SchedulerConfig(
+        num_blocks=4096, plan_headroom=1.0, kv_bucket=1024, floor_slack=1.5, slack_guard_rows=guard_rows
+    )
     unguarded = slack_allowance_ms(loose, model, DEMAND, LANES, target_ms, _untraced_floor)
     allowed = slack_allowance_ms(guarded, model, DEMAND, LANES, target_ms, _untraced_floor)
     fits = guard_rows > 0 and fixed_ms + row_ms * guard_rows <= target_ms

@@ -124,7 +124,7 @@ def plan_beside_a_stream(config: SchedulerConfig, ms_per_row: float) -> StepPlan
 @pytest.mark.parametrize("midpoints,budget,reason", [(True, 384, "halved:3+half"), (False, 256, "halved:3")])
 def test_a_halved_budget_takes_its_midpoint_when_that_is_predicted_within_the_target(midpoints, budget, reason):
     """0.1 ms a row against 40 ms: halving stops at 256 rows (25.6 ms); 384 rows (38.4 ms) still fit, 512 do not."""
-    config = SchedulerConfig(num_blocks=4096, step_target_ms=40.0, budget_midpoints=midpoints, plan_headroom=1.0)
+    config = SchedulerConfig(num_blocks=4096, step_target_ms=40.0, budget_midpoints=midpoints, plan_headroom=1)
     plan = plan_beside_a_stream(config, 0.1)
     assert (plan.row_budget, plan.prefill_rows, plan.budget_reason) == (budget, budget, reason)
     assert plan.predicted_ms <= 40.0
@@ -164,11 +164,23 @@ def test_a_step_may_take_the_slack_times_the_floor_step_where_that_is_more_than_
     """A step of 22 ms + 0.02 ms a row: the floor (64 rows) is 23.3 ms. Where `floor_slack` times that is more than
     the target, the budget plans to it; where the floor is over the target by more than `SLACK_WITHIN`, or the slack
     is 1, the target holds."""
-    _, plan = prompt_beside_a_stream(SchedulerConfig(num_blocks=4096, step_target_ms=target, floor_slack=slack))
+    config = SchedulerConfig(num_blocks=4096, plan_headroom=1.0, step_target_ms=target, floor_slack=slack)
+    _, plan = prompt_beside_a_stream(config)
     assert (plan.row_budget, plan.prefill_rows, plan.budget_reason) == (budget, budget, reason)
     assert plan.predicted_ms <= max(target, slack * (22.0 + 0.02 * 64))
     with pytest.raises(ValueError, match="floor_slack"):
         SchedulerConfig(num_blocks=16, floor_slack=0.9)
+
+
+@pytest.mark.parametrize("headroom", [1.0, 0.9])
+def test_a_step_planned_to_the_floor_slack_keeps_its_allowance_whatever_the_headroom(headroom):
+    """The headroom keeps a target-bound step's spread under the target. A step planned to the floor slack is past
+    the target by design, so it keeps the slack's allowance: 256 rows (27.1 of 1.25 x 23.3 = 29.1 ms) at both (H100,
+    8B 4-bit: the same budgets replayed at 1.0 and 0.9, forty-eighth run)."""
+    config = SchedulerConfig(num_blocks=4096, step_target_ms=20.0, floor_slack=1.25, plan_headroom=headroom)
+    _, plan = prompt_beside_a_stream(config)
+    assert (plan.row_budget, plan.budget_reason) == (256, "halved:3+slack")
+    assert plan.predicted_ms <= 1.25 * (22.0 + 0.02 * 64)
 
 
 @pytest.mark.parametrize("slack,elapsed_ms,debt", [(1.25, 27.0, False), (1.25, 35.0, True), (1.0, 27.0, True)])

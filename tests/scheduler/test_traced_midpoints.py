@@ -21,7 +21,9 @@ def _small_model(fixed_ms: float = 8.0, row_ms: float = 0.008, eager_ms: float =
 
 
 def _decide(traced_rows: set[int], model=None, target_ms: float = 21.0, on: bool = True, prompt_rows: int = 16_000):
-    config = SchedulerConfig(num_blocks=4096, kv_bucket=1024, floor_slack=1.0, traced_midpoints=on)
+    config = SchedulerConfig(
+        num_blocks=4096, plan_headroom=1.0, kv_bucket=1024, floor_slack=1.0, traced_midpoints=on
+    )
     demand = [PrefillChunk(rows=prompt_rows, history=4096)]
 
     def traced(chunks) -> bool:

@@ -63,7 +63,10 @@ class FakeTraces:
 def plan_beside_streams(traces: FakeTraces | None, **settings) -> tuple[Scheduler, object]:
     """8 streams decoding, a 4,000-token prompt arrives; a 14 ms target; eager and compiled fits trained."""
     # no floor slack: the budget's forms against the target alone (`test_step_target` covers the slack)
-    config = SchedulerConfig(num_blocks=4096, cost_model="affine", step_target_ms=14.0, floor_slack=1.0, **settings)
+    config = SchedulerConfig(
+        num_blocks=4096, plan_headroom=1.0, cost_model="affine", step_target_ms=14.0, floor_slack=1.0,
+        **settings
+    )
     scheduler = Scheduler(config, traced_shapes=traces)
     trained(scheduler.cost_model, compiled=False)
     trained(scheduler.cost_model, compiled=True)
@@ -172,6 +175,7 @@ def contended_reads(
     traces = BucketTraces()
     config = SchedulerConfig(
         num_blocks=8192, cost_model="affine", step_target_ms=target_ms, kv_bucket=1024, cost_trust_factor=trust_factor,
+        plan_headroom=1.0,
         floor_slack=1.0,  # the traces and the trust region alone (`test_step_target` covers the slack)
     )
     scheduler = Scheduler(config, traced_shapes=traces)

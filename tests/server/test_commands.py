@@ -54,7 +54,7 @@ def test_serve_help_explains_the_engine_flags(capsys):
         ("--warm-chunk-rows", {None: 0, "8": 8}, ("-1", "all", "1.5")),
         ("--expert-tiles", {None: "auto", "on": "on", "off": "off"}, ("kernel",)),
         ("--quantized-tiles", {None: "auto", "on": "on", "off": "off"}, ("kernel",)),
-        ("--plan-headroom", {None: 1.0, "0.9": 0.9, "0.75": 0.75}, ("most", "0", "1.5", "-0.5")),
+        ("--plan-headroom", {None: 0.9, "1": 1.0, "0.75": 0.75}, ("most", "0", "1.5", "-0.5")),
         ("--cost-trust-factor", {None: 1.5, "0": 0.0, "2": 2.0}, ("wide", "0.5", "-1")),
         ("--floor-slack", {None: "auto", "auto": "auto", "1": 1.0, "1.25": 1.25}, ("some", "0.9", "-1")),
         ("--debt-tolerance", {None: 1.25, "1": 1.0, "1.5": 1.5}, ("late", "0.9", "0", "nan")),
