@@ -57,10 +57,6 @@ class EngineConfig:
     floor_slack: float | str = "auto"
     slack_guard_rows: int = 512  # ... only where a step of this many rows does not fit the target (SchedulerConfig)
     max_prefill_slowdown: float = 0.0  # contended chunks grow until a long prompt runs >= 1/x its solo speed; 0: off
-    # auto target: a contended step's target rises from the factor (up to paced_factor_cap x the decode step) until
-    # the leading prompt's predicted TTFT is within this multiple of its read alone (SchedulerConfig); 0: off
-    paced_slowdown: float = 0.0
-    paced_factor_cap: float = 6.0
     plan_padding: bool = True  # budgets and the affine cost model see chunks padded as the runner pads them (CUDA)
     cost_model: str = "ema"
     cost_trust_factor: float = 1.5  # affine: steps past this many times the largest recent one priced by its cost per row

@@ -159,8 +159,6 @@ def scheduler_config(
         floor_slack=floor_slack(c.floor_slack, quantum, c.checked_fill),
         slack_guard_rows=c.slack_guard_rows,
         max_prefill_slowdown=c.max_prefill_slowdown,
-        paced_slowdown=c.paced_slowdown,
-        paced_factor_cap=c.paced_factor_cap,
         cost_model=c.cost_model,
         cost_trust_factor=c.cost_trust_factor,
         speculative_ngram=c.speculative_ngram,

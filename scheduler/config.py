@@ -71,13 +71,6 @@ class SchedulerConfig:
     # may take, until its predicted cost a row is within this multiple of a ceiling-sized uncontended chunk's at the
     # same history: a long prompt's prefill then runs at least 1/x of its solo speed (`budget.grow_for_rate`). 0: off
     max_prefill_slowdown: float = 0.0
-    # with a factor target: a contended step's target rises from step_target_factor x the decode step, a quarter at a
-    # time up to paced_factor_cap x, until the leading prompt's predicted read under it is within this multiple of
-    # its predicted read alone (`prompt_pace.py`): short steps where the prompt can afford them. 0: off
-    paced_slowdown: float = 0.0
-    # 6, not the default factor's 3: on an H100 (forty-second run) 0.6B decoded in 2.8 ms a step and its 16k prompt
-    # needed ~11 ms steps (3.9 decode steps) to read within 1.5x solo; a cap of 3 held the pace at 8.4 ms (TTFT 2x)
-    paced_factor_cap: float = 6.0
     # 500 ms is the seed's Apple-GPU value; a fast GPU (H200) wants tens of ms. With a factor > 0 the target is
     # that many measured decode-only steps (at least step_target_floor_ms), this value only until one is measured
     step_target_ms: float = 500.0
@@ -140,10 +133,6 @@ class SchedulerConfig:
             raise ValueError(f"slack_guard_rows must be >= 0, got {self.slack_guard_rows}")
         if not (self.max_prefill_slowdown == 0 or self.max_prefill_slowdown >= 1):
             raise ValueError(f"max_prefill_slowdown must be 0 (off) or >= 1, got {self.max_prefill_slowdown}")
-        if not (self.paced_slowdown == 0 or self.paced_slowdown >= 1):
-            raise ValueError(f"paced_slowdown must be 0 (off) or >= 1, got {self.paced_slowdown}")
-        if not self.paced_factor_cap >= 0:
-            raise ValueError(f"paced_factor_cap must be >= 0, got {self.paced_factor_cap}")
         if not self.debt_tolerance >= 1:
             raise ValueError(f"debt_tolerance must be >= 1, got {self.debt_tolerance}")
         if not 0 < self.plan_headroom <= 1:

@@ -15,8 +15,6 @@ end: the hit is cut back to the longest cached prefix whose last `window_tokens`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-
 from scheduler.budget import (
     RATE_GROWTH_CAP,
     BudgetDecision,
@@ -26,14 +24,13 @@ from scheduler.budget import (
 )
 from scheduler.chain_memo import ChainMemo
 from scheduler.config import SchedulerConfig
-from scheduler.cost_models import PrefillChunk, StepShape, make_cost_model
+from scheduler.cost_models import make_cost_model
 from scheduler.errors import QueueFull, RequestTooLarge
 from scheduler.first_runs import FirstRunPrice
 from scheduler.kv_blocks import BlockManager, extend_hash_chain
 from scheduler.learning import predict_planned_gpu_ms, train_cost_model
 from scheduler.plan import NO_BLOCK, Lane, LaneKind, SnapshotPoint, StepOutcome, StepPlan
 from scheduler.prefill import PrefillPlanner
-from scheduler.prompt_pace import PromptPace, paced_target_ms, solo_ms
 from scheduler.request import FinishReason, Request, RequestState
 from scheduler.speculation import DraftSource, PromptLookup
 from scheduler.state_snapshots import StateSnapshots
@@ -69,7 +66,6 @@ class Scheduler:
             config.resolved_cost_model(), config.kv_bucket, config.cost_trust_factor, config.pads_history
         )
         self.step_target = StepTarget(config.step_target_ms, config.step_target_factor, config.step_target_floor_ms)
-        self.pace = PromptPace()  # the paced target's last working (`config.paced_slowdown`)
         self.first_runs = FirstRunPrice()  # what one-off steps ran over their prices (`config.price_first_runs`)
         self.stats = SchedulerStats()
         self.max_len = min(config.max_model_len, config.pool_tokens)
@@ -239,11 +235,8 @@ class Scheduler:
         self._learn(plan, outcome)
 
     def _learn(self, plan: StepPlan, outcome: StepOutcome) -> None:
-        """A step's measured time: the cost model learns contended steps, the paced target's read alone uncontended
-        ones, the step target decode-only ones."""
+        """A step's measured time: the cost model learns contended steps, the step target decode-only ones."""
         train_cost_model(self.cost_model, plan, outcome)
-        if self.config.paced_slowdown:
-            self.pace.observe_alone(plan, outcome)
         if self.config.price_first_runs:
             self.first_runs.observe(plan, outcome)
         self.step_target.observe(plan, outcome)
@@ -362,11 +355,8 @@ class Scheduler:
         shapes = self.traced_shapes
         traced = None if shapes is None else lambda chunks: shapes.traced(chunks, decode_lanes)
         met = None if shapes is None else lambda chunks: shapes.met(chunks, decode_lanes)
-        by_request = planner.demand_by_request()
-        demand = [chunk for _, chunk in by_request]
+        demand = planner.demand()
         contended = bool(decode_lanes) or bool(self.decoding_streams())  # a stream in flight still streams
-        if contended and demand and self.config.paced_slowdown:
-            target = self._paced_target(*by_request[0], len(decode_lanes), traced, now)
         # what a contended step may take: the budget plans to it and decode debt counts from it
         allowance = (
             slack_allowance_ms(self.config, self.cost_model, demand, len(decode_lanes), target, traced)
@@ -392,52 +382,6 @@ class Scheduler:
             shapes.want(decision.wanted, decode_lanes)
             self.stats.traces_wanted += 1
         return decision
-
-    def _paced_target(
-        self,
-        request: Request,
-        chunk: PrefillChunk,
-        lanes: int,
-        traced: Callable[[Sequence[PrefillChunk]], bool] | None,
-        now: float,
-    ) -> float:
-        """The step target the leading prompt's pace allows (`prompt_pace.py`); the plain one until a decode step is
-        measured or where its read alone cannot be priced. Prices are the cost model's: a contended step compiled
-        where the engine would run it so, and at least a decode step; the read alone eager, scaled by what the
-        uncontended steps seen measured against their price."""
-        decode_ms, config = self.step_target.decode_step_ms, self.config
-        if decode_ms is None or self.step_target.factor <= 0:
-            return self.step_target.ms
-
-        def contended(rows: int, history: int) -> float | None:
-            chunks = (PrefillChunk(rows, history),)
-            compiled = traced is not None and traced(chunks)
-            predicted = self.cost_model.predict(StepShape(chunks, lanes, compiled=compiled))
-            return None if predicted is None else max(predicted, decode_ms)
-
-        def allowance() -> float | None:
-            scale = self.pace.alone_scale(self.cost_model.predict)  # once a prompt, not every step
-
-            def alone(rows: int, history: int) -> float | None:
-                predicted = self.cost_model.predict(StepShape((PrefillChunk(rows, history),), 0))
-                return None if predicted is None else scale * predicted
-
-            # from its first uncached row: a waiting prompt's prefix hits end where its chunk starts
-            waiting = request.state in (RequestState.WAITING, RequestState.PREEMPTED)
-            start = chunk.history if waiting else request.num_cached_tokens
-            read = solo_ms(alone, request.num_tokens - start, start, config.row_ceiling)
-            return None if read is None else config.paced_slowdown * read
-
-        allowed = self.pace.allowed_ms(request.request_id, allowance)
-        if allowed is None:
-            return self.step_target.ms
-        left_ms = allowed - (now - request.arrival_time) * 1e3
-
-        def work() -> float:
-            return paced_target_ms(chunk, left_ms, decode_ms, config.step_target_factor, config.paced_factor_cap,
-                                   config.step_target_floor_ms, contended, config.row_ceiling)  # fmt: skip
-
-        return self.pace.target_ms(request.request_id, chunk.history, decode_ms, lanes, work)
 
     def _stalled(self) -> bool:
         """Nothing could be planned although requests hold KV and none of them is in flight."""

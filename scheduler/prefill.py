@@ -113,9 +113,8 @@ class PrefillPlanner:
             return False  # it computes every row whatever is cached
         return pending.computing(first, last, self.scheduler.block_hashes(request, last + 1)[last])
 
-    def demand_by_request(self) -> list[tuple[Request, PrefillChunk]]:
-        """Rows each candidate wants, in order, beside the candidate (for the budget's prediction and the paced
-        target only)."""
+    def demand(self) -> list[PrefillChunk]:
+        """Rows each candidate wants, in order (for the budget's prediction only)."""
         room = self.config.max_running - self.scheduler.num_running
         chunks = []
         pending = PendingBlocks(self.scheduler, self._pending.requests)  # and the waiting ones this step would admit
@@ -131,7 +130,7 @@ class PrefillPlanner:
                 start = len(hits) * self.config.block_size
             else:
                 start = request.num_computed
-            chunks.append((request, PrefillChunk(rows=request.num_tokens - start, history=start)))
+            chunks.append(PrefillChunk(rows=request.num_tokens - start, history=start))
         return chunks
 
     def plan(self, row_budget: int) -> tuple[list[Lane], list[Request]]:

@@ -18,18 +18,52 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
 from benchmarks.gpu.contended_table import GAP_TARGET, TTFT_TARGET, label_of
 from benchmarks.gpu.replay_cost_model import read_result, recorded_run
 from scheduler.affine_cost import features
-from scheduler.buckets import KV_BUCKET
+from scheduler.buckets import KV_BUCKET, query_buckets
 from scheduler.cost_models import PrefillChunk, StepShape
 from scheduler.plan import Path as LanePath
-from scheduler.prompt_pace import read_steps
 
 WIDEST_ROWS = 4096  # the bench's prefill chunk cap (`SchedulerConfig.max_prefill_rows`)
+
+# (rows, history) -> predicted ms, None where the price is unknown
+Price = Callable[[int, int], float | None]
+
+
+def read_steps(price: Price, rows: int, history: int, limit_ms: float, ceiling: int) -> list[tuple[int, float]] | None:
+    """The steps, (rows, predicted ms), that read `rows` prompt rows from `history`, each the widest query bucket (at
+    most `ceiling` rows, or the rows left) priced within `limit_ms`; None where even the narrowest is not, or a price
+    is unknown. A step costs more the longer the history, so the widest fitting bucket only narrows as the read goes."""
+    buckets = query_buckets(ceiling)
+    index, done, steps = len(buckets) - 1, 0, []
+    while done < rows:
+        left = rows - done
+        if index + 1 < len(buckets) and left < min(buckets[index + 1], ceiling):
+            # the rest is narrower than the narrowest width refused: it may fit whole
+            cost = price(left, history + done)
+            if cost is None:
+                return None
+            if cost <= limit_ms:
+                steps.append((left, cost))
+                break
+        while index >= 0:
+            take = min(buckets[index], ceiling, left)
+            cost = price(take, history + done)
+            if cost is None:
+                return None
+            if cost <= limit_ms:
+                break
+            index -= 1
+        if index < 0:
+            return None
+        steps.append((take, cost))
+        done += take
+    return steps
 
 
 class Frontier(NamedTuple):
@@ -99,7 +133,7 @@ def _least_squares(points: list[tuple[float, float, float]]) -> tuple[float, flo
 
 def prompt_steps(price: StepPrice, prompt: int, lanes: int, limit_ms: float) -> list[float] | None:
     """The priced steps that read `prompt` tokens, each the widest chunk within `limit_ms` (None: 64 rows do not),
-    planned as the scheduler's paced target plans them (`scheduler.prompt_pace.read_steps`)."""
+    planned greedily (`read_steps`)."""
     steps = read_steps(lambda rows, history: price.of(rows, history, lanes), prompt, 0, limit_ms, WIDEST_ROWS)
     return None if steps is None else [cost for _, cost in steps]
 

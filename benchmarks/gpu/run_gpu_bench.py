@@ -151,7 +151,6 @@ def measure_ours(
               "cost_trust_factor": args.cost_trust_factor, "floor_slack": args.floor_slack,
               "slack_guard_rows": args.slack_guard_rows,
               "max_prefill_slowdown": args.max_prefill_slowdown, "plan_padding": args.plan_padding == "on",
-              "paced_slowdown": args.paced_slowdown, "paced_factor_cap": args.paced_factor_cap,
               "warm_chunk_rows": args.warm_chunk_rows}  # fmt: skip
     # only the contended engine meets long prompts' chunk shapes: the others skip the warm-up
     side = OurSide(dummy, kv_blocks, 500.0, args.attention, **engine, warm_up=False)
@@ -217,8 +216,6 @@ def measure_ours(
         out["floor_slack"] = side.engine.scheduler.config.floor_slack
         out["slack_guard_rows"] = side.engine.scheduler.config.slack_guard_rows
         out["max_prefill_slowdown"] = side.engine.scheduler.config.max_prefill_slowdown
-        out["paced_slowdown"] = side.engine.scheduler.config.paced_slowdown
-        out["paced_factor_cap"] = side.engine.scheduler.config.paced_factor_cap
         out["plan_kv_bucket"] = side.engine.scheduler.config.kv_bucket  # 0: planned with exact counts
         out["pads_history"] = side.engine.scheduler.config.pads_history  # False: the attention read the pool
         out["step_target_floor_ms"] = side.engine.scheduler.config.step_target_floor_ms
@@ -373,13 +370,9 @@ def main() -> None:
                              "(auto: engine_setup.floor_slack)")
     parser.add_argument("--slack-guard-rows", type=int, default=512,
                         help="EngineConfig.slack_guard_rows: no floor slack where a step of this many rows fits (0: off)")
-    parser.add_argument("--paced-slowdown", type=float, default=0.0,
-                        help="EngineConfig.paced_slowdown: the auto target rises from --target-factor until the long "
-                             "prompt's predicted TTFT is within this multiple of its read alone (0: off)")
     parser.add_argument("--warm-chunk-rows", type=int, default=0, metavar="LANES",
                         help="EngineConfig.warm_chunk_rows: at start-up an eager step of LANES decode lanes beside a "
                         "chunk of each rows bucket (0: off)")
-    parser.add_argument("--paced-factor-cap", type=float, default=6.0, help="EngineConfig.paced_factor_cap")
     parser.add_argument("--max-prefill-slowdown", type=float, default=0.0,
                         help="EngineConfig.max_prefill_slowdown: contended chunks grow until a long prompt runs at "
                              "least 1/x its solo speed (0: off)")

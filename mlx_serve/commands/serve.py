@@ -244,12 +244,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="step-time predictor for row budgets: one EMA ms-per-row, the 96-cell bucketed table, or "
                         "an affine fit (fixed + rows + attention pairs + decode lanes + extra prompt lanes) "
                         "(default: %(default)s; env MLX_SERVE_PREFILL_COST_MODEL overrides)")
-    s.add_argument("--paced-slowdown", type=_factor_or_off, default=0.0, metavar="X",
-                   help="with --step-target-ms auto: a contended step's target rises from --step-target-factor x "
-                        "the decode step, by quarters up to --paced-factor-cap x, until the leading prompt's "
-                        "predicted TTFT is within X times its read alone (X >= 1; 0: off; default: %(default)s)")
-    s.add_argument("--paced-factor-cap", type=nonnegative_float_arg, default=6.0, metavar="F",
-                   help="the paced target's highest factor of the decode step (default: %(default)s)")
     s.add_argument("--cost-trust-factor", type=_factor_or_off, default=1.5, metavar="X",
                    help="affine: a step of more than X times the rows of the largest recent step is priced at least "
                         "at that step's cost per row, not by the fit's extrapolation; 0: off (default: %(default)s)")
@@ -394,7 +388,6 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
         checked_fill=args.checked_fill, plan_headroom=args.plan_headroom, floor_slack=args.floor_slack,
         slack_guard_rows=args.slack_guard_rows,
         max_prefill_slowdown=args.max_prefill_slowdown, plan_padding=args.plan_padding == "on",
-        paced_slowdown=args.paced_slowdown, paced_factor_cap=args.paced_factor_cap,
         cost_model=args.prefill_cost_model, cost_trust_factor=args.cost_trust_factor, max_overtakes=args.max_overtakes,
         enable_prefix_cache=not args.no_prefix_cache, shared_prefill_tokens=args.shared_prefill_tokens,
         decode_debt=not args.no_decode_debt, debt_tolerance=args.debt_tolerance,

@@ -6,8 +6,19 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from benchmarks.gpu.gap_frontier import StepPrice, frontier, least_limit, main, prompt_steps, step_price
+from benchmarks.gpu.gap_frontier import (
+    StepPrice,
+    frontier,
+    least_limit,
+    main,
+    prompt_steps,
+    read_steps,
+    step_price,
+)
+from scheduler.buckets import query_bucket
 
 DECODE_MS, ROW_MS, PAIR_MS = 4.0, 3.0, 0.6
 PROMPT = 16384
@@ -69,3 +80,46 @@ def test_the_frontier_row_and_the_table(tmp_path, capsys) -> None:
     empty = tmp_path / "empty.json"
     empty.write_text(json.dumps({"results": [{"shape": "8b", "ours": {}}]}))
     assert main([str(empty)]) == 1
+
+
+CEILING = 2048
+
+
+def linear(fixed_ms: float, row_ms: float, pair_ms: float = 0.0):
+    return lambda rows, history: fixed_ms + row_ms * rows + pair_ms * rows * (history + rows / 2)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    fixed_ms=st.floats(0.0, 30.0),
+    row_ms=st.floats(0.0005, 0.05),
+    pair_ms=st.floats(0.0, 2e-6),
+    rows=st.integers(1, 20000),
+    history=st.integers(0, 16000),
+    limit_ms=st.floats(1.0, 200.0),
+)
+def test_each_step_is_the_widest_within_the_limit(fixed_ms, row_ms, pair_ms, rows, history, limit_ms) -> None:
+    """Steps read exactly the prompt's rows, each priced within the limit, each a query bucket (or the rows left), and
+    the next wider bucket (within the ceiling and the rows left) over the limit; None only where the first step's
+    narrowest chunk is over it (a price rising with history never lets a narrower one fit later)."""
+    price = linear(fixed_ms, row_ms, pair_ms)
+    steps = read_steps(price, rows, history, limit_ms, CEILING)
+    if steps is None:
+        assert price(min(64, rows), history) > limit_ms or any(
+            price(min(64, rows - done), history + done) > limit_ms for done in range(0, rows, 64)
+        )
+        return
+    assert sum(taken for taken, _ in steps) == rows
+    done = 0
+    for taken, cost in steps:
+        left = rows - done
+        assert cost == price(taken, history + done) and cost <= limit_ms
+        assert taken == left or (taken == query_bucket(taken) and taken <= CEILING)
+        wider = query_bucket(taken + 1)
+        if taken < left and wider <= CEILING:
+            assert price(min(wider, left), history + done) > limit_ms
+        done += taken
+
+
+def test_an_unknown_price_reads_nothing() -> None:
+    assert read_steps(lambda rows, history: None, 5000, 0, 50.0, CEILING) is None

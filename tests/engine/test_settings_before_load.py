@@ -29,8 +29,6 @@ MISSING = "/nonexistent/model-dir"
         ({"floor_slack": "wide"}, "floor_slack must be a number >= 1 or 'auto'"),
         ({"max_prefill_slowdown": 0.5}, "max_prefill_slowdown must be 0"),
         ({"debt_tolerance": 0.5}, "debt_tolerance must be >= 1"),
-        ({"paced_slowdown": 0.5}, "paced_slowdown must be 0"),
-        ({"paced_factor_cap": -1.0}, "paced_factor_cap must be >= 0"),
         ({"trace_neighbour_shapes": -1}, "trace_neighbour_shapes must be a whole number"),
         ({"slack_guard_rows": -64}, "slack_guard_rows must be a whole number"),
         ({"chat_template": "{% for m in messages %}{{ m.content }}"}, "chat template: line 1: Unexpected end"),
@@ -67,9 +65,6 @@ def test_midpoint_and_slack_settings_reach_the_scheduler():
                                                price_first_runs=on), num_blocks=64, context_length=4096)  # fmt: skip
         assert (config.traced_midpoints, config.met_midpoints, config.slack_guard_rows) == (on, not on, 64 * on)
         assert config.price_first_runs is on
-    config = scheduler_config(EngineConfig(paced_slowdown=1.25, paced_factor_cap=3.5), num_blocks=64,
-                              context_length=4096)  # fmt: skip
-    assert (config.paced_slowdown, config.paced_factor_cap) == (1.25, 3.5)
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from scheduler import Request, Scheduler, SchedulerConfig, StepOutcome, StepPlan
 from scheduler.cost_models import StepShape
 
-# a `LinearCostModel`'s prices, for properties over any of them (prefill rate, paced target)
+# a `LinearCostModel`'s prices, for properties over any of them (prefill rate)
 LINEAR_COSTS = {
     "fixed_ms": st.floats(0.0, 40.0),
     "row_ms": st.floats(0.001, 0.1),

@@ -59,8 +59,6 @@ def test_serve_help_explains_the_engine_flags(capsys):
         ("--floor-slack", {None: "auto", "auto": "auto", "1": 1.0, "1.25": 1.25}, ("some", "0.9", "-1")),
         ("--debt-tolerance", {None: 1.25, "1": 1.0, "1.5": 1.5}, ("late", "0.9", "0", "nan")),
         ("--max-prefill-slowdown", {None: 0.0, "0": 0.0, "1.3": 1.3}, ("fast", "0.5", "-1")),
-        ("--paced-slowdown", {None: 0.0, "0": 0.0, "1.25": 1.25}, ("slow", "0.5", "-1")),
-        ("--paced-factor-cap", {None: 6.0, "0": 0.0, "3.5": 3.5}, ("high", "-1")),
         ("--port", {None: 8080, "0": 0, "65535": 65535}, ("http", "-5", "70000", "80.5")),
         ("--block-size", {None: 16, "32": 32}, ("0", "-16", "big")),
         ("--kv-blocks", {None: None, "100": 100}, ("0", "-1")),
