@@ -81,7 +81,7 @@ def mixed_step_runner(
     """A runner over a pool sized for `repeats` steps of `lanes` decode lanes (`DECODE_HISTORY` tokens each) and
     one chunk of `rows` rows over `history`, and the plan of step n (each writes a row a lane). `lanes` or `rows`
     may be 0: a decode-only step, or a lone chunk as a cached prefix's continuation runs. A plan may name a smaller
-    chunk (`chunk_rows` over `chunk_history`, within the pool's `rows` + `history`)."""
+    chunk (`chunk_rows` over `chunk_history`, within the pool's `rows` + `history`) and fewer decode lanes."""
     decode_blocks = -(-(DECODE_HISTORY + WARMUP + 2 * repeats + 1) // BLOCK)  # every step writes a row
     chunk_blocks = -(-(history + rows) // BLOCK) if rows else 0
     pool = KVPool(layout, max(1, lanes * decode_blocks + chunk_blocks), BLOCK)
@@ -90,13 +90,16 @@ def mixed_step_runner(
         runner.add_request(rid, SamplingParams(temperature=0.0))
     chunk_ids = tuple(range(lanes * decode_blocks, lanes * decode_blocks + chunk_blocks))
 
-    def plan(step: int, chunk_rows: int = rows, chunk_history: int = history) -> StepPlan:
+    def plan(
+        step: int, chunk_rows: int = rows, chunk_history: int = history, decode_lanes: int = lanes
+    ) -> StepPlan:
         decode = tuple(
             Lane(f"d{i}", LaneKind.DECODE, (7,), DECODE_HISTORY + step, tuple(range(i * decode_blocks, (i + 1) * decode_blocks)), True)
-            for i in range(lanes)
+            for i in range(decode_lanes)
         )  # fmt: skip
-        chunk = (Lane("p", LaneKind.PREFILL, (11,) * chunk_rows, chunk_history, chunk_ids, not lanes),) if rows else ()
-        return StepPlan(step, (*decode, *chunk), chunk_rows, "profile", None, bool(lanes))
+        sampled = not decode_lanes  # a chunk alone samples its last row
+        chunk = (Lane("p", LaneKind.PREFILL, (11,) * chunk_rows, chunk_history, chunk_ids, sampled),) if rows else ()
+        return StepPlan(step, (*decode, *chunk), chunk_rows, "profile", None, bool(decode_lanes))
 
     return runner, plan
 
