@@ -63,12 +63,6 @@ POLICIES: dict[str, dict] = {
     # the engine's defaults since the thirtieth run where a row tile is on: the fill checked, the floor slack wider
     "affine-auto-target-checked-wide": {"cost_model": "affine", "step_target_factor": 3.0, "checked_fill": "on",
                                         "floor_slack": CHECKED_FLOOR_SLACK},
-    # and midpoints only where they keep the halved step's compiled trace (`traced_midpoints`)
-    "affine-auto-target-traced-midpoints": {"cost_model": "affine", "step_target_factor": 3.0, "checked_fill": "on",
-                                            "floor_slack": CHECKED_FLOOR_SLACK, "traced_midpoints": True},
-    # and midpoints only where the wider step's shape has run before (`met_midpoints`)
-    "affine-auto-target-met-midpoints": {"cost_model": "affine", "step_target_factor": 3.0, "checked_fill": "on",
-                                         "met_midpoints": True},
     "affine-auto-target-checked-untraced": {"cost_model": "affine", "step_target_factor": 3.0,
                                             "checked_fill": "untraced"},
 }

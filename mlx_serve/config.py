@@ -46,8 +46,6 @@ class EngineConfig:
     row_floor: int = 64  # fewest prefill rows a contended step is cut to
     row_quantum: int | str = "auto"  # contended steps fill their last row tile of this many rows; auto: engine_setup
     budget_midpoints: bool = True  # a halved budget grows by half again where still predicted within the target
-    traced_midpoints: bool = False  # ... only where it keeps the compiled trace the halved step replays (SchedulerConfig)
-    met_midpoints: bool = False  # ... only where the wider step's shape has run before in its form (SchedulerConfig)
     price_first_runs: bool = False  # a never-run shape that would overrun gives way to a smaller run one (SchedulerConfig)
     # "off" | "untraced" | "on": a row-tile fill past the budget's query bucket (SchedulerConfig); it only acts
     # where a row tile is on (`row_quantum` > 1: quantized models on CUDA)

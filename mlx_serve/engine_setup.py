@@ -151,8 +151,6 @@ def scheduler_config(
         kv_bucket=kv_bucket,
         pads_history=pads_history,
         budget_midpoints=c.budget_midpoints,
-        traced_midpoints=c.traced_midpoints,
-        met_midpoints=c.met_midpoints,
         price_first_runs=c.price_first_runs,
         checked_fill=c.checked_fill,
         plan_headroom=c.plan_headroom,

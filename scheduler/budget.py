@@ -49,21 +49,9 @@ default: on the H200 at 1.3 (twenty-eighth run) the 16k prompt's TTFT beside 8 s
 (8B 4-bit), 1.41x to 1.30x (8B) and ~1.47x to 1.32x (30B-A3B), but with fewer, larger mixed steps the streams'
 median gap became a decode step's, and the max gap / median rose to 9.4 (8B 4-bit) and 4.2 (30B-A3B) against 3.
 
-A midpoint can trade a compiled step for an eager one: with `traced_midpoints` a halved budget whose step replays
-a trace grows by half only where the wider step does too, and otherwise asks for the wider step's trace (reason
-`+kept-trace`). The cost model prices an eager step's own time, not the host build that holds the tokens of the step
-before it (H200, 0.6B beside 8 streams: eager 1,536-row midpoints, 21-22 ms, were the longest gaps of a run, where
-1,024-row compiled steps ran 12-18 ms). Off by default: on the H200 (thirty-first run, 0.6B, 3 contended runs each)
-it removed those midpoints, but the longest gaps were then compiled steps whose submission ran long (gap ratio
-2.92-4.13 on, 2.86-3.74 off).
-
-`met_midpoints` declines less: only a midpoint whose step's shape has never run in the form it would run (reason
-`+unmet`; the engine traces that shape when next idle). A shape's first eager run pays one-off work the cost model
-never learns (it does not train on such steps): on an H100 (fortieth run, 0.6B beside 8 streams) first eager
-1,536-row midpoints ran 3-16 ms over their predictions, later eager steps of a shape 1 ms under them, and they were
-the slowest step at the longest gap of 6 of 18 runs (5 of them misses). Off by default until measured against off on
-the device; in the policy simulation it lowered the ratio in 5 of 6 seeds where shapes change between passes, and
-cost TTFT where every shape is new.
+Two narrower midpoints were measured and dropped: one taken only where it keeps the halved step's compiled trace
+(H200, thirty-first run: no eager midpoint held a longest gap, yet the gap ratio was 2.92-4.13 on against 2.86-3.74
+off), and one only where the wider step's shape has run before (H100, forty-first run: 0 of 3 gaps met either way).
 
 The prediction changes only which budget is chosen: the order of the lanes and who is admitted are decided
 elsewhere and never look at it.
@@ -92,11 +80,10 @@ RATE_GROWTH_CAP = 2.0
 @dataclass(frozen=True, slots=True)
 class BudgetDecision:
     row_budget: int  # prefill rows the step may carry
-    # "uncontended", "contended", "contended-untrained", "halved:<n>[+half]" (contended ones end in "+kept-trace"
-    # where `traced_midpoints` declined a midpoint that would run eager, "+unmet" where `met_midpoints` declined one
-    # whose shape never ran, "+bucket" where `checked_fill` held the row-tile fill to the budget's bucket, "+slack"
-    # where the floor slack raised the target: `slack_allowance_ms`, then "+rate" where `grow_for_rate` grew it),
-    # "decode-debt"
+    # "uncontended", "contended", "contended-untrained", "halved:<n>[+half]" (contended ones end in "+bucket" where
+    # `checked_fill` held the row-tile fill to the budget's bucket, "+first-run" where `price_first_runs` gave way to a
+    # smaller shape that has run, "+slack" where the floor slack raised the target: `slack_allowance_ms`, then "+rate"
+    # where `grow_for_rate` grew it), "decode-debt"
     reason: str
     halvings: int
     predicted_ms: float | None  # the cost model's prediction for the planned prefill at this budget
@@ -135,7 +122,7 @@ def choose_row_budget(
     scheduler's `StepTarget`: fixed, or a multiple of the measured decode step) or, where the floor slack allows
     more, `allowance_ms` (`slack_allowance_ms`; None: worked out here), less `config.plan_headroom`.
     `traced`: whether a step of these chunks would run compiled now (None: the engine compiles no prefill); `met`:
-    whether such a step's shape has run before in that form (None: not known, `met_midpoints` declines nothing);
+    whether such a step's shape has run before in that form (None: not known, a first run is never declined);
     `first_run_ms`: what a shape's first run costs over its price (`first_runs.py`; 0: not priced)."""
     if allowance_ms is None and contended and not in_debt:
         allowance_ms = slack_allowance_ms(config, model, demand, decode_lanes, target_ms, traced)
@@ -180,17 +167,12 @@ def choose_row_budget(
         return met is not None and not met(fill_shortest_first(demand, rows))
 
     budget, predicted, held = fill_paid_rows(config, budget, predicted, decode_lanes, target_ms, predict, loses_trace)
-    widened = kept_trace = unmet = False
+    widened = False
     if halvings and config.budget_midpoints and predicted is not None and predicted <= target_ms:
         wider = paid_rows(budget + budget // 2, decode_lanes, config)
         wider_predicted = predict(wider) if wider > budget else None
         if wider_predicted is not None and wider_predicted <= target_ms:
-            kept_trace = config.traced_midpoints and loses_trace(budget, wider)
-            unmet = not kept_trace and config.met_midpoints and never_ran(wider)
-            if kept_trace or unmet:
-                wanted = wanted or fill_shortest_first(demand, wider)  # traced when the engine is next idle
-            else:
-                budget, predicted, widened = wider, wider_predicted, True
+            budget, predicted, widened = wider, wider_predicted, True
     first_run = False
     if first_run_ms and predicted is not None and never_ran(budget) and predicted + first_run_ms > target_ms:
         # the budget's shape would run for the first time and overrun with its one-off work: the largest smaller
@@ -207,7 +189,7 @@ def choose_row_budget(
         reason = f"halved:{halvings}" + ("+half" if widened else "")
     else:
         reason = "contended-untrained" if predicted is None and demand else "contended"
-    reason += ("+kept-trace" if kept_trace else "") + ("+unmet" if unmet else "") + ("+bucket" if held else "")
+    reason += "+bucket" if held else ""
     reason += "+first-run" if first_run else ""
     reason += "+slack" if slack else ""
     reason += "+rate" if grown else ""

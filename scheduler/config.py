@@ -40,17 +40,6 @@ class SchedulerConfig:
     # a halved budget grows by half again (1,024 -> 1,536, 256 -> 384) where that is still predicted within the
     # target: halving alone leaves up to half of the target unused. False: the seed's plain halving
     budget_midpoints: bool = True
-    # with `budget_midpoints`: a halved budget whose step replays a compiled trace grows by half only where the wider
-    # step does too (else it asks for that trace, reason `+kept-trace`): an eager step's host build holds the tokens
-    # of the step before it (H200, 0.6B beside 8 streams: eager 1,536-row midpoints at 21-22 ms made the longest
-    # gaps, 3.0x the median, where 1,024-row compiled steps ran 12-18 ms; thirtieth run). Off: on 0.6B it removed
-    # those midpoints but not the longest gaps (3 runs each: gap 2.92-4.13 on, 2.86-3.74 off; thirty-first run)
-    traced_midpoints: bool = False
-    # with `budget_midpoints`: a midpoint only where the wider step's shape has run before in the form it would run
-    # (else it asks for that shape's trace, reason `+unmet`): a shape's first eager run pays one-off work (H100, 0.6B
-    # beside 8 streams: first eager 1,536-row midpoints ran 3-16 ms over their predictions, at the longest gap of 6 of
-    # 18 runs, 5 of them misses; fortieth run). Narrower than `traced_midpoints`, which declines every eager midpoint
-    met_midpoints: bool = False
     # a contended budget whose shape has not run in the form it would run, and would overrun the target by what such
     # first runs measured over their prices (`first_runs.py`), gives way to the largest smaller budget whose shape has
     # run and fits (H100, 0.6B at an 11 ms target: first eager runs up to 7.2 ms over held the longest gap; 43rd run)

@@ -25,6 +25,7 @@ GAP_TARGET = 3.0  # issue 7: max gap at most 3x the median gap
 TTFT_TARGET = 1.5  # ... and the long prompt's TTFT at most 1.5x its solo prefill
 # a `prefill_steps` entry: [rows, decode lanes, history, ms, predicted ms, prefill lanes, auxiliary, compiled]
 LANES, MS, AUXILIARY = 1, 3, 6
+# settings a result records, `--by` choices; traced_midpoints, met_midpoints and paced_slowdown only in older logs
 SETTINGS = ("step_target_floor_ms", "traced_midpoints", "met_midpoints", "floor_slack", "budget_midpoints",
             "paced_slowdown", "price_first_runs", "warm_chunk_rows", "plan_headroom", "debt_tolerance",
             "price_stand_ins")
@@ -142,7 +143,7 @@ def summary(rows: list[dict], settings: tuple[str, ...]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", nargs="+", type=Path, help="gpu_bench.json files (or .json.gz)")
-    parser.add_argument("--by", nargs="*", default=["step_target_floor_ms", "met_midpoints"], choices=SETTINGS,
+    parser.add_argument("--by", nargs="*", default=["step_target_floor_ms", "plan_headroom"], choices=SETTINGS,
                         help="settings shown and grouped by (default: %(default)s)")
     args = parser.parse_args(argv)
     settings = tuple(args.by)

@@ -31,7 +31,7 @@ from scheduler.cost_models import PrefillChunk
 
 PROMPT_TOKENS = 16_384  # the bench's long prompt
 # the recorded settings the budget reads, by their `SchedulerConfig` names
-SETTINGS = ("row_quantum", "budget_midpoints", "traced_midpoints", "met_midpoints", "checked_fill", "plan_headroom",
+SETTINGS = ("row_quantum", "budget_midpoints", "checked_fill", "plan_headroom",
             "cost_trust_factor", "floor_slack", "slack_guard_rows", "max_prefill_slowdown")  # fmt: skip
 
 

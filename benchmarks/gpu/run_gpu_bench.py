@@ -144,8 +144,8 @@ def measure_ours(
               "step_target_floor_ms": args.target_floor_ms, "defer_mixed_traces": args.defer_mixed_traces == "on",
               "trace_neighbour_shapes": args.trace_neighbour_shapes, "run_idle_traces": args.run_idle_traces == "on",
               "stand_in_traces": args.stand_in_traces == "on", "price_stand_ins": args.price_stand_ins == "on",
-              "budget_midpoints": args.budget_midpoints == "on", "traced_midpoints": args.traced_midpoints == "on",
-              "met_midpoints": args.met_midpoints == "on", "price_first_runs": args.price_first_runs == "on",
+              "budget_midpoints": args.budget_midpoints == "on",
+              "price_first_runs": args.price_first_runs == "on",
               "checked_fill": args.checked_fill,
               "plan_headroom": args.plan_headroom, "debt_tolerance": args.debt_tolerance,
               "cost_trust_factor": args.cost_trust_factor, "floor_slack": args.floor_slack,
@@ -204,8 +204,6 @@ def measure_ours(
         out["warm_up"] = {"shapes": side.engine.warmed[0], "s": round(side.engine.warmed[1], 2)}
         out["row_quantum"] = side.engine.scheduler.config.row_quantum  # as resolved (auto: by model and backend)
         out["budget_midpoints"] = side.engine.scheduler.config.budget_midpoints
-        out["traced_midpoints"] = side.engine.scheduler.config.traced_midpoints
-        out["met_midpoints"] = side.engine.scheduler.config.met_midpoints
         out["price_first_runs"] = side.engine.scheduler.config.price_first_runs
         out["warm_chunk_rows"] = side.engine.config.warm_chunk_rows
         out["checked_fill"] = side.engine.scheduler.config.checked_fill
@@ -347,10 +345,6 @@ def main() -> None:
     parser.add_argument("--chunk-attention", default="auto", choices=("auto", "sdpa", "matmul", "paged"))
     parser.add_argument("--budget-midpoints", choices=["on", "off"], default="on",
                         help="EngineConfig.budget_midpoints: a halved budget grows by half again where it fits")
-    parser.add_argument("--traced-midpoints", choices=["on", "off"], default="off",
-                        help="EngineConfig.traced_midpoints: a midpoint only where it keeps the halved step's trace")
-    parser.add_argument("--met-midpoints", choices=["on", "off"], default="off",
-                        help="EngineConfig.met_midpoints: a midpoint only where the wider step's shape has run before")
     parser.add_argument("--price-first-runs", choices=["on", "off"], default="off",
                         help="EngineConfig.price_first_runs: a never-run shape priced with its first run's excess")
     parser.add_argument("--checked-fill", choices=["off", "untraced", "on"], default="on",

@@ -204,14 +204,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--budget-midpoints", choices=["on", "off"], default="on",
                    help="a contended budget halved to fit the step target grows by half again (256 -> 384 rows) "
                         "where that is still predicted to fit; off: plain halving (default: %(default)s)")
-    s.add_argument("--traced-midpoints", choices=["on", "off"], default="off",
-                   help="with --budget-midpoints: a halved budget whose step replays a compiled trace grows by half "
-                        "only where the wider step has a trace too (else that trace is asked for): an eager step's "
-                        "host build holds the previous step's tokens (unmeasured on a GPU; default: %(default)s)")
-    s.add_argument("--met-midpoints", choices=["on", "off"], default="off",
-                   help="with --budget-midpoints: a halved budget grows by half only where the wider step's shape has "
-                        "run before (else its trace is asked for): a shape's first eager run pays one-off work "
-                        "(default: %(default)s)")
     s.add_argument("--price-first-runs", choices=["on", "off"], default="off",
                    help="a contended step whose shape has not run yet, and would overrun the target by what such "
                         "first runs took over their prices, gives way to the largest smaller step whose shape has run "
@@ -383,7 +375,6 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
         step_target_factor=args.step_target_factor, step_target_floor_ms=args.step_target_floor_ms,
         row_ceiling=args.row_ceiling, row_floor=args.row_floor,
         row_quantum=args.row_quantum, budget_midpoints=args.budget_midpoints == "on",
-        traced_midpoints=args.traced_midpoints == "on", met_midpoints=args.met_midpoints == "on",
         price_first_runs=args.price_first_runs == "on",
         checked_fill=args.checked_fill, plan_headroom=args.plan_headroom, floor_slack=args.floor_slack,
         slack_guard_rows=args.slack_guard_rows,

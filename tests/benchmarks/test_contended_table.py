@@ -9,7 +9,7 @@ import json
 from benchmarks.gpu.contended_table import main
 
 
-def _result(ratio: float, ttft_s: float, met_midpoints: bool, slack_steps: int = 0, shape: str = "0.6b") -> dict:
+def _result(ratio: float, ttft_s: float, headroom: float, slack_steps: int = 0, shape: str = "0.6b") -> dict:
     budgets = [[1024, "halved:1+slack", 20.0]] * slack_steps + [[1024, "halved:1", 15.0], None]
     contended = {
         "gap_ratio": ratio, "gap_p50_ms": 5.0, "gap_max_ms": 5.0 * ratio, "gap_max_before_ms": 9.0,
@@ -25,13 +25,13 @@ def _result(ratio: float, ttft_s: float, met_midpoints: bool, slack_steps: int =
     }  # fmt: skip
     ours = {"contended": contended, "prefill": {"16384": {"ttft_s": 0.2}}, "step_target_ms": 15.0,
             "shared_prefix": {"warm_ttft_s": 0.008, "cold_ttft_s": 0.1}, "step_target_floor_ms": 15.0,
-            "met_midpoints": met_midpoints}  # fmt: skip
+            "plan_headroom": headroom}  # fmt: skip
     return {"results": [{"shape": shape, "ours": ours}]}
 
 
 def test_rows_and_the_summary_by_setting(tmp_path, capsys) -> None:
-    runs = {"off_1": _result(2.5, 0.22, False), "off_2": _result(4.2, 0.32, False, slack_steps=3),
-            "on_1": _result(2.9, 0.25, True), "on_2": _result(2.1, 0.24, True), "big": _result(1.5, 0.25, False, shape="8b")}  # fmt: skip
+    runs = {"off_1": _result(2.5, 0.22, 1.0), "off_2": _result(4.2, 0.32, 1.0, slack_steps=3),
+            "on_1": _result(2.9, 0.25, 0.9), "on_2": _result(2.1, 0.24, 0.9), "big": _result(1.5, 0.25, 1.0, shape="8b")}  # fmt: skip
     paths = []
     for label, result in runs.items():
         folder = tmp_path / label
@@ -49,9 +49,9 @@ def test_rows_and_the_summary_by_setting(tmp_path, capsys) -> None:
     assert rows["off_1"].endswith("| 2, 16.5; 2.20 |")  # one-off steps beside decode lanes; 11.0 ms / 5.0 ms median
     summary = [line for line in out if line.startswith("| 0.6b") or line.startswith("| 8b")]
     assert summary[-3:] == [
-        "| 0.6b | 15.0 | False | 2 | 1 | 1 | 3.35 (2.50-4.20) | 1.60 |",
-        "| 0.6b | 15.0 | True | 2 | 2 | 2 | 2.50 (2.10-2.90) | 1.25 |",
-        "| 8b | 15.0 | False | 1 | 1 | 1 | 1.50 (1.50-1.50) | 1.25 |",
+        "| 0.6b | 15.0 | 1.0 | 2 | 1 | 1 | 3.35 (2.50-4.20) | 1.60 |",
+        "| 0.6b | 15.0 | 0.9 | 2 | 2 | 2 | 2.50 (2.10-2.90) | 1.25 |",
+        "| 8b | 15.0 | 1.0 | 1 | 1 | 1 | 1.50 (1.50-1.50) | 1.25 |",
     ]
 
 

@@ -61,10 +61,9 @@ def test_midpoint_and_slack_settings_reach_the_scheduler():
     from mlx_serve.engine_setup import scheduler_config
 
     for on in (False, True):
-        config = scheduler_config(EngineConfig(traced_midpoints=on, met_midpoints=not on, slack_guard_rows=64 * on,
-                                               price_first_runs=on), num_blocks=64, context_length=4096)  # fmt: skip
-        assert (config.traced_midpoints, config.met_midpoints, config.slack_guard_rows) == (on, not on, 64 * on)
-        assert config.price_first_runs is on
+        config = scheduler_config(EngineConfig(slack_guard_rows=64 * on, price_first_runs=on), num_blocks=64,
+                                  context_length=4096)  # fmt: skip
+        assert (config.slack_guard_rows, config.price_first_runs) == (64 * on, on)
 
 
 @pytest.mark.parametrize(

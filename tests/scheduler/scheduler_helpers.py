@@ -15,7 +15,7 @@ LINEAR_COSTS = {
 }
 
 # a `LinearCostModel` of a small model's contended step (a few ms fixed, an eager form dearer) and a step target, as
-# the budget rules' properties draw them (`test_traced_midpoints`, `test_met_midpoints`, `test_slack_guard`)
+# the budget rules' properties draw them (`test_first_runs`, `test_slack_guard`)
 SMALL_STEP_COSTS = {
     "fixed_ms": st.floats(1.0, 30.0),
     "row_ms": st.floats(0.001, 0.05),
@@ -90,3 +90,20 @@ def plan_after(scheduler: Scheduler, plan: StepPlan, elapsed_ms: float) -> StepP
     now = 0.011 + elapsed_ms / 1000.0
     scheduler.update(plan, fake_outcome(plan, elapsed_ms=elapsed_ms), now)
     return scheduler.schedule(now)
+
+
+class FakeShapes:
+    """Traces and shapes run, by the chunk's rows (any history, any lanes); records what the scheduler asks for."""
+
+    def __init__(self, traced_rows: set[int], met_rows: set[int]) -> None:
+        self.traced_rows, self.met_rows = traced_rows, met_rows
+        self.wanted: list[int] = []
+
+    def traced(self, chunks, decode) -> bool:
+        return len(chunks) == 1 and chunks[0].rows in self.traced_rows
+
+    def met(self, chunks, decode) -> bool:
+        return len(chunks) == 1 and chunks[0].rows in self.met_rows
+
+    def want(self, chunks, decode) -> None:
+        self.wanted.append(sum(chunk.rows for chunk in chunks))

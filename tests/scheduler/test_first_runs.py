@@ -8,8 +8,14 @@ import math
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from scheduler_helpers import SMALL_STEP_COSTS, LinearCostModel, fake_outcome, make_request, run_step
-from test_met_midpoints import FakeShapes
+from scheduler_helpers import (
+    SMALL_STEP_COSTS,
+    FakeShapes,
+    LinearCostModel,
+    fake_outcome,
+    make_request,
+    run_step,
+)
 from test_traced_shapes import plan_beside_streams
 
 from scheduler import Scheduler, SchedulerConfig

@@ -42,8 +42,6 @@ def test_serve_help_explains_the_engine_flags(capsys):
         ("--row-quantum", {None: "auto", "auto": "auto", "64": 64}, ("tile", "0", "-64", "1.5")),
         ("--budget-midpoints", {None: "on", "off": "off"}, ("yes", "")),
         ("--checked-fill", {None: "on", "off": "off", "untraced": "untraced"}, ("maybe",)),
-        ("--traced-midpoints", {None: "off", "on": "on"}, ("yes",)),
-        ("--met-midpoints", {None: "off", "on": "on"}, ("first",)),
         ("--price-first-runs", {None: "off", "on": "on"}, ("yes",)),
         ("--slack-guard-rows", {None: 512, "0": 0, "256": 256}, ("-1", "many", "1.5")),
         ("--plan-padding", {None: "on", "off": "off"}, ("exact",)),
@@ -204,17 +202,16 @@ def test_scheduling_flags_reach_the_engine_config():
     from mlx_serve.commands.serve import engine_config
 
     args = build_parser().parse_args(["serve", "--floor-slack", "1.25", "--max-prefill-slowdown", "1.3",
-                                      "--checked-fill", "untraced", "--traced-midpoints", "on", "--met-midpoints", "on",
-                                      "--price-first-runs", "on", "--warm-chunk-rows", "8",
+                                      "--checked-fill", "untraced", "--price-first-runs", "on", "--warm-chunk-rows", "8",
                                       "--debt-tolerance", "1.5"])  # fmt: skip
     config = engine_config(args)
     assert (config.floor_slack, config.max_prefill_slowdown, config.checked_fill) == (1.25, 1.3, "untraced")
-    assert config.traced_midpoints is True and config.met_midpoints is True and config.price_first_runs is True
+    assert config.price_first_runs is True
     assert config.warm_chunk_rows == 8 and engine_config(build_parser().parse_args(["serve"])).warm_chunk_rows == 0
     assert config.debt_tolerance == 1.5
     defaults = engine_config(build_parser().parse_args(["serve"]))
-    assert (defaults.checked_fill, defaults.floor_slack, defaults.traced_midpoints) == ("on", "auto", False)
-    assert defaults.met_midpoints is False and defaults.price_first_runs is False and defaults.debt_tolerance == 1.25
+    assert (defaults.checked_fill, defaults.floor_slack) == ("on", "auto")
+    assert defaults.price_first_runs is False and defaults.debt_tolerance == 1.25
 
 
 def test_adapter_memory_is_kept_only_where_adapters_may_be_loaded():
