@@ -87,6 +87,10 @@ def measure_decode(
 
             order = (("mlx-lm", theirs), ("ours", lambda n=n: side.decode(prompts, p, n)))
             for name, run in order if round_ % 2 == 0 else order[::-1]:
+                # each side starts without the other's cached buffers: MLX's CUDA allocator hands a freed buffer back
+                # to the device's pool lazily, and a 61 GB model's mlx-lm 64-stream prefill right after ours ran out
+                # of memory (H100, 30B-A3B, forty-ninth run)
+                mx.clear_cache()
                 result = run()
                 (peer_runs if name == "mlx-lm" else our_runs).setdefault(str(n), []).append(result)
                 note(f"{dummy.name} {name} decode {n} (round {round_ + 1})", result)
