@@ -3,7 +3,21 @@ engine trained (its `cost_observations`), beside the rows that ran."""
 
 from __future__ import annotations
 
-from benchmarks.gpu.replay_budgets import replay_run, summary
+import argparse
+import json
+
+import pytest
+
+from benchmarks.gpu.replay_budgets import (
+    Replayed,
+    cell_of,
+    main,
+    measured_cells,
+    measured_read_s,
+    replay_run,
+    setting,
+    summary,
+)
 
 LANES = 8
 
@@ -53,3 +67,61 @@ def test_states_need_decode_lanes_one_chunk_and_rows_left():
     ]
     assert len(replay_run(run)) == 64
     assert replay_run({**run, "contended": {"cost_observations_from": len(run["cost_observations"])}}) == []
+
+
+def test_a_setting_replayed_under_another_value_changes_the_decisions():
+    run = collapsed_run()
+    without_slack = replay_run(run, overrides={"floor_slack": 1.0})
+    assert len(without_slack) == 64
+    assert not any(state.reason.endswith("+slack") for state in without_slack)
+    assert all(state.allowance_ms == 16.0 for state in without_slack)
+    wider = replay_run(run, overrides={"floor_slack": 2.5})
+    assert all(w.allowance_ms > s.allowance_ms for w, s in zip(wider, replay_run(run), strict=True))
+    assert sum(state.rows for state in wider) > sum(state.rows for state in replay_run(run))
+
+
+def test_measured_cells_are_medians_of_repeated_one_chunk_steps_beside_decode_lanes():
+    steps = [
+        [[[512, 4096]], LANES, "gpu", False, True, 20.0],
+        [[[500, 5000]], LANES, "gpu", False, True, 22.0],  # same cell: bucket 512, history 4096-6143
+        [[[512, 4200]], LANES, "gpu", False, True, 30.0],
+        [[[512, 4200]], LANES, "gpu", True, True, 90.0],  # one-off work: left out
+        [[[512, 4200]], 0, "gpu", False, True, 10.0],  # no decode lanes: left out
+        [[[512, 4200], [64, 0]], LANES, "gpu", False, False, 40.0],  # two chunks: left out
+        [[[384, 4096]], LANES, "gpu", False, True, 18.0],  # a cell of one step prices nothing
+    ]
+    cells = measured_cells([{"cost_observations": steps}])
+    assert cells == {cell_of(512, LANES, True, 4096): 22.0}
+
+
+def test_the_measured_read_time_prices_only_the_states_whose_cell_ran():
+    def state(history: int, rows: int) -> Replayed:
+        return Replayed(history, rows, 0.0, rows, 20.0, 30.0, "halved:2", cell_of(rows, LANES, True, history))
+
+    cells = {cell_of(512, LANES, True, 0): 25.0, cell_of(512, LANES, True, 2048): 35.0}
+    replayed = [state(0, 512), state(2048, 512), state(4096, 512)]
+    read_s, priced = measured_read_s(replayed, cells, 16_384)
+    assert priced == 2 and read_s == 16_384 * 60.0 / 1024 / 1000
+    assert measured_read_s(replayed, {}, 16_384) == (None, 0)
+    # the prompt's last rows are all a state reads, however large its budget
+    read_s, _ = measured_read_s([state(16_000, 512)], {cell_of(512, LANES, True, 16_000): 20.0}, 16_384)
+    assert read_s == 16_384 * 20.0 / 384 / 1000
+
+
+def test_set_reads_each_setting_as_its_config_type_and_refuses_others():
+    assert setting("floor_slack=2") == ("floor_slack", 2.0)
+    assert setting("slack_guard_rows=256") == ("slack_guard_rows", 256)
+    assert setting("budget_midpoints=off") == ("budget_midpoints", False)
+    assert setting("checked_fill=untraced") == ("checked_fill", "untraced")
+    for bad in ("floor=2", "floor_slack", "floor_slack=", "budget_midpoints=yes", "slack_guard_rows=a"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            setting(bad)
+
+
+def test_the_command_prints_a_row_a_run_with_its_measured_read_time(tmp_path, capsys):
+    path = tmp_path / "gpu_bench.json"
+    path.write_text(json.dumps({"results": [{"shape": "8b-4bit", "ours": collapsed_run()}]}))
+    assert main([str(path), "--set", "floor_slack=2.0"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].endswith("| read s at their measured cost (states priced) |")
+    assert len(lines) == 3 and lines[2].startswith(f"| {tmp_path.name} | 8b-4bit | 64 | 64 x64 | ")
