@@ -91,9 +91,8 @@ def replay_run(
             decision = choose_row_budget(
                 config, model, demand, shape.decode_lanes, False, True, target_ms, traced, allowance
             )
-            chosen = fill_shortest_first(demand, decision.row_budget)
-            compiled = bool(chosen) and traced(chosen)
-            cell = cell_of(decision.row_budget, shape.decode_lanes, compiled, history) if chosen else None
+            chosen = fill_shortest_first(demand, decision.row_budget)  # the prompt's tail: fewer rows than the budget
+            cell = cell_of(chosen[0].rows, shape.decode_lanes, traced(chosen), history) if chosen else None
             replayed.append(Replayed(history, shape.prefill_rows, observation.measured_ms, decision.row_budget,
                                      decision.predicted_ms, allowance, decision.reason, cell))  # fmt: skip
         if shape.compiled and one_chunk:

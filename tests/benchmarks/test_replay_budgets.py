@@ -125,3 +125,9 @@ def test_the_command_prints_a_row_a_run_with_its_measured_read_time(tmp_path, ca
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].endswith("| read s at their measured cost (states priced) |")
     assert len(lines) == 3 and lines[2].startswith(f"| {tmp_path.name} | 8b-4bit | 64 | 64 x64 | ")
+
+
+def test_a_state_at_the_prompts_tail_is_priced_at_the_rows_left_not_its_budget():
+    (state,) = replay_run(collapsed_run(), prompt_tokens=8192 + 40)
+    assert state.history == 8192 and state.rows > 40
+    assert state.cell == cell_of(40, LANES, state.cell[2], 8192)
