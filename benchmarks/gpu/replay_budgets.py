@@ -22,7 +22,6 @@ predicted read time alone would credit a policy whose fit under-prices its steps
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 from collections import Counter, defaultdict
@@ -32,6 +31,7 @@ from typing import NamedTuple
 
 from benchmarks.gpu.contended_table import label_of
 from benchmarks.gpu.replay_cost_model import live_observations, read_result
+from benchmarks.scheduler_sim import config_override
 from scheduler import SchedulerConfig
 from scheduler.affine_cost import AffineCostModel
 from scheduler.buckets import KV_BUCKET, query_bucket
@@ -145,21 +145,15 @@ def summary(
 
 
 def setting(text: str) -> tuple[str, object]:
-    """`NAME=VALUE` for `--set`: a `SETTINGS` name, its value read as that `SchedulerConfig` field's type."""
+    """`NAME=VALUE` for `--set`: a `SETTINGS` name (on or off for a switch), its value parsed as the simulator's
+    `--set` parses a `SchedulerConfig` field."""
     name, _, value = text.partition("=")
-    defaults = {field.name: field.default for field in dataclasses.fields(SchedulerConfig)}
-    if name not in SETTINGS or not value:
+    if name not in SETTINGS:
         names = ", ".join(SETTINGS)
         raise argparse.ArgumentTypeError(f"expected NAME=VALUE with NAME one of {names}, got {text!r}")
-    kind = type(defaults[name])
-    if kind is bool:
-        if value not in ("on", "off"):
-            raise argparse.ArgumentTypeError(f"{name} takes on or off, got {value!r}")
-        return name, value == "on"
-    try:
-        return name, kind(value)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(f"{name}: {error}") from None
+    if isinstance(SchedulerConfig.__dataclass_fields__[name].default, bool) and value not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"{name} takes on or off, got {value!r}")
+    return config_override(text)
 
 
 def main(argv: list[str] | None = None) -> int:
