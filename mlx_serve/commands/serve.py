@@ -219,7 +219,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--floor-slack", type=floor_slack_arg, default="auto", metavar="X|auto",
                    help="a contended step may take X times the smallest contended step's (--row-floor rows) "
                         "predicted time where that is more than the step target: a fixed cost that fills the "
-                        "target buys nothing by halving (X >= 1; 1: off; auto: 1.75 where a row-tile fill is "
+                        "target buys nothing by halving (X >= 1; 1: off; auto: 2.0 where a row-tile fill is "
                         "checked, --checked-fill on with --row-quantum > 1, else 1.5; default: %(default)s)")
     s.add_argument("--slack-guard-rows", type=whole_number_arg(0), default=512, metavar="N",
                    help="the floor slack only where a contended step of N prefill rows (compiled, where prefill "
