@@ -10,14 +10,16 @@ import mlx.core as mx
 from benchmarks.gpu.workloads import BenchParams, Prompts, gap_summary, steady_rate
 
 
-def _generator(model: Any, batch: int) -> Any:
+def _generator(model: Any, batch: int, prefill_batch: int | None = None) -> Any:
     from mlx_lm.generate import BatchGenerator
 
-    return BatchGenerator(model, completion_batch_size=batch, prefill_batch_size=batch)
+    return BatchGenerator(model, completion_batch_size=batch, prefill_batch_size=prefill_batch or batch)
 
 
-def decode(model: Any, prompts: Prompts, p: BenchParams, streams: int) -> dict:
-    gen = _generator(model, streams)
+def decode(model: Any, prompts: Prompts, p: BenchParams, streams: int, prefill_batch: int | None = None) -> dict:
+    """`prefill_batch`: prompts prefilled together (all `streams` unless given); the rate counts only steps where
+    every stream decodes, so it does not depend on it."""
+    gen = _generator(model, streams, prefill_batch)
     gen.insert(prompts.many(streams, p.decode_prompt), [p.decode_tokens] * streams)
     times, counts = [], []
     while responses := gen.next_generated():
