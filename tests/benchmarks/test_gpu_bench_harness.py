@@ -180,3 +180,28 @@ def test_a_request_the_engine_fails_stops_the_measurement_with_a_clear_error(mon
             side.prefill(Prompts(dummy.config["vocab_size"], seed=0), 32)
     finally:
         side.close()
+
+
+def test_mlx_lm_decode_out_of_memory_is_retried_at_the_servers_prompt_concurrency(monkeypatch):
+    """A 64-stream prefill beside our 30B-A3B engine ran out of memory; the retry prefills 8 prompts at a time and
+    says so in the result. Any other error is not swallowed."""
+    from benchmarks.gpu import run_gpu_bench
+
+    calls = []
+
+    def decode(model, prompts, p, streams, prefill_batch=None):
+        calls.append(prefill_batch)
+        if prefill_batch is None:
+            raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
+        return {"tok_s": 1.0}
+
+    monkeypatch.setattr(run_gpu_bench.peer, "decode", decode)
+    assert run_gpu_bench._peer_decode(None, None, None, 64) == {"tok_s": 1.0, "prefill_batch": 8}
+    assert calls == [None, 8]
+
+    def broken(model, prompts, p, streams, prefill_batch=None):
+        raise RuntimeError("shape mismatch")
+
+    monkeypatch.setattr(run_gpu_bench.peer, "decode", broken)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        run_gpu_bench._peer_decode(None, None, None, 64)
