@@ -35,7 +35,13 @@ from benchmarks.scheduler_sim import config_override
 from scheduler import SchedulerConfig
 from scheduler.affine_cost import AffineCostModel
 from scheduler.buckets import KV_BUCKET, query_bucket
-from scheduler.budget import choose_row_budget, fill_shortest_first, slack_allowance_ms
+from scheduler.budget import (
+    choose_row_budget,
+    fill_shortest_first,
+    paid_rows,
+    predict_compiled_where_prefill_compiles,
+    slack_allowance_ms,
+)
 from scheduler.cost_models import PrefillChunk
 
 PROMPT_TOKENS = 16_384  # the bench's long prompt
@@ -58,6 +64,9 @@ class Replayed(NamedTuple):
     allowance_ms: float
     reason: str
     cell: Cell | None = None  # where the chosen step's measured cost is looked up
+    # what the floor slack weighs: the floor step's price, the slack guard's step's (compiled where prefill is)
+    floor_ms: float | None = None
+    guard_ms: float | None = None
 
 
 def cell_of(rows: int, decode_lanes: int, compiled: bool, history: int) -> Cell:
@@ -93,8 +102,14 @@ def replay_run(
             )
             chosen = fill_shortest_first(demand, decision.row_budget)  # the prompt's tail: fewer rows than the budget
             cell = cell_of(chosen[0].rows, shape.decode_lanes, traced(chosen), history) if chosen else None
+            floor_rows = paid_rows(config.row_floor, shape.decode_lanes, config)
+            floor_ms, guard_ms = (
+                predict_compiled_where_prefill_compiles(model, demand, rows, shape.decode_lanes, traced)
+                for rows in (floor_rows, config.slack_guard_rows)
+            )
             replayed.append(Replayed(history, shape.prefill_rows, observation.measured_ms, decision.row_budget,
-                                     decision.predicted_ms, allowance, decision.reason, cell))  # fmt: skip
+                                     decision.predicted_ms, allowance, decision.reason, cell, floor_ms,
+                                     guard_ms))  # fmt: skip
         if shape.compiled and one_chunk:
             traced_buckets.add(query_bucket(shape.prefill_rows))
         model.observe(shape, observation.measured_ms)
@@ -178,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         replayed = replay_run(ours, args.prompt_tokens, dict(args.set))
         for state in replayed if args.steps else ():
             print(f"{label} {state.history:>6} ran {state.ran_rows:>5} in {state.ran_ms:6.1f} ms | now "
-                  f"{state.rows:>5} ({state.reason}, {state.predicted_ms or 0:.1f} of {state.allowance_ms:.1f} ms)")  # fmt: skip
+                  f"{state.rows:>5} ({state.reason}, {state.predicted_ms or 0:.1f} of {state.allowance_ms:.1f} ms)"
+                  f" | floor {state.floor_ms or 0:.1f}, guard {state.guard_ms or 0:.1f} ms")  # fmt: skip
         if replayed:
             rows.append(summary(label, result["shape"], replayed, args.prompt_tokens, cells[result["shape"]]))
     if not rows:

@@ -58,6 +58,17 @@ def test_a_run_read_in_floor_steps_now_gets_larger_chunks_within_its_allowance()
     assert line.startswith("| c84 | 8b-4bit | 64 | 64 x64 | ")
 
 
+def test_each_state_carries_what_the_floor_slack_weighed():
+    """The allowance is the slack times the floor step's price over the plan headroom (not recorded: the default 0.9),
+    and the slack engaged because the guard's 512-row step is priced over the planned target."""
+    for state in replay_run(collapsed_run()):
+        assert state.allowance_ms == pytest.approx(1.75 * state.floor_ms / 0.9)
+        assert state.guard_ms > 16.0 * 0.9
+        assert state.floor_ms == pytest.approx(cost_ms(128, True), rel=0.2)
+        # 512 rows is past the trust region of the 64-row steps read last: priced at their cost a row
+        assert state.guard_ms >= cost_ms(512, True)
+
+
 def test_states_need_decode_lanes_one_chunk_and_rows_left():
     run = collapsed_run()
     run["cost_observations"] += [
