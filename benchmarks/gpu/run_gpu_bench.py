@@ -423,7 +423,9 @@ def main() -> None:
         help="our contended run, its solo prefill and the shared prefix only (needs --step-target-ms; no table)",
     )
     parser.add_argument(
-        "--decode-rounds", type=int, default=2, help="decode figures: rounds of both engines in alternating order"
+        "--decode-rounds", type=int, default=3,
+        help="decode figures: rounds of both engines in alternating order, each figure a side's median round (3 "
+             "since the fiftieth run: with 2 the median was each side's slower round, so one slow round set it)"
     )
     parser.add_argument(
         "--decode-prompt", type=int, default=0, help="history of the decode streams (default 1,024)"
