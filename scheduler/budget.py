@@ -333,8 +333,7 @@ def slack_allowance_ms(
     planned = target_ms * config.plan_headroom  # what budgets are planned to: the floor is compared with it
     if guarded_by_rows(config, model, demand, decode_lanes, planned, traced):
         return target_ms
-    floor_rows = paid_rows(config.row_floor, decode_lanes, config)
-    floor_ms = predict_compiled_where_prefill_compiles(model, demand, floor_rows, decode_lanes, traced)
+    floor_ms = floor_step_ms(config, model, demand, decode_lanes, traced)
     if floor_ms is None or not 0 < floor_ms <= SLACK_WITHIN * planned:
         return target_ms
     return max(target_ms, config.floor_slack * floor_ms / config.plan_headroom)
@@ -351,10 +350,35 @@ def guarded_by_rows(
     """Whether a step of `config.slack_guard_rows` of the demand's rows (all of them, if fewer) is predicted within
     `planned_ms`, compiled where the engine compiles prefill: then the target admits steps of many rows and the floor
     slack is not for this step (0 rows: never)."""
-    if not config.slack_guard_rows:
-        return False
-    predicted = predict_compiled_where_prefill_compiles(model, demand, config.slack_guard_rows, decode_lanes, traced)
+    predicted = slack_guard_ms(config, model, demand, decode_lanes, traced)
     return predicted is not None and predicted <= planned_ms
+
+
+def floor_step_ms(
+    config: SchedulerConfig,
+    model: CostModel,
+    demand: Sequence[PrefillChunk],
+    decode_lanes: int,
+    traced: Callable[[Sequence[PrefillChunk]], bool] | None,
+) -> float | None:
+    """The floor step's price, what the floor slack scales: `config.row_floor` rows (their row tile filled) beside
+    `decode_lanes`, compiled where the engine compiles prefill."""
+    rows = paid_rows(config.row_floor, decode_lanes, config)
+    return predict_compiled_where_prefill_compiles(model, demand, rows, decode_lanes, traced)
+
+
+def slack_guard_ms(
+    config: SchedulerConfig,
+    model: CostModel,
+    demand: Sequence[PrefillChunk],
+    decode_lanes: int,
+    traced: Callable[[Sequence[PrefillChunk]], bool] | None,
+) -> float | None:
+    """The price of the slack guard's step (`config.slack_guard_rows` of the demand's rows, compiled where the engine
+    compiles prefill); None without a guard."""
+    if not config.slack_guard_rows:
+        return None
+    return predict_compiled_where_prefill_compiles(model, demand, config.slack_guard_rows, decode_lanes, traced)
 
 
 def predict_compiled_where_prefill_compiles(

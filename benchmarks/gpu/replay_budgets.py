@@ -38,9 +38,9 @@ from scheduler.buckets import KV_BUCKET, query_bucket
 from scheduler.budget import (
     choose_row_budget,
     fill_shortest_first,
-    paid_rows,
-    predict_compiled_where_prefill_compiles,
+    floor_step_ms,
     slack_allowance_ms,
+    slack_guard_ms,
 )
 from scheduler.cost_models import PrefillChunk
 
@@ -102,14 +102,11 @@ def replay_run(
             )
             chosen = fill_shortest_first(demand, decision.row_budget)  # the prompt's tail: fewer rows than the budget
             cell = cell_of(chosen[0].rows, shape.decode_lanes, traced(chosen), history) if chosen else None
-            floor_rows = paid_rows(config.row_floor, shape.decode_lanes, config)
-            floor_ms, guard_ms = (
-                predict_compiled_where_prefill_compiles(model, demand, rows, shape.decode_lanes, traced)
-                for rows in (floor_rows, config.slack_guard_rows)
-            )
+            # what the floor slack weighed
+            prices = (price(config, model, demand, shape.decode_lanes, traced)
+                      for price in (floor_step_ms, slack_guard_ms))  # fmt: skip
             replayed.append(Replayed(history, shape.prefill_rows, observation.measured_ms, decision.row_budget,
-                                     decision.predicted_ms, allowance, decision.reason, cell, floor_ms,
-                                     guard_ms))  # fmt: skip
+                                     decision.predicted_ms, allowance, decision.reason, cell, *prices))  # fmt: skip
         if shape.compiled and one_chunk:
             traced_buckets.add(query_bucket(shape.prefill_rows))
         model.observe(shape, observation.measured_ms)
