@@ -355,12 +355,9 @@ def guarded_by_rows(
 
 
 def floor_step_ms(
-    config: SchedulerConfig,
-    model: CostModel,
-    demand: Sequence[PrefillChunk],
-    decode_lanes: int,
+    config: SchedulerConfig, model: CostModel, demand: Sequence[PrefillChunk], decode_lanes: int,
     traced: Callable[[Sequence[PrefillChunk]], bool] | None,
-) -> float | None:
+) -> float | None:  # fmt: skip
     """The floor step's price, what the floor slack scales: `config.row_floor` rows (their row tile filled) beside
     `decode_lanes`, compiled where the engine compiles prefill."""
     rows = paid_rows(config.row_floor, decode_lanes, config)
@@ -368,12 +365,9 @@ def floor_step_ms(
 
 
 def slack_guard_ms(
-    config: SchedulerConfig,
-    model: CostModel,
-    demand: Sequence[PrefillChunk],
-    decode_lanes: int,
+    config: SchedulerConfig, model: CostModel, demand: Sequence[PrefillChunk], decode_lanes: int,
     traced: Callable[[Sequence[PrefillChunk]], bool] | None,
-) -> float | None:
+) -> float | None:  # fmt: skip
     """The price of the slack guard's step (`config.slack_guard_rows` of the demand's rows, compiled where the engine
     compiles prefill); None without a guard."""
     if not config.slack_guard_rows:
