@@ -110,7 +110,7 @@ def row_quantum(value: int | str, quantized: bool) -> int:
 # in 4 of 4 runs (16k TTFT 1.31-1.38x solo, gap ratio 1.71-2.75), where 1.5 ran 256-384-row ones (TTFT 1.49-1.76x)
 # and, unchecked, 384- or 768-row ones (TTFT 1.22-1.61x, gap ratio 1.55-5.46; RESULTS, twenty-eighth to thirtieth
 # runs). 2.0 since the fiftieth run: at plan headroom 0.9 (a 1.94x bound at 1.75) the H100 held 384-row chunks
-# (TTFT 1.56-1.67x, 0 of 4 met) where 2.0 ran 512-row ones (TTFT 1.37-1.53x, 3 of 4; gap ratio 1.54-2.23); a replay
+# (TTFT 1.56-1.67x, 0 of 4 met) where 2.0 ran 512-row ones (TTFT 1.35-1.53x, 4 of 5; gap ratio 1.54-2.23); a replay
 # of the H200 runs above at 2.0 chooses 512 rows, not 768. 1.5 elsewhere (bf16 shapes, where the floor step rarely
 # fills the target; every run since the twenty-first)
 CHECKED_FLOOR_SLACK = 2.0

@@ -89,7 +89,7 @@ def measure_decode(
             for name, run in order if round_ % 2 == 0 else order[::-1]:
                 # each side starts without the other's cached buffers: MLX's CUDA allocator hands a freed buffer back
                 # to the device's pool lazily, and a 61 GB model's mlx-lm 64-stream prefill right after ours ran out
-                # of memory (H100, 30B-A3B, forty-ninth run)
+                # of memory (H100, 30B-A3B, forty-ninth run; not enough alone in the fiftieth: `_peer_decode`)
                 mx.clear_cache()
                 memory = {"active_gb": mx.get_active_memory() / 1e9, "cache_gb": mx.get_cache_memory() / 1e9}
                 result = {**run(), "memory_before": memory}
