@@ -149,6 +149,9 @@ class SimTraces:
         if key is not None:
             self.pending.add(key)
 
+    def stand_in(self, chunks: Sequence[PrefillChunk], decode: Sequence, limit_ms: float | None) -> None:
+        return None  # the simulation replays no stand-ins
+
     def meet(self, plan: StepPlan) -> bool | None:
         """Record the step's shape as met (traced at the next `settle`); whether the step replays a trace now
         (None: it is not a step the engine compiles)."""

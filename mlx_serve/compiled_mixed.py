@@ -46,6 +46,7 @@ from mlx_serve.ragged import (
 from scheduler import Lane, LaneKind
 from scheduler.buckets import history_bucket, query_bucket, query_buckets
 from scheduler.cost_models import PrefillChunk
+from scheduler.traced_shapes import StandIn
 
 MixedShape = tuple[int, int, int, int]  # padded (decode lanes, their table width, chunk rows, chunk history)
 # `CompiledMixed.eager_build_ms` is the median of this many latest eager builds of the kind (a shape's first or a
@@ -101,6 +102,27 @@ class TracedMixedShapes:
     def met(self, chunks: Sequence[PrefillChunk], decode: Sequence[Lane]) -> bool:
         shape = self._shape(chunks, decode)
         return shape is None or self.mixed.has_run(shape)  # other steps: not tracked here
+
+    def stand_in(self, chunks: Sequence[PrefillChunk], decode: Sequence[Lane], limit_ms: float | None) -> StandIn | None:
+        """Where a step of these chunks has no trace and a larger one would stand in for it: the most rows its chunk
+        could carry through such a trace (its rows, within its history bucket), and the last run of the trace a step
+        of those rows replays. None: it replays its own trace, runs eager, or is not a step traced here."""
+        shape = self._shape(chunks, decode)
+        if shape is None or not self.mixed.stand_ins or self.mixed.has_trace(shape):
+            return None
+        history = chunks[0].history
+
+        def carried(near: MixedShape) -> int:  # rows past the trace's, or past its history bucket, would not fit it
+            return min(near[2], near[3] - history)
+
+        nearest = sorted(self.mixed.stand_ins_for(shape, limit_ms), key=lambda near: (-carried(near), near[3]))
+        for near in nearest:
+            rows = carried(near)
+            grown = self.mixed.shape_of(decode, rows, history + rows, self.kv_bucket)
+            replayed = grown if self.mixed.has_trace(grown) else self.mixed.stand_in(grown, limit_ms)
+            if replayed is not None:  # as the runner will choose for the grown step (`CompiledMixed.ready`)
+                return StandIn(rows, self.mixed.last_run_ms(replayed))
+        return None
 
     def want(self, chunks: Sequence[PrefillChunk], decode: Sequence[Lane]) -> None:
         shape = self._shape(chunks, decode)
@@ -218,16 +240,23 @@ class CompiledMixed:
         (`eager_build_ms`: the eager step's build would hold the previous step's tokens at least that long) or than
         `limit_ms` (what the step was planned to take: such a trace is a step the planner accepts); the fewest rows,
         then the nearest history bucket. None where there is none, or neither bound is known."""
+        return min(self.stand_ins_for(shape, limit_ms), key=lambda near: (near[2], near[3]), default=None)
+
+    def stand_ins_for(self, shape: MixedShape, limit_ms: float | None = None) -> list[MixedShape]:
+        """Every traced shape `stand_in` may choose for `shape` (its bounds: eager builds, `limit_ms`)."""
         bounds = [ms for ms in (self.eager_build_ms(shape), limit_ms) if ms is not None]
         if not bounds:
-            return None
+            return []
         count, width, rows, padded = shape
-        fits = [
+        return [
             near for near, ms in self._measured_ms.items()
             if near[:2] == (count, width) and near[2] >= rows and near[3] >= padded and near != shape
             and ms <= max(bounds)
         ]  # fmt: skip
-        return min(fits, key=lambda near: (near[2], near[3]), default=None)
+
+    def last_run_ms(self, shape: MixedShape) -> float | None:
+        """The device ms of a traced shape's last ordinary run (None: none yet)."""
+        return self._measured_ms.get(shape)
 
     def record_eager_build(self, shape: MixedShape, ms: float) -> None:
         """An eager step of compilable `shape` took `ms` of host time to build and submit."""

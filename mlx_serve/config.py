@@ -93,6 +93,7 @@ class EngineConfig:
     # their eager builds held the streams 20-33 ms
     stand_in_traces: bool = True
     price_stand_ins: bool = False  # budgets price a step a stand-in would replay as compiled (`TracedMixedShapes`)
+    fill_stand_ins: bool = True  # a step that would stand in grows to the rows its stand-in carries (SchedulerConfig)
     expert_tiles: str = "auto"  # "auto" (the CUDA kernel with CUDA) | "on" | "off": MoE steps of many rows in expert tiles
     dense_experts: str = "auto"  # "auto" (on with CUDA) | "on" | "off": MoE steps of enough rows use every expert
     split_quantized_k: str = "auto"  # "auto" (all with CUDA) | "on" | "off" | "all": quantized projections over K slices

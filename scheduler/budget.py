@@ -61,12 +61,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from scheduler.buckets import query_bucket
 from scheduler.config import SchedulerConfig
 from scheduler.cost_models import CostModel, PrefillChunk, StepShape
 from scheduler.first_runs import SWAP_LEAST_SHARE
+from scheduler.traced_shapes import StandIn
 
 # the floor slack applies only where the floor step is predicted at most this far over the target: far over it, the
 # fit is more likely still wrong (H200, 8B 4-bit: a first contended step planned by a fresh fit grew to 1,536 rows,
@@ -83,7 +84,7 @@ class BudgetDecision:
     # "uncontended", "contended", "contended-untrained", "halved:<n>[+half]" (contended ones end in "+bucket" where
     # `checked_fill` held the row-tile fill to the budget's bucket, "+first-run" where `price_first_runs` gave way to a
     # smaller shape that has run, "+slack" where the floor slack raised the target: `slack_allowance_ms`, then "+rate"
-    # where `grow_for_rate` grew it), "decode-debt"
+    # where `grow_for_rate` grew it, "+stand-in" where `fill_stand_in` did), "decode-debt"
     reason: str
     halvings: int
     predicted_ms: float | None  # the cost model's prediction for the planned prefill at this budget
@@ -196,6 +197,24 @@ def choose_row_budget(
     if sum(chunk.rows for chunk in wanted) <= budget:
         wanted = ()  # the step got as many rows anyway (a tile or bucket grew it back)
     return BudgetDecision(budget, reason, halvings, predicted, wanted, target_ms)
+
+
+def fill_stand_in(
+    decision: BudgetDecision, demand: Sequence[PrefillChunk], stand_in: Callable[[Sequence[PrefillChunk]], StandIn | None]
+) -> BudgetDecision:
+    """`decision` grown to the rows a larger trace carries where its step would replay that trace in place of its
+    own untraced shape (`stand_in`): the step costs the trace's run whatever rows it carries, so its pad rows may as
+    well be the prompt's. Only a step of one chunk stands in, so the growth stays within that chunk's demand; the
+    prediction becomes the trace's last run (reason `+stand-in`)."""
+    chunks = fill_shortest_first(demand, decision.row_budget)
+    if len(chunks) != 1 or decision.limit_ms is None:
+        return decision
+    carried = stand_in(chunks)
+    rows = 0 if carried is None else min(carried.rows, demand[0].rows)
+    if rows <= decision.row_budget:
+        return decision
+    predicted = decision.predicted_ms if carried.last_run_ms is None else carried.last_run_ms
+    return replace(decision, row_budget=rows, reason=decision.reason + "+stand-in", predicted_ms=predicted)
 
 
 def _met_budget_below(

@@ -44,6 +44,10 @@ class SchedulerConfig:
     # first runs measured over their prices (`first_runs.py`), gives way to the largest smaller budget whose shape has
     # run and fits (H100, 0.6B at an 11 ms target: first eager runs up to 7.2 ms over held the longest gap; 43rd run)
     price_first_runs: bool = False
+    # a contended step whose shape has no trace but would replay a larger one in its place (a stand-in, which costs
+    # the same whatever rows it carries) grows to that trace's rows (`budget.fill_stand_in`; H100, 0.6B: a 16k prompt
+    # read in 64-128-row chunks that stood in for 384-512-row traces, TTFT 3.85x solo; fifty-first run)
+    fill_stand_ins: bool = True
     # contended budgets are planned to this fraction of the step target, so a step's ordinary spread stays under it
     # (H100, 30B-A3B planned to exactly 3 decode steps: 768-row steps ran 77-94 ms against 67-77 predicted; gap met
     # in 0 of 6 runs at 1.0, 3 of 3 at 0.9, forty-eighth run). Steps planned to the floor slack keep their allowance

@@ -19,6 +19,7 @@ from scheduler.budget import (
     RATE_GROWTH_CAP,
     BudgetDecision,
     choose_row_budget,
+    fill_stand_in,
     slack_allowance_ms,
     stream_in_debt,
 )
@@ -144,7 +145,7 @@ class Scheduler:
                 break
             preempted.append(self._preempt(self._running[-1]).request_id)
         self._last_step_was_debt = decision.reason == "decode-debt"
-        self._planned_rate_grown = decision.reason.endswith("+rate")
+        self._planned_rate_grown = "+rate" in decision.reason
         self.stats.decode_debt_steps += self._last_step_was_debt
         self.stats.budget_halvings += decision.halvings
         self.stats.overtakes += len(overtaken)
@@ -158,7 +159,7 @@ class Scheduler:
             budget_reason=decision.reason,
             predicted_ms=(
                 predict_planned_gpu_ms(self.cost_model, lanes, self.traced_shapes)
-                if prefill_lanes
+                if prefill_lanes and "+stand-in" not in decision.reason  # a stand-in's step costs its trace's run
                 else decision.predicted_ms
             ),
             contended=decision.reason != "uncontended",
@@ -213,7 +214,7 @@ class Scheduler:
         if plan.lanes:
             self.stats.steps += 1
             self._last_update_had_prefill = plan.prefill_rows > 0
-            self._reported_rate_grown = plan.budget_reason.endswith("+rate")
+            self._reported_rate_grown = "+rate" in plan.budget_reason
         self._learn(plan, outcome)
         return got_token
 
@@ -381,6 +382,9 @@ class Scheduler:
         if decision.wanted and shapes is not None:
             shapes.want(decision.wanted, decode_lanes)
             self.stats.traces_wanted += 1
+        if self.config.fill_stand_ins and shapes is not None and decision.row_budget:
+            limit = decision.limit_ms
+            decision = fill_stand_in(decision, demand, lambda chunks: shapes.stand_in(chunks, decode_lanes, limit))
         return decision
 
     def _stalled(self) -> bool:

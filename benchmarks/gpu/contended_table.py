@@ -28,7 +28,7 @@ LANES, MS, AUXILIARY = 1, 3, 6
 # settings a result records, `--by` choices; traced_midpoints, met_midpoints and paced_slowdown only in older logs
 SETTINGS = ("step_target_floor_ms", "traced_midpoints", "met_midpoints", "floor_slack", "budget_midpoints",
             "paced_slowdown", "price_first_runs", "warm_chunk_rows", "plan_headroom", "debt_tolerance",
-            "price_stand_ins", "max_prefill_slowdown")
+            "price_stand_ins", "max_prefill_slowdown", "fill_stand_ins")
 
 
 def label_of(path: Path) -> str:
@@ -63,6 +63,7 @@ def run_row(label: str, shape: str, ours: dict, settings: tuple[str, ...]) -> di
         "steps": steps,
         "target_ms": ours.get("step_target_ms"),
         "slack_steps": sum("+slack" in b[1] for b in budgets if len(b) > 1 and b[1]),
+        "stand_in_steps": sum("+stand-in" in b[1] for b in budgets if len(b) > 1 and b[1]),
         "slowest": slowest,
         "one_off": one_off_steps(steps.get("prefill_steps", []), contended["gap_p50_ms"]),
     }
@@ -99,7 +100,7 @@ def _num(value: float | None, digits: int = 2) -> str:
 def table(rows: list[dict], settings: tuple[str, ...]) -> list[str]:
     head = ["run", "shape", *settings, "max gap / median", "median ms", "longest gap ms (before / from arrival)",
             "16k TTFT / solo", "shared prefix", "steps with prefill (count, rows p50, ms p50); decode-only p50 ms",
-            "target ms", "slack steps", "slowest step at the longest gap",
+            "target ms", "slack / stand-in steps", "slowest step at the longest gap",
             "one-off steps (count, slowest ms); slowest other / median"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
@@ -112,7 +113,7 @@ def table(rows: list[dict], settings: tuple[str, ...]) -> list[str]:
             _num(row["ttft"]), _num(row["shared"]),
             f"{steps.get('mixed_steps', '-')}, {steps.get('mixed_rows_p50') or 0:,.0f}, "
             f"{_num(steps.get('mixed_ms_p50'), 1)}; {_num(steps.get('decode_only_ms_p50'))}",
-            _num(row["target_ms"], 1), str(row["slack_steps"]),
+            _num(row["target_ms"], 1), f"{row['slack_steps']} / {row['stand_in_steps']}",
             "-" if slowest is None else
             f"{slowest['prefill_rows']:,} {'compiled' if slowest['compiled'] else 'eager'}, {slowest['ms']:.1f}",
             f"{row['one_off']['count']}, {_num(row['one_off']['slowest_ms'], 1)}; {_num(row['one_off']['other_ratio'])}",

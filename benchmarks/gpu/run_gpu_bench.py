@@ -163,6 +163,7 @@ def measure_ours(
               "step_target_floor_ms": args.target_floor_ms, "defer_mixed_traces": args.defer_mixed_traces == "on",
               "trace_neighbour_shapes": args.trace_neighbour_shapes, "run_idle_traces": args.run_idle_traces == "on",
               "stand_in_traces": args.stand_in_traces == "on", "price_stand_ins": args.price_stand_ins == "on",
+              "fill_stand_ins": args.fill_stand_ins == "on",
               "budget_midpoints": args.budget_midpoints == "on",
               "price_first_runs": args.price_first_runs == "on",
               "checked_fill": args.checked_fill,
@@ -229,6 +230,7 @@ def measure_ours(
         out["plan_headroom"] = side.engine.scheduler.config.plan_headroom
         out["debt_tolerance"] = side.engine.scheduler.config.debt_tolerance
         out["price_stand_ins"] = side.engine.config.price_stand_ins
+        out["fill_stand_ins"] = side.engine.scheduler.config.fill_stand_ins
         out["cost_trust_factor"] = side.engine.scheduler.config.cost_trust_factor
         out["floor_slack"] = side.engine.scheduler.config.floor_slack
         out["slack_guard_rows"] = side.engine.scheduler.config.slack_guard_rows
@@ -348,6 +350,8 @@ def main() -> None:
                         help="EngineConfig.stand_in_traces: an untraced step may replay a larger traced shape, padded")
     parser.add_argument("--price-stand-ins", choices=["on", "off"], default="off",
                         help="EngineConfig.price_stand_ins: budgets price a step a stand-in would replay as compiled")
+    parser.add_argument("--fill-stand-ins", choices=["on", "off"], default="on",
+                        help="EngineConfig.fill_stand_ins: a step that would stand in grows to its stand-in's rows")
     parser.add_argument("--trace-neighbour-shapes", type=int, default=0,
                         help="EngineConfig.trace_neighbour_shapes: shapes next to met ones traced ahead when idle")
     parser.add_argument(

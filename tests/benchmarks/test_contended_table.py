@@ -11,6 +11,7 @@ from benchmarks.gpu.contended_table import main
 
 def _result(ratio: float, ttft_s: float, headroom: float, slack_steps: int = 0, shape: str = "0.6b") -> dict:
     budgets = [[1024, "halved:1+slack", 20.0]] * slack_steps + [[1024, "halved:1", 15.0], None]
+    budgets += [[512, "halved:4+stand-in", 15.0]] * (slack_steps // 2)
     contended = {
         "gap_ratio": ratio, "gap_p50_ms": 5.0, "gap_max_ms": 5.0 * ratio, "gap_max_before_ms": 9.0,
         "gap_max_from_arrival_ms": 5.0 * ratio, "long_ttft_s": ttft_s,
@@ -45,7 +46,8 @@ def test_rows_and_the_summary_by_setting(tmp_path, capsys) -> None:
     rows = {line.split(" | ")[0].strip("| "): line for line in out if line.startswith("| ") and "_" in line[:8]}
     assert "| **2.50** |" in rows["off_1"] and "| 4.20 |" in rows["off_2"]  # bold: within 3
     assert "| 1.10 | 0.08 |" in rows["off_1"]  # TTFT 0.22 / 0.2 solo; warm / cold prefix
-    assert "| 3 | 1,536 eager, 21.0 |" in rows["off_2"]  # slack steps; the slowest step at the longest gap
+    assert "| 3 / 1 | 1,536 eager, 21.0 |" in rows["off_2"]  # slack, stand-in steps; the slowest at the longest gap
+    assert "| 0 / 0 |" in rows["off_1"]
     assert rows["off_1"].endswith("| 2, 16.5; 2.20 |")  # one-off steps beside decode lanes; 11.0 ms / 5.0 ms median
     summary = [line for line in out if line.startswith("| 0.6b") or line.startswith("| 8b")]
     assert summary[-3:] == [

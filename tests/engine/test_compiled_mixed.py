@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
 from mlx_lm import load
 
 from mlx_serve import engine_setup
-from mlx_serve.compiled_mixed import EAGER_BUILDS_KEPT, CompiledMixed, neighbour_shapes
+from mlx_serve.compiled_mixed import EAGER_BUILDS_KEPT, CompiledMixed, TracedMixedShapes, neighbour_shapes
 from mlx_serve.engine import Engine, EngineConfig
 from mlx_serve.errors import InvalidRequest
 from mlx_serve.kernels.paged_attention import select_decode_attention
@@ -24,6 +25,7 @@ from mlx_serve.types import GenerationRequest, SamplingParams
 from scheduler.buckets import query_buckets
 from scheduler.cost_models import PrefillChunk
 from scheduler.plan import PENDING_TOKEN, Lane, LaneKind, StepOutcome, StepPlan
+from scheduler.traced_shapes import StandIn
 from tests.engine.reference import generate_in_cuda_layout, prompt_of, reference_tokens
 from tracing.events import StepExecuted
 from tracing.sink import MemorySink
@@ -413,6 +415,32 @@ def test_stand_ins_need_a_timed_eager_build_and_a_measured_run():
     assert mixed.stand_in((8, 4, 768, 16384)) == (8, 4, 1024, 16384) and mixed.stand_in((8, 4, 1024, 16384)) is None
     mixed.record_run((8, 4, 768, 16384), 31.0)  # its last run: now slower than a build
     assert mixed.stand_in(tail) == (8, 4, 1024, 16384)
+
+
+def test_the_scheduler_sees_the_rows_a_stand_in_would_carry():
+    """`TracedMixedShapes.stand_in`: for a step whose shape has no trace, of the traces `stand_in` may choose, the
+    one that carries the most of its chunk's rows (a trace's rows, cut where its history bucket ends), and the last
+    run of the trace a step of those rows replays; None where the step has its own trace, stand-ins are off, none
+    ran within the bounds, or the step has two chunks."""
+    mixed = CompiledMixed(SimpleNamespace(block_size=16), None, None, None, defer_traces=True, stand_ins=True)
+    shapes = TracedMixedShapes(mixed, 1024, table_gather)
+    decode = [Lane(f"d{i}", LaneKind.DECODE, (1,), 900 + i, tuple(range(57)), True) for i in range(8)]
+    count, width, *_ = mixed.shape_of(decode, 128, 1152, 1024)
+    for rows, history, ms in ((384, 16384, 9.8), (512, 12288, 9.1), (1024, 12288, 13.9), (512, 4096, 8.5)):
+        mixed.shapes.add((count, width, rows, history))  # traced, then run
+        mixed.record_run((count, width, rows, history), ms)
+    chunk = (PrefillChunk(128, 1024),)  # (128 rows, history bucket 2048): no trace
+    assert shapes.stand_in(chunk, decode, 11.0) == StandIn(512, 8.5)  # 512 rows replay the 4k-history trace
+    assert shapes.stand_in(chunk, decode, 14.0) == StandIn(1024, 13.9)
+    assert shapes.stand_in(chunk, decode, 8.0) is None  # no eager build timed, every trace over the limit
+    late = (PrefillChunk(128, 12000),)  # 512 rows would pass 12,288 of history: the 16k trace carries 384
+    assert shapes.stand_in(late, decode, 11.0) == StandIn(384, 9.8)
+    assert shapes.stand_in((PrefillChunk(64, 1024), PrefillChunk(64, 0)), decode, 11.0) is None
+    mixed.shapes.add((count, width, 128, 2048))  # its own trace: it replays that
+    assert shapes.stand_in(chunk, decode, 11.0) is None
+    mixed.shapes.discard((count, width, 128, 2048))
+    mixed.stand_ins = False
+    assert shapes.stand_in(chunk, decode, 11.0) is None
 
 
 def test_a_stand_in_may_run_within_the_step_limit_and_over_a_longer_history():

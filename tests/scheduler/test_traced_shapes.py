@@ -4,6 +4,7 @@ step would run now, and a larger budget turned down only for want of a trace is 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import pytest
 from scheduler_helpers import fake_outcome, make_request, run_step
@@ -11,7 +12,9 @@ from scheduler_helpers import fake_outcome, make_request, run_step
 from scheduler import Lane, LaneKind, Scheduler, SchedulerConfig
 from scheduler.affine_cost import TRUST_FACTOR, AffineCostModel, features
 from scheduler.buckets import history_bucket, query_bucket
+from scheduler.budget import BudgetDecision, fill_stand_in
 from scheduler.cost_models import PrefillChunk, StepShape
+from scheduler.traced_shapes import StandIn
 
 
 def eager_ms(shape: StepShape) -> float:
@@ -47,17 +50,23 @@ def test_the_affine_model_prices_a_compiled_step_at_a_fixed_saving() -> None:
 
 
 class FakeTraces:
-    """Traces of some chunk sizes (any history, any decode lanes); records what the scheduler asks for."""
+    """Traces of some chunk sizes (any history, any decode lanes), and the stand-ins of others by their rows;
+    records what the scheduler asks for."""
 
-    def __init__(self, rows: set[int]) -> None:
-        self.rows = rows
+    def __init__(self, rows: set[int], stand_ins: dict[int, StandIn] | None = None) -> None:
+        self.rows, self.stand_ins = rows, stand_ins or {}
         self.wanted: list[tuple[tuple[PrefillChunk, ...], int]] = []
+        self.stand_in_limits: list[float | None] = []
 
     def traced(self, chunks: Sequence[PrefillChunk], decode: Sequence[Lane]) -> bool:
         return len(chunks) == 1 and chunks[0].rows in self.rows
 
     def want(self, chunks: Sequence[PrefillChunk], decode: Sequence[Lane]) -> None:
         self.wanted.append((tuple(chunks), len(decode)))
+
+    def stand_in(self, chunks: Sequence[PrefillChunk], decode: Sequence[Lane], limit_ms: float | None) -> StandIn | None:
+        self.stand_in_limits.append(limit_ms)
+        return self.stand_ins.get(chunks[0].rows) if len(chunks) == 1 else None
 
 
 def plan_beside_streams(traces: FakeTraces | None, **settings) -> tuple[Scheduler, object]:
@@ -97,6 +106,40 @@ def test_a_budget_is_predicted_in_the_form_its_step_runs_and_wants_the_trace_it_
     # an engine that compiles no prefill: one form, as before (the compiled fit is never asked for)
     scheduler, plan = plan_beside_streams(None)
     assert plan.prefill_rows == 384
+
+
+def test_a_step_that_would_stand_in_grows_to_the_rows_its_stand_in_carries() -> None:
+    """Nothing traced, the budget is 384 eager rows (13.1 ms); where that step would replay a larger trace in its
+    place (the engine says: 1,024 rows, last run 9.5 ms, within the step's limit), the step carries 1,024 rows at
+    that trace's cost, predicted as its last run. Off, or where the stand-in carries no more rows, 384 stays."""
+    traces = FakeTraces(set(), stand_ins={384: StandIn(1024, 9.5)})
+    _, plan = plan_beside_streams(traces)
+    assert (plan.prefill_rows, plan.predicted_ms) == (1024, 9.5) and plan.budget_reason.endswith("+stand-in")
+    assert traces.stand_in_limits == [plan.limit_ms] and plan.limit_ms == pytest.approx(14.0)
+    _, plan = plan_beside_streams(FakeTraces(set(), stand_ins={384: StandIn(1024, 9.5)}), fill_stand_ins=False)
+    assert plan.prefill_rows == 384 and "+stand-in" not in plan.budget_reason
+    _, plan = plan_beside_streams(FakeTraces(set(), stand_ins={384: StandIn(384, 9.5)}))
+    assert plan.prefill_rows == 384 and plan.predicted_ms == pytest.approx(10 + 0.008 * 384, rel=0.01)
+    # a trace not yet timed: the rows, and the budget's own prediction
+    _, plan = plan_beside_streams(FakeTraces(set(), stand_ins={384: StandIn(2048, None)}))
+    assert plan.prefill_rows == 2040 and plan.predicted_ms == pytest.approx(10 + 0.008 * 384, rel=0.01)  # 8 lanes
+
+
+def test_a_stand_in_fill_keeps_to_one_chunk_and_its_demand() -> None:
+    """`fill_stand_in`: the grown budget never reaches past the one chunk the step would carry (a second prompt's
+    chunk would make the step eager), never shrinks a budget, and leaves uncontended steps alone."""
+    carried = StandIn(512, 8.0)
+    decision = BudgetDecision(64, "halved:5", 5, 9.7, limit_ms=11.0)
+    short_first = [PrefillChunk(100, 0), PrefillChunk(5000, 0)]
+    assert fill_stand_in(decision, short_first, lambda chunks: carried).row_budget == 100
+    assert fill_stand_in(decision, [PrefillChunk(300, 40)], lambda chunks: carried).row_budget == 300
+    grown = fill_stand_in(decision, [PrefillChunk(5000, 40)], lambda chunks: carried)
+    assert (grown.row_budget, grown.reason, grown.predicted_ms, grown.limit_ms) == (512, "halved:5+stand-in", 8.0, 11.0)
+    two_chunks = replace(decision, row_budget=200)
+    assert fill_stand_in(two_chunks, short_first, lambda chunks: carried) == two_chunks
+    uncontended = BudgetDecision(2048, "uncontended", 0, 20.0)
+    assert fill_stand_in(uncontended, [PrefillChunk(5000, 0)], lambda chunks: StandIn(4096, 8.0)) == uncontended
+    assert fill_stand_in(decision, [PrefillChunk(5000, 0)], lambda chunks: None) == decision
 
 
 class Spy:
@@ -158,6 +201,9 @@ class BucketTraces:
     def want(self, chunks: Sequence[PrefillChunk], decode: Sequence[Lane]) -> None:
         if (shape := self.shape(chunks)) is not None:
             self.waiting.add(shape)
+
+    def stand_in(self, chunks: Sequence[PrefillChunk], decode: Sequence[Lane], limit_ms: float | None) -> None:
+        return None  # no larger trace stands in here
 
     def quiet(self) -> None:
         self.shapes |= self.waiting
