@@ -13,7 +13,10 @@ before GPU time is spent. `--policies ema,bucketed,...` picks policies (see POLI
 model's dequantized weights). With `--eager-extra-ms` a step of decode lanes and one chunk whose padded shape has no
 compiled trace costs that much more, and the scheduler sees which shapes are traced, as on CUDA: shapes met (or
 wanted) in the `--warm-passes` runs of the trace before the measured one are traced, as the idle engine traces them
-between the GPU bench's passes. `--ms-prefill-host` makes a step with prefill take at least that long (its host
+between the GPU bench's passes; with `--stand-ins` an untraced such step replays a larger trace run within its limit,
+as the engine's stand-ins do (its time is that trace's rows'), and `--traced ROWS:HISTORY:MS` (repeatable) sets the
+traces and their last runs the measured pass starts with (a run's `compiled_mixed.runs_ms`, in place of what the warm
+passes traced). `--ms-prefill-host` makes a step with prefill take at least that long (its host
 submission, which bounds a small model's mixed steps: H200 0.6B 8-12 ms), `--ms-solo-extra` adds to an
 uncontended prefill step (no decode lanes; on the H100 0.6B's ran ~6 ms over its contended steps' price), and `--set FIELD=VALUE` sets a
 `SchedulerConfig` field over every policy (`--set step_target_floor_ms=12`). A trace with a long prompt (`--long-threshold`) also gets the GPU bench's contended figures: the
@@ -47,6 +50,7 @@ from scheduler import LaneKind, Request, Scheduler, SchedulerConfig, StepOutcome
 from scheduler.buckets import history_bucket, query_bucket  # noqa: E402
 from scheduler.config import COST_MODEL_ENV  # noqa: E402
 from scheduler.cost_models import PrefillChunk  # noqa: E402
+from scheduler.traced_shapes import StandIn  # noqa: E402
 
 # name -> overrides of the base SchedulerConfig
 POLICIES: dict[str, dict] = {
@@ -130,6 +134,10 @@ class SimTraces:
     shapes: set[tuple[int, int]] = field(default_factory=set)
     pending: set[tuple[int, int]] = field(default_factory=set)  # met or wanted, traced at `settle`
     ran_eager: set[tuple[int, int]] = field(default_factory=set)
+    # with stand-ins, an untraced step replays the traced shape of the fewest rows, then the nearest history bucket, at
+    # or past its own whose last ordinary run (`runs`, ms) was within the step's limit (`CompiledMixed.stand_in`)
+    stand_ins: bool = False
+    runs: dict[tuple[int, int], float] = field(default_factory=dict)
 
     def _key(self, chunks: Sequence[PrefillChunk], decode: Sequence) -> tuple[int, int] | None:
         if len(chunks) != 1 or chunks[0].rows < 2 or not decode:
@@ -149,8 +157,28 @@ class SimTraces:
         if key is not None:
             self.pending.add(key)
 
-    def stand_in(self, chunks: Sequence[PrefillChunk], decode: Sequence, limit_ms: float | None) -> None:
-        return None  # the simulation replays no stand-ins
+    def stand_in(self, chunks: Sequence[PrefillChunk], decode: Sequence, limit_ms: float | None) -> StandIn | None:
+        """As `TracedMixedShapes.stand_in`: the most rows a trace standing in for the step carries."""
+        key = self._key(chunks, decode)
+        if key is None or key in self.shapes:
+            return None
+        history = chunks[0].history
+        for rows, bucket in sorted(self._stand_ins_for(key, limit_ms), key=lambda k: (-min(k[0], k[1] - history), k[1])):
+            carried = min(rows, bucket - history)
+            grown = (query_bucket(carried), history_bucket(history + carried, self.kv_bucket))
+            replayed = grown if grown in self.shapes else self.replayed(grown, limit_ms)
+            if replayed is not None:
+                return StandIn(carried, self.runs.get(replayed))
+        return None
+
+    def _stand_ins_for(self, key: tuple[int, int], limit_ms: float | None) -> list[tuple[int, int]]:
+        if not self.stand_ins or limit_ms is None:
+            return []
+        return [k for k, ms in self.runs.items() if k != key and k[0] >= key[0] and k[1] >= key[1] and ms <= limit_ms]
+
+    def replayed(self, key: tuple[int, int], limit_ms: float | None) -> tuple[int, int] | None:
+        """The trace an untraced step of `key` replays in its place (None: it runs eager)."""
+        return min(self._stand_ins_for(key, limit_ms), default=None)
 
     def meet(self, plan: StepPlan) -> bool | None:
         """Record the step's shape as met (traced at the next `settle`); whether the step replays a trace now
@@ -161,6 +189,17 @@ class SimTraces:
         self.pending.add(key)
         return key in self.shapes
 
+    def stand_in_run(self, plan: StepPlan) -> tuple[int, int] | None:
+        """The trace an untraced step replays in its place, within its limit (None: it runs as its own shape)."""
+        key = self._key(*_chunks_and_decode(plan))
+        return None if key is None or key in self.shapes else self.replayed(key, plan.limit_ms)
+
+    def record_run(self, plan: StepPlan, elapsed_ms: float) -> None:
+        """An ordinary run of a step that replayed its own trace."""
+        key = self._key(*_chunks_and_decode(plan))
+        if key is not None:
+            self.runs[key] = elapsed_ms
+
     def first_eager_run(self, plan: StepPlan) -> bool:
         """Whether the step, run eager, is its shape's first eager run (recorded)."""
         key = self._key(*_chunks_and_decode(plan))
@@ -170,6 +209,13 @@ class SimTraces:
 
     def settle(self) -> None:
         self.shapes |= self.pending
+
+
+def _padded_to(plan: StepPlan, rows: int) -> StepPlan:
+    """`plan` with its one prefill chunk padded to `rows` rows (what a stand-in of that many rows computes)."""
+    lanes = tuple(lane if lane.kind is LaneKind.DECODE else replace(lane, token_ids=lane.token_ids + (0,) * (rows - lane.rows))
+                  for lane in plan.lanes)  # fmt: skip
+    return replace(plan, lanes=lanes)
 
 
 def _chunks_and_decode(plan: StepPlan) -> tuple[list, list]:
@@ -205,12 +251,16 @@ def load_trace(path: Path) -> list[Arrival]:
 
 
 def simulate(
-    config: SchedulerConfig, arrivals: list[Arrival], cost: CostFunction, seed: int, warm_passes: int = 0
+    config: SchedulerConfig, arrivals: list[Arrival], cost: CostFunction, seed: int, warm_passes: int = 0,
+    stand_ins: bool = False, traced: dict[tuple[int, int], float] | None = None,
 ) -> dict:
     """Run the trace to completion on a virtual clock, after `warm_passes` runs of it on the same scheduler (its
     cost model learns, the engine traces what they met); returns the last run's per-request token times and step
-    counters."""
-    traces = SimTraces(cost.kv_bucket) if cost.kv_bucket and (cost.eager_extra_ms or cost.first_run_ms) else None
+    counters. `stand_ins`: untraced steps replay larger traces (`SimTraces`); `traced`: the shapes traced beside decode
+    lanes when the measured run starts, whatever the warm runs met, (query bucket, history bucket) -> last run's ms."""
+    traces = None
+    if cost.kv_bucket and (cost.eager_extra_ms or cost.first_run_ms):
+        traces = SimTraces(cost.kv_bucket, stand_ins=stand_ins)
     scheduler = Scheduler(config, traced_shapes=traces)
     rng = random.Random(seed)
     now = 0.0
@@ -218,6 +268,8 @@ def simulate(
         now = _run_pass(scheduler, arrivals, cost, rng, traces, now, f"w{index}-")["end"] + 1.0
         if traces is not None:
             traces.settle()
+    if traces is not None and traced:  # a trace set of the engine's as recorded (`compiled_mixed.runs_ms`)
+        traces.shapes, traces.runs, traces.pending = set(traced), dict(traced), set()
     before = scheduler.stats.as_dict()
     result = _run_pass(scheduler, arrivals, cost, rng, traces, now, "")
     stats = {name: value - before[name] for name, value in result["stats"].items()}  # the measured pass's own
@@ -250,11 +302,19 @@ def _run_pass(
             now = max(now, pending[-1].t)
             continue
         compiled = traces.meet(plan) if traces is not None else None
-        first = compiled is False and traces.first_eager_run(plan)  # as the engine: its time trains no cost model
-        elapsed_ms = cost.step_ms(plan, rng, eager=compiled is False, first_run=first)
+        replayed = traces.stand_in_run(plan) if compiled is False else None
+        if replayed is not None:  # a stand-in costs its trace's rows and trains nothing
+            elapsed_ms = cost.step_ms(_padded_to(plan, replayed[0]), rng)
+            outcome_flags = {"auxiliary": True, "compiled": True}
+        else:
+            first = compiled is False and traces.first_eager_run(plan)  # as the engine: its time trains no cost model
+            elapsed_ms = cost.step_ms(plan, rng, eager=compiled is False, first_run=first)
+            outcome_flags = {"auxiliary": first, "compiled": compiled is True}
+            if compiled:
+                traces.record_run(plan, elapsed_ms)
         now += elapsed_ms / 1000.0
         sampled = {lane.request_id: 1 for lane in plan.lanes if lane.samples}
-        outcome = StepOutcome(sampled, elapsed_ms, auxiliary=first, compiled=compiled is True)
+        outcome = StepOutcome(sampled, elapsed_ms, **outcome_flags)
         for request in scheduler.update(plan, outcome, now):
             tracked[request.request_id].token_times.append(now)
     return {"tracked": tracked, "refused": refused, "end": now, "stats": scheduler.stats.as_dict()}
@@ -372,6 +432,15 @@ def config_override(text: str) -> tuple[str, object]:
         raise argparse.ArgumentTypeError(f"{name}: {error}") from None
 
 
+def traced_shape(text: str) -> tuple[tuple[int, int], float]:
+    """`--traced 512:12288:9.1`: a (query bucket, history bucket) traced shape and its last run's ms."""
+    try:
+        rows, history, ms = text.split(":")
+        return (int(rows), int(history)), float(ms)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ROWS:HISTORY:MS, got {text!r}") from None
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, from {list(POLICIES)}")
@@ -408,6 +477,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="a SchedulerConfig field set over every policy (repeatable): --set floor_slack=1.25")
     parser.add_argument("--warm-passes", type=int, default=0,
                         help="runs of the trace before the measured one (shapes they meet are traced after each)")
+    parser.add_argument("--stand-ins", action="store_true",
+                        help="with --eager-extra-ms: an untraced step replays a larger trace run within its limit")
+    parser.add_argument("--traced", action="append", default=[], metavar="ROWS:HISTORY:MS", type=traced_shape,
+                        help="a shape traced beside decode lanes when the measured run starts, and its last run's "
+                             "ms (repeatable; replaces what the warm runs traced)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return parser.parse_args(argv)
 
@@ -430,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: unknown policy {name!r}; choose from {list(POLICIES)}", file=sys.stderr)
             return 2
         config = replace(base, **(POLICIES[name] | dict(args.set)))
-        result = simulate(config, arrivals, cost, args.seed, args.warm_passes)
+        result = simulate(config, arrivals, cost, args.seed, args.warm_passes, args.stand_ins, dict(args.traced))
         rows[name] = summarize(result, args.long_threshold)
         if args.trace and (figures := contended_figures(result, args.long_threshold)):
             long = figures.pop("long_arrival")

@@ -239,3 +239,60 @@ def test_set_overrides_a_config_field_over_every_policy() -> None:
     for bad in ("no_such_field=1", "floor_slack=", "row_floor=many", "budget_midpoints=flase"):
         with pytest.raises(SystemExit):
             sim.parse_args(["--set", bad])
+
+
+def test_an_untraced_step_stands_in_for_a_larger_trace_run_within_its_limit() -> None:
+    """With stand-ins, an untraced step of decode lanes and one chunk replays the traced shape of the fewest rows
+    (then the nearest history bucket) at or past its own whose last run was within the step's limit, costing that
+    trace's rows; the scheduler is told the most rows such a trace carries (`SimTraces.stand_in`), cut where its
+    history bucket ends."""
+    import random
+    from dataclasses import replace
+
+    from scheduler import LaneKind, StepPlan
+    from scheduler.cost_models import PrefillChunk
+    from scheduler.plan import Lane
+    from scheduler.traced_shapes import StandIn
+
+    sim = load_sim()
+    decode = tuple(Lane(f"s{i}", LaneKind.DECODE, (1,), 100, (), True) for i in range(8))
+    plan = StepPlan(1, (*decode, Lane("long", LaneKind.PREFILL, (1,) * 100, 1000, (), False)), 100, "halved:4", None,
+                    True, limit_ms=10.0)  # fmt: skip
+    traces = sim.SimTraces(1024, stand_ins=True, shapes={(384, 16384), (512, 4096), (1024, 4096)},
+                           runs={(384, 16384): 9.0, (512, 4096): 9.5, (1024, 4096): 14.0})  # fmt: skip
+    assert traces.stand_in_run(plan) == (384, 16384)  # 128 rows at 2048: fewest rows first
+    chunk = [PrefillChunk(rows=100, history=1000)]
+    assert traces.stand_in(chunk, list(decode), 10.0) == StandIn(512, 9.5)  # the most rows carried
+    assert traces.stand_in([PrefillChunk(rows=100, history=3800)], list(decode), 10.0) == StandIn(384, 9.0)
+    assert traces.stand_in(chunk, list(decode), 8.0) is None and traces.stand_in_run(replace(plan, limit_ms=8.0)) is None
+    assert sim.SimTraces(1024, shapes=set(traces.shapes), runs=dict(traces.runs)).stand_in(chunk, list(decode), 10.0) is None
+    cost = sim.CostFunction(noise=0.0, kv_bucket=1024, eager_extra_ms=12.0)
+    wide = replace(plan, lanes=(*decode, Lane("long", LaneKind.PREFILL, (1,) * 384, 1000, (), False)))
+    padded = cost.step_ms(sim._padded_to(plan, 384), random.Random(0))  # as the trace's rows, compiled
+    assert padded == pytest.approx(cost.step_ms(wide, random.Random(0))) and padded > cost.step_ms(plan, random.Random(0))
+
+
+def test_the_measured_run_starts_with_the_traces_given() -> None:
+    """`simulate(traced=...)`: whatever the warm runs traced, the measured run starts with exactly those traces and
+    runs; with stand-ins and the fill on, some contended step carries a stand-in's rows (reason `+stand-in`)."""
+    sim = load_sim()
+    arrivals = sim.load_trace(SIM_PATH.parent / "traces" / "contended_16k.jsonl")
+    cost = sim.CostFunction(fixed_ms=2.8, row_ms=0.0026, pair_ms=6.2e-7, decode_lane_ms=0.1, noise=0.05,
+                            kv_bucket=1024, eager_extra_ms=4.0, prefill_host_ms=6.0)  # fmt: skip
+    config = sim.SchedulerConfig(num_blocks=16_384, max_model_len=1 << 20, kv_bucket=1024, pads_history=False,
+                                 cost_model="affine", step_target_factor=3.0, step_target_floor_ms=11.0)  # fmt: skip
+    traced = {(64, 1024): 6.57, (384, 16384): 9.78, (512, 12288): 9.13, (768, 1024): 8.72}
+    filled = []
+    original = sim.Scheduler.schedule
+
+    def schedule(scheduler, now):
+        plan = original(scheduler, now)
+        filled.append("+stand-in" in plan.budget_reason and not plan.lanes[0].request_id.startswith("w"))
+        return plan
+
+    sim.Scheduler.schedule = schedule
+    try:
+        result = sim.simulate(config, arrivals, cost, seed=1, warm_passes=2, stand_ins=True, traced=traced)
+    finally:
+        sim.Scheduler.schedule = original
+    assert any(filled) and all(item.token_times for item in result["tracked"].values())
