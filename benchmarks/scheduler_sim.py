@@ -167,8 +167,9 @@ class SimTraces:
             carried = min(rows, bucket - history)
             grown = (query_bucket(carried), history_bucket(history + carried, self.kv_bucket))
             replayed = grown if grown in self.shapes else self.replayed(grown, limit_ms)
-            if replayed is not None:
-                return StandIn(carried, self.runs.get(replayed))
+            ms = None if replayed is None else self.runs.get(replayed)
+            if ms is not None and ms <= limit_ms:  # its own trace may be a slower one
+                return StandIn(carried, ms)
         return None
 
     def _stand_ins_for(self, key: tuple[int, int], limit_ms: float | None) -> list[tuple[int, int]]:

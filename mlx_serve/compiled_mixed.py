@@ -104,24 +104,28 @@ class TracedMixedShapes:
         return shape is None or self.mixed.has_run(shape)  # other steps: not tracked here
 
     def stand_in(self, chunks: Sequence[PrefillChunk], decode: Sequence[Lane], limit_ms: float | None) -> StandIn | None:
-        """Where a step of these chunks has no trace and a larger one would stand in for it: the most rows its chunk
-        could carry through such a trace (its rows, within its history bucket), and the last run of the trace a step
-        of those rows replays. None: it replays its own trace, runs eager, or is not a step traced here."""
+        """Where a step of these chunks has no trace and a larger one that ran within `limit_ms` would stand in for
+        it: the most rows its chunk could carry through such a trace (its rows, within its history bucket) where a step
+        of those rows replays a trace that also ran within it, and that run. None: it replays its own trace, runs
+        eager, or is not a step traced here. Only traces within the limit: one past it stands in by the eager builds' bound alone, which
+        a step cut to fewer rows (a shape of another kind) may not meet, and would then run eager."""
         shape = self._shape(chunks, decode)
-        if shape is None or not self.mixed.stand_ins or self.mixed.has_trace(shape):
+        if shape is None or limit_ms is None or not self.mixed.stand_ins or self.mixed.has_trace(shape):
             return None
         history = chunks[0].history
 
         def carried(near: MixedShape) -> int:  # rows past the trace's, or past its history bucket, would not fit it
             return min(near[2], near[3] - history)
 
-        nearest = sorted(self.mixed.stand_ins_for(shape, limit_ms), key=lambda near: (-carried(near), near[3]))
-        for near in nearest:
+        within = [near for near in self.mixed.stand_ins_for(shape, limit_ms) if self.mixed.last_run_ms(near) <= limit_ms]
+        for near in sorted(within, key=lambda near: (-carried(near), near[3])):
             rows = carried(near)
             grown = self.mixed.shape_of(decode, rows, history + rows, self.kv_bucket)
+            # as the runner will choose for the grown step (`CompiledMixed.ready`): its own trace may be a slower one
             replayed = grown if self.mixed.has_trace(grown) else self.mixed.stand_in(grown, limit_ms)
-            if replayed is not None:  # as the runner will choose for the grown step (`CompiledMixed.ready`)
-                return StandIn(rows, self.mixed.last_run_ms(replayed))
+            ms = None if replayed is None else self.mixed.last_run_ms(replayed)
+            if ms is not None and ms <= limit_ms:
+                return StandIn(rows, ms)
         return None
 
     def want(self, chunks: Sequence[PrefillChunk], decode: Sequence[Lane]) -> None:

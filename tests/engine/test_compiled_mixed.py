@@ -11,6 +11,8 @@ from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mlx_lm import load
 
 from mlx_serve import engine_setup
@@ -22,7 +24,7 @@ from mlx_serve.kernels.paged_gather import table_gather
 from mlx_serve.kv_pool import KVLayout, KVPool
 from mlx_serve.runner import ModelRunner
 from mlx_serve.types import GenerationRequest, SamplingParams
-from scheduler.buckets import query_buckets
+from scheduler.buckets import history_bucket, query_bucket, query_buckets
 from scheduler.cost_models import PrefillChunk
 from scheduler.plan import PENDING_TOKEN, Lane, LaneKind, StepOutcome, StepPlan
 from scheduler.traced_shapes import StandIn
@@ -441,6 +443,45 @@ def test_the_scheduler_sees_the_rows_a_stand_in_would_carry():
     mixed.shapes.discard((count, width, 128, 2048))
     mixed.stand_ins = False
     assert shapes.stand_in(chunk, decode, 11.0) is None
+
+
+HISTORY_BUCKETS = (1024, 2048, 4096, 8192, 12288, 16384)
+
+
+@settings(max_examples=200)
+@given(
+    runs=st.dictionaries(st.tuples(st.sampled_from(query_buckets(2048)), st.sampled_from(HISTORY_BUCKETS)),
+                         st.floats(2.0, 20.0), max_size=10),
+    builds=st.lists(st.tuples(st.sampled_from(query_buckets(2048)), st.sampled_from(HISTORY_BUCKETS),
+                              st.floats(2.0, 30.0)), max_size=6),
+    limit_ms=st.floats(2.0, 20.0),
+    history=st.integers(0, 16000), rows=st.integers(2, 1024), demand=st.integers(0, 4000),
+)  # fmt: skip
+def test_a_step_grown_to_its_stand_ins_rows_replays_a_trace(runs, builds, limit_ms, history, rows, demand):
+    """Whatever traces have run and whatever the bounds: where `stand_in` names rows for a step, they are at least the
+    step's own, and a step of those rows (or fewer, down to the step's own: the chunk's demand may cut it) replays a
+    trace, never eager, one that ran within the step's limit and whose last run is the one named."""
+    rows = min(rows, 16384 - history)
+    mixed = CompiledMixed(SimpleNamespace(block_size=16), None, None, None, defer_traces=True, stand_ins=True)
+    shapes = TracedMixedShapes(mixed, 1024, table_gather)
+    decode = [Lane(f"d{i}", LaneKind.DECODE, (1,), 900 + i, tuple(range(57)), True) for i in range(8)]
+    count, width, *_ = mixed.shape_of(decode, 64, 64, 1024)
+    for (bucket, history_padded), ms in runs.items():
+        mixed.shapes.add((count, width, bucket, history_padded))
+        mixed.record_run((count, width, bucket, history_padded), ms)
+    for bucket, history_padded, ms in builds:  # first and later builds: the two kinds' bounds differ
+        mixed.record_eager_build((count, width, bucket, history_padded), ms)
+    carried = shapes.stand_in((PrefillChunk(rows, history),), decode, limit_ms)
+    if carried is None:
+        return
+    assert carried.rows >= rows
+    for grown in {carried.rows, max(rows, min(carried.rows, rows + demand))}:
+        chunk = Lane("p", LaneKind.PREFILL, (1,) * grown, history, (), False)
+        replayed = mixed.ready(decode, chunk, 1024, table_gather, limit_ms)
+        assert replayed is not None
+        assert replayed[2] >= query_bucket(grown) and replayed[3] >= history_bucket(history + grown, 1024)
+        if grown == carried.rows:
+            assert carried.last_run_ms == mixed.last_run_ms(replayed) <= limit_ms
 
 
 def test_a_stand_in_may_run_within_the_step_limit_and_over_a_longer_history():
