@@ -105,10 +105,11 @@ class TracedMixedShapes:
 
     def stand_in(self, chunks: Sequence[PrefillChunk], decode: Sequence[Lane], limit_ms: float | None) -> StandIn | None:
         """Where a step of these chunks has no trace and a larger one that ran within `limit_ms` would stand in for
-        it: the most rows its chunk could carry through such a trace (its rows, within its history bucket) where a step
-        of those rows replays a trace that also ran within it, and that run. None: it replays its own trace, runs
-        eager, or is not a step traced here. Only traces within the limit: one past it stands in by the eager builds' bound alone, which
-        a step cut to fewer rows (a shape of another kind) may not meet, and would then run eager."""
+        it: the most rows its chunk could carry through such a trace (its rows, within its history bucket) where a
+        step of those rows replays a trace that also ran within it, and that run. None: it replays its own trace,
+        runs eager, or is not a step traced here. Only traces within the limit: one past it stands in by the eager
+        builds' bound alone, which a step cut to fewer rows (a shape of another kind) may not meet: it would run
+        eager."""
         shape = self._shape(chunks, decode)
         if shape is None or limit_ms is None or not self.mixed.stand_ins or self.mixed.has_trace(shape):
             return None
