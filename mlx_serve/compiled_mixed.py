@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -287,6 +287,14 @@ class CompiledMixed:
         builds = {"first": self._build_median(True), "later": self._build_median(False)}
         return {"traced": len(self.shapes), "waiting": self.deferred, "stand_ins": self.stand_ins_run,
                 "runs_ms": [[*shape, round(ms, 2)] for shape, ms in runs], "eager_build_ms": builds}  # fmt: skip
+
+    def untrace(self, shapes: Iterable[MixedShape]) -> None:
+        """Forget these shapes' traces and runs: their steps run eager or stand in again until `trace_deferred`
+        traces them anew (`run_gpu_bench --keep-traces-at` makes a warm engine's sparse trace set this way)."""
+        for shape in list(shapes):
+            self.shapes.discard(shape)
+            self._ran.discard(shape)
+            self._measured_ms.pop(shape, None)
 
     def record_run(self, shape: MixedShape, ms: float) -> None:
         """A compiled step of `shape`, neither its first run nor a stand-in, took `ms` on the device."""

@@ -28,7 +28,7 @@ LANES, MS, AUXILIARY = 1, 3, 6
 # settings a result records, `--by` choices; traced_midpoints, met_midpoints and paced_slowdown only in older logs
 SETTINGS = ("step_target_floor_ms", "traced_midpoints", "met_midpoints", "floor_slack", "budget_midpoints",
             "paced_slowdown", "price_first_runs", "warm_chunk_rows", "plan_headroom", "debt_tolerance",
-            "price_stand_ins", "max_prefill_slowdown", "fill_stand_ins")
+            "price_stand_ins", "max_prefill_slowdown", "fill_stand_ins", "kept_traces_at")
 
 
 def label_of(path: Path) -> str:
@@ -52,7 +52,7 @@ def run_row(label: str, shape: str, ours: dict, settings: tuple[str, ...]) -> di
     return {
         "label": label,
         "shape": shape,
-        "settings": {name: ours.get(name) for name in settings},
+        "settings": {name: _setting(ours.get(name)) for name in settings},
         "ratio": contended["gap_ratio"],
         "median_ms": contended["gap_p50_ms"],
         "max_ms": contended["gap_max_ms"],
@@ -79,6 +79,11 @@ def one_off_steps(prefill_steps: list[list], median_gap_ms: float) -> dict:
     slowest_other = max(other, default=None)
     return {"count": len(one_off), "slowest_ms": max(one_off, default=None),
             "other_ratio": slowest_other / median_gap_ms if slowest_other is not None and median_gap_ms else None}
+
+
+def _setting(value: object) -> object:
+    """A recorded setting as a group key: a list (`kept_traces_at`) as a tuple."""
+    return tuple(value) if isinstance(value, list) else value
 
 
 def rows_of(paths: list[Path], settings: tuple[str, ...]) -> list[dict]:

@@ -19,6 +19,7 @@ from benchmarks.gpu.host_samples import StackSampler, runs, time_in
 from benchmarks.gpu.host_waits import HostWaits, overlap_ms
 from benchmarks.gpu.models import DummyModel
 from benchmarks.gpu.workloads import WARM_STEPS, BenchParams, Prompts, gap_summary, steady_rate
+from mlx_serve.compiled_step import lane_bucket
 from mlx_serve.engine import Engine, EngineConfig
 from mlx_serve.types import GenerationRequest
 from tracing.events import Span, StepExecuted, StepPlanned, TokenCommitted
@@ -123,6 +124,18 @@ class OurSide:
             time.sleep(0.01)
         return {"traced": len(mixed.shapes), "waiting": mixed.deferred, "neighbours_waiting": mixed.speculative,
                 "s": round(time.perf_counter() - t0, 2)}
+
+    def keep_traces_at(self, streams: int, histories: list[int]) -> int:
+        """Forget the compiled traces of `streams` decode lanes and a chunk but those at these history buckets (a
+        sparse set like the one some runs meet by chance, made on demand); called while the engine is idle, after
+        `settle_traces`. Returns how many were forgotten."""
+        mixed = self.engine.runner.compiled_mixed
+        if mixed is None:
+            return 0
+        lanes = max(lane_bucket(streams), mixed.min_lanes)
+        dropped = [shape for shape in mixed.shapes if shape[0] == lanes and shape[3] not in histories]
+        mixed.untrace(dropped)
+        return len(dropped)
 
     def _run(self, prompts: list[list[int]], max_tokens: int) -> list[Any]:
         requests = [

@@ -246,6 +246,9 @@ def measure_ours(
         for _ in range(max(1, args.warm_passes)):  # the record of the last pass is kept
             out["contended_warm"] = side.contended(prompts, replace(p, tokens_before=4, tokens_after=4))
             out["settled_traces"].append(side.settle_traces())  # the pass's new compiled shapes, traced while idle
+        if args.keep_traces_at:
+            out["kept_traces_at"] = args.keep_traces_at
+            out["untraced"] = side.keep_traces_at(p.contended_streams, args.keep_traces_at)
         out["contended"] = side.contended(prompts, p)
         note(f"{dummy.name} ours contended", out["contended"])
         out["shared_prefix"] = side.shared_prefix(prompts, p)
@@ -340,6 +343,9 @@ def main() -> None:
                         help="decode lanes + one chunk through a compiled trace (CompiledMixed; auto: on with CUDA)")
     parser.add_argument("--defer-mixed-traces", choices=["on", "off"], default="on",
                         help="EngineConfig.defer_mixed_traces: a new compiled mixed shape runs eager until traced idle")
+    parser.add_argument("--keep-traces-at", type=_counts, default=[], metavar="HISTORIES",
+                        help="after the warm passes, forget every trace beside the contended streams but those at "
+                             "these history buckets (e.g. 1024,12288,16384: a sparse trace set met by chance)")
     parser.add_argument("--warm-passes", type=int, default=2,
                         help="contended warm passes before the measured one, the idle engine tracing after each: a "
                              "server that has read such a prompt before (the second pass's budgets want traces the "

@@ -62,3 +62,19 @@ def test_files_without_a_contended_pass_are_refused(tmp_path, capsys) -> None:
     path.write_text(json.dumps({"results": [{"shape": "8b", "ours": {"decode": {}}}]}))
     assert main([str(path)]) == 1
     assert "no contended passes" in capsys.readouterr().err
+
+
+def test_a_list_setting_groups_runs(tmp_path, capsys) -> None:
+    """`kept_traces_at` is recorded as a list: runs group by it as by any setting, a run without it under None."""
+    paths = []
+    for label, kept in (("sparse_1", [1024, 16384]), ("sparse_2", [1024, 16384]), ("whole_1", None)):
+        result = _result(2.5, 0.22, 1.0)
+        if kept is not None:
+            result["results"][0]["ours"]["kept_traces_at"] = kept
+        (tmp_path / label).mkdir()
+        (tmp_path / label / "gpu_bench.json").write_text(json.dumps(result))
+        paths.append(str(tmp_path / label / "gpu_bench.json"))
+    assert main([*paths, "--by", "kept_traces_at"]) == 0
+    summary = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 0.6b")]
+    assert summary == ["| 0.6b | (1024, 16384) | 2 | 2 | 2 | 2.50 (2.50-2.50) | 1.10 |",
+                       "| 0.6b | None | 1 | 1 | 1 | 2.50 (2.50-2.50) | 1.10 |"]

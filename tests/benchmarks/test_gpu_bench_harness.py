@@ -57,7 +57,8 @@ def test_contended_only_run_and_its_refusal(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_")}
     env.update(MLX_MAX_OPS_PER_BUFFER="400", MLX_PTX_CACHE_DIR=str(tmp_path / "ptx"), API_CALLS="1")
     done = run_bench(tmp_path, "--shapes", "tiny", "--contended-only", "--step-target-ms", "auto", "--compile-decode",
-                     "on", "--fuse-decode", "on", "--fuse-mixed", "on", "--row-quantum", "16", env=env)  # fmt: skip
+                     "on", "--fuse-decode", "on", "--fuse-mixed", "on", "--row-quantum", "16", "--keep-traces-at", "1024,16384",
+                     env=env)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     written = json.loads((tmp_path / "gpu_bench.json").read_text())
     assert written["mlx_settings"] == {"MLX_MAX_OPS_PER_BUFFER": "400"}
@@ -92,6 +93,7 @@ def test_contended_only_run_and_its_refusal(tmp_path):
     assert result["ours"]["contended"]["decode_traces"] == len(longest["decode_traces"]) == 0
     assert result["ours"]["contended"]["peak_above_start_mb"] > 0 and result["ours"]["contended"]["pool_layer_mb"] > 0
     assert len(result["ours"]["settled_traces"]) == 2  # two warm passes by default, each settled
+    assert result["ours"]["kept_traces_at"] == [1024, 16384] and result["ours"]["untraced"] == 0  # none on the CPU
     if cupti_dirs():  # API_CALLS=1: the shim built and loaded; without a driver CUPTI refuses and times nothing
         assert steps["api_calls_status"]["cupti_result"] != 0 and steps["api_calls_status"]["dropped"] == 0
         *per_call, submissions, slowest = steps["submission_api_calls"]

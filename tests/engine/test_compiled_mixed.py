@@ -183,6 +183,28 @@ def test_deferred_shapes_run_eager_until_traced_then_replay(tiny_qwen3):
         assert abs(a[2] - b[2]) < 1e-4, (a, b)
 
 
+def test_an_untraced_shape_runs_eager_again_until_traced_anew(tiny_qwen3):
+    """`untrace` (how the GPU bench makes a sparse trace set) leaves the shape as if never traced: its steps run
+    eager and queue it for `trace_deferred`, which traces it again; other shapes keep replaying."""
+    model, _ = load(str(tiny_qwen3))
+    runner = _runner(model, compile_mixed=True, defer=True)
+    eager = _steps(runner)
+    while runner.trace_deferred():
+        pass
+    mixed = runner.compiled_mixed
+    _steps(runner)  # every trace's first run
+    dropped = max(mixed.shapes, key=lambda shape: shape[3])  # the longest history bucket: two of the chunk steps
+    mixed.record_run(dropped, 3.0)
+    mixed.untrace([dropped])
+    assert dropped not in mixed.shapes and mixed.last_run_ms(dropped) is None and not mixed.deferred
+    outcomes: list[StepOutcome] = []
+    again = _steps(runner, outcomes)
+    assert [o.compiled for o in outcomes] == [True, True, False, False, True]
+    assert mixed.deferred == 1 and runner.trace_deferred() and dropped in mixed.shapes
+    for a, b in zip(again, eager):
+        assert a[:2] == b[:2] and abs(a[2] - b[2]) < 1e-4, (a, b)
+
+
 def test_the_scheduler_sees_which_steps_run_compiled_and_its_wants_are_traced(tiny_qwen3):
     """`runner.traced_shapes()`: a step of decode lanes and one chunk runs compiled once its padded shape has a
     trace; a shape the scheduler wants is traced by `trace_deferred` like a met one, and a step of it replays."""
