@@ -299,6 +299,19 @@ def write(results: list[dict], out: Path, header: str, meta: dict) -> None:
     (out / "gpu_bench.md").write_text(markdown(results, header) + "\n")
 
 
+def _argument(name: str, value: object) -> str:
+    """One parsed argument as it is typed, so the recorded command pastes: a flag bare, a list comma-joined;
+    "" where it was left unset (None, False, empty)."""
+    flag = f"--{name.replace('_', '-')}"
+    if value is None or value is False or value in ([], ""):
+        return ""
+    if value is True:
+        return flag
+    if isinstance(value, list):
+        return f"{flag} {','.join(str(v) for v in value)}"
+    return f"{flag} {value}"
+
+
 def _counts(text: str) -> list[int]:
     """A comma-separated list of stream counts ("8,64")."""
     return [int(n) for n in text.split(",") if n]
@@ -484,7 +497,7 @@ def main() -> None:
     meta = {
         "command": "".join(f"{k}={v} " for k, v in settings.items())
         + "python -m benchmarks.gpu.run_gpu_bench "
-        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v not in (None, False)),
+        + " ".join(filter(None, (_argument(k, v) for k, v in vars(args).items()))),
         "mlx_settings": settings,
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": mx.device_info().get("device_name", platform.processor()),

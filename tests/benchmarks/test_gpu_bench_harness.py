@@ -63,6 +63,7 @@ def test_contended_only_run_and_its_refusal(tmp_path):
     written = json.loads((tmp_path / "gpu_bench.json").read_text())
     assert written["mlx_settings"] == {"MLX_MAX_OPS_PER_BUFFER": "400"}
     assert written["command"].startswith("MLX_MAX_OPS_PER_BUFFER=400 python -m benchmarks.gpu.run_gpu_bench ")
+    assert " --contended-only " in written["command"] and " --keep-traces-at 1024,16384 " in written["command"]
     (result,) = written["results"]
     assert result["peer"] == {} and "decode" not in result["ours"]
     assert result["step_target_ms"] >= AUTO_STEP_FLOOR_MS  # learned by the end of the run, never under the floor
