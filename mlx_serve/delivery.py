@@ -1,6 +1,7 @@
 """The output side of the engine: per-request streams and handles, token events, the final event with usage.
 
-Runs on the engine thread, except `reserve`, which `submit` calls from any thread.
+Runs on the engine thread, except `reserve`, which `submit` calls from any thread. Events for streams read on an
+event loop wait in an `Outbox` until `flush`, once per step.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 from mlx_serve.errors import QueueFull
-from mlx_serve.handle import RequestHandle
+from mlx_serve.handle import Outbox, RequestHandle
 from mlx_serve.outputs import RequestStream, with_usage
 from mlx_serve.types import TokenEvent
 from scheduler import FinishReason, Request, RequestState
@@ -48,6 +49,7 @@ class Delivery:
         self._on_closed = on_closed
         self._streams: dict[str, RequestStream] = {}
         self._handles: dict[str, RequestHandle] = {}
+        self._outbox = Outbox()  # events for handles read on event loops, until `flush`
         self._outstanding = 0  # reserved and not yet finished
         self._count_lock = threading.Lock()
         self.generation_tokens = 0
@@ -108,7 +110,12 @@ class Delivery:
         if finished:
             self.finish(rid, reason or "stop", request, last_event=event)
         else:
-            self._handles[rid].push(event)
+            self._outbox.post(self._handles[rid], event)
+
+    def flush(self) -> None:
+        """Hand the events posted since the last flush to the loops that read them (the engine calls it after each
+        step and each admission pass: an event never waits longer than that)."""
+        self._outbox.flush()
 
     def finish(
         self, rid: str, reason: str, request: Request | None, last_event: TokenEvent | None = None, error: str | None = None
@@ -127,7 +134,7 @@ class Delivery:
         event = with_usage(event, prompt, completion, cached)
         if event.finish_reason != reason:
             event = replace(event, finish_reason=reason)
-        handle.push(event)
+        self._outbox.post(handle, event)
         self.observer.on_finish(reason, prompt, completion, cached)
         if self.trace.enabled:
             self.trace.emit(RequestFinished(self.trace.now(), rid, reason, prompt, completion, cached))

@@ -365,6 +365,7 @@ class Engine:
         while True:
             self._run_controls()
             self._admit()
+            self._flush()  # refusals' and cancellations' final events
             if self._stopping and not self.delivery.open_ids():
                 return
             if not self.scheduler.has_work and self._in_flight is None:
@@ -375,9 +376,17 @@ class Engine:
                 self._wakeup.clear()
                 continue
             self._busy_at = time.monotonic()
-            if not self._step():
+            stepped = self._step()
+            self._flush()  # the step's events: one wake-up of each reading loop
+            if not stepped:
                 self._wakeup.wait(0.01)  # nothing runnable (e.g. waiting for blocks): do not spin
                 self._wakeup.clear()
+
+    def _flush(self) -> None:
+        t0 = self.trace.now()
+        self.delivery.flush()
+        if self.trace.enabled:
+            self.trace.emit(Span("delivery", t0, self.trace.now()))
 
     def _on_engine_thread(self, work: Callable[[], None], timeout_s: float) -> None:
         """Run `work` on the engine thread between steps and wait for it; its exception is raised here."""
@@ -574,6 +583,7 @@ class Engine:
                 self.delivery.finish(request_id, "error", None, error=reason)
             except Exception:  # the next request must still be told
                 log.exception("failing request %s", request_id)
+        self.delivery.flush()
 
     def _finish_on_stop_string(self, request_id: str) -> None:
         with self._lock:
