@@ -112,10 +112,10 @@ class Delivery:
         else:
             self._outbox.post(self._handles[rid], event)
 
-    def flush(self) -> None:
+    def flush(self) -> int:
         """Hand the events posted since the last flush to the loops that read them (the engine calls it after each
-        step and each admission pass: an event never waits longer than that)."""
-        self._outbox.flush()
+        step and each admission pass: an event never waits longer than that); returns how many."""
+        return self._outbox.flush()
 
     def finish(
         self, rid: str, reason: str, request: Request | None, last_event: TokenEvent | None = None, error: str | None = None

@@ -384,8 +384,7 @@ class Engine:
 
     def _flush(self) -> None:
         t0 = self.trace.now()
-        self.delivery.flush()
-        if self.trace.enabled:
+        if self.delivery.flush() and self.trace.enabled:
             self.trace.emit(Span("delivery", t0, self.trace.now()))
 
     def _on_engine_thread(self, work: Callable[[], None], timeout_s: float) -> None:

@@ -53,17 +53,11 @@ class RequestHandle:
         return self._loop
 
     def push(self, event: TokenEvent) -> None:
-        """Called by the engine thread (one wake-up of the caller's loop per event; `Outbox` batches them)."""
-        if self._loop is not None and self._async_events is not None:
-            try:
-                self._loop.call_soon_threadsafe(self._async_events.put_nowait, event)
-            except RuntimeError:  # the caller's loop is closed: nobody is listening any more
-                self._cancel(self.request_id)
-        else:
-            self._sync_events.put(event)
+        """From the engine thread, for a handle read blocking (`Outbox.post`)."""
+        self._sync_events.put(event)
 
     def receive(self, event: TokenEvent) -> None:
-        """On the caller's loop: an event the engine thread posted (`Outbox.flush`)."""
+        """On the caller's loop, for a handle read with `async for` (`Outbox.flush`)."""
         if self._async_events is not None:
             self._async_events.put_nowait(event)
 
@@ -113,16 +107,17 @@ class Outbox:
         else:
             self._batches.setdefault(handle.loop, []).append((handle, event))
 
-    def flush(self) -> None:
-        """Hand every queued event to its loop, in order, one call per loop. A closed loop's readers are gone:
-        their requests are cancelled."""
+    def flush(self) -> int:
+        """Hand every queued event to its loop, in order, one call per loop; returns how many. A closed loop's
+        readers are gone: their requests are cancelled."""
         batches, self._batches = self._batches, {}
         for loop, batch in batches.items():
             try:
                 loop.call_soon_threadsafe(_receive_all, batch)
-            except RuntimeError:
+            except RuntimeError:  # the caller's loop is closed: nobody is listening any more
                 for handle in {handle.request_id: handle for handle, _ in batch}.values():
                     handle.cancel()
+        return sum(len(batch) for batch in batches.values())
 
     def __len__(self) -> int:
         return sum(len(batch) for batch in self._batches.values())

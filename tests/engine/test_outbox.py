@@ -63,14 +63,14 @@ def test_a_steps_events_wake_each_reading_loop_once_and_keep_their_order():
                 outbox.post(handle, _event(handle.request_id, step, last=step == 2))
             assert len(outbox) == len(handles)
             before = [loop.wakeups for loop in loops]
-            outbox.flush()
+            assert outbox.flush() == len(handles)
             assert [loop.wakeups - b for loop, b in zip(loops, before)] == [1, 1] and len(outbox) == 0
         for handle, loop in zip(handles, loops * 2):
             events = loop.run(_read(handle))
             assert [e.token_id for e in events] == [0, 1, 2] and events[-1].finish_reason == "length"
         assert cancelled == []
         before = [loop.wakeups for loop in loops]
-        outbox.flush()  # nothing posted: no wake-up
+        assert outbox.flush() == 0  # nothing posted: no wake-up
         assert [loop.wakeups for loop in loops] == before
     finally:
         for loop in loops:
