@@ -25,6 +25,7 @@ last run took no longer than eager steps' builds do or than the step was planned
 from __future__ import annotations
 
 import functools
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
@@ -155,6 +156,7 @@ class CompiledMixed:
         neighbour_traces: int = 0,
         run_traces: bool = False,
         stand_ins: bool = False,
+        time_traces: bool = False,
     ) -> None:
         self.pool = pool
         self.chunk_attention = chunk_attention
@@ -175,6 +177,9 @@ class CompiledMixed:
         self._most_rows = 0  # the largest query bucket met: neighbours never grow past it
         self._ran: set[MixedShape] = set()  # shapes run at least once (on real inputs, or on scratch ones when idle)
         self.run_traces = run_traces  # `trace_deferred` also runs each shape once over the scratch block
+        # with `run_traces`: then once more, timed, as the trace's run until its first ordinary one (`stand_in` takes
+        # only traces with a run: without this, one made while idle waits for a real step of its own shape)
+        self.time_traces = time_traces
         # whether the last call was its shape's first run: a trace made on zero inputs evaluates nothing, so the
         # first real step of a shape may pay one-off work (its time does not train the scheduler)
         self.first_run = False
@@ -333,8 +338,12 @@ class CompiledMixed:
         chunk = Lane("scratch", LaneKind.PREFILL, (0,) * real, padded - real, (scratch,) * (padded // size), True)
         if self.shape(decode, chunk, unit) != shape:
             return  # not expected (these lanes make every traced shape); if so, its first real step pays
-        logits = self(decode, chunk, mx.zeros((count + real,), dtype=mx.int32), unit, gather)
-        mx.eval(logits, self.pool.state())
+        tokens = mx.zeros((count + real,), dtype=mx.int32)
+        mx.eval(self(decode, chunk, tokens, unit, gather), self.pool.state())
+        if self.time_traces:  # the first run paid first-use work; this one's host wall time bounds its device time
+            t0 = time.perf_counter()
+            mx.eval(self(decode, chunk, tokens, unit, gather), self.pool.state())
+            self._measured_ms.setdefault(shape, (time.perf_counter() - t0) * 1e3)
 
     def _trace(self, shape: MixedShape, gather: PrefillGather) -> None:
         count, width, rows, padded = shape

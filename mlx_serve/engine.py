@@ -108,6 +108,7 @@ class Engine:
             neighbour_traces=config.trace_neighbour_shapes,
             run_idle_traces=config.run_idle_traces,
             stand_in_traces=config.stand_in_traces,
+            time_idle_traces=config.time_idle_traces,
             dense_moe=engine_setup.dense_experts(config.dense_experts),
             expert_tiles=engine_setup.expert_tiles(config.expert_tiles),
             dequantize_rows=engine_setup.dequantize_rows(config.dequantize_rows),

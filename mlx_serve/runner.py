@@ -159,6 +159,7 @@ class ModelRunner:
         neighbour_traces: int = 0,
         run_idle_traces: bool = False,
         stand_in_traces: bool = False,
+        time_idle_traces: bool = False,
         split_k: str = "off",
         chunk_attention: ChunkAttention | None = None,
         clock: StepClock | None | str = "auto",
@@ -224,7 +225,7 @@ class ModelRunner:
         # a decode batch with one prefill chunk replays a compiled trace per shape (where the history is bucketed)
         self.compiled_mixed = (
             CompiledMixed(pool, fused, self.decode_attention, self._logits, min_lanes, self.chunk_attention,
-                          defer_mixed_traces, neighbour_traces, run_idle_traces, stand_in_traces)
+                          defer_mixed_traces, neighbour_traces, run_idle_traces, stand_in_traces, time_idle_traces)
             if compile_mixed and self.fused_mixed is not None
             else None
         )

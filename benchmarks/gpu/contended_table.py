@@ -28,7 +28,8 @@ LANES, MS, AUXILIARY = 1, 3, 6
 # settings a result records, `--by` choices; traced_midpoints, met_midpoints and paced_slowdown only in older logs
 SETTINGS = ("step_target_floor_ms", "traced_midpoints", "met_midpoints", "floor_slack", "budget_midpoints",
             "paced_slowdown", "price_first_runs", "warm_chunk_rows", "plan_headroom", "debt_tolerance",
-            "price_stand_ins", "max_prefill_slowdown", "fill_stand_ins", "kept_traces_at")
+            "price_stand_ins", "max_prefill_slowdown", "fill_stand_ins", "kept_traces_at",
+            "time_idle_traces")
 
 
 def label_of(path: Path) -> str:

@@ -163,6 +163,7 @@ def measure_ours(
               "step_target_floor_ms": args.target_floor_ms, "defer_mixed_traces": args.defer_mixed_traces == "on",
               "trace_neighbour_shapes": args.trace_neighbour_shapes, "run_idle_traces": args.run_idle_traces == "on",
               "stand_in_traces": args.stand_in_traces == "on", "price_stand_ins": args.price_stand_ins == "on",
+              "time_idle_traces": args.time_idle_traces == "on",
               "fill_stand_ins": args.fill_stand_ins == "on",
               "budget_midpoints": args.budget_midpoints == "on",
               "price_first_runs": args.price_first_runs == "on",
@@ -231,6 +232,7 @@ def measure_ours(
         out["debt_tolerance"] = side.engine.scheduler.config.debt_tolerance
         out["price_stand_ins"] = side.engine.config.price_stand_ins
         out["fill_stand_ins"] = side.engine.scheduler.config.fill_stand_ins
+        out["time_idle_traces"] = side.engine.config.time_idle_traces
         out["cost_trust_factor"] = side.engine.scheduler.config.cost_trust_factor
         out["floor_slack"] = side.engine.scheduler.config.floor_slack
         out["slack_guard_rows"] = side.engine.scheduler.config.slack_guard_rows
@@ -369,6 +371,9 @@ def main() -> None:
                         help="EngineConfig.stand_in_traces: an untraced step may replay a larger traced shape, padded")
     parser.add_argument("--price-stand-ins", choices=["on", "off"], default="off",
                         help="EngineConfig.price_stand_ins: budgets price a step a stand-in would replay as compiled")
+    parser.add_argument("--time-idle-traces", choices=["on", "off"], default="off",
+                        help="EngineConfig.time_idle_traces: a shape traced idle runs twice there, the second timed, "
+                             "so it may stand in before a real step ran it")
     parser.add_argument("--fill-stand-ins", choices=["on", "off"], default="on",
                         help="EngineConfig.fill_stand_ins: a step that would stand in grows to its stand-in's rows")
     parser.add_argument("--trace-neighbour-shapes", type=int, default=0,

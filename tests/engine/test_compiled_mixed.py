@@ -645,6 +645,30 @@ def test_shapes_traced_idle_can_also_run_there_over_the_scratch_block_only(tiny_
     assert [s[:2] for s in replayed] == [s[:2] for s in eager]
 
 
+@pytest.mark.parametrize("timed", [True, False])
+def test_a_trace_timed_on_the_scratch_block_may_stand_in_before_a_real_step_ran_it(tiny_qwen3, timed):
+    """`time_idle_traces`: after its scratch run, each shape traced idle runs once more there, timed, and that time
+    is its run until a real one replaces it, so it may stand in at once; untimed, a trace no real step has run
+    stands in for nothing. Either way the real steps replay with the eager steps' tokens."""
+    model, _ = load(str(tiny_qwen3))
+    runner = _runner(model, compile_mixed=True, defer=True)
+    mixed = runner.compiled_mixed
+    mixed.run_traces, mixed.time_traces = True, timed
+    eager = _steps(runner)
+    while runner.trace_deferred():
+        pass
+    chunked = sorted(shape for shape in mixed.shapes if shape[0])  # (4, 2, 64, h), h = 32, 64, 128
+    assert len(chunked) == 3
+    times = [mixed.last_run_ms(shape) for shape in chunked]
+    assert all(ms is not None and ms > 0 for ms in times) if timed else times == [None] * 3
+    shortest = chunked[0]
+    assert mixed.stand_in(shortest, limit_ms=1e6) == (chunked[1] if timed else None)
+    replayed = _steps(runner)
+    assert [s[:2] for s in replayed] == [s[:2] for s in eager]
+    mixed.record_run(chunked[1], 0.5)  # a real run's time replaces the scratch one's
+    assert mixed.last_run_ms(chunked[1]) == 0.5
+
+
 def test_chunk_rows_warmed_before_serving_leave_every_request_block_untouched(tiny_qwen3):
     """`warm_chunk_rows`: one eager step of decode lanes beside a chunk of each query bucket, every lane over the
     scratch block, so a rows bucket's first real step pays no first-load work. No request's block is written, and
