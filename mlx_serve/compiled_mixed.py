@@ -188,7 +188,8 @@ class CompiledMixed:
         # 0.6B beside 8 streams: 20-33 ms first, ~15 ms later; twenty-seventh run)
         self._eager_builds = {first: deque(maxlen=EAGER_BUILDS_KEPT) for first in (True, False)}
         self._ran_eager: set[MixedShape] = set()
-        self._measured_ms: dict[MixedShape, float] = {}  # each traced shape's last ordinary run (device ms)
+        # each traced shape's last ordinary run (device ms), or until it has one its timed scratch run (`time_traces`)
+        self._measured_ms: dict[MixedShape, float] = {}
         self.stand_ins_run = 0
         self.stood_in = False
 
@@ -265,7 +266,7 @@ class CompiledMixed:
         ]  # fmt: skip
 
     def last_run_ms(self, shape: MixedShape) -> float | None:
-        """The device ms of a traced shape's last ordinary run (None: none yet)."""
+        """The device ms of a traced shape's last ordinary run, else its timed scratch run's (None: neither yet)."""
         return self._measured_ms.get(shape)
 
     def record_eager_build(self, shape: MixedShape, ms: float) -> None:
