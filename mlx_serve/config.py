@@ -93,9 +93,9 @@ class EngineConfig:
     # their eager builds held the streams 20-33 ms
     stand_in_traces: bool = True
     # with run_idle_traces: each such shape runs a second time there, timed (host wall time), so that it may stand in
-    # before a real step of its own shape has run (H100, 0.6B: traces made idle after the warm passes stood in only
-    # from 7.8k tokens on, 512-row steps before that ran eager, 12.5-14.9 ms against 5.9-9.1 replayed; fifty-second run)
-    time_idle_traces: bool = False
+    # before a real step of its own shape has run. H100, a 16k prompt beside 8 streams: TTFT / solo 1.18-1.35 on
+    # against 1.28-1.70 off in five of five pairs (0.6B and 8B), gaps held (fifty-third run)
+    time_idle_traces: bool = True
     price_stand_ins: bool = False  # budgets price a step a stand-in would replay as compiled (`TracedMixedShapes`)
     fill_stand_ins: bool = True  # a step that would stand in grows to the rows its stand-in carries (SchedulerConfig)
     expert_tiles: str = "auto"  # "auto" (the CUDA kernel with CUDA) | "on" | "off": MoE steps of many rows in expert tiles

@@ -371,7 +371,7 @@ def main() -> None:
                         help="EngineConfig.stand_in_traces: an untraced step may replay a larger traced shape, padded")
     parser.add_argument("--price-stand-ins", choices=["on", "off"], default="off",
                         help="EngineConfig.price_stand_ins: budgets price a step a stand-in would replay as compiled")
-    parser.add_argument("--time-idle-traces", choices=["on", "off"], default="off",
+    parser.add_argument("--time-idle-traces", choices=["on", "off"], default="on",
                         help="EngineConfig.time_idle_traces: a shape traced idle runs twice there, the second timed, "
                              "so it may stand in before a real step ran it")
     parser.add_argument("--fill-stand-ins", choices=["on", "off"], default="on",
