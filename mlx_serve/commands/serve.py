@@ -280,6 +280,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--defer-mixed-traces", choices=["on", "off"], default="on",
                    help="a new compiled mixed shape runs eager until the idle engine has traced it (off: traced at "
                         "first use, a 25-50 ms stall of that step on the H200; default: %(default)s)")
+    g.add_argument("--run-idle-traces", choices=["on", "off"], default="on",
+                   help="with deferred traces: each shape traced while the engine is quiet also runs once there over "
+                        "a scratch block, so its first real step pays no first-run work (default: %(default)s)")
+    g.add_argument("--time-idle-traces", choices=["on", "off"], default="on",
+                   help="with --run-idle-traces: each such shape runs a second time there, timed, so it may stand in "
+                        "for smaller steps before a real step of its own ran (default: %(default)s)")
     g.add_argument("--stand-in-traces", choices=["on", "off"], default="on",
                    help="with deferred traces: a step whose shape has no trace yet replays the traced shape of its "
                         "lanes with the fewest rows, then the nearest history bucket, at or past its own, padded, "
@@ -391,6 +397,7 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
         decode_attention=args.decode_attention, compile_decode=args.compile_decode, fuse_decode=args.fuse_decode,
         dense_experts=args.dense_experts, expert_tiles=args.expert_tiles, fuse_mixed=args.fuse_mixed,
         compile_mixed=args.compile_mixed, defer_mixed_traces=args.defer_mixed_traces == "on",
+        run_idle_traces=args.run_idle_traces == "on", time_idle_traces=args.time_idle_traces == "on",
         stand_in_traces=args.stand_in_traces == "on", price_stand_ins=args.price_stand_ins == "on",
         fill_stand_ins=args.fill_stand_ins == "on",
         trace_neighbour_shapes=args.trace_neighbour_shapes,

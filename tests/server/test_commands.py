@@ -46,6 +46,8 @@ def test_serve_help_explains_the_engine_flags(capsys):
         ("--slack-guard-rows", {None: 512, "0": 0, "256": 256}, ("-1", "many", "1.5")),
         ("--plan-padding", {None: "on", "off": "off"}, ("exact",)),
         ("--defer-mixed-traces", {None: "on", "off": "off"}, ("later",)),
+        ("--run-idle-traces", {None: "on", "off": "off"}, ("once",)),
+        ("--time-idle-traces", {None: "on", "off": "off"}, ("timed",)),
         ("--stand-in-traces", {None: "on", "off": "off"}, ("padded",)),
         ("--price-stand-ins", {None: "off", "on": "on"}, ("priced",)),
         ("--trace-neighbour-shapes", {None: 0, "64": 64}, ("-1", "many", "1.5")),
@@ -212,6 +214,10 @@ def test_scheduling_flags_reach_the_engine_config():
     defaults = engine_config(build_parser().parse_args(["serve"]))
     assert (defaults.checked_fill, defaults.floor_slack) == ("on", "auto")
     assert defaults.price_first_runs is False and defaults.debt_tolerance == 1.25
+    assert (defaults.run_idle_traces, defaults.time_idle_traces) == (True, True)
+    untimed = engine_config(build_parser().parse_args(["serve", "--time-idle-traces", "off"]))
+    assert (untimed.run_idle_traces, untimed.time_idle_traces) == (True, False)
+    assert engine_config(build_parser().parse_args(["serve", "--run-idle-traces", "off"])).run_idle_traces is False
 
 
 def test_adapter_memory_is_kept_only_where_adapters_may_be_loaded():
