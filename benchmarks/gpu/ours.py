@@ -8,6 +8,7 @@ import os
 import statistics
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -29,40 +30,70 @@ HOST_PHASES = ("planning", "preparation", "submission", "consumption", "applicat
 
 
 class Recorder:
-    """The engine observer: first-token times and inter-token gaps as the engine publishes them."""
+    """The engine observer: first-token times, inter-token gaps and decode-only steps as the engine publishes them.
+
+    The measuring thread sleeps until what it waits for has happened: the engine thread checks the wait's predicate
+    as it records and wakes it once, where a notify per token (8-64 a step) or a poll rescanning the trace every
+    10 ms took the GIL from the engine thread over and over, host time that mlx-lm's side, run in one loop, never
+    paid."""
 
     def __init__(self) -> None:
         self.first: list[float] = []  # ttft_s of each request, in order
         self.gaps: list[float] = []
+        self.steps = 0  # every step accounted
+        self._decode_only: Counter[int] = Counter()  # steps with no prefill rows, by decode lanes
         self._cond = threading.Condition()
+        self._wanted: Callable[[], bool] | None = None  # the waiting thread's predicate
 
     def on_step(
         self, elapsed_ms: float, rows: int, prefill_rows: int, decode_lanes: int, budget_halvings: int
     ) -> None:
-        pass
+        with self._cond:
+            self.steps += 1
+            if not prefill_rows:
+                self._decode_only[decode_lanes] += 1
+            self._wake()
 
     def on_first_token(self, ttft_s: float) -> None:
         with self._cond:
             self.first.append(ttft_s)
-            self._cond.notify_all()
+            self._wake()
 
     def on_token_gap(self, gap_s: float) -> None:
         with self._cond:
             self.gaps.append(gap_s)
-            self._cond.notify_all()
+            self._wake()
 
     def on_finish(self, reason: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
         pass
 
-    def wait_until(self, predicate: Callable[[], bool], timeout_s: float = 300.0) -> None:
+    def decode_only_steps(self, lanes: int) -> int:
+        """Steps so far of exactly `lanes` decode lanes and no prefill rows."""
+        return self._decode_only[lanes]
+
+    def _wake(self) -> None:
+        if self._wanted is not None and self._wanted():
+            self._wanted = None  # once: what it waits for only grows
+            self._cond.notify_all()
+
+    def wait_for(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
+        """Sleep until `predicate` holds (checked on the engine thread as it records); False at the timeout."""
         with self._cond:
-            if not self._cond.wait_for(predicate, timeout_s):
-                raise TimeoutError("the engine stopped producing tokens")
+            self._wanted = predicate
+            try:
+                return self._cond.wait_for(predicate, timeout_s)
+            finally:
+                self._wanted = None
+
+    def wait_until(self, predicate: Callable[[], bool], timeout_s: float = 300.0) -> None:
+        if not self.wait_for(predicate, timeout_s):
+            raise TimeoutError("the engine stopped producing tokens")
 
     def reset(self) -> None:
         with self._cond:
             self.first.clear()
             self.gaps.clear()
+            self._decode_only.clear()
 
 
 class OurSide:
@@ -158,14 +189,13 @@ class OurSide:
             self.engine.submit(GenerationRequest(prompt_ids=tuple(q), max_tokens=budget, ignore_eos=True))
             for q in prompts.many(streams, p.decode_prompt)
         ]
-        wanted = p.decode_tokens + WARM_STEPS + 1
-        seen, idle_since = 0, time.perf_counter()
-        while self._full_steps(streams) < wanted:
-            if len(self.sink.events) != seen:
-                seen, idle_since = len(self.sink.events), time.perf_counter()
-            elif time.perf_counter() - idle_since > 30.0:  # no step for 30 s: every stream has finished
+        rec = self.recorder
+        wanted = rec.decode_only_steps(streams) + p.decode_tokens + WARM_STEPS + 1
+        seen = rec.steps
+        while not rec.wait_for(lambda: rec.decode_only_steps(streams) >= wanted, 30.0):
+            if rec.steps == seen:  # no step for 30 s: every stream has finished
                 break
-            time.sleep(0.01)
+            seen = rec.steps
         for handle in handles:
             handle.cancel()
         for handle in handles:
@@ -180,10 +210,6 @@ class OurSide:
             else {}
         )
         return {**result, "runner_ms": spread, "host_ms": self._phases({e.step_id for e in full})}
-
-    def _full_steps(self, streams: int) -> int:
-        events = list(self.sink.events)
-        return sum(1 for e in events if isinstance(e, StepExecuted) and e.prefill_rows == 0 and e.decode_lanes == streams)
 
     def _phases(self, step_ids: set[int]) -> dict:
         """Median ms per step of each engine phase over these steps (consumption is mostly waiting on the GPU)."""
