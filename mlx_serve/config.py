@@ -93,7 +93,7 @@ class EngineConfig:
     # their eager builds held the streams 20-33 ms
     stand_in_traces: bool = True
     # with run_idle_traces: each such shape runs a second time there, timed (host wall time), so that it may stand in
-    # before a real step of its own shape has run. H100, a 16k prompt beside 8 streams: TTFT / solo 1.18-1.35 on
+    # before a real step of its own shape has run. H100, a 16k prompt beside 8 streams: TTFT / solo 1.18-1.40 on
     # against 1.28-1.70 off in five of five pairs (0.6B and 8B), gaps held (fifty-third run)
     time_idle_traces: bool = True
     price_stand_ins: bool = False  # budgets price a step a stand-in would replay as compiled (`TracedMixedShapes`)

@@ -33,9 +33,9 @@ class Recorder:
     """The engine observer: first-token times, inter-token gaps and decode-only steps as the engine publishes them.
 
     The measuring thread sleeps until what it waits for has happened: the engine thread checks the wait's predicate
-    as it records and wakes it once, where a notify per token (8-64 a step) or a poll rescanning the trace every
-    10 ms took the GIL from the engine thread over and over, host time that mlx-lm's side, run in one loop, never
-    paid."""
+    as it records and wakes it once, where it used to be woken on every token (8-64 a step) or poll the whole trace
+    every 10 ms, work beside our engine thread that mlx-lm's side, run in one loop, does not have. (Its cost was not
+    measurable: H100, 0.6B at 64 streams, 12,952-13,115 tok/s polled against 13,059-13,176; fifty-third run.)"""
 
     def __init__(self) -> None:
         self.first: list[float] = []  # ttft_s of each request, in order
