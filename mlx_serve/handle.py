@@ -94,8 +94,8 @@ class Outbox:
     """The engine thread's events for handles read on event loops, handed over once per step: one wake-up of each
     caller's loop per step, not one per token. `call_soon_threadsafe` writes the loop's self-pipe each time, about
     9 us on the project's box, and every wake-up contends for the GIL with the engine thread (CPU, 64 streams read
-    with `async for`: the step's event handling 2.6-2.8 ms; `benchmarks/stream_delivery.py`). Handles read
-    blocking get theirs at once (a queue put is ~1 us)."""
+    with `async for`: 3.6-4.1 ms of the engine thread a step before, 1.9-2.1 after; `benchmarks/stream_delivery.py`,
+    RESULTS). Handles read blocking get theirs at once (a queue put is ~1 us)."""
 
     def __init__(self) -> None:
         self._batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, TokenEvent]]] = {}
