@@ -30,9 +30,11 @@ run() {
       || cc -O2 -shared -fPIC -o "$preload" benchmarks/gpu/host_waits.c -ldl -lpthread \
       || { echo "== $label: the host_waits shim did not build"; return 1; }
   fi
-  # a run past RUN_LIMIT_S is stopped (rc 124), so one hung run cannot spend the whole call (session 47 lost 420 s so)
+  # a run past RUN_LIMIT_S is stopped (rc 124), so one hung run cannot spend the whole call (session 47 lost 420 s so);
+  # by SIGABRT, so PYTHONFAULTHANDLER writes every thread's stack to the log first (n30_5 hung for 450 s without one)
   # shellcheck disable=SC2086
-  timeout "${RUN_LIMIT_S:-360}" env ${preload:+LD_PRELOAD=$preload} python3 -m benchmarks.gpu.run_gpu_bench $BENCH \
+  timeout -s ABRT -k 15 "${RUN_LIMIT_S:-360}" env ${preload:+LD_PRELOAD=$preload} \
+    python3 -m benchmarks.gpu.run_gpu_bench $BENCH \
     --out "/root/r/$label" "$@" > "/root/r/$label.log" 2>&1
   echo "== $label rc=$? $((SECONDS - started)) s"
   grep -A12 '^Fatal Python error' "/root/r/$label.log" | cut -c1-200  # PYTHONFAULTHANDLER's stacks, if it crashed
