@@ -43,7 +43,8 @@ from mlx_serve.kernels.chunk_attention import (
 from mlx_serve.kernels.paged_gather import paged_gather
 from mlx_serve.ragged import LaneRows, MatmulChunkAttention, sdpa_chunk_attention
 
-SHAPES = {"8b": (32, 8, 128), "0.6b": (16, 8, 128)}  # heads, kv heads, head dim
+# heads, kv heads, head dim; 30B-A3B groups 8 query heads a kv head, so a chunk has twice 8B's score rows a row
+SHAPES = {"8b": (32, 8, 128), "0.6b": (16, 8, 128), "30b-a3b": (32, 4, 128)}
 LAYERS = 36
 BLOCK_SIZE = 16
 PAD = 128  # table tokens past the history, as a bucketed lane's

@@ -17,8 +17,9 @@ def _generator(model: Any, batch: int, prefill_batch: int | None = None) -> Any:
 
 
 def decode(model: Any, prompts: Prompts, p: BenchParams, streams: int, prefill_batch: int | None = None) -> dict:
-    """`prefill_batch`: prompts prefilled together (all `streams` unless given); the rate counts only steps where
-    every stream decodes, so it does not depend on it."""
+    """`prefill_batch`: prompts prefilled together (all `streams` unless given). The rate counts only steps where
+    every stream decodes, yet it still moves with it: streams admitted 8 at a time start apart, and 30B-A3B's 64
+    streams read 513 tok/s so against 581-589 all at once (H100, n30_6)."""
     gen = _generator(model, streams, prefill_batch)
     gen.insert(prompts.many(streams, p.decode_prompt), [p.decode_tokens] * streams)
     times, counts = [], []

@@ -104,7 +104,8 @@ def measure_decode(
 def _peer_decode(model, prompts: Prompts, p: BenchParams, streams: int) -> dict:
     """mlx-lm's decode, prefilling all streams' prompts at once; where that runs out of memory beside our engine
     (30B-A3B's 64 streams on an 80 GB H100: n30_1, n30_3), again at mlx_lm.server's default of 8 prompts at once,
-    which the result records: the rate counts only steps where every stream decodes."""
+    which the result records (`prefill_batch`): such a round read ~12% slower in n30_6 (`peer.decode`); the figure
+    is the median of the rounds, so one retried round does not set it."""
     try:
         return peer.decode(model, prompts, p, streams)
     except RuntimeError as error:
