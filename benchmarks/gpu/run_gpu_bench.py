@@ -33,7 +33,7 @@ from benchmarks.gpu.models import build_dummy_model, pristine_copy
 from benchmarks.gpu.ours import OurSide
 from benchmarks.gpu.report import markdown
 from benchmarks.gpu.workloads import FULL, QUICK, TINY, BenchParams, Prompts
-from mlx_serve import ragged
+from mlx_serve import engine_setup, ragged
 from mlx_serve.commands.serve import factor_arg, floor_slack_arg, row_quantum_arg, step_target_arg
 from mlx_serve.config import AUTO_STEP_FACTOR, AUTO_STEP_FLOOR_MS
 from mlx_serve.kernels import paged_attention
@@ -320,6 +320,14 @@ def _counts(text: str) -> list[int]:
     return [int(n) for n in text.split(",") if n]
 
 
+def _score_rows(text: str) -> list[int]:
+    """`--paged-score-rows SHORT,LONG`: two whole numbers of score rows ("1024,3072")."""
+    rows = _counts(text)
+    if len(rows) != 2 or min(rows) < 0:
+        raise argparse.ArgumentTypeError(f"two whole numbers >= 0, SHORT,LONG, not {text!r}")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -481,6 +489,13 @@ def main() -> None:
         "--paged-rows-first", choices=("on", "off"), default=None,
         help="ragged.PAGED_ROWS_FIRST: the paged chunk attention reads and writes the step's rows in place (A/B)",
     )
+    parser.add_argument(
+        "--paged-score-rows", type=_score_rows, default=None, metavar="SHORT,LONG",
+        help="engine_setup.CUDA_PAGED_SCORE_ROWS and CUDA_PAGED_LONG_SCORE_ROWS: the most score rows (chunk rows x "
+        "query heads a kv head) the paged chunk-attention kernel takes, and over tables of >= 8k tokens (SHORT 0: "
+        "no limit; A/B: 30B-A3B has 8 query heads a kv head, twice 8B's, so the same limits hold its chunks to half "
+        "the rows)",
+    )
     parser.add_argument("--out", type=Path, default=Path("gpu_bench_out"))
     parser.add_argument(
         "--label", default="", help="free text for the header (e.g. the commit and patches measured)"
@@ -499,6 +514,8 @@ def main() -> None:
         paged_attention.MMA = args.attention_mma == "on"
     if args.paged_rows_first is not None:
         ragged.PAGED_ROWS_FIRST = args.paged_rows_first == "on"
+    if args.paged_score_rows is not None:
+        engine_setup.CUDA_PAGED_SCORE_ROWS, engine_setup.CUDA_PAGED_LONG_SCORE_ROWS = args.paged_score_rows
     settings = mlx_settings(os.environ)
     meta = {
         "command": "".join(f"{k}={v} " for k, v in settings.items())

@@ -6,6 +6,7 @@ table is built from them, so a device call is never spent finding a broken harne
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -208,3 +209,15 @@ def test_mlx_lm_decode_out_of_memory_is_retried_at_the_servers_prompt_concurrenc
     monkeypatch.setattr(run_gpu_bench.peer, "decode", broken)
     with pytest.raises(RuntimeError, match="shape mismatch"):
         run_gpu_bench._peer_decode(None, None, None, 64)
+
+
+def test_paged_score_rows_are_two_whole_numbers_and_paste_back():
+    """`--paged-score-rows SHORT,LONG` sets the paged chunk-attention kernel's two limits for an A/B; the recorded
+    command gives them back as typed."""
+    from benchmarks.gpu import run_gpu_bench
+
+    assert run_gpu_bench._score_rows("2048,6144") == [2048, 6144]
+    for bad in ("2048", "1,2,3", "-1,5", "a,b"):
+        with pytest.raises((argparse.ArgumentTypeError, ValueError)):
+            run_gpu_bench._score_rows(bad)
+    assert run_gpu_bench._argument("paged_score_rows", [2048, 6144]) == "--paged-score-rows 2048,6144"
