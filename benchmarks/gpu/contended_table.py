@@ -4,7 +4,8 @@ and range, the worst TTFT). An A/B on the device is several runs a side, interle
 with nothing changed (fortieth run), so the table is what is compared, not a single figure.
 
 Each row: the run's label (its folder, or the file's name), the settings named in `--by`, the max gap over the median
-gap (bold where within 3), the median and longest gaps, the 16k prompt's TTFT over its solo prefill, the shared
+gap (bold where within 3), the median and longest gaps, the 16k prompt's TTFT over its solo prefill (and both in
+seconds: either may move the ratio, 30B-A3B's solo read 0.92-0.98 s in one session), the shared
 prefix's warm over cold TTFT, the steps with prefill, the auto target at the pass's end, the contended steps planned
 under the floor slack, the slowest step the longest-gap report lists (rows, form, ms), and the one-off steps: those
 beside decode lanes that ran a shape for the first time or built a trace (`auxiliary`), how many, the slowest, and the
@@ -60,6 +61,8 @@ def run_row(label: str, shape: str, ours: dict, settings: tuple[str, ...]) -> di
         "before_ms": contended.get("gap_max_before_ms"),
         "from_arrival_ms": contended.get("gap_max_from_arrival_ms"),
         "ttft": contended["long_ttft_s"] / solo if solo else None,
+        "long_s": contended["long_ttft_s"],
+        "solo_s": solo,
         "shared": shared["warm_ttft_s"] / shared["cold_ttft_s"] if shared.get("cold_ttft_s") else None,
         "steps": steps,
         "target_ms": ours.get("step_target_ms"),
@@ -105,7 +108,7 @@ def _num(value: float | None, digits: int = 2) -> str:
 
 def table(rows: list[dict], settings: tuple[str, ...]) -> list[str]:
     head = ["run", "shape", *settings, "max gap / median", "median ms", "longest gap ms (before / from arrival)",
-            "16k TTFT / solo", "shared prefix", "steps with prefill (count, rows p50, ms p50); decode-only p50 ms",
+            "16k TTFT / solo (s / s)", "shared prefix", "steps with prefill (count, rows p50, ms p50); decode-only p50 ms",
             "target ms", "slack / stand-in steps", "slowest step at the longest gap",
             "one-off steps (count, slowest ms); slowest other / median"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -116,7 +119,7 @@ def table(rows: list[dict], settings: tuple[str, ...]) -> list[str]:
             row["label"], row["shape"], *(str(row["settings"][name]) for name in settings),
             f"**{ratio}**" if row["ratio"] <= GAP_TARGET else ratio, _num(row["median_ms"], 1),
             f"{_num(row['max_ms'], 1)} ({_num(row['before_ms'], 0)} / {_num(row['from_arrival_ms'], 0)})",
-            _num(row["ttft"]), _num(row["shared"]),
+            f"{_num(row['ttft'])} ({_num(row['long_s'])} / {_num(row['solo_s'])})", _num(row["shared"]),
             f"{steps.get('mixed_steps', '-')}, {steps.get('mixed_rows_p50') or 0:,.0f}, "
             f"{_num(steps.get('mixed_ms_p50'), 1)}; {_num(steps.get('decode_only_ms_p50'))}",
             _num(row["target_ms"], 1), f"{row['slack_steps']} / {row['stand_in_steps']}",

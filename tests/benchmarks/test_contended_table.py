@@ -45,7 +45,7 @@ def test_rows_and_the_summary_by_setting(tmp_path, capsys) -> None:
     out = capsys.readouterr().out.splitlines()
     rows = {line.split(" | ")[0].strip("| "): line for line in out if line.startswith("| ") and "_" in line[:8]}
     assert "| **2.50** |" in rows["off_1"] and "| 4.20 |" in rows["off_2"]  # bold: within 3
-    assert "| 1.10 | 0.08 |" in rows["off_1"]  # TTFT 0.22 / 0.2 solo; warm / cold prefix
+    assert "| 1.10 (0.22 / 0.20) | 0.08 |" in rows["off_1"]  # TTFT 0.22 / 0.2 s solo; warm / cold prefix
     assert "| 3 / 1 | 1,536 eager, 21.0 |" in rows["off_2"]  # slack, stand-in steps; the slowest at the longest gap
     assert "| 0 / 0 |" in rows["off_1"]
     assert rows["off_1"].endswith("| 2, 16.5; 2.20 |")  # one-off steps beside decode lanes; 11.0 ms / 5.0 ms median
