@@ -43,7 +43,8 @@ from mlx_serve.kernels.chunk_attention import (
 from mlx_serve.kernels.paged_gather import paged_gather
 from mlx_serve.ragged import LaneRows, MatmulChunkAttention, sdpa_chunk_attention
 
-# heads, kv heads, head dim; 30B-A3B groups 8 query heads a kv head, so a chunk has twice 8B's score rows a row
+# heads, kv heads, head dim; 30B-A3B groups 8 query heads a kv head (8B: 4), so its chunks have twice the score rows a
+# kv head that 8B's of as many rows have
 SHAPES = {"8b": (32, 8, 128), "0.6b": (16, 8, 128), "30b-a3b": (32, 4, 128)}
 LAYERS = 36
 BLOCK_SIZE = 16
