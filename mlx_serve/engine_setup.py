@@ -345,8 +345,11 @@ def split_quantized_k(kind: str, fused_mixed: bool) -> str:
 # With two row tiles a warp (twenty-sixth run, 4k / 16k): 8B 256 rows 0.140 / 0.304 against 0.156 / 0.446, 768
 # rows 0.272 / 0.762 against 0.317 / 1.040, 384 rows 0.191 / 0.448 against 0.152 / 0.450; 0.6B 768 rows 0.174 /
 # 0.437 against 0.151 / 0.454, 1,024 rows (2,048 score rows) 0.192 / 0.526 against 0.166 / 0.511
-CUDA_PAGED_SCORE_ROWS = 1024
-CUDA_PAGED_LONG_SCORE_ROWS, CUDA_PAGED_LONG_HISTORY = 3072, 8192
+# (score rows above: rows x query heads a kv head.) The limits count head rows, rows x all query heads: 8,192 and
+# 24,576 are 1,024 and 3,072 score rows for 8B and 0.6B (8 kv heads), and let 30B-A3B (4 kv heads of 8 query heads)
+# chunks of 256 / 768 rows too: contended 16k TTFT 1.37-1.43x solo against 1.49-1.52x (H200, fifty-fifth run)
+CUDA_PAGED_HEAD_ROWS = 8192
+CUDA_PAGED_LONG_HEAD_ROWS, CUDA_PAGED_LONG_HISTORY = 24576, 8192
 
 
 def chunk_attention(kind: str) -> Any:
@@ -366,8 +369,8 @@ def chunk_attention(kind: str) -> Any:
     if kind == "paged" or (kind == "auto" and cuda_available()):
         if cuda_available():
             return PagedChunkAttention(
-                paged.paged_chunk_attention, paged.supports, CUDA_CHUNK_ATTENTION, CUDA_PAGED_SCORE_ROWS,
-                CUDA_PAGED_LONG_SCORE_ROWS, CUDA_PAGED_LONG_HISTORY,
+                paged.paged_chunk_attention, paged.supports, CUDA_CHUNK_ATTENTION, CUDA_PAGED_HEAD_ROWS,
+                CUDA_PAGED_LONG_HEAD_ROWS, CUDA_PAGED_LONG_HISTORY,
             )  # fmt: skip
         return PagedChunkAttention(paged.reference_chunk_attention, _any_chunk)
     if kind in ("auto", "sdpa"):

@@ -120,11 +120,13 @@ class PagedChunkAttention:
     attend: Callable[..., mx.array]
     supports: Callable[[mx.array, mx.array, int], bool]  # (q, pool keys, block size)
     fallback: ChunkAttention = sdpa_chunk_attention
-    # most score rows (chunk rows x query heads a kv head) the kernel takes; more go to `fallback` (0: no limit)
-    max_score_rows: int = 0
-    # and up to `long_score_rows` over a table of at least `long_history` tokens (0: none), where the fallback's
+    # most head rows (chunk rows x query heads) the kernel takes; more go to `fallback` (0: no limit). Counted over
+    # all query heads, not a kv head's group: both the kernel's and cuDNN's times follow it (30B-A3B's 8-head groups
+    # time as 8B's 4-head ones at the same rows, bench_chunk_attention H200, fifty-fifth run)
+    max_head_rows: int = 0
+    # and up to `long_head_rows` over a table of at least `long_history` tokens (0: none), where the fallback's
     # blocks are few and long
-    long_score_rows: int = 0
+    long_head_rows: int = 0
     long_history: int = 0
     after: mx.array | None = None  # read the pool once this array's producer has run (KV written in place)
 
@@ -133,9 +135,9 @@ class PagedChunkAttention:
         rows, heads = q.shape[0], q.shape[1]
         if lane.table is None or lane.positions is None or lane.positions.shape[0] < rows:
             return False
-        score_rows = rows * (heads // pool_keys.shape[1])
-        few = not self.max_score_rows or score_rows <= self.max_score_rows
-        long = score_rows <= self.long_score_rows and lane.table.shape[0] * block_size >= self.long_history
+        head_rows = rows * heads
+        few = not self.max_head_rows or head_rows <= self.max_head_rows
+        long = head_rows <= self.long_head_rows and lane.table.shape[0] * block_size >= self.long_history
         return (few or long) and self.supports(q, pool_keys, block_size)
 
     def paged(self, q: mx.array, pool_keys: mx.array, pool_values: mx.array, lane: LaneRows, scale: float,

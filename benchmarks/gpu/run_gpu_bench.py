@@ -320,8 +320,8 @@ def _counts(text: str) -> list[int]:
     return [int(n) for n in text.split(",") if n]
 
 
-def _score_rows(text: str) -> list[int]:
-    """`--paged-score-rows SHORT,LONG`: two whole numbers of score rows ("1024,3072")."""
+def _head_rows(text: str) -> list[int]:
+    """`--paged-head-rows SHORT,LONG`: two whole numbers of head rows ("8192,24576")."""
     rows = _counts(text)
     if len(rows) != 2 or min(rows) < 0:
         raise argparse.ArgumentTypeError(f"two whole numbers >= 0, SHORT,LONG, not {text!r}")
@@ -490,11 +490,10 @@ def main() -> None:
         help="ragged.PAGED_ROWS_FIRST: the paged chunk attention reads and writes the step's rows in place (A/B)",
     )
     parser.add_argument(
-        "--paged-score-rows", type=_score_rows, default=None, metavar="SHORT,LONG",
-        help="engine_setup.CUDA_PAGED_SCORE_ROWS and CUDA_PAGED_LONG_SCORE_ROWS: the most score rows (chunk rows x "
-        "query heads a kv head) the paged chunk-attention kernel takes, and over tables of >= 8k tokens (SHORT 0: "
-        "no limit; A/B: 30B-A3B has 8 query heads a kv head, twice 8B's, so the same limits hold its chunks to half "
-        "the rows)",
+        "--paged-head-rows", type=_head_rows, default=None, metavar="SHORT,LONG",
+        help="engine_setup.CUDA_PAGED_HEAD_ROWS and CUDA_PAGED_LONG_HEAD_ROWS: the most head rows (chunk rows x "
+        "query heads) the paged chunk-attention kernel takes, and over tables of >= 8k tokens (SHORT 0: no limit; "
+        "for an A/B of the limits)",
     )
     parser.add_argument("--out", type=Path, default=Path("gpu_bench_out"))
     parser.add_argument(
@@ -514,8 +513,8 @@ def main() -> None:
         paged_attention.MMA = args.attention_mma == "on"
     if args.paged_rows_first is not None:
         ragged.PAGED_ROWS_FIRST = args.paged_rows_first == "on"
-    if args.paged_score_rows is not None:
-        engine_setup.CUDA_PAGED_SCORE_ROWS, engine_setup.CUDA_PAGED_LONG_SCORE_ROWS = args.paged_score_rows
+    if args.paged_head_rows is not None:
+        engine_setup.CUDA_PAGED_HEAD_ROWS, engine_setup.CUDA_PAGED_LONG_HEAD_ROWS = args.paged_head_rows
     settings = mlx_settings(os.environ)
     meta = {
         "command": "".join(f"{k}={v} " for k, v in settings.items())

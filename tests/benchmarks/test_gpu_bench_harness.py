@@ -211,13 +211,13 @@ def test_mlx_lm_decode_out_of_memory_is_retried_at_the_servers_prompt_concurrenc
         run_gpu_bench._peer_decode(None, None, None, 64)
 
 
-def test_paged_score_rows_are_two_whole_numbers_and_paste_back():
-    """`--paged-score-rows SHORT,LONG` sets the paged chunk-attention kernel's two limits for an A/B; the recorded
+def test_paged_head_rows_are_two_whole_numbers_and_paste_back():
+    """`--paged-head-rows SHORT,LONG` sets the paged chunk-attention kernel's two limits for an A/B; the recorded
     command gives them back as typed."""
     from benchmarks.gpu import run_gpu_bench
 
-    assert run_gpu_bench._score_rows("2048,6144") == [2048, 6144]
+    assert run_gpu_bench._head_rows("8192,24576") == [8192, 24576]
     for bad in ("2048", "1,2,3", "-1,5", "a,b"):
         with pytest.raises((argparse.ArgumentTypeError, ValueError)):
-            run_gpu_bench._score_rows(bad)
-    assert run_gpu_bench._argument("paged_score_rows", [2048, 6144]) == "--paged-score-rows 2048,6144"
+            run_gpu_bench._head_rows(bad)
+    assert run_gpu_bench._argument("paged_head_rows", [8192, 24576]) == "--paged-head-rows 8192,24576"

@@ -124,11 +124,11 @@ def test_engine_with_paged_chunk_attention_matches_mlx_lm(tiny_qwen3, monkeypatc
     assert (max(heads) > 0) if rows_first else not any(heads)  # decoding streams beside chunks: their rows lead
 
 
-def test_paged_chunk_attention_takes_lanes_with_a_table_positions_and_few_enough_score_rows():
+def test_paged_chunk_attention_takes_lanes_with_a_table_positions_and_few_enough_head_rows():
     """The kernel takes a lane read through its block table with a position for each of its query rows (q
-    `[rows, heads, D]`), up to `max_score_rows` (rows x query heads a kv head), or `long_score_rows` over a long
-    enough table; any other lane attends through the fallback."""
-    chunk = ragged.PagedChunkAttention(lambda *a, **k: None, lambda q, keys, size: True, max_score_rows=512)
+    `[rows, heads, D]`), up to `max_head_rows` (rows x query heads, however many a kv head), or `long_head_rows`
+    over a long enough table; any other lane attends through the fallback."""
+    chunk = ragged.PagedChunkAttention(lambda *a, **k: None, lambda q, keys, size: True, max_head_rows=4096)
     keys = mx.zeros((64, 8, 64))
     table, length = mx.zeros((4,), dtype=mx.int32), mx.array([40, 64], dtype=mx.int32)
 
@@ -136,19 +136,23 @@ def test_paged_chunk_attention_takes_lanes_with_a_table_positions_and_few_enough
         return ragged.LaneRows(0, rows, mx.zeros((0,), dtype=mx.int32), None, table if with_table else None, length,
                                64, rows, None if positions is None else mx.arange(positions))  # fmt: skip
 
-    q = mx.zeros((128, 32, 64))  # 4 query heads a kv head: 512 score rows
+    q = mx.zeros((128, 32, 64))  # 32 query heads: 4,096 head rows
     assert chunk.takes(q, keys, lane(128, 128), 16)
     assert chunk.takes(q, keys, lane(128, 192), 16)  # positions padded to a bucket: the first 128 are read
-    assert not chunk.takes(mx.zeros((192, 32, 64)), keys, lane(192, 192), 16)  # 768 score rows
+    assert not chunk.takes(mx.zeros((192, 32, 64)), keys, lane(192, 192), 16)  # 6,144 head rows
+    # 30B-A3B's grouping (8 query heads a kv head) counts as 8B's (4): the same rows of the same query heads
+    assert chunk.takes(q, mx.zeros((64, 4, 64)), lane(128, 128), 16)
+    assert not chunk.takes(mx.zeros((192, 32, 64)), mx.zeros((64, 4, 64)), lane(192, 192), 16)
+    assert chunk.takes(mx.zeros((256, 16, 64)), keys, lane(256, 256), 16)  # 0.6B's 16 heads: twice the rows
     assert ragged.PagedChunkAttention(chunk.attend, chunk.supports).takes(mx.zeros((192, 32, 64)), keys,
                                                                         lane(192, 192), 16)  # fmt: skip
     assert not chunk.takes(q, keys, lane(128, 127), 16)  # a row without a position
     assert not chunk.takes(q, keys, lane(128, None), 16) and not chunk.takes(q, keys, lane(128, 128, False), 16)
-    # up to `long_score_rows` where the table holds at least `long_history` tokens (4 blocks of 16 here)
-    wide = ragged.PagedChunkAttention(chunk.attend, chunk.supports, max_score_rows=512, long_score_rows=768,
+    # up to `long_head_rows` where the table holds at least `long_history` tokens (4 blocks of 16 here)
+    wide = ragged.PagedChunkAttention(chunk.attend, chunk.supports, max_head_rows=4096, long_head_rows=6144,
                                       long_history=64)  # fmt: skip
     assert wide.takes(mx.zeros((192, 32, 64)), keys, lane(192, 192), 16)
-    assert not wide.takes(mx.zeros((256, 32, 64)), keys, lane(256, 256), 16)  # 1,024 score rows
+    assert not wide.takes(mx.zeros((256, 32, 64)), keys, lane(256, 256), 16)  # 8,192 head rows
     assert not replace(wide, long_history=80).takes(mx.zeros((192, 32, 64)), keys, lane(192, 192), 16)
 
 
