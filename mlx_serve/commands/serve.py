@@ -142,7 +142,15 @@ def add_answer_arguments(group: Any) -> None:
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Engine and scheduler flags, one per `EngineConfig` field (shared with `chat`)."""
-    g = parser.add_argument_group("model and engine")
+    model = parser.add_argument_group("model and engine")
+    _add_model_arguments(model)
+    _add_runtime_arguments(model)
+    _add_scheduler_arguments(parser.add_argument_group("scheduler"))
+    _add_step_arguments(parser.add_argument_group("steps and kernels (the defaults suit each backend)"))
+
+
+def _add_model_arguments(g: Any) -> None:
+    """The model, its adapters and the memory its KV pool may take."""
     g.add_argument("--model", default=None, metavar="DIR_OR_ID",
                    help="model directory or Hugging Face id (default: the built-in tiny dummy model)")
     g.add_argument("--adapter-path", default=None, metavar="DIR",
@@ -183,7 +191,37 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="most waiting requests; past it new ones get HTTP 429 (default: %(default)s)")
     g.add_argument("--max-model-len", type=whole_number_arg(1), default=None, metavar="TOKENS",
                    help="context length limit (default: the model's max_position_embeddings)")
-    s = parser.add_argument_group("scheduler")
+
+
+def _add_runtime_arguments(g: Any) -> None:
+    """Warm-up, speculative decoding, pipelining and progress output."""
+    g.add_argument("--no-warm-up", action="store_true",
+                   help="skip building the prefill attention shapes at start (CUDA: the first chunk of each shape "
+                        "then stalls the streams for tens of ms)")
+    g.add_argument("--warm-chunk-rows", type=whole_number_arg(0), default=0, metavar="LANES",
+                   help="at start, one eager step of LANES decode lanes beside a chunk of each rows bucket (CUDA: a "
+                        "rows bucket's first eager step ran 5.4 ms over its price on an H100, 1.7 once the bucket "
+                        "had run); unmeasured as a warm-up yet (0 = off; default: %(default)s)")
+    g.add_argument("--speculative-tokens", type=whole_number_arg(0), default=0, metavar="K",
+                   help="speculative decoding by prompt lookup: a request also verifies up to K tokens that followed "
+                        "an earlier occurrence of its last few tokens (its prompt or its output) in the same step; "
+                        "greedy answers stay token for token, sampled ones keep their distribution (default: 0, off)")
+    g.add_argument("--speculative-ngram", type=whole_number_arg(1), default=3, metavar="N",
+                   help="with --speculative-tokens: match the last N tokens, down to 2 (default: %(default)s)")
+    g.add_argument("--draft-model", default=None, metavar="DIR_OR_ID",
+                   help="a small model of the same vocabulary drafts the tokens instead of prompt lookup (mlx-lm's "
+                        "--draft-model; with no --speculative-tokens, 3 a step)")
+    g.add_argument("--draft-kv-tokens", type=whole_number_arg(1), default=16384, metavar="N",
+                   help="tokens the draft model's caches hold together, kept from the KV pool's memory; a request "
+                        "whose cache would take more stops drafting (default: %(default)s)")
+    g.add_argument("--no-pipeline", action="store_true",
+                   help="read every step back before planning the next (normally a step that samples stays in "
+                        "flight while the next is queued)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar while the model loads")
+
+
+def _add_scheduler_arguments(s: Any) -> None:
+    """Admission, row budgets, the prefill cost model, the ANE lane and tracing."""
     s.add_argument("--step-target-ms", type=step_target_arg, default=500.0, metavar="MS|auto",
                    help="a contended step's row budget is halved while its predicted time exceeds this; 500 suits "
                         "Apple GPUs, fast datacenter GPUs want far less; auto: --step-target-factor x the measured "
@@ -261,6 +299,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the Core ML package `python -m mlx_serve ane build` wrote, for --ane-lane ane")
     s.add_argument("--ane-timeout-s", type=positive_float_arg, default=30.0, metavar="S",
                    help="an ANE chunk slower than this is rerun on the GPU (default: %(default)s)")
+    s.add_argument("--trace", default=None, metavar="FILE",
+                   help="capture trace events in memory and write them to FILE (JSONL) at exit")
+
+
+def _add_step_arguments(g: Any) -> None:
+    """How steps run: attention paths, compiled and fused traces, expert and quantized kernels."""
     g.add_argument("--decode-attention", choices=["auto", "reference", "batched", "kernel"], default="auto",
                    help="attention of decode lanes: auto = the paged CUDA kernel on CUDA, one batched SDPA on the "
                         "CPU, the per-lane reference elsewhere (default: %(default)s)")
@@ -334,31 +378,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "projection as a dense matmul over its dequantized weights, since MLX's quantized matmul "
                         "re-reads the packed weights per row on CUDA; the weights round to bf16 once, as MLX's "
                         "dequantization rounds them (0 = never; default: %(default)s)")
-    g.add_argument("--no-warm-up", action="store_true",
-                   help="skip building the prefill attention shapes at start (CUDA: the first chunk of each shape "
-                        "then stalls the streams for tens of ms)")
-    g.add_argument("--warm-chunk-rows", type=whole_number_arg(0), default=0, metavar="LANES",
-                   help="at start, one eager step of LANES decode lanes beside a chunk of each rows bucket (CUDA: a "
-                        "rows bucket's first eager step ran 5.4 ms over its price on an H100, 1.7 once the bucket "
-                        "had run); unmeasured as a warm-up yet (0 = off; default: %(default)s)")
-    g.add_argument("--speculative-tokens", type=whole_number_arg(0), default=0, metavar="K",
-                   help="speculative decoding by prompt lookup: a request also verifies up to K tokens that followed "
-                        "an earlier occurrence of its last few tokens (its prompt or its output) in the same step; "
-                        "greedy answers stay token for token, sampled ones keep their distribution (default: 0, off)")
-    g.add_argument("--speculative-ngram", type=whole_number_arg(1), default=3, metavar="N",
-                   help="with --speculative-tokens: match the last N tokens, down to 2 (default: %(default)s)")
-    g.add_argument("--draft-model", default=None, metavar="DIR_OR_ID",
-                   help="a small model of the same vocabulary drafts the tokens instead of prompt lookup (mlx-lm's "
-                        "--draft-model; with no --speculative-tokens, 3 a step)")
-    g.add_argument("--draft-kv-tokens", type=whole_number_arg(1), default=16384, metavar="N",
-                   help="tokens the draft model's caches hold together, kept from the KV pool's memory; a request "
-                        "whose cache would take more stops drafting (default: %(default)s)")
-    g.add_argument("--no-pipeline", action="store_true",
-                   help="read every step back before planning the next (normally a step that samples stays in "
-                        "flight while the next is queued)")
-    s.add_argument("--trace", default=None, metavar="FILE",
-                   help="capture trace events in memory and write them to FILE (JSONL) at exit")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar while the model loads")
 
 
 def _adapter_memory_gb(args: argparse.Namespace) -> float:
