@@ -348,6 +348,8 @@ def split_quantized_k(kind: str, fused_mixed: bool) -> str:
 # (score rows above: rows x query heads a kv head.) The limits count head rows, rows x all query heads: 8,192 and
 # 24,576 are 1,024 and 3,072 score rows for 8B and 0.6B (8 kv heads), and let 30B-A3B (4 kv heads of 8 query heads)
 # chunks of 256 / 768 rows too: contended 16k TTFT 1.37-1.43x solo against 1.49-1.52x (H200, fifty-fifth run)
+# The long limit starts at 8k tables: under them 768 rows on the kernel would save under 1% of a 16k prompt's read
+# (even at 3-4k, losing at 1-2k; H100, fifty-sixth run)
 CUDA_PAGED_HEAD_ROWS = 8192
 CUDA_PAGED_LONG_HEAD_ROWS, CUDA_PAGED_LONG_HISTORY = 24576, 8192
 
