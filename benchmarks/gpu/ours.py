@@ -433,10 +433,11 @@ class OurSide:
             result[f"{name}_ttft_s"] = self.recorder.first[-1]
             result[f"{name}_wall_s"] = time.perf_counter() - t0
             result[f"{name}_cached_tokens"] = completion.usage.cached_tokens
-            # where a continuation's TTFT goes: its steps and the engine's host phases
+            # where a continuation's TTFT goes: its steps (an eager one pays its build on the host) and the host phases
             result[f"{name}_steps"] = [
-                {"rows": e.rows, "ms": round(e.measured_ms, 2)} for e in self.sink.events if isinstance(e, StepExecuted)
-            ]
+                {"rows": e.rows, "ms": round(e.measured_ms, 2), "compiled": e.compiled}
+                for e in self.sink.events if isinstance(e, StepExecuted)
+            ]  # fmt: skip
             phases: dict[str, float] = {}
             for e in self.sink.events:
                 if isinstance(e, Span):

@@ -38,7 +38,9 @@ def test_full_run_writes_every_figure_and_the_table(tmp_path):
         phases = max(contended["gap_max_before_ms"], contended["gap_max_from_arrival_ms"])
         assert phases == pytest.approx(contended["gap_max_ms"])
     assert result["ours"]["shared_prefix"]["warm_cached_tokens"] > 0
-    assert result["ours"]["shared_prefix"]["warm_steps"], "the warm request's steps are recorded"
+    warm_steps = result["ours"]["shared_prefix"]["warm_steps"]
+    assert warm_steps, "the warm request's steps are recorded"
+    assert all(isinstance(step["compiled"], bool) for step in warm_steps)  # eager steps pay their build
     again = result["ours"]["shared_prefix"]
     assert again["again_cached_tokens"] > 0 and again["again_steps"] and again["again_ratio"] > 0
     assert "1" in result["ours"]["decode_unfused"]
