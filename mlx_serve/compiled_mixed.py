@@ -136,6 +136,13 @@ class TracedMixedShapes:
             self.mixed.want(shape, self.gather, self.kv_bucket)
 
 
+def scratch_tokens(count: int, vocab_size: int) -> mx.array:
+    """`count` token ids for a scratch run, distinct while the vocabulary lasts: on one repeated token every row is
+    the same, so an MoE model routes them all to the same top-k experts and a timed run reads a fraction of the
+    expert weights a real step of its shape reads (30B-A3B: 8 of 128 experts a layer)."""
+    return mx.array(np.arange(count, dtype=np.int32) % vocab_size)
+
+
 def compilable(lanes: Sequence[Lane]) -> bool:
     """Steps it runs: single-row lanes and exactly one prefill chunk (two chunks in one step stay eager)."""
     return sum(1 for lane in lanes if lane.rows > 1) == 1
@@ -339,7 +346,7 @@ class CompiledMixed:
         chunk = Lane("scratch", LaneKind.PREFILL, (0,) * real, padded - real, (scratch,) * (padded // size), True)
         if self.shape(decode, chunk, unit) != shape:
             return  # not expected (these lanes make every traced shape); if so, its first real step pays
-        tokens = mx.zeros((count + real,), dtype=mx.int32)
+        tokens = scratch_tokens(count + real, self.fused.vocab_size)
         mx.eval(self(decode, chunk, tokens, unit, gather), self.pool.state())
         if self.time_traces:  # the first run paid first-use work; this one's host wall time bounds its device time
             t0 = time.perf_counter()

@@ -171,6 +171,11 @@ class FusedDecode:
         self.add_norm = add_norm or select_add_norm()
         self._transposed = transposed_weights([m for layer in self.layers for m in _dense_projections(layer)])
 
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the token embedding: every id a step may read."""
+        return self.model.model.embed_tokens.weight.shape[0]
+
     def __call__(
         self, tokens: mx.array, positions: mx.array, slots: mx.array, rows: DecodeRows, pool: KVPool
     ) -> mx.array:

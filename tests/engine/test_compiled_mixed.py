@@ -669,6 +669,51 @@ def test_a_trace_timed_on_the_scratch_block_may_stand_in_before_a_real_step_ran_
     assert mixed.last_run_ms(chunked[1]) == 0.5
 
 
+def test_scratch_runs_route_an_moe_models_rows_over_its_experts(tiny_qwen3_moe, monkeypatch):
+    """A timed scratch run stands for real steps of its shape (`stand_in` takes its time), so it must read what they
+    read. Its rows carry distinct token ids within the vocabulary, and an MoE model's router spreads them over more
+    experts than one row's top-k (on one repeated token every row chose the same ones)."""
+    model, _ = load(str(tiny_qwen3_moe))
+    runner = _runner(model, compile_mixed=True, defer=True)
+    mixed = runner.compiled_mixed
+    mixed.run_traces, mixed.time_traces = True, True
+    _steps(runner)
+    mlp = model.model.layers[0].mlp
+    gate, scratch_run, call = mlp.gate, CompiledMixed._run_on_scratch, CompiledMixed.__call__
+    handed, routed, recording = [], [], []
+
+    def recorded_gate(x):
+        scores = gate(x)
+        if recording:  # each row's top-k experts, as the block picks them
+            routed.append(set(mx.argpartition(-scores, kth=mlp.top_k - 1, axis=-1)[..., : mlp.top_k].flatten().tolist()))
+        return scores
+
+    def recorded_run(self, *args):
+        recording.append(True)
+        try:
+            return scratch_run(self, *args)
+        finally:
+            recording.clear()
+
+    def recorded_call(self, decode, chunk, tokens, *args, **kwargs):
+        if recording:
+            handed.append(tokens.tolist())
+        return call(self, decode, chunk, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(mlp, "gate", recorded_gate)
+    monkeypatch.setattr(CompiledMixed, "_run_on_scratch", recorded_run)
+    monkeypatch.setattr(CompiledMixed, "__call__", recorded_call)
+    mx.disable_compile()  # the traces run their Python each call, so the router's choices can be read
+    try:
+        while runner.trace_deferred():
+            pass
+    finally:
+        mx.enable_compile()
+    vocab = model.args.vocab_size
+    assert handed and all(len(set(tokens)) == len(tokens) and all(0 <= t < vocab for t in tokens) for tokens in handed)
+    assert max(len(experts) for experts in routed) > mlp.top_k
+
+
 def test_chunk_rows_warmed_before_serving_leave_every_request_block_untouched(tiny_qwen3):
     """`warm_chunk_rows`: one eager step of decode lanes beside a chunk of each query bucket, every lane over the
     scratch block, so a rows bucket's first real step pays no first-load work. No request's block is written, and
