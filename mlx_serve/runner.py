@@ -87,6 +87,7 @@ class RunnerOutput:
     embeddings: dict[str, list[float]] = field(default_factory=dict)  # request id -> its pooled prompt
     # request id -> the drafts the model agreed with, as committed tokens (log-probabilities where asked for)
     accepted: dict[str, list[SampledToken]] = field(default_factory=dict)
+    one_off: str = ""  # why the step trains no cost model (`ModelRunner._one_off`; "": it does)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,9 +113,9 @@ class InFlightStep:
     phases: dict[str, float]
     ane: tuple = ()  # ane_chunks.AneChunk submitted with this step
     stamp: mx.array | None = None  # the device clock's reading after the step (None: timed on the host)
-    # it traced a compiled shape (tens of ms of host work, once), so its time teaches the scheduler nothing about
-    # the next step of its shape; a step run eager while its shape's trace is deferred is an ordinary step
-    one_off: bool = False
+    # why its time teaches the scheduler nothing about the next step of its shape (`ModelRunner._one_off`: it traced
+    # a compiled shape, stood in, ...; ""): a step run eager while its shape's trace is deferred is an ordinary step
+    one_off: str = ""
     compiled: bool = False  # it replays a compiled trace (the scheduler's cost model prices the two forms apart)
     timed_shape: MixedShape | None = None  # an ordinary run of this compiled mixed shape: its time goes to `stand_in`
     scores: tuple[QueuedScores, ...] = ()  # prompt log-probabilities its rows computed
@@ -444,11 +445,7 @@ class ModelRunner:
         phases = {"preparation": (t1 - t0) * 1e3, "submission": (t2 - t1) * 1e3}
         rows = {rid: i for i, rid in enumerate(sample_ids)}
         samplers = [self.samplers[rid] for rid in sample_ids]
-        # a stand-in's time is its padded shape's: the scheduler planned the step's own; a scoring step also runs the
-        # LM head over its scored rows, which no cost model prices
-        one_off = (scoring or drafted or self._traced_shapes() != traced
-                   or (mixed and (self.compiled_mixed.first_run or self.compiled_mixed.stood_in))
-                   or (not (compiled or mixed) and self._first_eager_shape(gpu_lanes)))  # fmt: skip
+        one_off = self._one_off(scoring or drafted, traced, mixed_shape, compiled or mixed, gpu_lanes)
         if mixable and not mixed:
             self.compiled_mixed.record_eager_build(self._mixed_shape(gpu_lanes), phases["submission"])
         timed = mixed_shape if mixed and not one_off else None
@@ -456,6 +453,24 @@ class ModelRunner:
             plan, sample_ids, samplers, sampled, rows, t0, phases, tuple(chunks), stamp, one_off, compiled or mixed,
             timed, tuple(scores), verify, prepared.drafted if prepared is not None else (), tuple(embeddings),
         )
+
+    def _one_off(self, scored: bool, traced_before: int, mixed: MixedShape | None, replayed: bool,
+                 lanes: Sequence[Lane]) -> str:  # fmt: skip
+        """Why the step's time teaches the scheduler nothing about its shape ("": it does). A scoring or drafted step
+        also runs the LM head over those rows ("scored"); a trace built in the step ("traced"); a compiled shape's
+        first run ("first-run"); a stand-in, whose time is the padded trace's, not the planned shape's ("stand-in
+        ROWSxHISTORY", the trace's rows and history bucket); a padded eager shape's first run ("first-eager")."""
+        if scored:
+            return "scored"
+        if self._traced_shapes() != traced_before:
+            return "traced"
+        if mixed is not None and (self.compiled_mixed.first_run or self.compiled_mixed.stood_in):
+            first = "first-run" if self.compiled_mixed.first_run else ""
+            stand_in = f"stand-in {mixed[2]}x{mixed[3]}" if self.compiled_mixed.stood_in else ""
+            return " ".join(part for part in (first, stand_in) if part)
+        if not replayed and self._first_eager_shape(lanes):
+            return "first-eager"
+        return ""
 
     def _mixed_ready(self, lanes: list[Lane], limit_ms: float | None) -> MixedShape | None:
         """The compiled shape the step replays (its own or a stand-in within `limit_ms`), or None: it runs eager."""
@@ -649,10 +664,10 @@ class ModelRunner:
         if step.timed_shape is not None and math.isfinite(elapsed_ms):
             self.compiled_mixed.record_run(step.timed_shape, elapsed_ms)
         outcome = StepOutcome({rid: s.token_id for rid, s in samples.items()}, elapsed_ms, ane_elapsed_ms=ane_ms,
-                              auxiliary=step.one_off, compiled=step.compiled,
+                              auxiliary=bool(step.one_off), compiled=step.compiled,
                               accepted_drafts={rid: tuple(s.token_id for s in kept) for rid, kept in accepted.items()})
         return RunnerOutput(outcome, samples, {**step.phases, "consumption": (t3 - t2) * 1e3}, spans, prompt_logprobs,
-                            embeddings, accepted)  # fmt: skip
+                            embeddings, accepted, step.one_off)  # fmt: skip
 
     def _accept_drafts(self, step: InFlightStep, samples: dict[str, SampledToken]) -> dict[str, list[SampledToken]]:
         """Each drafted lane's drafts up to the first the model disagrees with; there the model's own token replaces

@@ -35,5 +35,6 @@ def trace_step(trace: Any, plan: StepPlan, output: Any, t0: float, t1: float, t2
             predicted_ms=plan.predicted_ms,
             auxiliary=output.outcome.auxiliary,
             compiled=output.outcome.compiled,
+            one_off=output.one_off,
         )
     )

@@ -76,6 +76,7 @@ class StepExecuted:
     predicted_ms: float | None = None
     auxiliary: bool = False  # restore/prefix-copy/image work or a trace rode along: never trains a cost model
     compiled: bool = False  # replayed a compiled trace (the affine model fits compiled and eager steps apart)
+    one_off: str = ""  # why an auxiliary GPU step was one ("stand-in 1024x12288", "first-run", ...; "": not said)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,8 @@ gap (bold where within 3), the median and longest gaps, the 16k prompt's TTFT ov
 seconds: either may move the ratio, 30B-A3B's solo read 0.92-0.98 s in one session), the shared
 prefix's warm over cold TTFT, the steps with prefill, the auto target at the pass's end, the contended steps planned
 under the floor slack, the slowest step the longest-gap report lists (rows, form, ms), and the one-off steps: those
-beside decode lanes that ran a shape for the first time or built a trace (`auxiliary`), how many, the slowest, and the
+beside decode lanes that ran a shape for the first time, stood in for one or built a trace (`auxiliary`), how many,
+the slowest (and why, in logs that say: "stand-in 1024x12288" replayed that trace's rows and history bucket), and the
 slowest other step over the median gap (forty-third run: at 10-12 ms targets the one-off steps held the longest gap;
 without them the slowest step was within 3 median gaps in 6 of 7 runs).
 """
@@ -24,8 +25,9 @@ from benchmarks.gpu.replay_cost_model import read_result
 
 GAP_TARGET = 3.0  # issue 7: max gap at most 3x the median gap
 TTFT_TARGET = 1.5  # ... and the long prompt's TTFT at most 1.5x its solo prefill
-# a `prefill_steps` entry: [rows, decode lanes, history, ms, predicted ms, prefill lanes, auxiliary, compiled]
-LANES, MS, AUXILIARY = 1, 3, 6
+# a `prefill_steps` entry: [rows, decode lanes, history, ms, predicted ms, prefill lanes, auxiliary, compiled, why
+# auxiliary (from the fifty-seventh run's code on)]
+LANES, MS, AUXILIARY, WHY = 1, 3, 6, 8
 # settings a result records, `--by` choices; traced_midpoints, met_midpoints and paced_slowdown only in older logs
 SETTINGS = ("step_target_floor_ms", "traced_midpoints", "met_midpoints", "floor_slack", "budget_midpoints",
             "paced_slowdown", "price_first_runs", "warm_chunk_rows", "plan_headroom", "debt_tolerance",
@@ -78,10 +80,12 @@ def one_off_steps(prefill_steps: list[list], median_gap_ms: float) -> dict:
     slowest of each kind, and the slowest other step over the median gap (what the ratio would be at most without
     the one-off steps, were every gap a step)."""
     contended = [step for step in prefill_steps if step[LANES] > 0]
-    one_off = [step[MS] for step in contended if step[AUXILIARY]]
+    one_off = [step for step in contended if step[AUXILIARY]]
     other = [step[MS] for step in contended if not step[AUXILIARY]]
+    slowest = max(one_off, key=lambda step: step[MS], default=None)
     slowest_other = max(other, default=None)
-    return {"count": len(one_off), "slowest_ms": max(one_off, default=None),
+    return {"count": len(one_off), "slowest_ms": None if slowest is None else slowest[MS],
+            "slowest_why": slowest[WHY] if slowest is not None and len(slowest) > WHY else None,
             "other_ratio": slowest_other / median_gap_ms if slowest_other is not None and median_gap_ms else None}
 
 
@@ -100,6 +104,11 @@ def rows_of(paths: list[Path], settings: tuple[str, ...]) -> list[dict]:
             if row is not None:
                 rows.append(row)
     return rows
+
+
+def _why(reason: str | None) -> str:
+    """Why the slowest one-off step was one, where the log says (" (stand-in 1024x12288)")."""
+    return f" ({reason})" if reason else ""
 
 
 def _num(value: float | None, digits: int = 2) -> str:
@@ -125,7 +134,8 @@ def table(rows: list[dict], settings: tuple[str, ...]) -> list[str]:
             _num(row["target_ms"], 1), f"{row['slack_steps']} / {row['stand_in_steps']}",
             "-" if slowest is None else
             f"{slowest['prefill_rows']:,} {'compiled' if slowest['compiled'] else 'eager'}, {slowest['ms']:.1f}",
-            f"{row['one_off']['count']}, {_num(row['one_off']['slowest_ms'], 1)}; {_num(row['one_off']['other_ratio'])}",
+            f"{row['one_off']['count']}, {_num(row['one_off']['slowest_ms'], 1)}{_why(row['one_off']['slowest_why'])}; "
+            f"{_num(row['one_off']['other_ratio'])}",
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return lines

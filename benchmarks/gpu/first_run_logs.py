@@ -36,7 +36,7 @@ def first_run_excess(results: Iterable[dict], shape: str) -> dict[tuple[str, boo
         warm = ours.get("contended_warm", {}).get("steps", {}).get("prefill_steps", [])
         measured = ours["contended"]["steps"]["prefill_steps"]
         seen: dict[str, set] = {name: {key(s[0], s[1]) for s in warm} for name, key in KEYS.items()}
-        for rows, lanes, _history, ms, predicted, _chunks, one_off, compiled in measured:
+        for rows, lanes, _history, ms, predicted, _chunks, one_off, compiled, *_why in measured:  # why: from 57th
             if one_off and predicted and not compiled:
                 for name, key in KEYS.items():
                     excess.setdefault((name, key(rows, lanes) in seen[name]), []).append(ms - predicted)

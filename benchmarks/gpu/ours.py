@@ -366,12 +366,14 @@ class OurSide:
             # the host's share of a mixed step (building and queuing its graph is its fixed cost on CUDA)
             "mixed_host_ms_p50": self._phases({e.step_id for e in mixed}),
             # every step with prefill in order, [prefill rows, decode lanes, row-weighted history, ms, predicted ms,
-            # prefill lanes, auxiliary, compiled]: how the cost model's predictions track the chunk sizes it chose (and
-            # the ones it did not try); a replay of the cost model needs the lanes (multi-prompt start-up steps), which
-            # steps the live model did not train on (a compiled shape's trace rode along) and which replayed a trace
+            # prefill lanes, auxiliary, compiled, why auxiliary]: how the cost model's predictions track the chunk
+            # sizes it chose (and the ones it did not try); a replay of the cost model needs the lanes (multi-prompt
+            # start-up steps), which steps the live model did not train on (a compiled shape's trace rode along, a
+            # stand-in: "stand-in ROWSxHISTORY" names the trace it replayed) and which replayed a trace
             "prefill_steps": [
                 [e.prefill_rows, e.decode_lanes, round(e.weighted_history), round(e.measured_ms, 2),
-                 None if e.predicted_ms is None else round(e.predicted_ms, 2), e.prefill_width, e.auxiliary, e.compiled]
+                 None if e.predicted_ms is None else round(e.predicted_ms, 2), e.prefill_width, e.auxiliary, e.compiled,
+                 e.one_off]
                 for e in steps if e.prefill_rows
             ],  # fmt: skip
             # the budget each of those steps was planned with, why ("halved:2+half", "contended+slack", ...) and what

@@ -74,10 +74,10 @@ def test_contended_only_run_and_its_refusal(tmp_path):
     assert result["ours"]["row_quantum"] == 16  # as the engine resolved it
     steps = result["ours"]["contended"]["steps"]
     assert "submission" in steps["mixed_host_ms_p50"]
-    # [rows, decode lanes, history, ms, predicted ms, prefill lanes, auxiliary, compiled]
+    # [rows, decode lanes, history, ms, predicted ms, prefill lanes, auxiliary, compiled, why auxiliary]
     recorded = steps["prefill_steps"]
-    assert recorded and all(len(step) == 8 and step[0] > 0 and step[5] >= 1 for step in recorded)
-    assert not any(step[6] or step[7] for step in recorded)  # on the CPU no compiled mixed shape is traced
+    assert recorded and all(len(step) == 9 and step[0] > 0 and step[5] >= 1 for step in recorded)
+    assert not any(step[6] or step[7] or step[8] for step in recorded)  # on the CPU no compiled mixed shape is traced
     # each step's planned budget and why: at least its rows (a cut may make it fewer), a contended reason
     budgets = steps["prefill_budgets"]
     assert len(budgets) == len(recorded)

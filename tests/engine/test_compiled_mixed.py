@@ -355,10 +355,13 @@ def _chunks_beside_decode(
 def _stand_in_pass(model, chunks, eager, builds_ms: list[float], limit_ms: float | None) -> tuple:
     """`chunks` beside the decode lanes with stand-ins on: the first 80-row shape traced after step 1 (ordinary from
     step 3), eager builds timed at `builds_ms` from step 4 on (empty: none counted), each step planned to take at most
-    `limit_ms`. Asserts the eager pass's tokens and log-probabilities; returns the outcomes and `CompiledMixed`."""
+    `limit_ms`. Asserts the eager pass's tokens and log-probabilities; returns the outcomes, why each step was one-off
+    (`RunnerOutput.one_off`) and `CompiledMixed`."""
     runner = _runner(model, compile_mixed=True, defer=True, blocks=64)
     runner.compiled_mixed.stand_ins = True
     mixed = runner.compiled_mixed
+    reasons, collect = [], runner.collect
+    runner.collect = lambda step: (output := collect(step), reasons.append(output.one_off))[0]
 
     def before(step: int) -> None:
         if step == 2:
@@ -372,7 +375,7 @@ def _stand_in_pass(model, chunks, eager, builds_ms: list[float], limit_ms: float
     assert [s[:2] for s in samples] == [s[:2] for s in eager]
     for a, b in zip(samples, eager):
         assert abs(a[2] - b[2]) < 1e-4, (a, b)
-    return outcomes, mixed
+    return outcomes, reasons[1:], mixed  # the decode lanes' prefill step first
 
 
 def test_an_untraced_step_replays_a_larger_traced_shape_padded(tiny_qwen3):
@@ -387,10 +390,13 @@ def test_an_untraced_step_replays_a_larger_traced_shape_padded(tiny_qwen3):
     chunks = [("p", 3, 0, 80), ("p2", 4, 0, 80), ("p3", 5, 0, 80), ("p3", 5, 80, 30), ("p3", 5, 110, 18)]
     eager, _ = _chunks_beside_decode(_runner(model, compile_mixed=False, blocks=64), chunks)
     for build_ms, stands_in in ((1e9, True), (0.0, False)):
-        outcomes, mixed = _stand_in_pass(model, chunks, eager, [build_ms], None)
+        outcomes, reasons, mixed = _stand_in_pass(model, chunks, eager, [build_ms], None)
         # the last two steps meet the same untraced shape: both stand in, or both run eager (the first one-off)
         assert [o.compiled for o in outcomes] == [False, True, True, stands_in, stands_in]
         assert [o.auxiliary for o in outcomes] == [True, True, False, True, stands_in]
+        # and why: a log names the trace a stand-in replayed (its rows and history bucket)
+        last = ["stand-in 96x128"] * 2 if stands_in else ["first-eager", ""]
+        assert reasons == ["first-eager", "first-run", "", *last]
         assert mixed.stand_ins_run == 2 * stands_in and (4, 2, 64, 128) not in mixed.shapes
         assert mixed.deferred == 1  # the stood-in shape still waits for its own trace
     assert mixed.stand_in((4, 2, 128, 128)) is None and mixed.stand_in((4, 2, 64, 64)) is None  # none past them
@@ -406,8 +412,9 @@ def test_a_step_stands_in_within_its_limit_with_a_longer_history_bucket(tiny_qwe
     chunks = [("p", 3, 0, 80), ("p2", 4, 0, 80), ("p3", 5, 0, 80), ("p4", 6, 0, 40), ("p4", 6, 40, 30)]
     eager, _ = _chunks_beside_decode(_runner(model, compile_mixed=False, blocks=64), chunks)
     for limit_ms, stands_in in ((1e9, True), (0.0, False)):
-        outcomes, mixed = _stand_in_pass(model, chunks, eager, [], limit_ms)
+        outcomes, reasons, mixed = _stand_in_pass(model, chunks, eager, [], limit_ms)
         assert [o.compiled for o in outcomes] == [False, True, True, stands_in, stands_in]
+        assert reasons[3:] == (["stand-in 96x128"] * 2 if stands_in else ["first-eager"] * 2)  # two eager shapes
         assert mixed.stand_ins_run == 2 * stands_in
         assert not mixed.shapes & {(4, 2, 64, 64), (4, 2, 64, 128)}  # their own traces still wait
 
