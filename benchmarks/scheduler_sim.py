@@ -172,6 +172,12 @@ class SimTraces:
                 return StandIn(carried, ms)
         return None
 
+    def stand_in_run_ms(self, chunks: Sequence[PrefillChunk], decode: Sequence, limit_ms: float) -> float | None:
+        """As `TracedMixedShapes.stand_in_run_ms`: the last run of the trace an untraced step would replay."""
+        key = self._key(chunks, decode)
+        near = None if key is None or key in self.shapes else self.replayed(key, limit_ms)
+        return None if near is None else self.runs.get(near)
+
     def _stand_ins_for(self, key: tuple[int, int], limit_ms: float | None) -> list[tuple[int, int]]:
         if not self.stand_ins or limit_ms is None:
             return []

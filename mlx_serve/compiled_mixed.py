@@ -130,6 +130,16 @@ class TracedMixedShapes:
                 return StandIn(rows, ms)
         return None
 
+    def stand_in_run_ms(self, chunks: Sequence[PrefillChunk], decode: Sequence[Lane], limit_ms: float) -> float | None:
+        """The last run of the trace the runner would replay for a step of these chunks in place of its own, as it
+        chooses (`CompiledMixed.ready`: bounded by eager builds or `limit_ms`); None: it has its own trace, runs
+        eager, or is not a step traced here."""
+        shape = self._shape(chunks, decode)
+        if shape is None or not self.mixed.stand_ins or self.mixed.has_trace(shape):
+            return None
+        near = self.mixed.stand_in(shape, limit_ms)
+        return None if near is None else self.mixed.last_run_ms(near)
+
     def want(self, chunks: Sequence[PrefillChunk], decode: Sequence[Lane]) -> None:
         shape = self._shape(chunks, decode)
         if shape is not None:

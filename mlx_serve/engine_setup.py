@@ -156,6 +156,7 @@ def scheduler_config(
         budget_midpoints=c.budget_midpoints,
         price_first_runs=c.price_first_runs,
         fill_stand_ins=c.fill_stand_ins,
+        price_stand_in_runs=c.price_stand_in_runs,
         checked_fill=c.checked_fill,
         plan_headroom=c.plan_headroom,
         floor_slack=floor_slack(c.floor_slack, quantum, c.checked_fill),

@@ -48,6 +48,10 @@ class SchedulerConfig:
     # the same whatever rows it carries) grows to that trace's rows (`budget.fill_stand_in`; H100, 0.6B: a 16k prompt
     # read in 64-128-row chunks that stood in for 384-512-row traces, TTFT 3.85x solo; fifty-first run)
     fill_stand_ins: bool = True
+    # a contended budget whose step would replay a larger trace in its place is priced at that trace's last run, not
+    # at its own shape's (`TracedShapes.stand_in_run_ms`; H100, 30B-A3B: 1,024-row steps priced eager at 58-66 ms
+    # against a 67 ms limit stood in for a 68-72 ms trace and held every missed gap; fifty-seventh run)
+    price_stand_in_runs: bool = False
     # contended budgets are planned to this fraction of the step target, so a step's ordinary spread stays under it
     # (H100, 30B-A3B planned to exactly 3 decode steps: 768-row steps ran 77-94 ms against 67-77 predicted; gap met
     # in 0 of 6 runs at 1.0, 3 of 3 at 0.9, forty-eighth run). Steps planned to the floor slack keep their allowance

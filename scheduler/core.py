@@ -158,7 +158,8 @@ class Scheduler:
             row_budget=decision.row_budget,
             budget_reason=decision.reason,
             predicted_ms=(
-                predict_planned_gpu_ms(self.cost_model, lanes, self.traced_shapes)
+                predict_planned_gpu_ms(self.cost_model, lanes, self.traced_shapes,
+                                       decision.limit_ms if self.config.price_stand_in_runs else None)
                 if prefill_lanes and "+stand-in" not in decision.reason  # a stand-in's step costs its trace's run
                 else decision.predicted_ms
             ),
@@ -356,6 +357,11 @@ class Scheduler:
         shapes = self.traced_shapes
         traced = None if shapes is None else lambda chunks: shapes.traced(chunks, decode_lanes)
         met = None if shapes is None else lambda chunks: shapes.met(chunks, decode_lanes)
+        stand_in_ms = (
+            (lambda chunks, limit: shapes.stand_in_run_ms(chunks, decode_lanes, limit))
+            if self.config.price_stand_in_runs and shapes is not None
+            else None
+        )
         demand = planner.demand()
         contended = bool(decode_lanes) or bool(self.decoding_streams())  # a stream in flight still streams
         # what a contended step may take: the budget plans to it and decode debt counts from it
@@ -377,7 +383,7 @@ class Scheduler:
             )
         decision = choose_row_budget(
             self.config, self.cost_model, demand, len(decode_lanes), in_debt, contended, target, traced, allowance, met,
-            self.first_runs.extra_ms if self.config.price_first_runs else 0.0,
+            self.first_runs.extra_ms if self.config.price_first_runs else 0.0, stand_in_ms,
         )
         if decision.wanted and shapes is not None:
             shapes.want(decision.wanted, decode_lanes)

@@ -28,14 +28,22 @@ def step_shapes(lanes: Sequence[Lane], auxiliary: bool = False, compiled: bool =
     }
 
 
-def predict_planned_gpu_ms(model: CostModel, lanes: Sequence[Lane], traced: TracedShapes | None) -> float | None:
+def predict_planned_gpu_ms(
+    model: CostModel, lanes: Sequence[Lane], traced: TracedShapes | None, stand_in_limit_ms: float | None = None
+) -> float | None:
     """The model's prediction for the GPU part of the lanes as finally planned (after cuts and ANE moves), in the
-    form the engine will run it."""
+    form the engine will run it; with `stand_in_limit_ms` (the step's limit), a step that would replay a larger
+    trace in place of its own is that trace's last run (`price_stand_in_runs`)."""
     shape = step_shapes(lanes).get(Path.GPU)
     if shape is None:
         return None
     decode = [lane for lane in lanes if lane.kind is LaneKind.DECODE]
-    return model.predict(replace(shape, compiled=traced is not None and traced.traced(shape.chunks, decode)))
+    compiled = traced is not None and traced.traced(shape.chunks, decode)
+    if traced is not None and not compiled and stand_in_limit_ms is not None:
+        replayed_ms = traced.stand_in_run_ms(shape.chunks, decode, stand_in_limit_ms)
+        if replayed_ms is not None:
+            return replayed_ms
+    return model.predict(replace(shape, compiled=compiled))
 
 
 def train_cost_model(model: CostModel, plan: StepPlan, outcome: StepOutcome) -> None:

@@ -15,6 +15,11 @@ A step with no trace of its own may replay a larger trace in its place, padded (
 trace's, whatever rows it carries. So where the budget's step would stand in, it grows to the rows the stand-in
 carries (`budget.fill_stand_in`): H100, 0.6B beside 8 streams (fifty-first run), a 16k prompt read in 64-128-row
 chunks priced eager (~10 ms) that stood in for a 384-512-row trace (~7-9 ms): TTFT 3.85x solo.
+
+The engine may also replay a stand-in slower than the step's limit (one within the time an eager build of the step
+would take), so with `price_stand_in_runs` a budget whose step would stand in is priced at the run of the trace it
+would replay (`stand_in_run_ms`): H100, 30B-A3B beside 8 streams (fifty-seventh run), every missed gap was a
+1,024-row step priced eager at 58-66 ms against a 67 ms limit that replayed a 68-72 ms trace and took 72-79 ms.
 """
 
 from __future__ import annotations
@@ -53,4 +58,9 @@ class TracedShapes(Protocol):
     def stand_in(self, chunks: Sequence[PrefillChunk], decode: Sequence[Lane], limit_ms: float | None) -> StandIn | None:
         """Where that step would replay a larger trace in place of its own (`limit_ms`: what it may take), what
         that trace carries; None where it would not."""
+        ...
+
+    def stand_in_run_ms(self, chunks: Sequence[PrefillChunk], decode: Sequence[Lane], limit_ms: float) -> float | None:
+        """Where that step has no trace of its own and the engine would replay a larger one in its place (planned
+        to take at most `limit_ms`), that trace's last run (ms); None where it would not, or that run is not timed."""
         ...

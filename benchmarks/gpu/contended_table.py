@@ -32,7 +32,7 @@ LANES, MS, AUXILIARY, WHY = 1, 3, 6, 8
 SETTINGS = ("step_target_floor_ms", "traced_midpoints", "met_midpoints", "floor_slack", "budget_midpoints",
             "paced_slowdown", "price_first_runs", "warm_chunk_rows", "plan_headroom", "debt_tolerance",
             "price_stand_ins", "max_prefill_slowdown", "fill_stand_ins", "kept_traces_at",
-            "time_idle_traces")
+            "time_idle_traces", "price_stand_in_runs")
 
 
 def label_of(path: Path) -> str:

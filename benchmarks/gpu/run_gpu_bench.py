@@ -166,6 +166,7 @@ def measure_ours(
               "stand_in_traces": args.stand_in_traces == "on", "price_stand_ins": args.price_stand_ins == "on",
               "time_idle_traces": args.time_idle_traces == "on",
               "fill_stand_ins": args.fill_stand_ins == "on",
+              "price_stand_in_runs": args.price_stand_in_runs == "on",
               "budget_midpoints": args.budget_midpoints == "on",
               "price_first_runs": args.price_first_runs == "on",
               "checked_fill": args.checked_fill,
@@ -233,6 +234,7 @@ def measure_ours(
         out["debt_tolerance"] = side.engine.scheduler.config.debt_tolerance
         out["price_stand_ins"] = side.engine.config.price_stand_ins
         out["fill_stand_ins"] = side.engine.scheduler.config.fill_stand_ins
+        out["price_stand_in_runs"] = side.engine.scheduler.config.price_stand_in_runs
         out["time_idle_traces"] = side.engine.config.time_idle_traces
         out["cost_trust_factor"] = side.engine.scheduler.config.cost_trust_factor
         out["floor_slack"] = side.engine.scheduler.config.floor_slack
@@ -385,6 +387,8 @@ def main() -> None:
                              "so it may stand in before a real step ran it")
     parser.add_argument("--fill-stand-ins", choices=["on", "off"], default="on",
                         help="EngineConfig.fill_stand_ins: a step that would stand in grows to its stand-in's rows")
+    parser.add_argument("--price-stand-in-runs", choices=["on", "off"], default="off",
+                        help="EngineConfig.price_stand_in_runs: a step that would stand in is priced at that trace's run")
     parser.add_argument("--trace-neighbour-shapes", type=int, default=0,
                         help="EngineConfig.trace_neighbour_shapes: shapes next to met ones traced ahead when idle")
     parser.add_argument(

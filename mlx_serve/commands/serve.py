@@ -341,6 +341,9 @@ def _add_step_arguments(g: Any) -> None:
     g.add_argument("--fill-stand-ins", choices=["on", "off"], default="on",
                    help="a contended step that a larger stand-in trace would replay grows to the rows that trace "
                         "carries, at the same cost (default: %(default)s)")
+    g.add_argument("--price-stand-in-runs", choices=["on", "off"], default="off",
+                   help="a contended step that a larger trace would replay in place of its own is priced at that "
+                        "trace's last run, which may be over the step's target (default: %(default)s)")
     g.add_argument("--trace-neighbour-shapes", type=whole_number_arg(0), default=0, metavar="N",
                    help="with deferred traces: also trace up to N shapes next to met ones (a query bucket either "
                         "side, the next history bucket, a cached prefix's continuation) while the engine is quiet, "
@@ -418,7 +421,7 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
         compile_mixed=args.compile_mixed, defer_mixed_traces=args.defer_mixed_traces == "on",
         run_idle_traces=args.run_idle_traces == "on", time_idle_traces=args.time_idle_traces == "on",
         stand_in_traces=args.stand_in_traces == "on", price_stand_ins=args.price_stand_ins == "on",
-        fill_stand_ins=args.fill_stand_ins == "on",
+        fill_stand_ins=args.fill_stand_ins == "on", price_stand_in_runs=args.price_stand_in_runs == "on",
         trace_neighbour_shapes=args.trace_neighbour_shapes,
         split_quantized_k=args.split_quantized_k, chunk_attention=args.chunk_attention,
         dequantize_rows=args.dequantize_rows, quantized_tiles=args.quantized_tiles, quantized_gemv=args.quantized_gemv,

@@ -513,6 +513,60 @@ def test_a_step_grown_to_its_stand_ins_rows_replays_a_trace(runs, builds, limit_
             assert carried.last_run_ms == mixed.last_run_ms(replayed) <= limit_ms
 
 
+@settings(max_examples=200)
+@given(
+    runs=st.dictionaries(st.tuples(st.sampled_from(query_buckets(2048)), st.sampled_from(HISTORY_BUCKETS)),
+                         st.floats(2.0, 20.0), max_size=10),
+    builds=st.lists(st.tuples(st.sampled_from(query_buckets(2048)), st.sampled_from(HISTORY_BUCKETS),
+                              st.floats(2.0, 30.0)), max_size=6),
+    limit_ms=st.floats(2.0, 20.0), history=st.integers(0, 16000), rows=st.integers(2, 1024),
+)  # fmt: skip
+def test_a_step_is_priced_at_the_run_of_the_trace_the_runner_replays_for_it(runs, builds, limit_ms, history, rows):
+    """`TracedMixedShapes.stand_in_run_ms` agrees with the runner (`CompiledMixed.ready`): where a step replays a
+    trace other than its own, that trace's last run, which may be over the step's limit (an eager build bounds it
+    too); None where it replays its own trace or runs eager."""
+    rows = min(rows, 16384 - history)
+    mixed = CompiledMixed(SimpleNamespace(block_size=16), None, None, None, defer_traces=True, stand_ins=True)
+    shapes = TracedMixedShapes(mixed, 1024, table_gather)
+    decode = [Lane(f"d{i}", LaneKind.DECODE, (1,), 900 + i, tuple(range(57)), True) for i in range(8)]
+    count, width, *_ = mixed.shape_of(decode, 64, 64, 1024)
+    for (bucket, history_padded), ms in runs.items():
+        mixed.shapes.add((count, width, bucket, history_padded))
+        mixed.record_run((count, width, bucket, history_padded), ms)
+    for bucket, history_padded, ms in builds:
+        mixed.record_eager_build((count, width, bucket, history_padded), ms)
+    priced = shapes.stand_in_run_ms((PrefillChunk(rows, history),), decode, limit_ms)
+    chunk = Lane("p", LaneKind.PREFILL, (1,) * rows, history, (), False)
+    own = mixed.shape(decode, chunk, 1024)
+    replayed = mixed.ready(decode, chunk, 1024, table_gather, limit_ms)
+    if replayed is None or replayed == own:
+        assert priced is None
+    else:
+        assert priced == mixed.last_run_ms(replayed) is not None
+
+
+def test_a_stand_in_past_the_step_limit_is_priced_at_its_run():
+    """30B-A3B on an H100 (fifty-seventh run): a 1,024-row step at 1.5k of history had no trace; the runner replayed
+    the 68 ms 1,024-row trace at the 12k bucket (within the 73 ms eager builds) against a 67 ms limit. Its price is
+    that run; with its own trace, or stand-ins off, there is none."""
+    mixed = CompiledMixed(SimpleNamespace(block_size=16), None, None, None, defer_traces=True, stand_ins=True)
+    shapes = TracedMixedShapes(mixed, 1024, table_gather)
+    decode = [Lane(f"d{i}", LaneKind.DECODE, (1,), 900 + i, tuple(range(57)), True) for i in range(8)]
+    count, width, *_ = mixed.shape_of(decode, 64, 64, 1024)
+    mixed.shapes.add((count, width, 1024, 12288))
+    mixed.record_run((count, width, 1024, 12288), 68.4)
+    step = (PrefillChunk(1024, 1536),)
+    assert shapes.stand_in_run_ms(step, decode, 67.4) is None  # no eager build timed: the limit alone bounds it
+    mixed.record_eager_build((count, width, 512, 4096), 72.8)
+    assert shapes.stand_in_run_ms(step, decode, 67.4) == 68.4
+    assert shapes.stand_in(step, decode, 67.4) is None  # nothing to grow into: that trace is over the limit
+    mixed.stand_ins = False
+    assert shapes.stand_in_run_ms(step, decode, 67.4) is None
+    mixed.stand_ins = True
+    mixed.shapes.add((count, width, 1024, 4096))
+    assert shapes.stand_in_run_ms(step, decode, 67.4) is None
+
+
 def test_a_stand_in_may_run_within_the_step_limit_and_over_a_longer_history():
     """`stand_in` with `limit_ms`: a trace that ran within what the step was planned to take stands in with no
     eager build timed; traces of a longer history bucket count (the fewest rows, then the nearest bucket), shorter

@@ -61,9 +61,9 @@ def test_midpoint_and_slack_settings_reach_the_scheduler():
     from mlx_serve.engine_setup import scheduler_config
 
     for on in (False, True):
-        config = scheduler_config(EngineConfig(slack_guard_rows=64 * on, price_first_runs=on), num_blocks=64,
-                                  context_length=4096)  # fmt: skip
-        assert (config.slack_guard_rows, config.price_first_runs) == (64 * on, on)
+        config = scheduler_config(EngineConfig(slack_guard_rows=64 * on, price_first_runs=on, price_stand_in_runs=on),
+                                  num_blocks=64, context_length=4096)  # fmt: skip
+        assert (config.slack_guard_rows, config.price_first_runs, config.price_stand_in_runs) == (64 * on, on, on)
 
 
 @pytest.mark.parametrize(

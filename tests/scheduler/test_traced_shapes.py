@@ -53,10 +53,12 @@ class FakeTraces:
     """Traces of some chunk sizes (any history, any decode lanes), and the stand-ins of others by their rows;
     records what the scheduler asks for."""
 
-    def __init__(self, rows: set[int], stand_ins: dict[int, StandIn] | None = None) -> None:
-        self.rows, self.stand_ins = rows, stand_ins or {}
+    def __init__(self, rows: set[int], stand_ins: dict[int, StandIn] | None = None,
+                 replays: dict[int, float] | None = None) -> None:  # fmt: skip
+        self.rows, self.stand_ins, self.replays = rows, stand_ins or {}, replays or {}
         self.wanted: list[tuple[tuple[PrefillChunk, ...], int]] = []
         self.stand_in_limits: list[float | None] = []
+        self.replay_limits: set[float] = set()
 
     def traced(self, chunks: Sequence[PrefillChunk], decode: Sequence[Lane]) -> bool:
         return len(chunks) == 1 and chunks[0].rows in self.rows
@@ -67,6 +69,10 @@ class FakeTraces:
     def stand_in(self, chunks: Sequence[PrefillChunk], decode: Sequence[Lane], limit_ms: float | None) -> StandIn | None:
         self.stand_in_limits.append(limit_ms)
         return self.stand_ins.get(chunks[0].rows) if len(chunks) == 1 else None
+
+    def stand_in_run_ms(self, chunks: Sequence[PrefillChunk], decode: Sequence[Lane], limit_ms: float) -> float | None:
+        self.replay_limits.add(limit_ms)
+        return self.replays.get(chunks[0].rows) if len(chunks) == 1 else None
 
 
 def plan_beside_streams(traces: FakeTraces | None, **settings) -> tuple[Scheduler, object]:
@@ -123,6 +129,27 @@ def test_a_step_that_would_stand_in_grows_to_the_rows_its_stand_in_carries() -> 
     # a trace not yet timed: the rows, and the budget's own prediction
     _, plan = plan_beside_streams(FakeTraces(set(), stand_ins={384: StandIn(2048, None)}))
     assert plan.prefill_rows == 2040 and plan.predicted_ms == pytest.approx(10 + 0.008 * 384, rel=0.01)  # 8 lanes
+
+
+def test_a_step_that_would_replay_a_larger_trace_is_priced_at_that_traces_run() -> None:
+    """Nothing traced, the budget is 384 eager rows (13.1 ms against 14). Where the engine would replay a 14.5 ms
+    trace for that step (a stand-in bounded by its eager builds, not by the step's limit), `price_stand_in_runs`
+    prices it so and the step takes 256 rows; off, it takes 384 priced eager. A 512-row step standing in for a 9 ms
+    trace fits where its eager price (14.1) did not, and the 1,024-row candidate, over the limit as its 15 ms stand-in
+    but within it compiled (9.2), is the trace wanted."""
+    traces = FakeTraces(set(), replays={384: 14.5})
+    _, plan = plan_beside_streams(traces, price_stand_in_runs=True)
+    assert plan.prefill_rows == 256 and plan.predicted_ms == pytest.approx(10 + 0.008 * 256, rel=0.01)
+    assert traces.replay_limits == {plan.limit_ms} and plan.limit_ms == pytest.approx(14.0)
+    _, plan = plan_beside_streams(FakeTraces(set(), replays={384: 14.5}))
+    assert plan.prefill_rows == 384 and plan.predicted_ms == pytest.approx(10 + 0.008 * 384, rel=0.01)
+    traces = FakeTraces(set(), replays={512: 9.0, 1024: 15.0})
+    _, plan = plan_beside_streams(traces, price_stand_in_runs=True)
+    assert (plan.prefill_rows, plan.predicted_ms) == (512, 9.0)
+    assert traces.wanted == [((PrefillChunk(1024, 0),), 8)]
+    # a step with its own trace is priced as its shape, whatever a stand-in would have cost
+    _, plan = plan_beside_streams(FakeTraces({1024}, replays={1024: 15.0}), price_stand_in_runs=True)
+    assert plan.prefill_rows == 1024 and plan.predicted_ms == pytest.approx(1 + 0.008 * 1024, rel=0.01)
 
 
 def test_a_stand_in_fill_keeps_to_one_chunk_and_its_demand() -> None:
