@@ -98,7 +98,7 @@ class EngineConfig:
     time_idle_traces: bool = True
     price_stand_ins: bool = False  # budgets price a step a stand-in would replay as compiled (`TracedMixedShapes`)
     fill_stand_ins: bool = True  # a step that would stand in grows to the rows its stand-in carries (SchedulerConfig)
-    price_stand_in_runs: bool = False  # a step that would stand in is priced at its stand-in's last run (SchedulerConfig)
+    price_stand_in_runs: bool = True  # a step that would stand in is priced at its stand-in's last run (SchedulerConfig)
     expert_tiles: str = "auto"  # "auto" (the CUDA kernel with CUDA) | "on" | "off": MoE steps of many rows in expert tiles
     dense_experts: str = "auto"  # "auto" (on with CUDA) | "on" | "off": MoE steps of enough rows use every expert
     split_quantized_k: str = "auto"  # "auto" (all with CUDA) | "on" | "off" | "all": quantized projections over K slices

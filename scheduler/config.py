@@ -50,8 +50,9 @@ class SchedulerConfig:
     fill_stand_ins: bool = True
     # a contended budget whose step would replay a larger trace in its place is priced at that trace's last run, not
     # at its own shape's (`TracedShapes.stand_in_run_ms`; H100, 30B-A3B: 1,024-row steps priced eager at 58-66 ms
-    # against a 67 ms limit stood in for a 68-72 ms trace and held every missed gap; fifty-seventh run)
-    price_stand_in_runs: bool = False
+    # against a 67 ms limit stood in for a 68-72 ms trace and held every missed gap; fifty-seventh run). Fifty-eighth
+    # run, six pairs beside 8 streams: gap 2.51-2.80 on (6 of 6 met), 2.74-3.45 off (5 of 6), TTFT 1.31-1.45 / 1.34-1.47
+    price_stand_in_runs: bool = True
     # contended budgets are planned to this fraction of the step target, so a step's ordinary spread stays under it
     # (H100, 30B-A3B planned to exactly 3 decode steps: 768-row steps ran 77-94 ms against 67-77 predicted; gap met
     # in 0 of 6 runs at 1.0, 3 of 3 at 0.9, forty-eighth run). Steps planned to the floor slack keep their allowance

@@ -387,7 +387,7 @@ def main() -> None:
                              "so it may stand in before a real step ran it")
     parser.add_argument("--fill-stand-ins", choices=["on", "off"], default="on",
                         help="EngineConfig.fill_stand_ins: a step that would stand in grows to its stand-in's rows")
-    parser.add_argument("--price-stand-in-runs", choices=["on", "off"], default="off",
+    parser.add_argument("--price-stand-in-runs", choices=["on", "off"], default="on",
                         help="EngineConfig.price_stand_in_runs: a step that would stand in is priced at that trace's run")
     parser.add_argument("--trace-neighbour-shapes", type=int, default=0,
                         help="EngineConfig.trace_neighbour_shapes: shapes next to met ones traced ahead when idle")

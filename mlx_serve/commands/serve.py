@@ -341,7 +341,7 @@ def _add_step_arguments(g: Any) -> None:
     g.add_argument("--fill-stand-ins", choices=["on", "off"], default="on",
                    help="a contended step that a larger stand-in trace would replay grows to the rows that trace "
                         "carries, at the same cost (default: %(default)s)")
-    g.add_argument("--price-stand-in-runs", choices=["on", "off"], default="off",
+    g.add_argument("--price-stand-in-runs", choices=["on", "off"], default="on",
                    help="a contended step that a larger trace would replay in place of its own is priced at that "
                         "trace's last run, which may be over the step's target (default: %(default)s)")
     g.add_argument("--trace-neighbour-shapes", type=whole_number_arg(0), default=0, metavar="N",

@@ -110,3 +110,6 @@ class FakeShapes:
 
     def stand_in(self, chunks, decode, limit_ms) -> None:
         return None  # no larger trace stands in here
+
+    def stand_in_run_ms(self, chunks, decode, limit_ms) -> None:
+        return None

@@ -279,8 +279,10 @@ def test_the_measured_run_starts_with_the_traces_given() -> None:
     arrivals = sim.load_trace(SIM_PATH.parent / "traces" / "contended_16k.jsonl")
     cost = sim.CostFunction(fixed_ms=2.8, row_ms=0.0026, pair_ms=6.2e-7, decode_lane_ms=0.1, noise=0.05,
                             kv_bucket=1024, eager_extra_ms=4.0, prefill_host_ms=6.0)  # fmt: skip
+    # the fill alone: priced at its stand-in's run (`price_stand_in_runs`) a budget is that trace's rows already
     config = sim.SchedulerConfig(num_blocks=16_384, max_model_len=1 << 20, kv_bucket=1024, pads_history=False,
-                                 cost_model="affine", step_target_factor=3.0, step_target_floor_ms=11.0)  # fmt: skip
+                                 cost_model="affine", step_target_factor=3.0, step_target_floor_ms=11.0,
+                                 price_stand_in_runs=False)  # fmt: skip
     traced = {(64, 1024): 6.57, (384, 16384): 9.78, (512, 12288): 9.13, (768, 1024): 8.72}
     filled = []
     original = sim.Scheduler.schedule

@@ -134,14 +134,14 @@ def test_a_step_that_would_stand_in_grows_to_the_rows_its_stand_in_carries() -> 
 def test_a_step_that_would_replay_a_larger_trace_is_priced_at_that_traces_run() -> None:
     """Nothing traced, the budget is 384 eager rows (13.1 ms against 14). Where the engine would replay a 14.5 ms
     trace for that step (a stand-in bounded by its eager builds, not by the step's limit), `price_stand_in_runs`
-    prices it so and the step takes 256 rows; off, it takes 384 priced eager. A 512-row step standing in for a 9 ms
+    prices it so (the default) and the step takes 256 rows; off, it takes 384 priced eager. A 512-row step standing in for a 9 ms
     trace fits where its eager price (14.1) did not, and the 1,024-row candidate, over the limit as its 15 ms stand-in
     but within it compiled (9.2), is the trace wanted."""
     traces = FakeTraces(set(), replays={384: 14.5})
     _, plan = plan_beside_streams(traces, price_stand_in_runs=True)
     assert plan.prefill_rows == 256 and plan.predicted_ms == pytest.approx(10 + 0.008 * 256, rel=0.01)
     assert traces.replay_limits == {plan.limit_ms} and plan.limit_ms == pytest.approx(14.0)
-    _, plan = plan_beside_streams(FakeTraces(set(), replays={384: 14.5}))
+    _, plan = plan_beside_streams(FakeTraces(set(), replays={384: 14.5}), price_stand_in_runs=False)
     assert plan.prefill_rows == 384 and plan.predicted_ms == pytest.approx(10 + 0.008 * 384, rel=0.01)
     traces = FakeTraces(set(), replays={512: 9.0, 1024: 15.0})
     _, plan = plan_beside_streams(traces, price_stand_in_runs=True)
@@ -231,6 +231,9 @@ class BucketTraces:
 
     def stand_in(self, chunks: Sequence[PrefillChunk], decode: Sequence[Lane], limit_ms: float | None) -> None:
         return None  # no larger trace stands in here
+
+    def stand_in_run_ms(self, chunks: Sequence[PrefillChunk], decode: Sequence[Lane], limit_ms: float) -> None:
+        return None
 
     def quiet(self) -> None:
         self.shapes |= self.waiting

@@ -205,9 +205,8 @@ def test_scheduling_flags_reach_the_engine_config():
 
     args = build_parser().parse_args(["serve", "--floor-slack", "1.25", "--max-prefill-slowdown", "1.3",
                                       "--checked-fill", "untraced", "--price-first-runs", "on", "--warm-chunk-rows", "8",
-                                      "--debt-tolerance", "1.5", "--price-stand-in-runs", "on"])  # fmt: skip
+                                      "--debt-tolerance", "1.5"])  # fmt: skip
     config = engine_config(args)
-    assert config.price_stand_in_runs is True
     assert (config.floor_slack, config.max_prefill_slowdown, config.checked_fill) == (1.25, 1.3, "untraced")
     assert config.price_first_runs is True
     assert config.warm_chunk_rows == 8 and engine_config(build_parser().parse_args(["serve"])).warm_chunk_rows == 0
@@ -215,7 +214,8 @@ def test_scheduling_flags_reach_the_engine_config():
     defaults = engine_config(build_parser().parse_args(["serve"]))
     assert (defaults.checked_fill, defaults.floor_slack) == ("on", "auto")
     assert defaults.price_first_runs is False and defaults.debt_tolerance == 1.25
-    assert defaults.price_stand_in_runs is False
+    assert defaults.price_stand_in_runs is True
+    assert engine_config(build_parser().parse_args(["serve", "--price-stand-in-runs", "off"])).price_stand_in_runs is False
     assert (defaults.run_idle_traces, defaults.time_idle_traces) == (True, True)
     untimed = engine_config(build_parser().parse_args(["serve", "--time-idle-traces", "off"]))
     assert (untimed.run_idle_traces, untimed.time_idle_traces) == (True, False)
