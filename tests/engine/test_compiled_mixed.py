@@ -477,12 +477,33 @@ def test_the_scheduler_sees_the_rows_a_stand_in_would_carry():
 HISTORY_BUCKETS = (1024, 2048, 4096, 8192, 12288, 16384)
 
 
+# traces that ran ((rows, history bucket): ms) and eager builds timed (rows, history bucket, ms)
+TRACES_RUN = st.dictionaries(st.tuples(st.sampled_from(query_buckets(2048)), st.sampled_from(HISTORY_BUCKETS)),
+                             st.floats(2.0, 20.0), max_size=10)
+EAGER_BUILDS = st.lists(st.tuples(st.sampled_from(query_buckets(2048)), st.sampled_from(HISTORY_BUCKETS),
+                                  st.floats(2.0, 30.0)), max_size=6)
+
+
+def _traced_beside_eight_lanes(
+    runs: dict[tuple[int, int], float], builds: list[tuple[int, int, float]]
+) -> tuple[CompiledMixed, TracedMixedShapes, list[Lane]]:
+    """Deferred traces with stand-ins beside 8 decode lanes: `runs` traced and run ((rows, history bucket): ms),
+    `builds` eager builds timed (rows, history bucket, ms; first and later builds: the two kinds' bounds differ)."""
+    mixed = CompiledMixed(SimpleNamespace(block_size=16), None, None, None, defer_traces=True, stand_ins=True)
+    shapes = TracedMixedShapes(mixed, 1024, table_gather)
+    decode = [Lane(f"d{i}", LaneKind.DECODE, (1,), 900 + i, tuple(range(57)), True) for i in range(8)]
+    count, width, *_ = mixed.shape_of(decode, 64, 64, 1024)
+    for (bucket, history_padded), ms in runs.items():
+        mixed.shapes.add((count, width, bucket, history_padded))
+        mixed.record_run((count, width, bucket, history_padded), ms)
+    for bucket, history_padded, ms in builds:
+        mixed.record_eager_build((count, width, bucket, history_padded), ms)
+    return mixed, shapes, decode
+
+
 @settings(max_examples=200)
 @given(
-    runs=st.dictionaries(st.tuples(st.sampled_from(query_buckets(2048)), st.sampled_from(HISTORY_BUCKETS)),
-                         st.floats(2.0, 20.0), max_size=10),
-    builds=st.lists(st.tuples(st.sampled_from(query_buckets(2048)), st.sampled_from(HISTORY_BUCKETS),
-                              st.floats(2.0, 30.0)), max_size=6),
+    runs=TRACES_RUN, builds=EAGER_BUILDS,
     limit_ms=st.floats(2.0, 20.0),
     history=st.integers(0, 16000), rows=st.integers(2, 1024), demand=st.integers(0, 4000),
 )  # fmt: skip
@@ -491,15 +512,7 @@ def test_a_step_grown_to_its_stand_ins_rows_replays_a_trace(runs, builds, limit_
     step's own, and a step of those rows (or fewer, down to the step's own: the chunk's demand may cut it) replays a
     trace, never eager, one that ran within the step's limit and whose last run is the one named."""
     rows = min(rows, 16384 - history)
-    mixed = CompiledMixed(SimpleNamespace(block_size=16), None, None, None, defer_traces=True, stand_ins=True)
-    shapes = TracedMixedShapes(mixed, 1024, table_gather)
-    decode = [Lane(f"d{i}", LaneKind.DECODE, (1,), 900 + i, tuple(range(57)), True) for i in range(8)]
-    count, width, *_ = mixed.shape_of(decode, 64, 64, 1024)
-    for (bucket, history_padded), ms in runs.items():
-        mixed.shapes.add((count, width, bucket, history_padded))
-        mixed.record_run((count, width, bucket, history_padded), ms)
-    for bucket, history_padded, ms in builds:  # first and later builds: the two kinds' bounds differ
-        mixed.record_eager_build((count, width, bucket, history_padded), ms)
+    mixed, shapes, decode = _traced_beside_eight_lanes(runs, builds)
     carried = shapes.stand_in((PrefillChunk(rows, history),), decode, limit_ms)
     if carried is None:
         return
@@ -515,10 +528,7 @@ def test_a_step_grown_to_its_stand_ins_rows_replays_a_trace(runs, builds, limit_
 
 @settings(max_examples=200)
 @given(
-    runs=st.dictionaries(st.tuples(st.sampled_from(query_buckets(2048)), st.sampled_from(HISTORY_BUCKETS)),
-                         st.floats(2.0, 20.0), max_size=10),
-    builds=st.lists(st.tuples(st.sampled_from(query_buckets(2048)), st.sampled_from(HISTORY_BUCKETS),
-                              st.floats(2.0, 30.0)), max_size=6),
+    runs=TRACES_RUN, builds=EAGER_BUILDS,
     limit_ms=st.floats(2.0, 20.0), history=st.integers(0, 16000), rows=st.integers(2, 1024),
 )  # fmt: skip
 def test_a_step_is_priced_at_the_run_of_the_trace_the_runner_replays_for_it(runs, builds, limit_ms, history, rows):
@@ -526,15 +536,7 @@ def test_a_step_is_priced_at_the_run_of_the_trace_the_runner_replays_for_it(runs
     trace other than its own, that trace's last run, which may be over the step's limit (an eager build bounds it
     too); None where it replays its own trace or runs eager."""
     rows = min(rows, 16384 - history)
-    mixed = CompiledMixed(SimpleNamespace(block_size=16), None, None, None, defer_traces=True, stand_ins=True)
-    shapes = TracedMixedShapes(mixed, 1024, table_gather)
-    decode = [Lane(f"d{i}", LaneKind.DECODE, (1,), 900 + i, tuple(range(57)), True) for i in range(8)]
-    count, width, *_ = mixed.shape_of(decode, 64, 64, 1024)
-    for (bucket, history_padded), ms in runs.items():
-        mixed.shapes.add((count, width, bucket, history_padded))
-        mixed.record_run((count, width, bucket, history_padded), ms)
-    for bucket, history_padded, ms in builds:
-        mixed.record_eager_build((count, width, bucket, history_padded), ms)
+    mixed, shapes, decode = _traced_beside_eight_lanes(runs, builds)
     priced = shapes.stand_in_run_ms((PrefillChunk(rows, history),), decode, limit_ms)
     chunk = Lane("p", LaneKind.PREFILL, (1,) * rows, history, (), False)
     own = mixed.shape(decode, chunk, 1024)
@@ -549,12 +551,8 @@ def test_a_stand_in_past_the_step_limit_is_priced_at_its_run():
     """30B-A3B on an H100 (fifty-seventh run): a 1,024-row step at 1.5k of history had no trace; the runner replayed
     the 68 ms 1,024-row trace at the 12k bucket (within the 73 ms eager builds) against a 67 ms limit. Its price is
     that run; with its own trace, or stand-ins off, there is none."""
-    mixed = CompiledMixed(SimpleNamespace(block_size=16), None, None, None, defer_traces=True, stand_ins=True)
-    shapes = TracedMixedShapes(mixed, 1024, table_gather)
-    decode = [Lane(f"d{i}", LaneKind.DECODE, (1,), 900 + i, tuple(range(57)), True) for i in range(8)]
+    mixed, shapes, decode = _traced_beside_eight_lanes({(1024, 12288): 68.4}, [])
     count, width, *_ = mixed.shape_of(decode, 64, 64, 1024)
-    mixed.shapes.add((count, width, 1024, 12288))
-    mixed.record_run((count, width, 1024, 12288), 68.4)
     step = (PrefillChunk(1024, 1536),)
     assert shapes.stand_in_run_ms(step, decode, 67.4) is None  # no eager build timed: the limit alone bounds it
     mixed.record_eager_build((count, width, 512, 4096), 72.8)
