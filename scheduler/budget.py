@@ -126,8 +126,8 @@ def choose_row_budget(
     `traced`: whether a step of these chunks would run compiled now (None: the engine compiles no prefill); `met`:
     whether such a step's shape has run before in that form (None: not known, a first run is never declined);
     `first_run_ms`: what a shape's first run costs over its price (`first_runs.py`; 0: not priced); `stand_in_ms`:
-    where a step of these chunks, not run compiled as its own shape, would replay a larger trace planned to take at
-    most the given ms, that trace's last run (None: not priced so)."""
+    where a step of these chunks has no trace of its own and would replay a larger one planned to take at most the
+    given ms, that trace's last run (None: not priced so)."""
     if allowance_ms is None and contended and not in_debt:
         allowance_ms = slack_allowance_ms(config, model, demand, decode_lanes, target_ms, traced)
     slack = allowance_ms is not None and allowance_ms > target_ms
@@ -141,7 +141,7 @@ def choose_row_budget(
             return None
         compiled = traced is not None and traced(chunks)
         predicted = model.predict(StepShape(chunks, decode_lanes, compiled=compiled))
-        replayed_ms = None if compiled or stand_in_ms is None else stand_in_ms(chunks, target_ms)
+        replayed_ms = None if stand_in_ms is None else stand_in_ms(chunks, target_ms)
         if replayed_ms is not None:
             predicted = replayed_ms  # a larger trace replays in its place: the step costs that trace's run
         if traced is not None and not compiled and not wanted and predicted is not None and predicted > target_ms:

@@ -39,7 +39,7 @@ def predict_planned_gpu_ms(
         return None
     decode = [lane for lane in lanes if lane.kind is LaneKind.DECODE]
     compiled = traced is not None and traced.traced(shape.chunks, decode)
-    if traced is not None and not compiled and stand_in_limit_ms is not None:
+    if traced is not None and stand_in_limit_ms is not None:
         replayed_ms = traced.stand_in_run_ms(shape.chunks, decode, stand_in_limit_ms)
         if replayed_ms is not None:
             return replayed_ms

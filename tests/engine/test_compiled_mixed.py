@@ -558,6 +558,8 @@ def test_a_stand_in_past_the_step_limit_is_priced_at_its_run():
     mixed.record_eager_build((count, width, 512, 4096), 72.8)
     assert shapes.stand_in_run_ms(step, decode, 67.4) == 68.4
     assert shapes.stand_in(step, decode, 67.4) is None  # nothing to grow into: that trace is over the limit
+    as_compiled = TracedMixedShapes(mixed, 1024, table_gather, price_stand_ins=True)
+    assert as_compiled.traced(step, decode) and as_compiled.stand_in_run_ms(step, decode, 67.4) == 68.4
     mixed.stand_ins = False
     assert shapes.stand_in_run_ms(step, decode, 67.4) is None
     mixed.stand_ins = True
