@@ -13,8 +13,9 @@ before GPU time is spent. `--policies ema,bucketed,...` picks policies (see POLI
 model's dequantized weights). With `--eager-extra-ms` a step of decode lanes and one chunk whose padded shape has no
 compiled trace costs that much more, and the scheduler sees which shapes are traced, as on CUDA: shapes met (or
 wanted) in the `--warm-passes` runs of the trace before the measured one are traced, as the idle engine traces them
-between the GPU bench's passes; with `--stand-ins` an untraced such step replays a larger trace run within its limit,
-as the engine's stand-ins do (its time is that trace's rows'), and `--traced ROWS:HISTORY:MS` (repeatable) sets the
+between the GPU bench's passes; with `--stand-ins` an untraced such step replays a larger trace run within its limit
+(or within `--stand-in-build-ms`, the engine's eager-build bound), as the engine's stand-ins do (its time is that
+trace's rows'), and `--traced ROWS:HISTORY:MS` (repeatable) sets the
 traces and their last runs the measured pass starts with (a run's `compiled_mixed.runs_ms`, in place of what the warm
 passes traced). `--ms-prefill-host` makes a step with prefill take at least that long (its host
 submission, which bounds a small model's mixed steps: H200 0.6B 8-12 ms), `--ms-solo-extra` adds to an
@@ -135,9 +136,11 @@ class SimTraces:
     pending: set[tuple[int, int]] = field(default_factory=set)  # met or wanted, traced at `settle`
     ran_eager: set[tuple[int, int]] = field(default_factory=set)
     # with stand-ins, an untraced step replays the traced shape of the fewest rows, then the nearest history bucket, at
-    # or past its own whose last ordinary run (`runs`, ms) was within the step's limit (`CompiledMixed.stand_in`)
+    # or past its own whose last ordinary run (`runs`, ms) was within the step's limit or `eager_build_ms` (the
+    # engine's eager-build bound: 64-81 ms on 30B-A3B / H100, past a 67 ms limit) (`CompiledMixed.stand_in`)
     stand_ins: bool = False
     runs: dict[tuple[int, int], float] = field(default_factory=dict)
+    eager_build_ms: float = 0.0
 
     def _key(self, chunks: Sequence[PrefillChunk], decode: Sequence) -> tuple[int, int] | None:
         if len(chunks) != 1 or chunks[0].rows < 2 or not decode:
@@ -163,7 +166,8 @@ class SimTraces:
         if key is None or key in self.shapes:
             return None
         history = chunks[0].history
-        for rows, bucket in sorted(self._stand_ins_for(key, limit_ms), key=lambda k: (-min(k[0], k[1] - history), k[1])):
+        within = [k for k in self._stand_ins_for(key, limit_ms) if self.runs[k] <= limit_ms]
+        for rows, bucket in sorted(within, key=lambda k: (-min(k[0], k[1] - history), k[1])):
             carried = min(rows, bucket - history)
             grown = (query_bucket(carried), history_bucket(history + carried, self.kv_bucket))
             replayed = grown if grown in self.shapes else self.replayed(grown, limit_ms)
@@ -181,7 +185,8 @@ class SimTraces:
     def _stand_ins_for(self, key: tuple[int, int], limit_ms: float | None) -> list[tuple[int, int]]:
         if not self.stand_ins or limit_ms is None:
             return []
-        return [k for k, ms in self.runs.items() if k != key and k[0] >= key[0] and k[1] >= key[1] and ms <= limit_ms]
+        bound = max(limit_ms, self.eager_build_ms)
+        return [k for k, ms in self.runs.items() if k != key and k[0] >= key[0] and k[1] >= key[1] and ms <= bound]
 
     def replayed(self, key: tuple[int, int], limit_ms: float | None) -> tuple[int, int] | None:
         """The trace an untraced step of `key` replays in its place (None: it runs eager)."""
@@ -259,15 +264,16 @@ def load_trace(path: Path) -> list[Arrival]:
 
 def simulate(
     config: SchedulerConfig, arrivals: list[Arrival], cost: CostFunction, seed: int, warm_passes: int = 0,
-    stand_ins: bool = False, traced: dict[tuple[int, int], float] | None = None,
+    stand_ins: bool = False, traced: dict[tuple[int, int], float] | None = None, eager_build_ms: float = 0.0,
 ) -> dict:
     """Run the trace to completion on a virtual clock, after `warm_passes` runs of it on the same scheduler (its
     cost model learns, the engine traces what they met); returns the last run's per-request token times and step
     counters. `stand_ins`: untraced steps replay larger traces (`SimTraces`); `traced`: the shapes traced beside decode
-    lanes when the measured run starts, whatever the warm runs met, (query bucket, history bucket) -> last run's ms."""
+    lanes when the measured run starts, whatever the warm runs met, (query bucket, history bucket) -> last run's ms;
+    `eager_build_ms`: a stand-in may also be a trace that ran within it (the engine's eager-build bound)."""
     traces = None
     if cost.kv_bucket and (cost.eager_extra_ms or cost.first_run_ms):
-        traces = SimTraces(cost.kv_bucket, stand_ins=stand_ins)
+        traces = SimTraces(cost.kv_bucket, stand_ins=stand_ins, eager_build_ms=eager_build_ms)
     scheduler = Scheduler(config, traced_shapes=traces)
     rng = random.Random(seed)
     now = 0.0
@@ -486,6 +492,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="runs of the trace before the measured one (shapes they meet are traced after each)")
     parser.add_argument("--stand-ins", action="store_true",
                         help="with --eager-extra-ms: an untraced step replays a larger trace run within its limit")
+    parser.add_argument("--stand-in-build-ms", type=float, default=0.0,
+                        help="with --stand-ins: or one run within this many ms (the engine's eager-build bound)")
     parser.add_argument("--traced", action="append", default=[], metavar="ROWS:HISTORY:MS", type=traced_shape,
                         help="a shape traced beside decode lanes when the measured run starts, and its last run's "
                              "ms (repeatable; replaces what the warm runs traced)")
@@ -511,7 +519,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: unknown policy {name!r}; choose from {list(POLICIES)}", file=sys.stderr)
             return 2
         config = replace(base, **(POLICIES[name] | dict(args.set)))
-        result = simulate(config, arrivals, cost, args.seed, args.warm_passes, args.stand_ins, dict(args.traced))
+        result = simulate(config, arrivals, cost, args.seed, args.warm_passes, args.stand_ins, dict(args.traced),
+                          args.stand_in_build_ms)
         rows[name] = summarize(result, args.long_threshold)
         if args.trace and (figures := contended_figures(result, args.long_threshold)):
             long = figures.pop("long_arrival")

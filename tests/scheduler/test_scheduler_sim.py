@@ -298,3 +298,35 @@ def test_the_measured_run_starts_with_the_traces_given() -> None:
     finally:
         sim.Scheduler.schedule = original
     assert any(filled) and all(item.token_times for item in result["tracked"].values())
+
+
+def test_priced_stand_in_runs_keep_steps_off_traces_slower_than_their_limit() -> None:
+    """With the engine's eager-build bound (`stand_in_build_ms`), a stand-in may be a trace whose last run is over the
+    step's limit (here the 1,024-row trace at the 12k bucket, 12.5 ms against ~9.9): without `price_stand_in_runs`
+    the budget, priced eager, lets steps replay it; with it, no step does."""
+    sim = load_sim()
+    arrivals = sim.load_trace(SIM_PATH.parent / "traces" / "contended_16k.jsonl")
+    cost = sim.CostFunction(fixed_ms=2.8, row_ms=0.0026, pair_ms=6.2e-7, decode_lane_ms=0.1, noise=0.05,
+                            kv_bucket=1024, eager_extra_ms=4.0, prefill_host_ms=6.0)  # fmt: skip
+    traced = {(64, 1024): 6.57, (384, 16384): 9.78, (512, 12288): 9.13, (768, 1024): 8.72, (1024, 12288): 12.5}
+    original = sim.SimTraces.stand_in_run
+    for priced in (False, True):
+        config = sim.SchedulerConfig(num_blocks=16_384, max_model_len=1 << 20, kv_bucket=1024, pads_history=False,
+                                     cost_model="affine", step_target_factor=3.0, step_target_floor_ms=11.0,
+                                     price_stand_in_runs=priced)  # fmt: skip
+        over: list[float] = []
+
+        def stand_in_run(traces, plan, over=over):
+            replayed = original(traces, plan)
+            if replayed is not None and traces.runs[replayed] > plan.limit_ms:
+                over.append(traces.runs[replayed])
+            return replayed
+
+        sim.SimTraces.stand_in_run = stand_in_run
+        try:
+            result = sim.simulate(config, arrivals, cost, seed=1, warm_passes=2, stand_ins=True, traced=traced,
+                                  eager_build_ms=30.0)  # fmt: skip
+        finally:
+            sim.SimTraces.stand_in_run = original
+        assert all(item.token_times for item in result["tracked"].values())
+        assert bool(over) is not priced, over
