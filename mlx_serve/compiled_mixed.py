@@ -204,6 +204,8 @@ class CompiledMixed:
         # host ms of eager steps of compilable shapes, by whether the step was its shape's first eager one (H200,
         # 0.6B beside 8 streams: 20-33 ms first, ~15 ms later; twenty-seventh run)
         self._eager_builds = {first: deque(maxlen=EAGER_BUILDS_KEPT) for first in (True, False)}
+        # their medians, kept until the next build: the planner asks for every candidate budget of every step
+        self._build_medians: dict[bool, float | None] = {}
         self._ran_eager: set[MixedShape] = set()
         # each traced shape's last ordinary run (device ms), or until it has one its timed scratch run (`time_traces`)
         self._measured_ms: dict[MixedShape, float] = {}
@@ -288,7 +290,9 @@ class CompiledMixed:
 
     def record_eager_build(self, shape: MixedShape, ms: float) -> None:
         """An eager step of compilable `shape` took `ms` of host time to build and submit."""
-        self._eager_builds[shape not in self._ran_eager].append(ms)
+        first = shape not in self._ran_eager
+        self._eager_builds[first].append(ms)
+        self._build_medians.pop(first, None)
         self._ran_eager.add(shape)
 
     def eager_build_ms(self, shape: MixedShape) -> float | None:
@@ -300,8 +304,10 @@ class CompiledMixed:
 
     def _build_median(self, first: bool) -> float | None:
         """The median of the latest eager builds of one kind (a shape's first, or later); None: none timed."""
-        builds = self._eager_builds[first]
-        return float(np.median(builds)) if builds else None
+        if first not in self._build_medians:
+            builds = self._eager_builds[first]
+            self._build_medians[first] = float(np.median(builds)) if builds else None
+        return self._build_medians[first]
 
     def summary(self) -> dict:
         """For a report: shapes traced and waiting, stand-ins run, each traced shape's last ordinary run `[decode
