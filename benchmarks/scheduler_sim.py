@@ -178,8 +178,7 @@ class SimTraces:
 
     def stand_in_run_ms(self, chunks: Sequence[PrefillChunk], decode: Sequence, limit_ms: float) -> float | None:
         """As `TracedMixedShapes.stand_in_run_ms`: the last run of the trace an untraced step would replay."""
-        key = self._key(chunks, decode)
-        near = None if key is None or key in self.shapes else self.replayed(key, limit_ms)
+        near = self._stood_in_for(self._key(chunks, decode), limit_ms)
         return None if near is None else self.runs.get(near)
 
     def _stand_ins_for(self, key: tuple[int, int], limit_ms: float | None) -> list[tuple[int, int]]:
@@ -203,8 +202,11 @@ class SimTraces:
 
     def stand_in_run(self, plan: StepPlan) -> tuple[int, int] | None:
         """The trace an untraced step replays in its place, within its limit (None: it runs as its own shape)."""
-        key = self._key(*_chunks_and_decode(plan))
-        return None if key is None or key in self.shapes else self.replayed(key, plan.limit_ms)
+        return self._stood_in_for(self._key(*_chunks_and_decode(plan)), plan.limit_ms)
+
+    def _stood_in_for(self, key: tuple[int, int] | None, limit_ms: float | None) -> tuple[int, int] | None:
+        """The trace a step of `key` replays in place of its own (None: it has its own, or runs eager)."""
+        return None if key is None or key in self.shapes else self.replayed(key, limit_ms)
 
     def record_run(self, plan: StepPlan, elapsed_ms: float) -> None:
         """An ordinary run of a step that replayed its own trace."""

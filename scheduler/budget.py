@@ -140,10 +140,11 @@ def choose_row_budget(
         if not chunks:
             return None
         compiled = traced is not None and traced(chunks)
-        predicted = model.predict(StepShape(chunks, decode_lanes, compiled=compiled))
         replayed_ms = None if stand_in_ms is None else stand_in_ms(chunks, target_ms)
         if replayed_ms is not None:
             predicted = replayed_ms  # a larger trace replays in its place: the step costs that trace's run
+        else:
+            predicted = model.predict(StepShape(chunks, decode_lanes, compiled=compiled))
         if traced is not None and not compiled and not wanted and predicted is not None and predicted > target_ms:
             as_compiled = model.predict(StepShape(chunks, decode_lanes, compiled=True))
             if as_compiled is not None and as_compiled <= target_ms:
