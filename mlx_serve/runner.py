@@ -137,6 +137,11 @@ class _PreparedStep:
     drafted: tuple[tuple[str, tuple[int, ...]], ...] = ()  # each drafted lane's request id and drafts
 
 
+def stand_in_reason(trace: MixedShape) -> str:
+    """A stand-in step's `one_off`: the trace it replayed, by rows and history bucket."""
+    return f"stand-in {trace[2]}x{trace[3]}"
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -448,7 +453,9 @@ class ModelRunner:
         one_off = self._one_off(scoring or drafted, traced, mixed_shape, compiled or mixed, gpu_lanes)
         if mixable and not mixed:
             self.compiled_mixed.record_eager_build(self._mixed_shape(gpu_lanes), phases["submission"])
-        timed = mixed_shape if mixed and not one_off else None
+        # a stand-in replays its trace as an ordinary run would (pad rows, the padded history): its time is the
+        # trace's, so the next stand-in is priced at it (H100: one fast 68.9 ms run priced eight replays of 73-81 ms)
+        timed = mixed_shape if mixed and one_off in ("", stand_in_reason(mixed_shape)) else None
         return InFlightStep(
             plan, sample_ids, samplers, sampled, rows, t0, phases, tuple(chunks), stamp, one_off, compiled or mixed,
             timed, tuple(scores), verify, prepared.drafted if prepared is not None else (), tuple(embeddings),
@@ -466,7 +473,7 @@ class ModelRunner:
             return "traced"
         if mixed is not None and (self.compiled_mixed.first_run or self.compiled_mixed.stood_in):
             first = "first-run" if self.compiled_mixed.first_run else ""
-            stand_in = f"stand-in {mixed[2]}x{mixed[3]}" if self.compiled_mixed.stood_in else ""
+            stand_in = stand_in_reason(mixed) if self.compiled_mixed.stood_in else ""
             return " ".join(part for part in (first, stand_in) if part)
         if not replayed and self._first_eager_shape(lanes):
             return "first-eager"

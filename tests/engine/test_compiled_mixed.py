@@ -383,7 +383,8 @@ def test_an_untraced_step_replays_a_larger_traced_shape_padded(tiny_qwen3):
     with the fewest rows past its own, its chunk padded (pad rows write the scratch block), once that shape's last
     ordinary run took no longer than eager steps' builds: the eager step's tokens and log-probabilities, the KV
     it wrote read back by the next step of its request, and a one-off outcome (the scheduler planned the step's
-    own shape, whose trace is still wanted). With eager builds timed faster, the same step runs eager."""
+    own shape, whose trace is still wanted) whose time is the trace's last run. With eager builds timed faster, the
+    same step runs eager."""
     model, _ = load(str(tiny_qwen3))
     # 80 rows (query bucket 96 at history bucket 128) three times: eager (deferred), a first run, an ordinary run;
     # then 30 rows over 80 (query bucket 64, history bucket 128: no trace), then its last 18 rows (the same shape)
@@ -399,6 +400,9 @@ def test_an_untraced_step_replays_a_larger_traced_shape_padded(tiny_qwen3):
         assert reasons == ["first-eager", "first-run", "", *last]
         assert mixed.stand_ins_run == 2 * stands_in and (4, 2, 64, 128) not in mixed.shapes
         assert mixed.deferred == 1  # the stood-in shape still waits for its own trace
+        # a stand-in ran the trace as an ordinary run does: its time is the trace's last run (an eager step's is not)
+        ordinary = outcomes[-1] if stands_in else outcomes[2]
+        assert mixed.last_run_ms((4, 2, 96, 128)) == ordinary.elapsed_ms > 0
     assert mixed.stand_in((4, 2, 128, 128)) is None and mixed.stand_in((4, 2, 64, 64)) is None  # none past them
 
 
