@@ -51,6 +51,7 @@ from scheduler import LaneKind, Request, Scheduler, SchedulerConfig, StepOutcome
 from scheduler.buckets import history_bucket, query_bucket  # noqa: E402
 from scheduler.config import COST_MODEL_ENV  # noqa: E402
 from scheduler.cost_models import PrefillChunk  # noqa: E402
+from scheduler.plan import Lane  # noqa: E402
 from scheduler.traced_shapes import StandIn  # noqa: E402
 
 # name -> overrides of the base SchedulerConfig
@@ -208,9 +209,10 @@ class SimTraces:
         """The trace a step of `key` replays in place of its own (None: it has its own, or runs eager)."""
         return None if key is None or key in self.shapes else self.replayed(key, limit_ms)
 
-    def record_run(self, plan: StepPlan, elapsed_ms: float) -> None:
-        """An ordinary run of a step that replayed its own trace."""
-        key = self._key(*_chunks_and_decode(plan))
+    def record_run(self, plan: StepPlan, elapsed_ms: float, replayed: tuple[int, int] | None = None) -> None:
+        """An ordinary run of a step that replayed its own trace, or the trace `replayed` in its place (a stand-in
+        runs that trace as it runs for its own steps, as the engine records it)."""
+        key = replayed or self._key(*_chunks_and_decode(plan))
         if key is not None:
             self.runs[key] = elapsed_ms
 
@@ -225,11 +227,14 @@ class SimTraces:
         self.shapes |= self.pending
 
 
-def _padded_to(plan: StepPlan, rows: int) -> StepPlan:
-    """`plan` with its one prefill chunk padded to `rows` rows (what a stand-in of that many rows computes)."""
-    lanes = tuple(lane if lane.kind is LaneKind.DECODE else replace(lane, token_ids=lane.token_ids + (0,) * (rows - lane.rows))
-                  for lane in plan.lanes)  # fmt: skip
-    return replace(plan, lanes=lanes)
+def _padded_to(plan: StepPlan, rows: int, bucket: int | None = None) -> StepPlan:
+    """`plan` with its one prefill chunk padded to `rows` rows and, given the history `bucket` of a trace standing in,
+    to that history (what the trace computes: its rows over its whole padded history, as on the device)."""
+    def padded(lane: Lane) -> Lane:
+        start = lane.start if bucket is None else max(lane.start, bucket - rows)
+        return replace(lane, token_ids=lane.token_ids + (0,) * (rows - lane.rows), start=start)
+
+    return replace(plan, lanes=tuple(lane if lane.kind is LaneKind.DECODE else padded(lane) for lane in plan.lanes))
 
 
 def _chunks_and_decode(plan: StepPlan) -> tuple[list, list]:
@@ -319,8 +324,9 @@ def _run_pass(
         compiled = traces.meet(plan) if traces is not None else None
         replayed = traces.stand_in_run(plan) if compiled is False else None
         if replayed is not None:  # a stand-in costs its trace's rows and trains nothing
-            elapsed_ms = cost.step_ms(_padded_to(plan, replayed[0]), rng)
+            elapsed_ms = cost.step_ms(_padded_to(plan, *replayed), rng)
             outcome_flags = {"auxiliary": True, "compiled": True}
+            traces.record_run(plan, elapsed_ms, replayed)
         else:
             first = compiled is False and traces.first_eager_run(plan)  # as the engine: its time trains no cost model
             elapsed_ms = cost.step_ms(plan, rng, eager=compiled is False, first_run=first)

@@ -330,3 +330,40 @@ def test_priced_stand_in_runs_keep_steps_off_traces_slower_than_their_limit() ->
             sim.SimTraces.stand_in_run = original
         assert all(item.token_times for item in result["tracked"].values())
         assert bool(over) is not priced, over
+
+
+def test_a_stand_ins_run_prices_the_next_stand_in() -> None:
+    """A stand-in runs its trace as the trace runs for its own steps, so its time becomes the trace's last run: a
+    trace last timed fast (8 ms, here under the ~9.9 ms limit) whose replays cost ~14 ms stands in once, not for
+    every step of the prompt's start (H100, 30B-A3B: one 68.9 ms run priced eight replays of 73-81 ms). Replays
+    left unrecorded (the engine before this) let it stand in again and again."""
+    sim = load_sim()
+    arrivals = sim.load_trace(SIM_PATH.parent / "traces" / "contended_16k.jsonl")
+    cost = sim.CostFunction(fixed_ms=2.8, row_ms=0.0026, pair_ms=6.2e-7, decode_lane_ms=0.1, noise=0.05,
+                            kv_bucket=1024, eager_extra_ms=4.0, prefill_host_ms=6.0)  # fmt: skip
+    traced = {(64, 1024): 6.57, (384, 16384): 9.78, (512, 12288): 9.13, (768, 1024): 8.72, (1024, 12288): 8.0}
+    config = sim.SchedulerConfig(num_blocks=16_384, max_model_len=1 << 20, kv_bucket=1024, pads_history=False,
+                                 cost_model="affine", step_target_factor=3.0, step_target_floor_ms=11.0)  # fmt: skip
+    original_run, original_record = sim.SimTraces.stand_in_run, sim.SimTraces.record_run
+    replays_by_recorded = {}
+    for recorded in (True, False):
+        replays: list[int] = []
+
+        def stand_in_run(traces, plan, replays=replays):
+            replayed = original_run(traces, plan)
+            if replayed == (1024, 12288):
+                replays.append(plan.step_id)
+            return replayed
+
+        def record_run(traces, plan, elapsed_ms, replayed=None, recorded=recorded):
+            if replayed is None or recorded:
+                original_record(traces, plan, elapsed_ms, replayed)
+
+        sim.SimTraces.stand_in_run, sim.SimTraces.record_run = stand_in_run, record_run
+        try:
+            result = sim.simulate(config, arrivals, cost, seed=1, warm_passes=2, stand_ins=True, traced=traced)
+        finally:
+            sim.SimTraces.stand_in_run, sim.SimTraces.record_run = original_run, original_record
+        assert all(item.token_times for item in result["tracked"].values())
+        replays_by_recorded[recorded] = len(replays)
+    assert replays_by_recorded[True] == 1 and replays_by_recorded[False] > 3, replays_by_recorded
