@@ -207,7 +207,8 @@ class CompiledMixed:
         # their medians, kept until the next build: the planner asks for every candidate budget of every step
         self._build_medians: dict[bool, float | None] = {}
         self._ran_eager: set[MixedShape] = set()
-        # each traced shape's last ordinary run (device ms), or until it has one its timed scratch run (`time_traces`)
+        # each traced shape's last ordinary run or replay as a stand-in (device ms), or until it has one its timed
+        # scratch run (`time_traces`)
         self._measured_ms: dict[MixedShape, float] = {}
         self.stand_ins_run = 0
         self.stood_in = False
@@ -326,7 +327,8 @@ class CompiledMixed:
             self._measured_ms.pop(shape, None)
 
     def record_run(self, shape: MixedShape, ms: float) -> None:
-        """A compiled step of `shape`, neither its first run nor a stand-in, took `ms` on the device."""
+        """A compiled step replaying `shape`, not its first run (its own step, or a stand-in: the same trace over the
+        same padded rows and history), took `ms` on the device."""
         self._measured_ms[shape] = ms
 
     def trace_deferred(self, run: bool = True) -> bool:
