@@ -27,7 +27,7 @@ serve: venv
 
 test: venv
 	$(VENV)/bin/python -m ruff check .
-	$(VENV)/bin/python -m pytest -q $(ARGS)
+	$(VENV)/bin/python -m pytest -q -n auto --maxprocesses=4 $(ARGS)
 
 lint: venv
 	$(VENV)/bin/python -m ruff check .

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
 from hypothesis import settings
+
+# under pytest-xdist each worker compiles MLX's CPU kernels into a temp dir of its own (MLX caches them under TMPDIR):
+# two processes building one kernel's library at once could load it half-written
+if worker := os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["TMPDIR"] = str(Path(tempfile.gettempdir()) / f"mlx_serve_{worker}")
+    os.makedirs(os.environ["TMPDIR"], exist_ok=True)
+    tempfile.tempdir = None  # re-read from TMPDIR
 
 # property tests check what holds, not how fast an example runs: on a loaded 2-core box an example past Hypothesis'
 # 200 ms deadline failed a run that passed on eleven reruns (session 52), so no test times its examples
