@@ -141,6 +141,16 @@ def test_serialized_admission_is_rejected():
     assert not check.passed and check.rejects and "serialized" in check.detail
 
 
+def test_a_client_that_fell_behind_is_told_apart_from_serialized_admission():
+    specs = [spec("s", "stream", 100), spec("long", "long", 2000)]
+    timed = [RequestResult("s", "stream", 100, sent=0.0, done=1.0), RequestResult("long", "long", 2000, sent=2.0)]
+    late = overlap_check(WorkloadRun(timed, 3.0, status([], 0), status([], 100), []), specs)
+    assert not late.passed and late.rejects and "client fell behind" in late.detail
+    timed[0].done = 2.5  # the stream was still being read when the long request went out
+    check = overlap_check(WorkloadRun(timed, 3.0, status([], 0), status([], 100), []), specs)
+    assert not check.passed and "serialized" in check.detail
+
+
 def test_overlap_is_proved_by_a_status_sample_or_by_contended_rows():
     specs = [spec("s", "stream", 100), spec("long", "long", 2000)]
     seen = WorkloadRun([], 1.0, status([], 0), status([], 0), [status([(100, "decoding"), (2000, "prefilling")], 0)])
