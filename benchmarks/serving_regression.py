@@ -37,8 +37,8 @@ from benchmarks.harness.workload import ContendedWorkload, PrefixReuseWorkload
 
 REPO = Path(__file__).resolve().parent.parent
 ABBA = ("A", "B", "B", "A")
-# Streams of 64 tokens still decode long after the long request arrives, even when a busy CI box slows the client.
-SMOKE = dict(streams=2, stream_prompt=64, stream_tokens=64, long_prompt=1024, long_tokens=4, long_after=4,
+# Streams of 128 tokens still decode long after the long request arrives, even when a busy CI box slows the client.
+SMOKE = dict(streams=2, stream_prompt=64, stream_tokens=128, long_prompt=1024, long_tokens=4, long_after=4,
              interactive=2, interactive_prompt=32, interactive_tokens=6, interactive_every=4, prefix_tokens=256,
              followups=2, followup_tokens=4, rounds=1)
 
