@@ -146,6 +146,93 @@ def measure_lever(
         gc.collect()
 
 
+def engine_settings(args: argparse.Namespace) -> dict:
+    """OurSide's keyword arguments from the flags (the EngineConfig fields they name)."""
+    return {
+        "compile_decode": args.compile_decode,
+        "fuse_decode": args.fuse_decode,
+        "cost_model": args.cost_model,
+        "dense_experts": args.dense_experts,
+        "dequantize_rows": args.dequantize_rows,
+        "expert_tiles": args.expert_tiles,
+        "quantized_tiles": args.quantized_tiles,
+        "quantized_gemv": args.quantized_gemv,
+        "split_quantized_k": args.split_quantized_k,
+        "chunk_attention": args.chunk_attention,
+        "fuse_mixed": args.fuse_mixed,
+        "compile_mixed": args.compile_mixed,
+        "row_quantum": args.row_quantum,
+        "step_target_factor": args.target_factor,
+        "step_target_floor_ms": args.target_floor_ms,
+        "defer_mixed_traces": args.defer_mixed_traces == "on",
+        "trace_neighbour_shapes": args.trace_neighbour_shapes,
+        "run_idle_traces": args.run_idle_traces == "on",
+        "stand_in_traces": args.stand_in_traces == "on",
+        "price_stand_ins": args.price_stand_ins == "on",
+        "time_idle_traces": args.time_idle_traces == "on",
+        "fill_stand_ins": args.fill_stand_ins == "on",
+        "price_stand_in_runs": args.price_stand_in_runs == "on",
+        "budget_midpoints": args.budget_midpoints == "on",
+        "price_first_runs": args.price_first_runs == "on",
+        "checked_fill": args.checked_fill,
+        "plan_headroom": args.plan_headroom,
+        "debt_tolerance": args.debt_tolerance,
+        "cost_trust_factor": args.cost_trust_factor,
+        "floor_slack": args.floor_slack,
+        "slack_guard_rows": args.slack_guard_rows,
+        "max_prefill_slowdown": args.max_prefill_slowdown,
+        "plan_padding": args.plan_padding == "on",
+        "warm_chunk_rows": args.warm_chunk_rows,
+    }
+
+
+def resolved_settings(engine) -> dict:
+    """The settings as the engine resolved them (auto: by model and backend), for the record."""
+    scheduler = engine.scheduler.config
+    return {
+        "row_quantum": scheduler.row_quantum,  # as resolved (auto: by model and backend)
+        "budget_midpoints": scheduler.budget_midpoints,
+        "price_first_runs": scheduler.price_first_runs,
+        "warm_chunk_rows": engine.config.warm_chunk_rows,
+        "checked_fill": scheduler.checked_fill,
+        "plan_headroom": scheduler.plan_headroom,
+        "debt_tolerance": scheduler.debt_tolerance,
+        "price_stand_ins": engine.config.price_stand_ins,
+        "fill_stand_ins": scheduler.fill_stand_ins,
+        "price_stand_in_runs": scheduler.price_stand_in_runs,
+        "time_idle_traces": engine.config.time_idle_traces,
+        "cost_trust_factor": scheduler.cost_trust_factor,
+        "floor_slack": scheduler.floor_slack,
+        "slack_guard_rows": scheduler.slack_guard_rows,
+        "max_prefill_slowdown": scheduler.max_prefill_slowdown,
+        "plan_kv_bucket": scheduler.kv_bucket,  # 0: planned with exact counts
+        "pads_history": scheduler.pads_history,  # False: the attention read the pool
+        "step_target_floor_ms": scheduler.step_target_floor_ms,
+    }
+
+
+def measure_levers(dummy, kv_blocks: int, args: argparse.Namespace, engine: dict, prompts: Prompts,
+                   p: BenchParams, out: dict, note: Progress) -> None:
+    """Levers, before and after: the same engine with one fast path off, decoding the same streams."""
+    levers = [
+        ("decode_compile_off", "compile off", {"compile_decode": "off", "fuse_decode": "off"}, args.eager_streams),
+        ("decode_unfused", "unfused", {"fuse_decode": "off"}, args.unfused_streams),
+        ("decode_gathered_experts", "gathered experts", {"dense_experts": "off"}, args.gathered_experts_streams),
+        ("decode_quantized_matmul", "quantized matmul", {"dequantize_rows": 0}, args.quantized_streams),
+        ("decode_unsplit", "not split over K", {"split_quantized_k": "off"}, args.unsplit_streams),
+        ("decode_split_all", "fused projections split over K too", {"split_quantized_k": "all"},
+         args.split_all_streams),
+        ("decode_reference_attention", "reference attention", {"attention": "reference"},
+         [args.reference_streams] if args.reference_streams else []),
+    ]  # fmt: skip
+    for key, label, overrides, streams in levers:
+        if streams:
+            fresh = "split_quantized_k" in overrides
+            out[key] = measure_lever(
+                dummy, kv_blocks, args, {**engine, **overrides}, prompts, p, streams, label, note, fresh
+            )
+
+
 def measure_ours(
     dummy, prompts: Prompts, p: BenchParams, args: argparse.Namespace, out: dict, peer_out: dict, note: Progress
 ) -> float:
@@ -154,27 +241,7 @@ def measure_ours(
     # a serving-sized pool (`--kv-blocks`): MLX's CUDA encoder counts each pool array a kernel reads toward its
     # 1,000 MB a graph, so a pool of GBs a layer commits a graph after every kernel that touches it
     kv_blocks = args.kv_blocks or kv_blocks
-    engine = {"compile_decode": args.compile_decode, "fuse_decode": args.fuse_decode, "cost_model": args.cost_model,
-              "dense_experts": args.dense_experts, "dequantize_rows": args.dequantize_rows,
-              "expert_tiles": args.expert_tiles, "quantized_tiles": args.quantized_tiles,
-              "quantized_gemv": args.quantized_gemv,
-              "split_quantized_k": args.split_quantized_k, "chunk_attention": args.chunk_attention,
-              "fuse_mixed": args.fuse_mixed, "compile_mixed": args.compile_mixed,
-              "row_quantum": args.row_quantum, "step_target_factor": args.target_factor,
-              "step_target_floor_ms": args.target_floor_ms, "defer_mixed_traces": args.defer_mixed_traces == "on",
-              "trace_neighbour_shapes": args.trace_neighbour_shapes, "run_idle_traces": args.run_idle_traces == "on",
-              "stand_in_traces": args.stand_in_traces == "on", "price_stand_ins": args.price_stand_ins == "on",
-              "time_idle_traces": args.time_idle_traces == "on",
-              "fill_stand_ins": args.fill_stand_ins == "on",
-              "price_stand_in_runs": args.price_stand_in_runs == "on",
-              "budget_midpoints": args.budget_midpoints == "on",
-              "price_first_runs": args.price_first_runs == "on",
-              "checked_fill": args.checked_fill,
-              "plan_headroom": args.plan_headroom, "debt_tolerance": args.debt_tolerance,
-              "cost_trust_factor": args.cost_trust_factor, "floor_slack": args.floor_slack,
-              "slack_guard_rows": args.slack_guard_rows,
-              "max_prefill_slowdown": args.max_prefill_slowdown, "plan_padding": args.plan_padding == "on",
-              "warm_chunk_rows": args.warm_chunk_rows}  # fmt: skip
+    engine = engine_settings(args)
     # only the contended engine meets long prompts' chunk shapes: the others skip the warm-up
     side = OurSide(dummy, kv_blocks, 500.0, args.attention, **engine, warm_up=False)
     try:
@@ -193,24 +260,7 @@ def measure_ours(
     gc.collect()
     if args.fresh_cache == "on":  # the contended engine starts without the decode engine's cached buffers
         mx.clear_cache()
-    # levers, before and after: the same engine with one fast path off, decoding the same streams
-    levers = [
-        ("decode_compile_off", "compile off", {"compile_decode": "off", "fuse_decode": "off"}, args.eager_streams),
-        ("decode_unfused", "unfused", {"fuse_decode": "off"}, args.unfused_streams),
-        ("decode_gathered_experts", "gathered experts", {"dense_experts": "off"}, args.gathered_experts_streams),
-        ("decode_quantized_matmul", "quantized matmul", {"dequantize_rows": 0}, args.quantized_streams),
-        ("decode_unsplit", "not split over K", {"split_quantized_k": "off"}, args.unsplit_streams),
-        ("decode_split_all", "fused projections split over K too", {"split_quantized_k": "all"},
-         args.split_all_streams),
-        ("decode_reference_attention", "reference attention", {"attention": "reference"},
-         [args.reference_streams] if args.reference_streams else []),
-    ]  # fmt: skip
-    for key, label, overrides, streams in levers:
-        if streams:
-            fresh = "split_quantized_k" in overrides
-            out[key] = measure_lever(
-                dummy, kv_blocks, args, {**engine, **overrides}, prompts, p, streams, label, note, fresh
-            )
+    measure_levers(dummy, kv_blocks, args, engine, prompts, p, out, note)
     if args.decode_only:
         return 0.0
     # the step target for contention: a few 8-stream decode steps, so a prefill chunk never freezes the streams
@@ -225,24 +275,7 @@ def measure_ours(
     try:
         side.prefill(prompts, p.prefill_lengths[0])  # the cost model learns prefill, then contended steps
         out["warm_up"] = {"shapes": side.engine.warmed[0], "s": round(side.engine.warmed[1], 2)}
-        out["row_quantum"] = side.engine.scheduler.config.row_quantum  # as resolved (auto: by model and backend)
-        out["budget_midpoints"] = side.engine.scheduler.config.budget_midpoints
-        out["price_first_runs"] = side.engine.scheduler.config.price_first_runs
-        out["warm_chunk_rows"] = side.engine.config.warm_chunk_rows
-        out["checked_fill"] = side.engine.scheduler.config.checked_fill
-        out["plan_headroom"] = side.engine.scheduler.config.plan_headroom
-        out["debt_tolerance"] = side.engine.scheduler.config.debt_tolerance
-        out["price_stand_ins"] = side.engine.config.price_stand_ins
-        out["fill_stand_ins"] = side.engine.scheduler.config.fill_stand_ins
-        out["price_stand_in_runs"] = side.engine.scheduler.config.price_stand_in_runs
-        out["time_idle_traces"] = side.engine.config.time_idle_traces
-        out["cost_trust_factor"] = side.engine.scheduler.config.cost_trust_factor
-        out["floor_slack"] = side.engine.scheduler.config.floor_slack
-        out["slack_guard_rows"] = side.engine.scheduler.config.slack_guard_rows
-        out["max_prefill_slowdown"] = side.engine.scheduler.config.max_prefill_slowdown
-        out["plan_kv_bucket"] = side.engine.scheduler.config.kv_bucket  # 0: planned with exact counts
-        out["pads_history"] = side.engine.scheduler.config.pads_history  # False: the attention read the pool
-        out["step_target_floor_ms"] = side.engine.scheduler.config.step_target_floor_ms
+        out.update(resolved_settings(side.engine))
         note(f"{dummy.name} ours warm-up", out["warm_up"])
         # warm-up with the same long prompt: the chunk shapes it meets are compiled (cuDNN graphs) before the run
         # that counts, as mlx-lm's were by its solo prefill of the same prompt length
@@ -330,183 +363,208 @@ def _head_rows(text: str) -> list[int]:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group('what runs and where its results go')
+    group.add_argument("--shapes", default="0.6b,8b,30b-a3b,8b-4bit")
+    group.add_argument("--quick", action="store_true", help="fewer decode tokens per measurement")
+    group.add_argument("--dtype", default="bfloat16")
+    group.add_argument("--device", default="gpu", choices=("gpu", "cpu"))
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--streams", default="", help="decode stream counts instead of 1,8,32,64 (e.g. 32,64)")
+    group.add_argument("--decode-only", action="store_true", help="measure decode only (JSON and log, no table)")
+    group.add_argument(
+        "--contended-only",
+        action="store_true",
+        help="our contended run, its solo prefill and the shared prefix only (needs --step-target-ms; no table)",
     )
-    parser.add_argument("--shapes", default="0.6b,8b,30b-a3b,8b-4bit")
-    parser.add_argument("--quick", action="store_true", help="fewer decode tokens per measurement")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--device", default="gpu", choices=("gpu", "cpu"))
-    parser.add_argument(
-        "--attention", default="auto", help="decode attention of our engine (auto/kernel/reference)"
+    group.add_argument(
+        "--decode-rounds", type=int, default=3,
+        help="decode figures: rounds of both engines in alternating order, each figure a side's median round (3 "
+             "since the fiftieth run: with 2 the median was each side's slower round, so one slow round set it)"
     )
-    parser.add_argument(
+    group.add_argument(
+        "--decode-prompt", type=int, default=0, help="history of the decode streams (default 1,024)"
+    )
+    group.add_argument(
         "--step-target-ms", type=step_target_arg, default=None,
         help="default: target-factor x 8-stream step; auto: the engine's own (target-factor x its measured decode step)"
     )
-    parser.add_argument("--target-factor", type=float, default=AUTO_STEP_FACTOR)
-    parser.add_argument("--target-floor-ms", type=float, default=AUTO_STEP_FLOOR_MS,
+    group.add_argument("--target-factor", type=float, default=AUTO_STEP_FACTOR)
+    group.add_argument("--target-floor-ms", type=float, default=AUTO_STEP_FLOOR_MS,
                         help="EngineConfig.step_target_floor_ms: the least auto target")
-    parser.add_argument(
+    group.add_argument("--warm-passes", type=int, default=2,
+                        help="contended warm passes before the measured one, the idle engine tracing after each: a "
+                             "server that has read such a prompt before (the second pass's budgets want traces the "
+                             "first pass's compiled steps taught; 1: the nineteenth run's setting)")
+    group.add_argument("--keep-traces-at", type=_counts, default=[], metavar="HISTORIES",
+                        help="after the warm passes, forget every trace beside the contended streams but those at "
+                             "these history buckets (e.g. 1024,12288,16384: a sparse trace set met by chance)")
+    group.add_argument("--kv-blocks", type=int, default=0,
+                        help="our engines' KV pool in blocks of 16 (0: what the workloads need, x1.25-2.5)")
+    group.add_argument("--fresh-cache", choices=["on", "off"], default="off",
+                        help="empty MLX's buffer cache before the contended engine is built")
+    group.add_argument("--out", type=Path, default=Path("gpu_bench_out"))
+    group.add_argument(
+        "--label", default="", help="free text for the header (e.g. the commit and patches measured)"
+    )
+
+
+def _add_variant_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("extra decode measurements, each beside the default engine's")
+    group.add_argument(
         "--reference-streams",
         type=int,
         default=0,
         help="also decode this many streams with the reference attention",
     )
-    parser.add_argument("--compile-decode", default="auto", choices=("auto", "on", "off"))
-    parser.add_argument("--cost-model", default="ema", choices=("ema", "bucketed", "affine"))
-    parser.add_argument(
+    group.add_argument(
         "--eager-streams",
         type=_counts,
         default=[],
         help="also decode these stream counts with compile off (e.g. 1,8,32)",
     )
-    parser.add_argument("--fuse-decode", default="auto", choices=("auto", "on", "off"))
-    parser.add_argument("--fuse-mixed", default="auto", choices=("auto", "on", "off"),
-                        help="steps with prefill chunks through the fused forward too (FusedDecode.mixed; auto: CUDA)")
-    parser.add_argument("--compile-mixed", default="auto", choices=("auto", "on", "off"),
-                        help="decode lanes + one chunk through a compiled trace (CompiledMixed; auto: on with CUDA)")
-    parser.add_argument("--defer-mixed-traces", choices=["on", "off"], default="on",
-                        help="EngineConfig.defer_mixed_traces: a new compiled mixed shape runs eager until traced idle")
-    parser.add_argument("--keep-traces-at", type=_counts, default=[], metavar="HISTORIES",
-                        help="after the warm passes, forget every trace beside the contended streams but those at "
-                             "these history buckets (e.g. 1024,12288,16384: a sparse trace set met by chance)")
-    parser.add_argument("--warm-passes", type=int, default=2,
-                        help="contended warm passes before the measured one, the idle engine tracing after each: a "
-                             "server that has read such a prompt before (the second pass's budgets want traces the "
-                             "first pass's compiled steps taught; 1: the nineteenth run's setting)")
-    parser.add_argument("--run-idle-traces", choices=["on", "off"], default="on",
-                        help="EngineConfig.run_idle_traces: each shape traced idle also runs once there (scratch block)")
-    parser.add_argument("--stand-in-traces", choices=["on", "off"], default="on",
-                        help="EngineConfig.stand_in_traces: an untraced step may replay a larger traced shape, padded")
-    parser.add_argument("--price-stand-ins", choices=["on", "off"], default="off",
-                        help="EngineConfig.price_stand_ins: budgets price a step a stand-in would replay as compiled")
-    parser.add_argument("--time-idle-traces", choices=["on", "off"], default="on",
-                        help="EngineConfig.time_idle_traces: a shape traced idle runs twice there, the second timed, "
-                             "so it may stand in before a real step ran it")
-    parser.add_argument("--fill-stand-ins", choices=["on", "off"], default="on",
-                        help="EngineConfig.fill_stand_ins: a step that would stand in grows to its stand-in's rows")
-    parser.add_argument("--price-stand-in-runs", choices=["on", "off"], default="on",
-                        help="EngineConfig.price_stand_in_runs: a step that would stand in is priced at that trace's run")
-    parser.add_argument("--trace-neighbour-shapes", type=int, default=0,
-                        help="EngineConfig.trace_neighbour_shapes: shapes next to met ones traced ahead when idle")
-    parser.add_argument(
+    group.add_argument(
         "--unfused-streams",
         type=_counts,
         default=[],
         help="also decode these stream counts with the fused decode forward off (e.g. 1,8)",
     )
-    parser.add_argument("--dense-experts", default="auto", choices=("auto", "on", "off"))
-    parser.add_argument("--expert-tiles", default="auto", choices=("auto", "on", "off"))
-    parser.add_argument("--quantized-tiles", default="auto", choices=("auto", "on", "off"))
-    parser.add_argument("--quantized-gemv", default="auto", choices=("auto", "on", "off"))
-    parser.add_argument("--split-quantized-k", default="auto", choices=("auto", "on", "off", "all"))
-    parser.add_argument("--chunk-attention", default="auto", choices=("auto", "sdpa", "matmul", "paged"))
-    parser.add_argument("--budget-midpoints", choices=["on", "off"], default="on",
-                        help="EngineConfig.budget_midpoints: a halved budget grows by half again where it fits")
-    parser.add_argument("--price-first-runs", choices=["on", "off"], default="off",
-                        help="EngineConfig.price_first_runs: a never-run shape priced with its first run's excess")
-    parser.add_argument("--checked-fill", choices=["off", "untraced", "on"], default="on",
-                        help="EngineConfig.checked_fill: when a row-tile fill past the budget's bucket is held")
-    parser.add_argument("--kv-blocks", type=int, default=0,
-                        help="our engines' KV pool in blocks of 16 (0: what the workloads need, x1.25-2.5)")
-    parser.add_argument("--plan-headroom", type=float, default=0.9,
-                        help="EngineConfig.plan_headroom: contended steps planned to this fraction of the target")
-    parser.add_argument("--fresh-cache", choices=["on", "off"], default="off",
-                        help="empty MLX's buffer cache before the contended engine is built")
-    parser.add_argument("--debt-tolerance", type=factor_arg, default=1.25,
-                        help="EngineConfig.debt_tolerance: decode debt only past this x what a contended step may take")
-    parser.add_argument("--cost-trust-factor", type=float, default=1.5,
-                        help="EngineConfig.cost_trust_factor: the affine fit's trust region in rows (0: off)")
-    parser.add_argument("--floor-slack", type=floor_slack_arg, default="auto",
-                        help="EngineConfig.floor_slack: a step may take this x the floor step's time over the target "
-                             "(auto: engine_setup.floor_slack)")
-    parser.add_argument("--slack-guard-rows", type=int, default=512,
-                        help="EngineConfig.slack_guard_rows: no floor slack where a step of this many rows fits (0: off)")
-    parser.add_argument("--warm-chunk-rows", type=int, default=0, metavar="LANES",
-                        help="EngineConfig.warm_chunk_rows: at start-up an eager step of LANES decode lanes beside a "
-                        "chunk of each rows bucket (0: off)")
-    parser.add_argument("--max-prefill-slowdown", type=float, default=0.0,
-                        help="EngineConfig.max_prefill_slowdown: contended chunks grow until a long prompt runs at "
-                             "least 1/x its solo speed (0: off)")
-    parser.add_argument("--plan-padding", choices=["on", "off"], default="on",
-                        help="EngineConfig.plan_padding: plan chunks as the engine pads them (off: exact counts)")
-    parser.add_argument("--row-quantum", default="auto", type=row_quantum_arg,
-                        help="EngineConfig.row_quantum: contended steps fill their last row tile (1: off)")
-    parser.add_argument(
+    group.add_argument(
         "--unsplit-streams", default="", type=_counts,
         help="also decode these stream counts with quantized projections not split over K (e.g. 8,64)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--split-all-streams", default="", type=_counts,
         help="also decode these stream counts with the fused q/k/v and gate/up split over K too (e.g. 8,64)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--gathered-experts-streams",
         type=_counts,
         default=[],
         help="also decode these stream counts with MoE experts gathered (dense experts off; e.g. 8,64)",
     )
-    parser.add_argument("--dequantize-rows", type=int, default=0, help="EngineConfig.dequantize_rows (0: never)")
-    parser.add_argument(
+    group.add_argument(
         "--quantized-streams",
         type=_counts,
         default=[],
         help="also decode these stream counts with every quantized matmul kept (dequantize rows 0; e.g. 8,64)",
     )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--streams", default="", help="decode stream counts instead of 1,8,32,64 (e.g. 32,64)")
-    parser.add_argument("--decode-only", action="store_true", help="measure decode only (JSON and log, no table)")
-    parser.add_argument(
-        "--contended-only",
-        action="store_true",
-        help="our contended run, its solo prefill and the shared prefix only (needs --step-target-ms; no table)",
+
+
+def _add_path_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("the engine's compute paths (EngineConfig; auto: the engine's own choice)")
+    group.add_argument(
+        "--attention", default="auto", help="decode attention of our engine (auto/kernel/reference)"
     )
-    parser.add_argument(
-        "--decode-rounds", type=int, default=3,
-        help="decode figures: rounds of both engines in alternating order, each figure a side's median round (3 "
-             "since the fiftieth run: with 2 the median was each side's slower round, so one slow round set it)"
-    )
-    parser.add_argument(
-        "--decode-prompt", type=int, default=0, help="history of the decode streams (default 1,024)"
-    )
-    parser.add_argument(
+    group.add_argument("--compile-decode", default="auto", choices=("auto", "on", "off"))
+    group.add_argument("--fuse-decode", default="auto", choices=("auto", "on", "off"))
+    group.add_argument("--fuse-mixed", default="auto", choices=("auto", "on", "off"),
+                        help="steps with prefill chunks through the fused forward too (FusedDecode.mixed; auto: CUDA)")
+    group.add_argument("--compile-mixed", default="auto", choices=("auto", "on", "off"),
+                        help="decode lanes + one chunk through a compiled trace (CompiledMixed; auto: on with CUDA)")
+    group.add_argument("--dense-experts", default="auto", choices=("auto", "on", "off"))
+    group.add_argument("--expert-tiles", default="auto", choices=("auto", "on", "off"))
+    group.add_argument("--quantized-tiles", default="auto", choices=("auto", "on", "off"))
+    group.add_argument("--quantized-gemv", default="auto", choices=("auto", "on", "off"))
+    group.add_argument("--split-quantized-k", default="auto", choices=("auto", "on", "off", "all"))
+    group.add_argument("--chunk-attention", default="auto", choices=("auto", "sdpa", "matmul", "paged"))
+    group.add_argument("--dequantize-rows", type=int, default=0, help="EngineConfig.dequantize_rows (0: never)")
+
+
+def _add_planning_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group('step planning (EngineConfig: cost model, row budgets, compiled traces)')
+    group.add_argument("--cost-model", default="ema", choices=("ema", "bucketed", "affine"))
+    group.add_argument("--defer-mixed-traces", choices=["on", "off"], default="on",
+                        help="EngineConfig.defer_mixed_traces: a new compiled mixed shape runs eager until traced idle")
+    group.add_argument("--run-idle-traces", choices=["on", "off"], default="on",
+                        help="EngineConfig.run_idle_traces: each shape traced idle also runs once there (scratch block)")
+    group.add_argument("--stand-in-traces", choices=["on", "off"], default="on",
+                        help="EngineConfig.stand_in_traces: an untraced step may replay a larger traced shape, padded")
+    group.add_argument("--price-stand-ins", choices=["on", "off"], default="off",
+                        help="EngineConfig.price_stand_ins: budgets price a step a stand-in would replay as compiled")
+    group.add_argument("--time-idle-traces", choices=["on", "off"], default="on",
+                        help="EngineConfig.time_idle_traces: a shape traced idle runs twice there, the second timed, "
+                             "so it may stand in before a real step ran it")
+    group.add_argument("--fill-stand-ins", choices=["on", "off"], default="on",
+                        help="EngineConfig.fill_stand_ins: a step that would stand in grows to its stand-in's rows")
+    group.add_argument("--price-stand-in-runs", choices=["on", "off"], default="on",
+                        help="EngineConfig.price_stand_in_runs: a step that would stand in is priced at that trace's run")
+    group.add_argument("--trace-neighbour-shapes", type=int, default=0,
+                        help="EngineConfig.trace_neighbour_shapes: shapes next to met ones traced ahead when idle")
+    group.add_argument("--budget-midpoints", choices=["on", "off"], default="on",
+                        help="EngineConfig.budget_midpoints: a halved budget grows by half again where it fits")
+    group.add_argument("--price-first-runs", choices=["on", "off"], default="off",
+                        help="EngineConfig.price_first_runs: a never-run shape priced with its first run's excess")
+    group.add_argument("--checked-fill", choices=["off", "untraced", "on"], default="on",
+                        help="EngineConfig.checked_fill: when a row-tile fill past the budget's bucket is held")
+    group.add_argument("--plan-headroom", type=float, default=0.9,
+                        help="EngineConfig.plan_headroom: contended steps planned to this fraction of the target")
+    group.add_argument("--debt-tolerance", type=factor_arg, default=1.25,
+                        help="EngineConfig.debt_tolerance: decode debt only past this x what a contended step may take")
+    group.add_argument("--cost-trust-factor", type=float, default=1.5,
+                        help="EngineConfig.cost_trust_factor: the affine fit's trust region in rows (0: off)")
+    group.add_argument("--floor-slack", type=floor_slack_arg, default="auto",
+                        help="EngineConfig.floor_slack: a step may take this x the floor step's time over the target "
+                             "(auto: engine_setup.floor_slack)")
+    group.add_argument("--slack-guard-rows", type=int, default=512,
+                        help="EngineConfig.slack_guard_rows: no floor slack where a step of this many rows fits (0: off)")
+    group.add_argument("--warm-chunk-rows", type=int, default=0, metavar="LANES",
+                        help="EngineConfig.warm_chunk_rows: at start-up an eager step of LANES decode lanes beside a "
+                        "chunk of each rows bucket (0: off)")
+    group.add_argument("--max-prefill-slowdown", type=float, default=0.0,
+                        help="EngineConfig.max_prefill_slowdown: contended chunks grow until a long prompt runs at "
+                             "least 1/x its solo speed (0: off)")
+    group.add_argument("--plan-padding", choices=["on", "off"], default="on",
+                        help="EngineConfig.plan_padding: plan chunks as the engine pads them (off: exact counts)")
+    group.add_argument("--row-quantum", default="auto", type=row_quantum_arg,
+                        help="EngineConfig.row_quantum: contended steps fill their last row tile (1: off)")
+
+
+def _add_kernel_constant_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("kernel module constants, for A/Bs (default: the module's own)")
+    group.add_argument(
         "--single-pass-tokens", type=int, default=None,
         help="paged_attention.SINGLE_PASS_TOKENS: decode histories read by one thread block a kv head (A/B)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--single-pass-warps", type=int, default=None,
         help="paged_attention.SINGLE_PASS_WARPS: warps of a one-pass decode attention block (A/B; 16 sits at the "
         "register limit of a block)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--one-pass-blocks", type=int, default=None,
         help="paged_attention.ONE_PASS_BLOCKS: (lane, kv head) blocks from which histories up to 4,096 tokens take "
         "one pass (A/B; a huge value splits every history over SINGLE_PASS_TOKENS)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--attention-mma", choices=("on", "off"), default=None,
         help="paged_attention.MMA: the tensor-core decode-attention kernel where it fits (A/B)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--paged-rows-first", choices=("on", "off"), default=None,
         help="ragged.PAGED_ROWS_FIRST: the paged chunk attention reads and writes the step's rows in place (A/B)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--paged-head-rows", type=_head_rows, default=None, metavar="SHORT,LONG",
         help="engine_setup.CUDA_PAGED_HEAD_ROWS and CUDA_PAGED_LONG_HEAD_ROWS: the most head rows (chunk rows x "
         "query heads) the paged chunk-attention kernel takes, and over tables of >= 8k tokens (SHORT 0: no limit; "
         "for an A/B of the limits)",
     )
-    parser.add_argument("--out", type=Path, default=Path("gpu_bench_out"))
-    parser.add_argument(
-        "--label", default="", help="free text for the header (e.g. the commit and patches measured)"
-    )
-    args = parser.parse_args()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for add in (_add_run_arguments, _add_variant_arguments, _add_path_arguments, _add_planning_arguments,
+                _add_kernel_constant_arguments):
+        add(parser)
+    args = parser.parse_args(argv)
     if args.contended_only and args.step_target_ms is None:
         parser.error("--contended-only needs --step-target-ms (the full run's target for the shape)")
-    mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
+    return args
+
+
+def set_kernel_constants(args: argparse.Namespace) -> None:
+    """The A/B flags of module constants: set before any engine is built, so every trace sees them."""
     if args.single_pass_tokens is not None:
         paged_attention.SINGLE_PASS_TOKENS = args.single_pass_tokens
     if args.single_pass_warps is not None:
@@ -519,8 +577,12 @@ def main() -> None:
         ragged.PAGED_ROWS_FIRST = args.paged_rows_first == "on"
     if args.paged_head_rows is not None:
         engine_setup.CUDA_PAGED_HEAD_ROWS, engine_setup.CUDA_PAGED_LONG_HEAD_ROWS = args.paged_head_rows
+
+
+def run_meta(args: argparse.Namespace) -> dict:
+    """What the JSON and the table carry about the run: the command that repeats it, the date, the machine."""
     settings = mlx_settings(os.environ)
-    meta = {
+    return {
         "command": "".join(f"{k}={v} " for k, v in settings.items())
         + "python -m benchmarks.gpu.run_gpu_bench "
         + " ".join(filter(None, (_argument(k, v) for k, v in vars(args).items()))),
@@ -528,20 +590,31 @@ def main() -> None:
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": mx.device_info().get("device_name", platform.processor()),
         "mlx": mx.__version__,
+        "label": args.label,
     }
-    meta["label"] = args.label
+
+
+def shape_params(name: str, args: argparse.Namespace) -> BenchParams:
+    plan = TINY if name.startswith("tiny") else (QUICK if args.quick else FULL)
+    if args.decode_prompt:
+        plan = replace(plan, decode_prompt=args.decode_prompt)
+    if args.streams:
+        plan = replace(plan, stream_counts=tuple(int(n) for n in args.streams.split(",")))
+    return plan
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
+    set_kernel_constants(args)
+    meta = run_meta(args)
     header = f"{meta['date']}, {meta['machine']}, MLX {meta['mlx']}, {args.label} `{meta['command']}`"
     results: list[dict] = []
     note = Progress(results, args, header, meta)
     for name in args.shapes.split(","):
-        p = TINY if name.startswith("tiny") else (QUICK if args.quick else FULL)
-        if args.decode_prompt:
-            p = replace(p, decode_prompt=args.decode_prompt)
-        if args.streams:
-            p = replace(p, stream_counts=tuple(int(n) for n in args.streams.split(",")))
         results.append({"shape": name, "weight_bytes": 0, "step_target_ms": 0})
         try:
-            bench_shape(name, p, args, results[-1], note)
+            bench_shape(name, shape_params(name, args), args, results[-1], note)
         except Exception as exc:  # one shape failing must not lose the others' numbers
             traceback.print_exc()
             results[-1]["error"] = repr(exc)
