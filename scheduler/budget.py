@@ -132,67 +132,29 @@ def choose_row_budget(
         allowance_ms = slack_allowance_ms(config, model, demand, decode_lanes, target_ms, traced)
     slack = allowance_ms is not None and allowance_ms > target_ms
     target_ms = (allowance_ms if slack else target_ms) * config.plan_headroom
-    wanted: tuple[PrefillChunk, ...] = ()
-
-    def predict(budget: int) -> float | None:
-        nonlocal wanted
-        chunks = fill_shortest_first(demand, budget)
-        if not chunks:
-            return None
-        compiled = traced is not None and traced(chunks)
-        replayed_ms = None if stand_in_ms is None else stand_in_ms(chunks, target_ms)
-        if replayed_ms is not None:
-            predicted = replayed_ms  # a larger trace replays in its place: the step costs that trace's run
-        else:
-            predicted = model.predict(StepShape(chunks, decode_lanes, compiled=compiled))
-        if traced is not None and not compiled and not wanted and predicted is not None and predicted > target_ms:
-            as_compiled = model.predict(StepShape(chunks, decode_lanes, compiled=True))
-            if as_compiled is not None and as_compiled <= target_ms:
-                wanted = chunks  # the first such candidate is the largest: budgets only shrink from here
-        return predicted
-
+    search = _BudgetSearch(model, demand, decode_lanes, target_ms, traced, met, stand_in_ms)
     budget = config.row_ceiling
     if not contended:
-        return BudgetDecision(budget, "uncontended", 0, predict(budget))  # no target: nothing wanted
+        return BudgetDecision(budget, "uncontended", 0, search.predict(budget))  # no target: nothing wanted
     if in_debt:
         return BudgetDecision(0, "decode-debt", 0, None)
     halvings = 0
-    predicted = predict(budget)
+    predicted = search.predict(budget)
     while predicted is not None and predicted > target_ms and budget > config.row_floor:
         budget = max(config.row_floor, budget // 2)
         halvings += 1
-        predicted = predict(budget)
-
-    def runs_compiled(rows: int) -> bool:
-        return traced is not None and traced(fill_shortest_first(demand, rows))
-
-    def loses_trace(budget: int, grown: int) -> bool:
-        """Whether growing `budget` to `grown` rows trades a step that replays a compiled trace for an eager one."""
-        return runs_compiled(budget) and not runs_compiled(grown)
-
-    def never_ran(rows: int) -> bool:
-        """Whether a step of `rows` would be its shape's first run in its form (False where the engine cannot say)."""
-        return met is not None and not met(fill_shortest_first(demand, rows))
-
-    budget, predicted, held = fill_paid_rows(config, budget, predicted, decode_lanes, target_ms, predict, loses_trace)
+        predicted = search.predict(budget)
+    budget, predicted, held = fill_paid_rows(config, budget, predicted, decode_lanes, target_ms, search.predict,
+                                             search.loses_trace)
     widened = False
     if halvings and config.budget_midpoints and predicted is not None and predicted <= target_ms:
-        wider = paid_rows(budget + budget // 2, decode_lanes, config)
-        wider_predicted = predict(wider) if wider > budget else None
-        if wider_predicted is not None and wider_predicted <= target_ms:
-            budget, predicted, widened = wider, wider_predicted, True
+        budget, predicted, widened = _widen_to_midpoint(config, search, budget, predicted)
     first_run = False
-    if first_run_ms and predicted is not None and never_ran(budget) and predicted + first_run_ms > target_ms:
-        # the budget's shape would run for the first time and overrun with its one-off work: the largest smaller
-        # budget whose shape has run and fits is taken instead, and the declined shape traced when next idle
-        asked = wanted  # what pricing the smaller candidates may ask for is not the declined shape
-        smaller = _met_budget_below(config, demand, budget, decode_lanes, target_ms, predict, never_ran)
-        if smaller is not None:
-            wanted = asked or fill_shortest_first(demand, budget)
-            (budget, predicted), first_run = smaller, True
+    if first_run_ms and predicted is not None and search.never_ran(budget) and predicted + first_run_ms > target_ms:
+        budget, predicted, first_run = _decline_first_run(config, search, budget, predicted)
     grown = False
     if config.max_prefill_slowdown:
-        budget, predicted, grown = grow_for_rate(config, model, demand, budget, predicted, target_ms, predict)
+        budget, predicted, grown = grow_for_rate(config, model, demand, budget, predicted, target_ms, search.predict)
     if halvings:
         reason = f"halved:{halvings}" + ("+half" if widened else "")
     else:
@@ -201,9 +163,77 @@ def choose_row_budget(
     reason += "+first-run" if first_run else ""
     reason += "+slack" if slack else ""
     reason += "+rate" if grown else ""
-    if sum(chunk.rows for chunk in wanted) <= budget:
-        wanted = ()  # the step got as many rows anyway (a tile or bucket grew it back)
+    # no want where the step got as many rows anyway (a tile or bucket grew it back)
+    wanted = search.wanted if sum(chunk.rows for chunk in search.wanted) > budget else ()
     return BudgetDecision(budget, reason, halvings, predicted, wanted, target_ms)
+
+
+@dataclass(slots=True)
+class _BudgetSearch:
+    """Prices the candidate budgets of one step's demand against its planned target, and remembers the largest
+    candidate that runs eager over the target but would fit compiled (`BudgetDecision.wanted`)."""
+
+    model: CostModel
+    demand: Sequence[PrefillChunk]
+    decode_lanes: int
+    target_ms: float
+    traced: Callable[[Sequence[PrefillChunk]], bool] | None
+    met: Callable[[Sequence[PrefillChunk]], bool] | None
+    stand_in_ms: Callable[[Sequence[PrefillChunk], float], float | None] | None
+    wanted: tuple[PrefillChunk, ...] = ()
+
+    def predict(self, budget: int) -> float | None:
+        chunks = fill_shortest_first(self.demand, budget)
+        if not chunks:
+            return None
+        compiled = self.traced is not None and self.traced(chunks)
+        replayed_ms = None if self.stand_in_ms is None else self.stand_in_ms(chunks, self.target_ms)
+        if replayed_ms is not None:
+            predicted = replayed_ms  # a larger trace replays in its place: the step costs that trace's run
+        else:
+            predicted = self.model.predict(StepShape(chunks, self.decode_lanes, compiled=compiled))
+        if (self.traced is not None and not compiled and not self.wanted and predicted is not None
+                and predicted > self.target_ms):
+            as_compiled = self.model.predict(StepShape(chunks, self.decode_lanes, compiled=True))
+            if as_compiled is not None and as_compiled <= self.target_ms:
+                self.wanted = chunks  # the first such candidate is the largest: budgets only shrink from here
+        return predicted
+
+    def runs_compiled(self, rows: int) -> bool:
+        return self.traced is not None and self.traced(fill_shortest_first(self.demand, rows))
+
+    def loses_trace(self, budget: int, grown: int) -> bool:
+        """Whether growing `budget` to `grown` rows trades a step that replays a compiled trace for an eager one."""
+        return self.runs_compiled(budget) and not self.runs_compiled(grown)
+
+    def never_ran(self, rows: int) -> bool:
+        """Whether a step of `rows` would be its shape's first run in its form (False where the engine cannot say)."""
+        return self.met is not None and not self.met(fill_shortest_first(self.demand, rows))
+
+
+def _widen_to_midpoint(
+    config: SchedulerConfig, search: _BudgetSearch, budget: int, predicted: float
+) -> tuple[int, float, bool]:
+    """A halved budget that fits grows by half again (as the engine pays for rows) where that fits too."""
+    wider = paid_rows(budget + budget // 2, search.decode_lanes, config)
+    wider_predicted = search.predict(wider) if wider > budget else None
+    if wider_predicted is not None and wider_predicted <= search.target_ms:
+        return wider, wider_predicted, True
+    return budget, predicted, False
+
+
+def _decline_first_run(
+    config: SchedulerConfig, search: _BudgetSearch, budget: int, predicted: float
+) -> tuple[int, float, bool]:
+    """The budget's shape would run for the first time and overrun with its one-off work: the largest smaller
+    budget whose shape has run and fits is taken instead, and the declined shape traced when next idle."""
+    asked = search.wanted  # what pricing the smaller candidates may ask for is not the declined shape
+    smaller = _met_budget_below(config, search.demand, budget, search.decode_lanes, search.target_ms, search.predict,
+                                search.never_ran)
+    if smaller is None:
+        return budget, predicted, False
+    search.wanted = asked or fill_shortest_first(search.demand, budget)
+    return *smaller, True
 
 
 def fill_stand_in(
