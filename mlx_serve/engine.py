@@ -75,7 +75,6 @@ class Engine:
         from mlx_serve.kv_pool import KVPool
         from mlx_serve.model_loading import state_slots
         from mlx_serve.recurrent import StatePool
-        from mlx_serve.runner import ModelRunner
 
         if loaded.state_layers or loaded.layout.latent:  # regrouped mixers and latent attention run eager
             config = replace(config, compile_decode="off")
@@ -90,35 +89,8 @@ class Engine:
         self.trace = config.trace if config.trace is not None else sink_from_env()  # $MLX_SERVE_TRACE
         self.observer = config.observer or NullObserver()
         self.pool = KVPool(loaded.layout, num_blocks, config.block_size, window_blocks)
-        compiled = engine_setup.compile_decode(config.compile_decode)
-        self.runner = ModelRunner(
-            loaded.model,
-            self.pool,
-            engine_setup.decode_attention(config.decode_attention),
-            prefill_lane=engine_setup.prefill_lane(config, loaded.model, self.trace),
-            lane_timeout_s=config.ane_timeout_s,
-            compile_decode=compiled,
-            prefill_gather=engine_setup.prefill_gather(self.pool),
-            fuse_decode=(fused := engine_setup.fuse_decode(config.fuse_decode, loaded.model, compiled,
-                                                           loaded.layout.quantized)),
-            fuse_mixed=(mixed := engine_setup.fuse_mixed(config.fuse_mixed, fused)),
-            split_k=engine_setup.split_quantized_k(config.split_quantized_k, mixed),
-            compile_mixed=engine_setup.compile_mixed(config.compile_mixed, mixed),
-            defer_mixed_traces=config.defer_mixed_traces,
-            neighbour_traces=config.trace_neighbour_shapes,
-            run_idle_traces=config.run_idle_traces,
-            stand_in_traces=config.stand_in_traces,
-            time_idle_traces=config.time_idle_traces,
-            dense_moe=engine_setup.dense_experts(config.dense_experts),
-            expert_tiles=engine_setup.expert_tiles(config.expert_tiles),
-            dequantize_rows=engine_setup.dequantize_rows(config.dequantize_rows),
-            quantized_tiles=engine_setup.quantized_tiles(config.quantized_tiles),
-            quantized_gemv=engine_setup.quantized_gemv(config.quantized_gemv),
-            chunk_attention=engine_setup.chunk_attention(config.chunk_attention),
-            kv_bucket=0 if loaded.layout.latent else None,  # latent attention reads exact histories
-            adapters=loaded.adapters,
-            states=StatePool(loaded.state_shapes, live_states, snapshots) if live_states else None,
-        )
+        states = StatePool(loaded.state_shapes, live_states, snapshots) if live_states else None
+        self.runner = engine_setup.model_runner(config, loaded, self.pool, self.trace, states)
         self._speculate = engine_setup.speculative_tokens(config)
         self.drafter = None  # a draft model's drafts (`--draft-model`); None: prompt lookup where speculating
         if loaded.draft is not None:

@@ -14,6 +14,7 @@ from scheduler import SchedulerConfig
 if TYPE_CHECKING:  # the module stays importable without MLX
     from mlx_serve.grouped_experts import TileMatmul
     from mlx_serve.quantized_rows import QuantizedGemv, QuantizedTiles
+    from mlx_serve.runner import ModelRunner
 
 def step_target(value: float | str, factor: float = AUTO_STEP_FACTOR) -> tuple[float, float]:
     """(fixed target in ms, factor over the measured decode step; 0: fixed) for `EngineConfig.step_target_ms` and
@@ -424,6 +425,40 @@ def prefill_lane(config: EngineConfig, model: Any, trace: Any) -> Any:
             param="ane_package",
         )
     return make_lane("coreml", model, package=config.ane_package, clock=clock)
+
+
+def model_runner(config: EngineConfig, loaded: Any, pool: Any, trace: Any, states: Any) -> ModelRunner:
+    """The engine's ModelRunner over `pool`, each fast path resolved from its setting, the model and the backend."""
+    from mlx_serve.runner import ModelRunner
+
+    compiled = compile_decode(config.compile_decode)
+    return ModelRunner(
+        loaded.model,
+        pool,
+        decode_attention(config.decode_attention),
+        prefill_lane=prefill_lane(config, loaded.model, trace),
+        lane_timeout_s=config.ane_timeout_s,
+        compile_decode=compiled,
+        prefill_gather=prefill_gather(pool),
+        fuse_decode=(fused := fuse_decode(config.fuse_decode, loaded.model, compiled, loaded.layout.quantized)),
+        fuse_mixed=(mixed := fuse_mixed(config.fuse_mixed, fused)),
+        split_k=split_quantized_k(config.split_quantized_k, mixed),
+        compile_mixed=compile_mixed(config.compile_mixed, mixed),
+        defer_mixed_traces=config.defer_mixed_traces,
+        neighbour_traces=config.trace_neighbour_shapes,
+        run_idle_traces=config.run_idle_traces,
+        stand_in_traces=config.stand_in_traces,
+        time_idle_traces=config.time_idle_traces,
+        dense_moe=dense_experts(config.dense_experts),
+        expert_tiles=expert_tiles(config.expert_tiles),
+        dequantize_rows=dequantize_rows(config.dequantize_rows),
+        quantized_tiles=quantized_tiles(config.quantized_tiles),
+        quantized_gemv=quantized_gemv(config.quantized_gemv),
+        chunk_attention=chunk_attention(config.chunk_attention),
+        kv_bucket=0 if loaded.layout.latent else None,  # latent attention reads exact histories
+        adapters=loaded.adapters,
+        states=states,
+    )
 
 
 def validate_request(request: GenerationRequest, vocab_size: int, context_length: int, kv_capacity: int) -> None:
