@@ -198,19 +198,36 @@ class ModelRunner:
         self.clock = (GpuStepClock() if cuda_available() else None) if clock == "auto" else clock
         self._last_done = 0.0  # host time the last step was read back
         self._last_end_ns: int | None = None  # the device clock at the last step's end
-        install_ragged_attention(model, any(pool.layout.attends(layer) for layer in range(pool.layout.num_layers)))
-        install_rope_guard()  # the ragged rows as RoPE's batch: MLX's CUDA launch needs it split past 127 rows
         # how many there are sets the scheduler's row tile
-        self.quantized_projections = fold_quantized_rows(model, dequantize_rows, quantized_tiles, quantized_gemv)
-        if dense_moe or expert_tiles is not None:  # MoE blocks pick their form by the step's rows
-            dense_experts.install(model, dense=dense_moe, tiles=expert_tiles)
+        self.quantized_projections = self._patch_model(dequantize_rows, quantized_tiles, quantized_gemv, dense_moe,
+                                                       expert_tiles)
         self._tied = bool(getattr(getattr(model, "args", None), "tie_word_embeddings", False))
         # other families' heads scale, cap or always tie: their own forward's tail runs over the hidden states
         self._family_head = None if plain_head(model) else family_head(model)
-        # single-row steps replay one compiled graph; the reference attention reads per-lane slot lists instead
-        use_compiled = compile_decode and not self._decode_lane_slots
         # a tied output projection of this many rows runs dense too (the quantized linears were folded above)
         self.dequantize = DequantizedRows(dequantize_rows)
+        trace_policy = {"defer_traces": defer_mixed_traces, "neighbour_traces": neighbour_traces,
+                        "run_traces": run_idle_traces, "stand_ins": stand_in_traces, "time_traces": time_idle_traces}
+        self._build_compiled_steps(compile_decode, fuse_decode, fuse_mixed, compile_mixed, split_k, trace_policy)
+
+    def _patch_model(self, dequantize_rows: int, quantized_tiles: QuantizedTiles | None,
+                     quantized_gemv: QuantizedGemv | None, dense_moe: bool, expert_tiles: TileMatmul | None) -> int:
+        """The model's modules swapped in place for the engine's forms; returns the quantized projections folded."""
+        model, layout = self.model, self.pool.layout
+        install_ragged_attention(model, any(layout.attends(layer) for layer in range(layout.num_layers)))
+        install_rope_guard()  # the ragged rows as RoPE's batch: MLX's CUDA launch needs it split past 127 rows
+        folded = fold_quantized_rows(model, dequantize_rows, quantized_tiles, quantized_gemv)
+        if dense_moe or expert_tiles is not None:  # MoE blocks pick their form by the step's rows
+            dense_experts.install(model, dense=dense_moe, tiles=expert_tiles)
+        return folded
+
+    def _build_compiled_steps(self, compile_decode: bool, fuse_decode: bool, fuse_mixed: bool, compile_mixed: bool,
+                              split_k: str, trace_policy: dict[str, Any]) -> None:
+        """The fused forward and the compiled decode and mixed steps, where the settings and the attention allow;
+        `trace_policy`: CompiledMixed's keyword arguments for when it traces and replays shapes."""
+        model, pool = self.model, self.pool
+        # single-row steps replay one compiled graph; the reference attention reads per-lane slot lists instead
+        use_compiled = compile_decode and not self._decode_lane_slots
         fused = FusedDecode(model, self.decode_attention) if use_compiled and fuse_decode else None
         # quantized projections as batched products over K slices (`quantized_rows.split_k`): "standalone" ones
         # (o_proj, down_proj), or "all" (the fused q/k/v and gate/up too: every step then takes the fused forward)
@@ -231,7 +248,7 @@ class ModelRunner:
         # a decode batch with one prefill chunk replays a compiled trace per shape (where the history is bucketed)
         self.compiled_mixed = (
             CompiledMixed(pool, fused, self.decode_attention, self._logits, min_lanes, self.chunk_attention,
-                          defer_mixed_traces, neighbour_traces, run_idle_traces, stand_in_traces, time_idle_traces)
+                          **trace_policy)
             if compile_mixed and self.fused_mixed is not None
             else None
         )
