@@ -330,7 +330,7 @@ def _run_pass(
         else:
             first = compiled is False and traces.first_eager_run(plan)  # as the engine: its time trains no cost model
             elapsed_ms = cost.step_ms(plan, rng, eager=compiled is False, first_run=first)
-            outcome_flags = {"auxiliary": first, "compiled": compiled is True}
+            outcome_flags = {"auxiliary": first, "first_run": first, "compiled": compiled is True}
             if compiled:
                 traces.record_run(plan, elapsed_ms)
         now += elapsed_ms / 1000.0

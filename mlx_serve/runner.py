@@ -137,6 +137,11 @@ class _PreparedStep:
     drafted: tuple[tuple[str, tuple[int, ...]], ...] = ()  # each drafted lane's request id and drafts
 
 
+def is_first_run(one_off: str) -> bool:
+    """Whether a step's `one_off` says its shape ran for the first time in its form (a build rode along)."""
+    return one_off.split(" ", 1)[0] in ("traced", "first-run", "first-eager")
+
+
 def stand_in_reason(trace: MixedShape) -> str:
     """A stand-in step's `one_off`: the trace it replayed, by rows and history bucket."""
     return f"stand-in {trace[2]}x{trace[3]}"
@@ -688,7 +693,7 @@ class ModelRunner:
         if step.timed_shape is not None and math.isfinite(elapsed_ms):
             self.compiled_mixed.record_run(step.timed_shape, elapsed_ms)
         outcome = StepOutcome({rid: s.token_id for rid, s in samples.items()}, elapsed_ms, ane_elapsed_ms=ane_ms,
-                              auxiliary=bool(step.one_off), compiled=step.compiled,
+                              auxiliary=bool(step.one_off), first_run=is_first_run(step.one_off), compiled=step.compiled,
                               accepted_drafts={rid: tuple(s.token_id for s in kept) for rid, kept in accepted.items()})
         return RunnerOutput(outcome, samples, {**step.phases, "consumption": (t3 - t2) * 1e3}, spans, prompt_logprobs,
                             embeddings, accepted, step.one_off)  # fmt: skip

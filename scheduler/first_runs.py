@@ -1,7 +1,8 @@
 """What a contended step pays over its price when its shape runs for the first time (`price_first_runs`).
 
 A shape's first run, eager or traced, carries one-off work (cuDNN graphs, NVRTC kernels, a trace) that the cost model
-never learns: such steps are `auxiliary` and train nothing. On an H100 (forty-third run, Qwen3-0.6B beside 8 streams
+never learns: such steps are `auxiliary` and train nothing, and flagged `first_run` (unlike other one-off steps: a stand-in,
+a KV copy, a scored step). On an H100 (forty-third run, Qwen3-0.6B beside 8 streams
 at an 11 ms target) they were 4-6 steps a pass, mostly in the long prompt's first 4k tokens, the first eager runs
 over their prices by a median of -0.9 to +4.4 ms a run and up to +7.2 ms; they held the longest gap, while without
 them the slowest step was within 3 median gaps in 6 of 7 runs.
@@ -28,15 +29,17 @@ SWAP_LEAST_SHARE = 0.5
 
 
 class FirstRunPrice:
-    """Learns from contended steps flagged one-off how far over their planned price they ran."""
+    """Learns from contended steps flagged first runs (`StepOutcome.first_run`) how far over their price they ran."""
 
     def __init__(self, kept: int = FIRST_RUNS_KEPT, least: int = FIRST_RUNS_LEAST) -> None:
         self._over: deque[float] = deque(maxlen=kept)
         self._least = least
 
     def observe(self, plan: StepPlan, outcome: StepOutcome) -> None:
-        """A measured step: remembered where it was contended, had prefill, carried one-off work and was priced."""
-        if not (plan.contended and plan.prefill_rows and outcome.auxiliary) or outcome.failed:
+        """A measured step: remembered where it was contended, had prefill, was its shape's first run in its form
+        and was priced. Other one-off steps are not first runs: a stand-in priced at its trace's run ran 10-25 ms
+        under that price at short histories (H100, 30B-A3B), which held the median under 0 and the price off."""
+        if not (plan.contended and plan.prefill_rows and outcome.first_run) or outcome.failed:
             return
         if plan.predicted_ms is None or not outcome.elapsed_ms >= 0:  # NaN: a step left in flight, timed later
             return

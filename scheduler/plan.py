@@ -111,6 +111,9 @@ class StepOutcome:
     # eager shape's first run, a larger trace standing in for the step's own) rode along (then no cost model trains)
     ane_elapsed_ms: float | None = None
     auxiliary: bool = False
+    # of the auxiliary work: the step's shape ran for the first time in its form (a first eager run, a compiled
+    # shape's first run, a trace built in the step), whose build time `price_first_runs` learns; not a stand-in
+    first_run: bool = False
     compiled: bool = False  # the GPU lanes ran through a compiled trace (the affine model prices the two forms apart)
     # request_id -> the drafted tokens the model agreed with, in order; `sampled_tokens` then follows them
     accepted_drafts: Mapping[str, tuple[int, ...]] = field(default_factory=dict)

@@ -395,6 +395,8 @@ def test_an_untraced_step_replays_a_larger_traced_shape_padded(tiny_qwen3):
         # the last two steps meet the same untraced shape: both stand in, or both run eager (the first one-off)
         assert [o.compiled for o in outcomes] == [False, True, True, stands_in, stands_in]
         assert [o.auxiliary for o in outcomes] == [True, True, False, True, stands_in]
+        # first runs (a build rode along) teach `price_first_runs`; a stand-in is one-off but no first run
+        assert [o.first_run for o in outcomes] == [True, True, False, not stands_in, False]
         # and why: a log names the trace a stand-in replayed (its rows and history bucket)
         last = ["stand-in 96x128"] * 2 if stands_in else ["first-eager", ""]
         assert reasons == ["first-eager", "first-run", "", *last]

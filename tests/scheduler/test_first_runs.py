@@ -84,26 +84,27 @@ def test_a_first_run_only_gives_way_to_a_smaller_step_that_has_run_and_fits(
     assert min(priced.row_budget, prompt_rows) >= min(plain.row_budget, prompt_rows) * SWAP_LEAST_SHARE
 
 
-def test_the_price_is_the_median_excess_of_contended_one_off_steps():
-    """Only contended steps with prefill, flagged one-off, priced and timed count; none until three are seen; the
-    median of the last ones, never below zero."""
+def test_the_price_is_the_median_excess_of_contended_first_runs():
+    """Only contended steps with prefill, flagged first runs, priced and timed count (not other one-off steps, such
+    as stand-ins); none until three are seen; the median of the last ones, never below zero."""
     _, plan = plan_beside_streams(FakeShapes(set(), set()))
     assert plan.contended and plan.prefill_rows and plan.predicted_ms is not None
     price = FirstRunPrice(kept=4)
     predicted = plan.predicted_ms
     for ignored in (fake_outcome(plan, predicted + 50.0),  # not one-off
-                    fake_outcome(plan, predicted + 50.0, auxiliary=True, failed={"long": "boom"}),
-                    fake_outcome(plan, math.nan, auxiliary=True)):  # left in flight: timed later  # fmt: skip
+                    fake_outcome(plan, predicted + 50.0, auxiliary=True),  # one-off, no first run (a stand-in)
+                    fake_outcome(plan, predicted + 50.0, auxiliary=True, first_run=True, failed={"long": "boom"}),
+                    fake_outcome(plan, math.nan, auxiliary=True, first_run=True)):  # in flight: timed later  # fmt: skip
         price.observe(plan, ignored)
     assert price.extra_ms == 0.0
     for over in (6.0, 2.0):
-        price.observe(plan, fake_outcome(plan, predicted + over, auxiliary=True))
+        price.observe(plan, fake_outcome(plan, predicted + over, auxiliary=True, first_run=True))
     assert price.extra_ms == 0.0  # two seen: FIRST_RUNS_LEAST is 3
     assert FIRST_RUNS_LEAST == 3
-    price.observe(plan, fake_outcome(plan, predicted + 4.0, auxiliary=True))
+    price.observe(plan, fake_outcome(plan, predicted + 4.0, auxiliary=True, first_run=True))
     assert abs(price.extra_ms - 4.0) < 1e-9
     for _ in range(4):  # the window keeps the last 4: steps under their price now
-        price.observe(plan, fake_outcome(plan, predicted - 1.0, auxiliary=True))
+        price.observe(plan, fake_outcome(plan, predicted - 1.0, auxiliary=True, first_run=True))
     assert price.extra_ms == 0.0
 
 
@@ -128,7 +129,7 @@ def _plans_of_a_long_prompt(on: bool, over_ms: float, steps: int = 12) -> list[i
         if plan.prefill_rows:
             rows.append(plan.prefill_rows)
             elapsed = plan.predicted_ms + over_ms
-            outcome = fake_outcome(plan, elapsed, auxiliary=True)
+            outcome = fake_outcome(plan, elapsed, auxiliary=True, first_run=True)
         else:  # a decode-debt step: the streams' own
             elapsed, outcome = 5.0, fake_outcome(plan, 5.0)
         scheduler.update(plan, outcome, now + elapsed / 1e3)
