@@ -7,7 +7,8 @@ Each row: the run's label (its folder, or the file's name), the settings named i
 gap (bold where within 3), the median and longest gaps, the 16k prompt's TTFT over its solo prefill (and both in
 seconds: either may move the ratio, 30B-A3B's solo read 0.92-0.98 s in one session), the shared
 prefix's warm over cold TTFT, the steps with prefill, the auto target at the pass's end, the contended steps planned
-under the floor slack, the slowest step the longest-gap report lists (rows, form, ms), and the one-off steps: those
+under the floor slack, as a stand-in's rows and in place of a first run (`+first-run`: whether `price_first_runs`
+decided anything), the slowest step the longest-gap report lists (rows, form, ms), and the one-off steps: those
 beside decode lanes that ran a shape for the first time, stood in for one or built a trace (`auxiliary`), how many,
 the slowest (and why, in logs that say: "stand-in 1024x12288" replayed that trace's rows and history bucket), and the
 slowest other step over the median gap (forty-third run: at 10-12 ms targets the one-off steps held the longest gap;
@@ -70,6 +71,7 @@ def run_row(label: str, shape: str, ours: dict, settings: tuple[str, ...]) -> di
         "target_ms": ours.get("step_target_ms"),
         "slack_steps": sum("+slack" in b[1] for b in budgets if len(b) > 1 and b[1]),
         "stand_in_steps": sum("+stand-in" in b[1] for b in budgets if len(b) > 1 and b[1]),
+        "first_run_steps": sum("+first-run" in b[1] for b in budgets if len(b) > 1 and b[1]),
         "slowest": slowest,
         "one_off": one_off_steps(steps.get("prefill_steps", []), contended["gap_p50_ms"]),
     }
@@ -118,7 +120,7 @@ def _num(value: float | None, digits: int = 2) -> str:
 def table(rows: list[dict], settings: tuple[str, ...]) -> list[str]:
     head = ["run", "shape", *settings, "max gap / median", "median ms", "longest gap ms (before / from arrival)",
             "16k TTFT / solo (s / s)", "shared prefix", "steps with prefill (count, rows p50, ms p50); decode-only p50 ms",
-            "target ms", "slack / stand-in steps", "slowest step at the longest gap",
+            "target ms", "slack / stand-in / first-run steps", "slowest step at the longest gap",
             "one-off steps (count, slowest ms); slowest other / median"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
@@ -131,7 +133,7 @@ def table(rows: list[dict], settings: tuple[str, ...]) -> list[str]:
             f"{_num(row['ttft'])} ({_num(row['long_s'])} / {_num(row['solo_s'])})", _num(row["shared"]),
             f"{steps.get('mixed_steps', '-')}, {steps.get('mixed_rows_p50') or 0:,.0f}, "
             f"{_num(steps.get('mixed_ms_p50'), 1)}; {_num(steps.get('decode_only_ms_p50'))}",
-            _num(row["target_ms"], 1), f"{row['slack_steps']} / {row['stand_in_steps']}",
+            _num(row["target_ms"], 1), f"{row['slack_steps']} / {row['stand_in_steps']} / {row['first_run_steps']}",
             "-" if slowest is None else
             f"{slowest['prefill_rows']:,} {'compiled' if slowest['compiled'] else 'eager'}, {slowest['ms']:.1f}",
             f"{row['one_off']['count']}, {_num(row['one_off']['slowest_ms'], 1)}{_why(row['one_off']['slowest_why'])}; "

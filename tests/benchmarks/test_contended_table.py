@@ -11,7 +11,8 @@ from benchmarks.gpu.contended_table import main
 
 def _result(ratio: float, ttft_s: float, headroom: float, slack_steps: int = 0, shape: str = "0.6b") -> dict:
     budgets = [[1024, "halved:1+slack", 20.0]] * slack_steps + [[1024, "halved:1", 15.0], None]
-    budgets += [[512, "halved:4+stand-in", 15.0]] * (slack_steps // 2)
+    budgets += [[512, "halved:4+stand-in", 15.0]] * (slack_steps // 2) + [[512, "halved:2+first-run", 15.0]] * (
+        slack_steps // 3)
     contended = {
         "gap_ratio": ratio, "gap_p50_ms": 5.0, "gap_max_ms": 5.0 * ratio, "gap_max_before_ms": 9.0,
         "gap_max_from_arrival_ms": 5.0 * ratio, "long_ttft_s": ttft_s,
@@ -47,8 +48,9 @@ def test_rows_and_the_summary_by_setting(tmp_path, capsys) -> None:
     rows = {line.split(" | ")[0].strip("| "): line for line in out if line.startswith("| ") and "_" in line[:8]}
     assert "| **2.50** |" in rows["off_1"] and "| 4.20 |" in rows["off_2"]  # bold: within 3
     assert "| 1.10 (0.22 / 0.20) | 0.08 |" in rows["off_1"]  # TTFT 0.22 / 0.2 s solo; warm / cold prefix
-    assert "| 3 / 1 | 1,536 eager, 21.0 |" in rows["off_2"]  # slack, stand-in steps; the slowest at the longest gap
-    assert "| 0 / 0 |" in rows["off_1"]
+    # slack, stand-in and first-run steps; the slowest at the longest gap
+    assert "| 3 / 1 / 1 | 1,536 eager, 21.0 |" in rows["off_2"]
+    assert "| 0 / 0 / 0 |" in rows["off_1"]
     # one-off steps beside decode lanes, the slowest and why (logs from the fifty-seventh run's code on); 11.0 ms / 5.0
     assert rows["off_1"].endswith("| 2, 16.5 (stand-in 1024x2048); 2.20 |")
     summary = [line for line in out if line.startswith("| 0.6b") or line.startswith("| 8b")]
