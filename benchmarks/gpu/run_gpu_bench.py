@@ -22,7 +22,7 @@ import os
 import platform
 import time
 import traceback
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -211,25 +211,51 @@ def resolved_settings(engine) -> dict:
     }
 
 
+@dataclass(frozen=True, slots=True)
+class Lever:
+    """A fast path measured off, before and after: the same engine with `overrides`, decoding the stream counts
+    its flag names, recorded under `key`."""
+
+    flag: str
+    key: str
+    label: str
+    overrides: dict
+    help: str
+
+    @property
+    def dest(self) -> str:
+        return self.flag.removeprefix("--").replace("-", "_")
+
+
+LEVERS = (  # in the order they run
+    Lever("--eager-streams", "decode_compile_off", "compile off", {"compile_decode": "off", "fuse_decode": "off"},
+          "compile off (e.g. 1,8,32)"),
+    Lever("--unfused-streams", "decode_unfused", "unfused", {"fuse_decode": "off"},
+          "the fused decode forward off (e.g. 1,8)"),
+    Lever("--gathered-experts-streams", "decode_gathered_experts", "gathered experts", {"dense_experts": "off"},
+          "MoE experts gathered (dense experts off; e.g. 8,64)"),
+    Lever("--quantized-streams", "decode_quantized_matmul", "quantized matmul", {"dequantize_rows": 0},
+          "every quantized matmul kept (dequantize rows 0; e.g. 8,64)"),
+    Lever("--unsplit-streams", "decode_unsplit", "not split over K", {"split_quantized_k": "off"},
+          "quantized projections not split over K (e.g. 8,64)"),
+    Lever("--split-all-streams", "decode_split_all", "fused projections split over K too", {"split_quantized_k": "all"},
+          "the fused q/k/v and gate/up split over K too (e.g. 8,64)"),
+)  # fmt: skip
+# `--reference-streams N`: one count, the attention's own reference (the others take a list)
+REFERENCE_ATTENTION = Lever("--reference-streams", "decode_reference_attention", "reference attention",
+                            {"attention": "reference"}, "the reference attention")
+
+
 def measure_levers(dummy, kv_blocks: int, args: argparse.Namespace, engine: dict, prompts: Prompts,
                    p: BenchParams, out: dict, note: Progress) -> None:
-    """Levers, before and after: the same engine with one fast path off, decoding the same streams."""
-    levers = [
-        ("decode_compile_off", "compile off", {"compile_decode": "off", "fuse_decode": "off"}, args.eager_streams),
-        ("decode_unfused", "unfused", {"fuse_decode": "off"}, args.unfused_streams),
-        ("decode_gathered_experts", "gathered experts", {"dense_experts": "off"}, args.gathered_experts_streams),
-        ("decode_quantized_matmul", "quantized matmul", {"dequantize_rows": 0}, args.quantized_streams),
-        ("decode_unsplit", "not split over K", {"split_quantized_k": "off"}, args.unsplit_streams),
-        ("decode_split_all", "fused projections split over K too", {"split_quantized_k": "all"},
-         args.split_all_streams),
-        ("decode_reference_attention", "reference attention", {"attention": "reference"},
-         [args.reference_streams] if args.reference_streams else []),
-    ]  # fmt: skip
-    for key, label, overrides, streams in levers:
+    """Each lever whose flag names stream counts, then the reference attention where `--reference-streams` asks."""
+    runs = [(lever, getattr(args, lever.dest)) for lever in LEVERS]
+    runs.append((REFERENCE_ATTENTION, [args.reference_streams] if args.reference_streams else []))
+    for lever, streams in runs:
         if streams:
-            fresh = "split_quantized_k" in overrides
-            out[key] = measure_lever(
-                dummy, kv_blocks, args, {**engine, **overrides}, prompts, p, streams, label, note, fresh
+            fresh = "split_quantized_k" in lever.overrides
+            out[lever.key] = measure_lever(
+                dummy, kv_blocks, args, {**engine, **lever.overrides}, prompts, p, streams, lever.label, note, fresh
             )
 
 
@@ -411,44 +437,10 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_variant_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("extra decode measurements, each beside the default engine's")
-    group.add_argument(
-        "--reference-streams",
-        type=int,
-        default=0,
-        help="also decode this many streams with the reference attention",
-    )
-    group.add_argument(
-        "--eager-streams",
-        type=_counts,
-        default=[],
-        help="also decode these stream counts with compile off (e.g. 1,8,32)",
-    )
-    group.add_argument(
-        "--unfused-streams",
-        type=_counts,
-        default=[],
-        help="also decode these stream counts with the fused decode forward off (e.g. 1,8)",
-    )
-    group.add_argument(
-        "--unsplit-streams", default="", type=_counts,
-        help="also decode these stream counts with quantized projections not split over K (e.g. 8,64)",
-    )
-    group.add_argument(
-        "--split-all-streams", default="", type=_counts,
-        help="also decode these stream counts with the fused q/k/v and gate/up split over K too (e.g. 8,64)",
-    )
-    group.add_argument(
-        "--gathered-experts-streams",
-        type=_counts,
-        default=[],
-        help="also decode these stream counts with MoE experts gathered (dense experts off; e.g. 8,64)",
-    )
-    group.add_argument(
-        "--quantized-streams",
-        type=_counts,
-        default=[],
-        help="also decode these stream counts with every quantized matmul kept (dequantize rows 0; e.g. 8,64)",
-    )
+    group.add_argument(REFERENCE_ATTENTION.flag, type=int, default=0,
+                       help=f"also decode this many streams with {REFERENCE_ATTENTION.help}")
+    for lever in LEVERS:
+        group.add_argument(lever.flag, type=_counts, default=[], help=f"also decode these stream counts with {lever.help}")
 
 
 def _add_path_arguments(parser: argparse.ArgumentParser) -> None:
