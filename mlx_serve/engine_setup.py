@@ -165,6 +165,7 @@ def scheduler_config(
         max_prefill_slowdown=c.max_prefill_slowdown,
         cost_model=c.cost_model,
         cost_trust_factor=c.cost_trust_factor,
+        cost_residual_weight=c.cost_residual_weight,
         speculative_ngram=c.speculative_ngram,
         max_overtakes=c.max_overtakes,
         decode_debt=c.decode_debt,

@@ -78,6 +78,9 @@ class SchedulerConfig:
     # the affine model prices a step of more than this many times the rows of its largest recent step at least at
     # that step's cost per row (`affine_cost.TrustRegion`: a fit extrapolated 2x ran 1.5x over); 0: off
     cost_trust_factor: float = 1.5
+    # the affine model corrects a price by what it recently missed by on steps of the same rows bucket, this weight
+    # a sample (`affine_cost.ResidualCorrection`); 0: off
+    cost_residual_weight: float = 0.0
     max_overtakes: int = 4
     decode_debt: bool = True
     # a stream is in decode debt only past this multiple of what a contended step may take: a debt step cannot
@@ -137,6 +140,8 @@ class SchedulerConfig:
             raise ValueError(f"plan_headroom must be in (0, 1], got {self.plan_headroom}")
         if not (self.cost_trust_factor == 0 or self.cost_trust_factor >= 1):
             raise ValueError(f"cost_trust_factor must be 0 (off) or >= 1, got {self.cost_trust_factor}")
+        if not 0 <= self.cost_residual_weight <= 1:
+            raise ValueError(f"cost_residual_weight must be in [0, 1], got {self.cost_residual_weight}")
         if self.speculative_ngram < 1:
             raise ValueError(f"speculative_ngram must be >= 1, got {self.speculative_ngram}")
         if self.cost_model not in COST_MODELS:

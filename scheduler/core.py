@@ -64,7 +64,8 @@ class Scheduler:
         self.snapshots = StateSnapshots(config.state_snapshots) if config.recurrent_state else None
         self.chains = ChainMemo(config.recent_chain_tokens if config.enable_prefix_cache else 0, config.block_size)
         self.cost_model = make_cost_model(
-            config.resolved_cost_model(), config.kv_bucket, config.cost_trust_factor, config.pads_history
+            config.resolved_cost_model(), config.kv_bucket, config.cost_trust_factor, config.pads_history,
+            config.cost_residual_weight,
         )
         self.step_target = StepTarget(config.step_target_ms, config.step_target_factor, config.step_target_floor_ms)
         self.first_runs = FirstRunPrice()  # what one-off steps ran over their prices (`config.price_first_runs`)

@@ -171,11 +171,11 @@ class BucketedCostModel:
 
 
 def make_cost_model(
-    name: str, kv_bucket: int = 0, trust_factor: float = 1.5, pads_history: bool = True
+    name: str, kv_bucket: int = 0, trust_factor: float = 1.5, pads_history: bool = True, residual_weight: float = 0.0
 ) -> CostModel:
     """The cost model called `name` ("ema", "bucketed" or "affine"); `kv_bucket` and `pads_history`: how the engine
-    pads chunks (`SchedulerConfig`), which the affine model counts; `trust_factor`: the affine model's trust region
-    (`SchedulerConfig.cost_trust_factor`)."""
+    pads chunks (`SchedulerConfig`), which the affine model counts; `trust_factor` and `residual_weight`: the affine
+    model's trust region and per-cell correction (`SchedulerConfig.cost_trust_factor`, `cost_residual_weight`)."""
     if name == "ema":
         return EmaCostModel()
     if name == "bucketed":
@@ -183,5 +183,5 @@ def make_cost_model(
     if name == "affine":
         from scheduler.affine_cost import AffineCostModel
 
-        return AffineCostModel(kv_bucket, trust_factor, pads_history)
+        return AffineCostModel(kv_bucket, trust_factor, pads_history, residual_weight)
     raise ValueError(f"unknown prefill cost model {name!r}: expected ema, bucketed or affine")

@@ -59,27 +59,32 @@ def observations(events: list[object]) -> tuple[list[Observation], int]:
     return found, skipped
 
 
-def available_models(names: tuple[str, ...], kv_bucket: int = 0, pads_history: bool = True) -> list:
+def available_models(
+    names: tuple[str, ...], kv_bucket: int = 0, pads_history: bool = True, residual_weight: float = 0.0
+) -> list:
     models = []
     for name in names:
         try:
-            models.append(make_cost_model(name, kv_bucket, pads_history=pads_history))
+            models.append(make_cost_model(name, kv_bucket, pads_history=pads_history, residual_weight=residual_weight))
         except (ValueError, ImportError) as exc:  # a newer model that this checkout does not have yet
             print(f"note: skipping cost model {name!r}: {exc}", file=sys.stderr)
     return models
 
 
 def replay(
-    found: list[Observation], model_names: tuple[str, ...], kv_bucket: int = 0, pads_history: bool = True
+    found: list[Observation], model_names: tuple[str, ...], kv_bucket: int = 0, pads_history: bool = True,
+    residual_weight: float = 0.0,
 ) -> dict:
     """Prequential errors: {model: {"all"|"path=gpu"|"width=2"...: [abs rel errors]}}, the signed errors of "all"
-    (positive: over-predicted) and of the contended observations, plus prediction coverage. `kv_bucket`: count chunks
-    as the engine pads them; `pads_history`: whether its chunk attention computed over the padded history
-    (`SchedulerConfig.pads_history`)."""
-    models = available_models(model_names, kv_bucket, pads_history)
+    (positive: over-predicted) and of the contended observations (with their shapes, in the same order), plus
+    prediction coverage. `kv_bucket`: count chunks as the engine pads them; `pads_history`: whether its chunk
+    attention computed over the padded history (`SchedulerConfig.pads_history`); `residual_weight`: the affine
+    model's `SchedulerConfig.cost_residual_weight`."""
+    models = available_models(model_names, kv_bucket, pads_history, residual_weight)
     errors: dict[str, dict[str, list[float]]] = {m.name: defaultdict(list) for m in models}
     signed: dict[str, list[float]] = {m.name: [] for m in models}
     signed_contended: dict[str, list[float]] = {m.name: [] for m in models}
+    contended_shapes: dict[str, list[StepShape]] = {m.name: [] for m in models}
     unpredicted: dict[str, int] = dict.fromkeys(errors, 0)
     for obs in found:
         trainable = is_trainable(obs.shape, obs.measured_ms)
@@ -92,12 +97,14 @@ def replay(
                     signed[model.name].append((predicted - obs.measured_ms) / obs.measured_ms)
                     if obs.contended:
                         signed_contended[model.name].append(signed[model.name][-1])
+                        contended_shapes[model.name].append(obs.shape)
                     error = abs(signed[model.name][-1])
                     for key in ("all", f"path={obs.shape.path.value}", f"width={obs.shape.width}",
                                 "contended" if obs.contended else "uncontended"):
                         errors[model.name][key].append(error)
             model.observe(obs.shape, obs.measured_ms)
-    return {"errors": errors, "signed": signed, "signed_contended": signed_contended, "unpredicted": unpredicted,
+    return {"errors": errors, "signed": signed, "signed_contended": signed_contended,
+            "contended_shapes": contended_shapes, "unpredicted": unpredicted,
             "trainable": sum(is_trainable(o.shape, o.measured_ms) for o in found)}
 
 

@@ -47,7 +47,8 @@ from scheduler.cost_models import PrefillChunk
 PROMPT_TOKENS = 16_384  # the bench's long prompt
 # the recorded settings the budget reads, by their `SchedulerConfig` names
 SETTINGS = ("row_quantum", "budget_midpoints", "checked_fill", "plan_headroom",
-            "cost_trust_factor", "floor_slack", "slack_guard_rows", "max_prefill_slowdown")  # fmt: skip
+            "cost_trust_factor", "cost_residual_weight", "floor_slack", "slack_guard_rows",
+            "max_prefill_slowdown")  # fmt: skip
 HISTORY_CELL = 2048  # tokens of history a measured-cost cell spans
 LEAST_CELL_STEPS = 2  # recorded steps a cell needs to price a state
 
@@ -82,7 +83,8 @@ def replay_run(
     found = live_observations(ours.get("cost_observations", []), scored_from)
     settings = {name: ours[name] for name in SETTINGS if ours.get(name) is not None} | (overrides or {})
     config = SchedulerConfig(num_blocks=1 << 20, kv_bucket=KV_BUCKET, **settings)
-    model = AffineCostModel(KV_BUCKET, config.cost_trust_factor, pads_history=bool(ours.get("pads_history", True)))
+    model = AffineCostModel(KV_BUCKET, config.cost_trust_factor, bool(ours.get("pads_history", True)),
+                            config.cost_residual_weight)  # fmt: skip
     target_ms = ours["step_target_ms"]
     traced_buckets: set[int] = set()
 

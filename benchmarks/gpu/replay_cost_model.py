@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from scheduler.affine_cost import AffineCostModel
-from scheduler.buckets import KV_BUCKET
+from scheduler.buckets import KV_BUCKET, query_bucket
 from scheduler.cost_models import PrefillChunk, StepShape
 from scheduler.plan import Path as LanePath
 from tracing.prefill_prediction import Observation, replay
@@ -100,9 +100,40 @@ def observations(steps: list[Step]) -> list[Observation]:
     return found
 
 
-def signed_errors(found: list[Observation], kv_bucket: int, pads_history: bool = True) -> list[float]:
+def signed_errors(
+    found: list[Observation], kv_bucket: int, pads_history: bool = True, residual_weight: float = 0.0
+) -> list[float]:
     """The affine model's prequential signed relative errors over one run's scored steps."""
-    return replay(found, ("affine",), kv_bucket, pads_history)["signed_contended"]["affine"]
+    return scored_errors(found, kv_bucket, pads_history, residual_weight)[1]
+
+
+def scored_errors(
+    found: list[Observation], kv_bucket: int, pads_history: bool = True, residual_weight: float = 0.0
+) -> tuple[list[StepShape], list[float]]:
+    """The scored steps' shapes and the affine model's prequential signed relative errors on them, in order."""
+    result = replay(found, ("affine",), kv_bucket, pads_history, residual_weight)
+    return result["contended_shapes"]["affine"], result["signed_contended"]["affine"]
+
+
+def mean_errors(errors: list[float]) -> str:
+    """'mean abs / mean signed' relative error."""
+    return f"{sum(map(abs, errors)) / len(errors):.1%} / {sum(errors) / len(errors):+.1%}" if errors else "-"
+
+
+def print_by_rows(by_shape: dict[str, list[RecordedRun]], residual_weight: float) -> None:
+    """Per shape and query bucket of the rows (one-chunk steps), the padded count's errors: where the fit's one
+    rows slope misprices a size the GPU runs at another rate."""
+    print("| shape | rows (query bucket) | steps | mean abs / signed error |")
+    print("|---|---|---|---|")
+    for shape, shape_runs in sorted(by_shape.items()):
+        by_rows: dict[int, list[float]] = defaultdict(list)
+        for run in shape_runs:
+            shapes, errors = scored_errors(run.observations, KV_BUCKET, run.pads_history, residual_weight)
+            for step, error in zip(shapes, errors, strict=True):
+                if step.width == 1:
+                    by_rows[query_bucket(step.prefill_rows)].append(error)
+        for rows, errors in sorted(by_rows.items()):
+            print(f"| {shape} | {rows} | {len(errors)} | {mean_errors(errors)} |")
 
 
 def final_coefficients(run: RecordedRun) -> dict[str, float]:
@@ -118,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", nargs="+", type=Path, help="gpu_bench.json files (or .json.gz)")
     parser.add_argument("--coefficients", action="store_true", help="also print each run's fit at its end")
+    parser.add_argument("--residual-weight", type=float, default=0.0, metavar="W",
+                        help="replay with SchedulerConfig.cost_residual_weight W (default: 0, off)")
+    parser.add_argument("--by-rows", action="store_true",
+                        help="also print the padded count's errors by the rows' query bucket")
     args = parser.parse_args(argv)
     runs = recorded_runs(args.results)
     if not runs:
@@ -133,9 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     for shape, shape_runs in sorted(by_shape.items()):
         cells = []
         for kv_bucket in (0, KV_BUCKET):
-            errors = [e for run in shape_runs for e in signed_errors(run.observations, kv_bucket, run.pads_history)]
-            cells.append(f"{sum(map(abs, errors)) / len(errors):.1%} / {sum(errors) / len(errors):+.1%}" if errors else "-")
+            errors = [e for run in shape_runs
+                      for e in signed_errors(run.observations, kv_bucket, run.pads_history, args.residual_weight)]
+            cells.append(mean_errors(errors))
         print(f"| {shape} | {len(shape_runs)} | {len(errors)} | {cells[0]} | {cells[1]} |")
+    if args.by_rows:
+        print()
+        print_by_rows(by_shape, args.residual_weight)
     return 0
 
 

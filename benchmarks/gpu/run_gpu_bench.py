@@ -178,6 +178,7 @@ def engine_settings(args: argparse.Namespace) -> dict:
         "plan_headroom": args.plan_headroom,
         "debt_tolerance": args.debt_tolerance,
         "cost_trust_factor": args.cost_trust_factor,
+        "cost_residual_weight": args.cost_residual_weight,
         "floor_slack": args.floor_slack,
         "slack_guard_rows": args.slack_guard_rows,
         "max_prefill_slowdown": args.max_prefill_slowdown,
@@ -202,6 +203,7 @@ def resolved_settings(engine) -> dict:
         "price_stand_in_runs": scheduler.price_stand_in_runs,
         "time_idle_traces": engine.config.time_idle_traces,
         "cost_trust_factor": scheduler.cost_trust_factor,
+        "cost_residual_weight": scheduler.cost_residual_weight,
         "floor_slack": scheduler.floor_slack,
         "slack_guard_rows": scheduler.slack_guard_rows,
         "max_prefill_slowdown": scheduler.max_prefill_slowdown,
@@ -495,6 +497,9 @@ def _add_planning_arguments(parser: argparse.ArgumentParser) -> None:
                         help="EngineConfig.debt_tolerance: decode debt only past this x what a contended step may take")
     group.add_argument("--cost-trust-factor", type=float, default=1.5,
                         help="EngineConfig.cost_trust_factor: the affine fit's trust region in rows (0: off)")
+    group.add_argument("--cost-residual-weight", type=float, default=0.0,
+                        help="EngineConfig.cost_residual_weight: a price corrected by its rows bucket's recent misses "
+                             "(0: off)")
     group.add_argument("--floor-slack", type=floor_slack_arg, default="auto",
                         help="EngineConfig.floor_slack: a step may take this x the floor step's time over the target "
                              "(auto: engine_setup.floor_slack)")

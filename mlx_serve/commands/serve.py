@@ -63,6 +63,13 @@ def _headroom(text: str) -> float:
     return value
 
 
+def weight_arg(text: str) -> float:
+    """A weight in [0, 1] (`--cost-residual-weight`)."""
+    if not 0 <= (value := _number(text, "a weight")) <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], not {text}")
+    return value
+
+
 def floor_slack_arg(text: str) -> float | str:
     """`--floor-slack`: a factor >= 1, or auto."""
     if text == "auto":
@@ -277,6 +284,9 @@ def _add_scheduler_arguments(s: Any) -> None:
     s.add_argument("--cost-trust-factor", type=_factor_or_off, default=1.5, metavar="X",
                    help="affine: a step of more than X times the rows of the largest recent step is priced at least "
                         "at that step's cost per row, not by the fit's extrapolation; 0: off (default: %(default)s)")
+    s.add_argument("--cost-residual-weight", type=weight_arg, default=0.0, metavar="W",
+                   help="affine: correct a price by what the fit recently missed by on steps of its rows bucket, "
+                        "each step weighing W; 0: off (default: %(default)s)")
     s.add_argument("--max-overtakes", type=whole_number_arg(0), default=4,
                    help="how often a waiting request may be overtaken by shorter ones before it goes first "
                         "(default: %(default)s)")
@@ -410,7 +420,8 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
         checked_fill=args.checked_fill, plan_headroom=args.plan_headroom, floor_slack=args.floor_slack,
         slack_guard_rows=args.slack_guard_rows,
         max_prefill_slowdown=args.max_prefill_slowdown, plan_padding=args.plan_padding == "on",
-        cost_model=args.prefill_cost_model, cost_trust_factor=args.cost_trust_factor, max_overtakes=args.max_overtakes,
+        cost_model=args.prefill_cost_model, cost_trust_factor=args.cost_trust_factor,
+        cost_residual_weight=args.cost_residual_weight, max_overtakes=args.max_overtakes,
         enable_prefix_cache=not args.no_prefix_cache, shared_prefill_tokens=args.shared_prefill_tokens,
         decode_debt=not args.no_decode_debt, debt_tolerance=args.debt_tolerance,
         speculative_tokens=args.speculative_tokens, speculative_ngram=args.speculative_ngram,

@@ -146,3 +146,28 @@ def test_a_run_that_recorded_its_cost_observations_is_replayed_from_them(tmp_pat
     assert found[10].shape.width == 2 and found[10].shape.chunks[1].history == 7330 and found[5].shape.auxiliary
     assert found[1].shape.compiled and found[1].shape.path is Path.GPU
     assert len(signed_errors(found, 1024, pads_history)) == 30
+
+
+def test_by_rows_shows_a_bucket_the_fit_misprices_and_the_correction_narrows_it(tmp_path, capsys) -> None:
+    """`--by-rows`: errors by the rows' query bucket. Where 512 rows cost what 384 do (the H100's 4-bit kernels), the
+    fit over-prices 512; replayed with `--residual-weight 0.3` that bucket's error shrinks."""
+
+    def tiled_ms(rows: int, history: int) -> float:
+        return 6.0 + 0.04 * min(rows, 384) + 0.04 * max(rows - 512, 0) + 1e-6 * rows * history
+
+    steps = []
+    for index in range(160):
+        rows, history = (256, 384, 512, 768)[index % 4], 128 * index
+        steps.append([rows, 8, history, round(tiled_ms(rows, history), 3), None, 1, False, False])
+    result = {"results": [{"shape": "8b-4bit", "ours": {"pads_history": False,
+                                                         "contended": {"steps": {"prefill_steps": steps}}}}]}
+    path = tmp_path / "gpu_bench.json"
+    path.write_text(json.dumps(result))
+
+    def bucket_512(argv: list[str]) -> float:
+        assert main([str(path), "--by-rows", *argv]) == 0
+        row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| 8b-4bit | 512 |"))
+        return float(row.split("|")[4].split("/")[0].strip().rstrip("%"))
+
+    plain, corrected = bucket_512([]), bucket_512(["--residual-weight", "0.3"])
+    assert plain > 5.0 and corrected < 0.5 * plain

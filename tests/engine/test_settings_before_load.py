@@ -25,6 +25,7 @@ MISSING = "/nonexistent/model-dir"
         ({"plan_headroom": 1.5}, "plan_headroom must be in"),
         ({"cost_model": "oracle"}, "cost_model must be one of"),
         ({"cost_trust_factor": 0.5}, "cost_trust_factor must be 0"),
+        ({"cost_residual_weight": 1.5}, "cost_residual_weight must be in"),
         ({"floor_slack": 0.5}, "floor_slack must be a number >= 1 or 'auto'"),
         ({"floor_slack": "wide"}, "floor_slack must be a number >= 1 or 'auto'"),
         ({"max_prefill_slowdown": 0.5}, "max_prefill_slowdown must be 0"),
