@@ -104,6 +104,9 @@ class CostFunction:
     # added to a step with prefill and no decode lanes (an uncontended, ceiling-sized chunk): on the H100 0.6B's such
     # steps ran ~6 ms over what its contended steps' price gives (solo 16k 195-210 ms against ~150 priced)
     solo_extra_ms: float = 0.0
+    # a chunk's rows cost in whole granules of this many (H100 8B 4-bit: 384 and 512 rows beside 8 decode lanes ran
+    # in one time, sixtieth run), a rate the affine fit's one rows slope cannot follow; 1: every row its own
+    row_granule: int = 1
 
     def step_ms(self, plan: StepPlan, rng: random.Random, eager: bool = False, first_run: bool = False) -> float:
         """`eager`: a compilable step whose shape has no trace (it pays `eager_extra_ms`); `first_run`: its shape's
@@ -111,7 +114,8 @@ class CostFunction:
         decode_lanes = sum(1 for lane in plan.lanes if lane.kind is LaneKind.DECODE)
         chunks = [lane for lane in plan.lanes if lane.kind is not LaneKind.DECODE]
         padded = [query_bucket(lane.rows) if self.kv_bucket else lane.rows for lane in chunks]
-        rows = -(-(decode_lanes + sum(padded)) // self.row_tile) * self.row_tile
+        granules = sum(-(-rows // self.row_granule) * self.row_granule for rows in padded)
+        rows = -(-(decode_lanes + granules) // self.row_tile) * self.row_tile
         pairs = sum(lane.history + 0.5 for lane in plan.lanes if lane.kind is LaneKind.DECODE) + sum(
             padded_rows * (lane.history + lane.rows / 2) for padded_rows, lane in zip(padded, chunks))
         base = (self.fixed_ms + self.row_ms * rows + self.pair_ms * pairs + self.decode_lane_ms * decode_lanes
@@ -492,6 +496,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the least a step with prefill takes (its host submission, where that bounds it)")
     parser.add_argument("--ms-solo-extra", type=float, default=0.0,
                         help="what a step with prefill and no decode lanes costs more (an uncontended chunk)")
+    parser.add_argument("--row-granule", type=int, default=1,
+                        help="a chunk's rows cost in whole granules of this many (a GEMM's tile steps)")
     parser.add_argument("--stall-rate", type=float, default=0.0, help="fraction of steps whose host stalls")
     parser.add_argument("--stall-ms", type=float, default=0.0, help="what a stalled step adds")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", type=config_override,
@@ -516,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     cost = CostFunction(args.ms_fixed, args.ms_row, args.ms_pair, args.ms_decode_lane, args.noise,
                         args.ms_prefill_fixed, args.kv_bucket, args.row_tile, args.eager_extra_ms,
                         args.ms_prefill_host, args.stall_rate, args.stall_ms, args.first_run_extra_ms,
-                        args.ms_solo_extra)
+                        args.ms_solo_extra, args.row_granule)
     # with padding the engine's paged chunk kernel reads exactly the KV each row sees (pads_history False)
     base = SchedulerConfig(num_blocks=args.num_blocks, max_running=args.max_running,
                            step_target_ms=args.step_target_ms, max_model_len=1 << 20, kv_bucket=args.kv_bucket,

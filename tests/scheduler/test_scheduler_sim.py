@@ -59,6 +59,27 @@ def test_padded_costs_run_a_chunk_as_its_query_bucket_in_row_tiles() -> None:
     assert padded == pytest.approx(5.0 + 0.01 * 448 + 1e-6 * (decode_pairs + 384 * 1150) + 0.2 * 8 + 6.0)
 
 
+def test_row_granules_price_a_chunk_in_whole_granules() -> None:
+    """`row_granule`: 384 and 512 rows cost one time (two 256-row granules each, as the H100's 4-bit kernels ran
+    them), 640 one granule more; 1 (the default) prices every row."""
+    import random
+
+    from scheduler import LaneKind, StepPlan
+    from scheduler.plan import Lane
+
+    sim = load_sim()
+    decode = tuple(Lane(f"s{i}", LaneKind.DECODE, (1,), 100, (), True) for i in range(8))
+
+    def cost(rows: int, granule: int) -> float:
+        chunk = Lane("long", LaneKind.PREFILL, (1,) * rows, 0, (), False)
+        plan = StepPlan(1, (*decode, chunk), rows, "halved:2", None, True)
+        return sim.CostFunction(row_ms=0.04, pair_ms=0.0, noise=0.0, row_granule=granule).step_ms(plan, random.Random(0))
+
+    assert cost(384, 256) == cost(512, 256) == pytest.approx(cost(512, 1))
+    assert cost(640, 256) - cost(512, 256) == pytest.approx(0.04 * 256)
+    assert cost(512, 1) - cost(384, 1) == pytest.approx(0.04 * 128)
+
+
 def test_the_contended_trace_runs_with_the_checked_fill_policy(capsys: pytest.CaptureFixture[str]) -> None:
     sim = load_sim()
     trace = SIM_PATH.parent / "traces" / "contended_16k.jsonl"
