@@ -106,6 +106,11 @@ def _set(limits: MemoryLimits) -> MemoryLimits:
 _HOLDERS = _Holders()
 
 
+def mlx_memory_limit() -> int:
+    """MLX's memory limit in force now, in bytes (on CUDA its default is 0.8 of the device's memory)."""
+    return _HOLDERS.memory_limit()
+
+
 def apply_limits(budget_bytes: int | None, held_bytes: int) -> MemoryLimits:
     """Hold MLX to `budget_bytes` (None: no budget given, MLX's memory limit stands and its cache gets
     `UNBUDGETED_CACHE_SHARE` of what that limit leaves), `held_bytes` of it taken for good (weights, the pool, the kept

@@ -22,6 +22,7 @@ from benchmarks.gpu.models import DummyModel
 from benchmarks.gpu.workloads import WARM_STEPS, BenchParams, Prompts, gap_summary, steady_rate
 from mlx_serve.compiled_step import lane_bucket
 from mlx_serve.engine import Engine, EngineConfig
+from mlx_serve.memory_limits import mlx_memory_limit
 from mlx_serve.types import GenerationRequest
 from tracing.events import Span, StepExecuted, StepPlanned, TokenCommitted
 from tracing.sink import MemorySink
@@ -283,6 +284,12 @@ class OurSide:
             # step 3-6 ms slower than its warm passes (forty-seventh run), contended-only runs' did not
             "active_start_mb": round(active_before / (1 << 20), 1),
             "cache_start_mb": round(cache_before / (1 << 20), 1),
+            # and at its end, beside MLX's limits: the sixtieth run's one slow 30B-A3B pass on the H100 (every step
+            # ~20% slower) began with 2.0 GB cached where sixty others began with 6.4-6.5, all at about MLX's memory
+            # limit, where a cache miss releases cached buffers (cudaFree) before it allocates
+            "cache_end_mb": round(mx.get_cache_memory() / (1 << 20), 1),
+            "cache_limit_mb": round((self.engine.memory_limits.cache or 0) / (1 << 20), 1),
+            "memory_limit_mb": round(mlx_memory_limit() / (1 << 20), 1),
             "pool_layer_mb": round(getattr(self.engine.pool.keys[0], "nbytes", 0) / (1 << 20), 1),
         }
 

@@ -96,6 +96,11 @@ def test_contended_only_run_and_its_refusal(tmp_path):
     # compiled decode shapes traced in the pass (the warm passes met them) and inside the longest gap
     assert result["ours"]["contended"]["decode_traces"] == len(longest["decode_traces"]) == 0
     assert result["ours"]["contended"]["peak_above_start_mb"] > 0 and result["ours"]["contended"]["pool_layer_mb"] > 0
+    # MLX's buffer cache at the pass's end, within the engine's cache limit (MLX's CPU backend keeps 32 MiB at most)
+    # and its memory limit, where the allocator's behaviour turns
+    contended = result["ours"]["contended"]
+    assert 0 < contended["cache_limit_mb"] < contended["memory_limit_mb"]
+    assert 0 <= contended["cache_end_mb"] <= contended["cache_limit_mb"] + 1
     assert len(result["ours"]["settled_traces"]) == 2  # two warm passes by default, each settled
     assert result["ours"]["kept_traces_at"] == [1024, 16384] and result["ours"]["untraced"] == 0  # none on the CPU
     if cupti_dirs():  # API_CALLS=1: the shim built and loaded; without a driver CUPTI refuses and times nothing
