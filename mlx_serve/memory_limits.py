@@ -107,7 +107,7 @@ _HOLDERS = _Holders()
 
 
 def mlx_memory_limit() -> int:
-    """MLX's memory limit in force now, in bytes (on CUDA its default is 0.8 of the device's memory)."""
+    """MLX's memory limit in force now, in bytes (a budgeted engine's, else MLX's own default)."""
     return _HOLDERS.memory_limit()
 
 

@@ -285,8 +285,8 @@ class OurSide:
             "active_start_mb": round(active_before / (1 << 20), 1),
             "cache_start_mb": round(cache_before / (1 << 20), 1),
             # and at its end, beside MLX's limits: the sixtieth run's one slow 30B-A3B pass on the H100 (every step
-            # ~20% slower) began with 2.0 GB cached where sixty others began with 6.4-6.5, all at about MLX's memory
-            # limit, where a cache miss releases cached buffers (cudaFree) before it allocates
+            # ~20% slower) began with 2.0 GB cached where sixty others began with 6.4-6.5, all near MLX's memory
+            # limit, past which a cache miss releases cached buffers (cudaFree) before it allocates
             "cache_end_mb": round(mx.get_cache_memory() / (1 << 20), 1),
             "cache_limit_mb": round((self.engine.memory_limits.cache or 0) / (1 << 20), 1),
             "memory_limit_mb": round(mlx_memory_limit() / (1 << 20), 1),
