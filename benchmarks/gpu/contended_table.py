@@ -12,7 +12,9 @@ decided anything), the slowest step the longest-gap report lists (rows, form, ms
 beside decode lanes that ran a shape for the first time, stood in for one or built a trace (`auxiliary`), how many,
 the slowest (and why, in logs that say: "stand-in 1024x12288" replayed that trace's rows and history bucket), and the
 slowest other step over the median gap (forty-third run: at 10-12 ms targets the one-off steps held the longest gap;
-without them the slowest step was within 3 median gaps in 6 of 7 runs).
+without them the slowest step was within 3 median gaps in 6 of 7 runs), and MLX's buffer cache at the pass's start
+and end against the engine's cache limit (recorded from `19833a7` on; the sixtieth run's one slow 30B-A3B pass on the
+H100 began with 2.0 GB cached where the others began with 6.4-6.5).
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ def run_row(label: str, shape: str, ours: dict, settings: tuple[str, ...]) -> di
         "first_run_steps": sum("+first-run" in b[1] for b in budgets if len(b) > 1 and b[1]),
         "slowest": slowest,
         "one_off": one_off_steps(steps.get("prefill_steps", []), contended["gap_p50_ms"]),
+        "cache_mb": tuple(contended.get(key) for key in ("cache_start_mb", "cache_end_mb", "cache_limit_mb")),
     }
 
 
@@ -121,7 +124,7 @@ def table(rows: list[dict], settings: tuple[str, ...]) -> list[str]:
     head = ["run", "shape", *settings, "max gap / median", "median ms", "longest gap ms (before / from arrival)",
             "16k TTFT / solo (s / s)", "shared prefix", "steps with prefill (count, rows p50, ms p50); decode-only p50 ms",
             "target ms", "slack / stand-in / first-run steps", "slowest step at the longest gap",
-            "one-off steps (count, slowest ms); slowest other / median"]  # fmt: skip
+            "one-off steps (count, slowest ms); slowest other / median", "MLX cache MB (start / end / limit)"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         ratio = _num(row["ratio"])
@@ -138,6 +141,7 @@ def table(rows: list[dict], settings: tuple[str, ...]) -> list[str]:
             f"{slowest['prefill_rows']:,} {'compiled' if slowest['compiled'] else 'eager'}, {slowest['ms']:.1f}",
             f"{row['one_off']['count']}, {_num(row['one_off']['slowest_ms'], 1)}{_why(row['one_off']['slowest_why'])}; "
             f"{_num(row['one_off']['other_ratio'])}",
+            " / ".join(_num(mb, 0) for mb in row["cache_mb"]),
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return lines

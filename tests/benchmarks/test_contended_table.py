@@ -35,6 +35,8 @@ def _result(ratio: float, ttft_s: float, headroom: float, slack_steps: int = 0, 
 def test_rows_and_the_summary_by_setting(tmp_path, capsys) -> None:
     runs = {"off_1": _result(2.5, 0.22, 1.0), "off_2": _result(4.2, 0.32, 1.0, slack_steps=3),
             "on_1": _result(2.9, 0.25, 0.9), "on_2": _result(2.1, 0.24, 0.9), "big": _result(1.5, 0.25, 1.0, shape="8b")}  # fmt: skip
+    runs["on_1"]["results"][0]["ours"]["contended"] |= {"cache_start_mb": 6512.2, "cache_end_mb": 6498.0,
+                                                        "cache_limit_mb": 6500.0}
     paths = []
     for label, result in runs.items():
         folder = tmp_path / label
@@ -52,7 +54,9 @@ def test_rows_and_the_summary_by_setting(tmp_path, capsys) -> None:
     assert "| 3 / 1 / 1 | 1,536 eager, 21.0 |" in rows["off_2"]
     assert "| 0 / 0 / 0 |" in rows["off_1"]
     # one-off steps beside decode lanes, the slowest and why (logs from the fifty-seventh run's code on); 11.0 ms / 5.0
-    assert rows["off_1"].endswith("| 2, 16.5 (stand-in 1024x2048); 2.20 |")
+    assert rows["off_1"].endswith("| 2, 16.5 (stand-in 1024x2048); 2.20 | - / - / - |")
+    # MLX's buffer cache at the pass's start and end, and the engine's cache limit, where the run recorded them
+    assert rows["on_1"].endswith("| 6512 / 6498 / 6500 |")
     summary = [line for line in out if line.startswith("| 0.6b") or line.startswith("| 8b")]
     assert summary[-3:] == [
         "| 0.6b | 15.0 | 1.0 | 2 | 1 | 1 | 3.35 (2.50-4.20) | 1.60 |",
