@@ -114,7 +114,7 @@ class CostFunction:
         decode_lanes = sum(1 for lane in plan.lanes if lane.kind is LaneKind.DECODE)
         chunks = [lane for lane in plan.lanes if lane.kind is not LaneKind.DECODE]
         padded = [query_bucket(lane.rows) if self.kv_bucket else lane.rows for lane in chunks]
-        granules = sum(-(-rows // self.row_granule) * self.row_granule for rows in padded)
+        granules = sum(-(-chunk_rows // self.row_granule) * self.row_granule for chunk_rows in padded)
         rows = -(-(decode_lanes + granules) // self.row_tile) * self.row_tile
         pairs = sum(lane.history + 0.5 for lane in plan.lanes if lane.kind is LaneKind.DECODE) + sum(
             padded_rows * (lane.history + lane.rows / 2) for padded_rows, lane in zip(padded, chunks))

@@ -120,18 +120,16 @@ def mean_errors(errors: list[float]) -> str:
     return f"{sum(map(abs, errors)) / len(errors):.1%} / {sum(errors) / len(errors):+.1%}" if errors else "-"
 
 
-def print_by_rows(by_shape: dict[str, list[RecordedRun]], residual_weight: float) -> None:
-    """Per shape and query bucket of the rows (one-chunk steps), the padded count's errors: where the fit's one
-    rows slope misprices a size the GPU runs at another rate."""
+def print_by_rows(padded: dict[str, list[tuple[StepShape, float]]]) -> None:
+    """Per shape and query bucket of the rows (one-chunk steps), the padded count's errors (`padded`: each shape's
+    scored steps and their errors): where the fit's one rows slope misprices a size the GPU runs at another rate."""
     print("| shape | rows (query bucket) | steps | mean abs / signed error |")
     print("|---|---|---|---|")
-    for shape, shape_runs in sorted(by_shape.items()):
+    for shape, scored in sorted(padded.items()):
         by_rows: dict[int, list[float]] = defaultdict(list)
-        for run in shape_runs:
-            shapes, errors = scored_errors(run.observations, KV_BUCKET, run.pads_history, residual_weight)
-            for step, error in zip(shapes, errors, strict=True):
-                if step.width == 1:
-                    by_rows[query_bucket(step.prefill_rows)].append(error)
+        for step, error in scored:
+            if step.width == 1:
+                by_rows[query_bucket(step.prefill_rows)].append(error)
         for rows, errors in sorted(by_rows.items()):
             print(f"| {shape} | {rows} | {len(errors)} | {mean_errors(errors)} |")
 
@@ -165,16 +163,17 @@ def main(argv: list[str] | None = None) -> int:
     by_shape: dict[str, list[RecordedRun]] = defaultdict(list)
     for run in runs:
         by_shape[run.shape].append(run)
+    padded: dict[str, list[tuple[StepShape, float]]] = defaultdict(list)
     for shape, shape_runs in sorted(by_shape.items()):
-        cells = []
-        for kv_bucket in (0, KV_BUCKET):
-            errors = [e for run in shape_runs
-                      for e in signed_errors(run.observations, kv_bucket, run.pads_history, args.residual_weight)]
-            cells.append(mean_errors(errors))
-        print(f"| {shape} | {len(shape_runs)} | {len(errors)} | {cells[0]} | {cells[1]} |")
+        exact = [e for run in shape_runs
+                 for e in signed_errors(run.observations, 0, run.pads_history, args.residual_weight)]
+        for run in shape_runs:
+            padded[shape] += zip(*scored_errors(run.observations, KV_BUCKET, run.pads_history, args.residual_weight))
+        errors = [error for _, error in padded[shape]]
+        print(f"| {shape} | {len(shape_runs)} | {len(errors)} | {mean_errors(exact)} | {mean_errors(errors)} |")
     if args.by_rows:
         print()
-        print_by_rows(by_shape, args.residual_weight)
+        print_by_rows(padded)
     return 0
 
 
