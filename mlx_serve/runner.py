@@ -12,7 +12,7 @@ import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -122,6 +122,7 @@ class InFlightStep:
     verify: DraftCheck | None = None  # the model's greedy token at each drafted row (speculative decoding)
     drafted: tuple[tuple[str, tuple[int, ...]], ...] = ()  # each drafted lane's request id and drafts, in row order
     embeddings: tuple[QueuedEmbedding, ...] = ()  # embedding requests' vectors its rows finished
+    first_run: bool = False  # its shape ran for the first time in its form (`OneOff.first_run`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,9 +138,12 @@ class _PreparedStep:
     drafted: tuple[tuple[str, tuple[int, ...]], ...] = ()  # each drafted lane's request id and drafts
 
 
-def is_first_run(one_off: str) -> bool:
-    """Whether a step's `one_off` says its shape ran for the first time in its form (a build rode along)."""
-    return one_off.split(" ", 1)[0] in ("traced", "first-run", "first-eager")
+class OneOff(NamedTuple):
+    """Why a step's time teaches the scheduler nothing about its shape ("": it does, `ModelRunner._one_off`), and
+    whether its shape ran for the first time in its form (a build rode along: what `price_first_runs` learns)."""
+
+    reason: str = ""
+    first_run: bool = False
 
 
 def stand_in_reason(trace: MixedShape) -> str:
@@ -477,29 +481,30 @@ class ModelRunner:
             self.compiled_mixed.record_eager_build(self._mixed_shape(gpu_lanes), phases["submission"])
         # a stand-in replays its trace as an ordinary run would (pad rows, the padded history): its time is the
         # trace's, so the next stand-in is priced at it (H100: one fast 68.9 ms run priced eight replays of 73-81 ms)
-        timed = mixed_shape if mixed and one_off in ("", stand_in_reason(mixed_shape)) else None
+        timed = mixed_shape if mixed and one_off.reason in ("", stand_in_reason(mixed_shape)) else None
         return InFlightStep(
-            plan, sample_ids, samplers, sampled, rows, t0, phases, tuple(chunks), stamp, one_off, compiled or mixed,
-            timed, tuple(scores), verify, prepared.drafted if prepared is not None else (), tuple(embeddings),
+            plan, sample_ids, samplers, sampled, rows, t0, phases, tuple(chunks), stamp, one_off.reason,
+            compiled or mixed, timed, tuple(scores), verify, prepared.drafted if prepared is not None else (),
+            tuple(embeddings), first_run=one_off.first_run,
         )
 
     def _one_off(self, scored: bool, traced_before: int, mixed: MixedShape | None, replayed: bool,
-                 lanes: Sequence[Lane]) -> str:  # fmt: skip
+                 lanes: Sequence[Lane]) -> OneOff:  # fmt: skip
         """Why the step's time teaches the scheduler nothing about its shape ("": it does). A scoring or drafted step
         also runs the LM head over those rows ("scored"); a trace built in the step ("traced"); a compiled shape's
         first run ("first-run"); a stand-in, whose time is the padded trace's, not the planned shape's ("stand-in
         ROWSxHISTORY", the trace's rows and history bucket); a padded eager shape's first run ("first-eager")."""
         if scored:
-            return "scored"
+            return OneOff("scored")
         if self._traced_shapes() != traced_before:
-            return "traced"
+            return OneOff("traced", first_run=True)
         if mixed is not None and (self.compiled_mixed.first_run or self.compiled_mixed.stood_in):
             first = "first-run" if self.compiled_mixed.first_run else ""
             stand_in = stand_in_reason(mixed) if self.compiled_mixed.stood_in else ""
-            return " ".join(part for part in (first, stand_in) if part)
+            return OneOff(" ".join(part for part in (first, stand_in) if part), self.compiled_mixed.first_run)
         if not replayed and self._first_eager_shape(lanes):
-            return "first-eager"
-        return ""
+            return OneOff("first-eager", first_run=True)
+        return OneOff()
 
     def _mixed_ready(self, lanes: list[Lane], limit_ms: float | None) -> MixedShape | None:
         """The compiled shape the step replays (its own or a stand-in within `limit_ms`), or None: it runs eager."""
@@ -693,7 +698,7 @@ class ModelRunner:
         if step.timed_shape is not None and math.isfinite(elapsed_ms):
             self.compiled_mixed.record_run(step.timed_shape, elapsed_ms)
         outcome = StepOutcome({rid: s.token_id for rid, s in samples.items()}, elapsed_ms, ane_elapsed_ms=ane_ms,
-                              auxiliary=bool(step.one_off), first_run=is_first_run(step.one_off), compiled=step.compiled,
+                              auxiliary=bool(step.one_off), first_run=step.first_run, compiled=step.compiled,
                               accepted_drafts={rid: tuple(s.token_id for s in kept) for rid, kept in accepted.items()})
         return RunnerOutput(outcome, samples, {**step.phases, "consumption": (t3 - t2) * 1e3}, spans, prompt_logprobs,
                             embeddings, accepted, step.one_off)  # fmt: skip
