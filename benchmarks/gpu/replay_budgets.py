@@ -49,6 +49,8 @@ PROMPT_TOKENS = 16_384  # the bench's long prompt
 SETTINGS = ("row_quantum", "budget_midpoints", "checked_fill", "plan_headroom",
             "cost_trust_factor", "cost_residual_weight", "floor_slack", "slack_guard_rows",
             "max_prefill_slowdown")  # fmt: skip
+# what a run made before a setting was recorded ran at (its default then), where today's default differs
+UNRECORDED = {"cost_residual_weight": 0.0}
 HISTORY_CELL = 2048  # tokens of history a measured-cost cell spans
 LEAST_CELL_STEPS = 2  # recorded steps a cell needs to price a state
 
@@ -81,7 +83,8 @@ def replay_run(
     recorded settings with `overrides` (`SchedulerConfig` names) in their place."""
     scored_from = ours.get("contended", {}).get("cost_observations_from", 0)
     found = live_observations(ours.get("cost_observations", []), scored_from)
-    settings = {name: ours[name] for name in SETTINGS if ours.get(name) is not None} | (overrides or {})
+    recorded = {name: ours[name] for name in SETTINGS if ours.get(name) is not None}
+    settings = UNRECORDED | recorded | (overrides or {})
     config = SchedulerConfig(num_blocks=1 << 20, kv_bucket=KV_BUCKET, **settings)
     model = AffineCostModel(KV_BUCKET, config.cost_trust_factor, bool(ours.get("pads_history", True)),
                             config.cost_residual_weight)  # fmt: skip
