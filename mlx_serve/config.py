@@ -58,7 +58,7 @@ class EngineConfig:
     plan_padding: bool = True  # budgets and the affine cost model see chunks padded as the runner pads them (CUDA)
     cost_model: str = "ema"
     cost_trust_factor: float = 1.5  # affine: steps past this many times the largest recent one priced by its cost per row
-    cost_residual_weight: float = 0.0  # affine: a price corrected by its rows bucket's recent misses, this weight; 0: off
+    cost_residual_weight: float = 0.3  # affine: a price corrected by its rows bucket's recent misses, this weight; 0: off
     max_overtakes: int = 4
     enable_prefix_cache: bool = True
     # a waiting request waits for a running prefill computing this many of its next prompt tokens; 0: off

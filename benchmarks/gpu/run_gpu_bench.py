@@ -497,7 +497,7 @@ def _add_planning_arguments(parser: argparse.ArgumentParser) -> None:
                         help="EngineConfig.debt_tolerance: decode debt only past this x what a contended step may take")
     group.add_argument("--cost-trust-factor", type=float, default=1.5,
                         help="EngineConfig.cost_trust_factor: the affine fit's trust region in rows (0: off)")
-    group.add_argument("--cost-residual-weight", type=float, default=0.0,
+    group.add_argument("--cost-residual-weight", type=float, default=0.3,
                         help="EngineConfig.cost_residual_weight: a price corrected by its rows bucket's recent misses "
                              "(0: off)")
     group.add_argument("--floor-slack", type=floor_slack_arg, default="auto",

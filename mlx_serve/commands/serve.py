@@ -284,7 +284,7 @@ def _add_scheduler_arguments(s: Any) -> None:
     s.add_argument("--cost-trust-factor", type=_factor_or_off, default=1.5, metavar="X",
                    help="affine: a step of more than X times the rows of the largest recent step is priced at least "
                         "at that step's cost per row, not by the fit's extrapolation; 0: off (default: %(default)s)")
-    s.add_argument("--cost-residual-weight", type=weight_arg, default=0.0, metavar="W",
+    s.add_argument("--cost-residual-weight", type=weight_arg, default=0.3, metavar="W",
                    help="affine: correct a price by what the fit recently missed by on steps of its rows bucket, "
                         "each step weighing W; 0: off (default: %(default)s)")
     s.add_argument("--max-overtakes", type=whole_number_arg(0), default=4,

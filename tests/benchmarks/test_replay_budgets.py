@@ -142,3 +142,28 @@ def test_a_state_at_the_prompts_tail_is_priced_at_the_rows_left_not_its_budget()
     (state,) = replay_run(collapsed_run(), prompt_tokens=8192 + 40)
     assert state.history == 8192 and state.rows > 40
     assert state.cell == cell_of(40, LANES, state.cell[2], 8192)
+
+
+def tiled_run(**recorded) -> dict:
+    """Steps where 512 rows cost what 384 do (H100, 8B 4-bit), so the residual correction moves 512's price."""
+    def step(rows: int, history: int) -> list:
+        ms = 14.0 + 0.03 * min(rows, 384) + 0.03 * max(rows - 512, 0) + 2e-7 * rows * history
+        return [[[rows, history]], LANES, "gpu", False, True, ms]
+
+    warm = [step(rows, history) for history in range(0, 8192, 512) for rows in (256, 384, 512, 768)]
+    measured = [step(512, history) for history in range(8192, 16_384, 512)]
+    return {"cost_observations": warm + measured, "contended": {"cost_observations_from": len(warm)},
+            "step_target_ms": 30.0, "row_quantum": 128, "pads_history": False, **recorded}  # fmt: skip
+
+
+def test_a_run_from_before_the_residual_weight_was_recorded_replays_as_it_ran():
+    """Runs before `cost_residual_weight` existed ran without the correction: replayed so, not at today's default."""
+    def prices(run: dict, **overrides) -> list[float]:
+        return [state.predicted_ms for state in replay_run(run, overrides=overrides or None)]
+
+    unrecorded = prices(tiled_run())
+    assert unrecorded == prices(tiled_run(), cost_residual_weight=0.0)
+    corrected = prices(tiled_run(), cost_residual_weight=0.3)
+    assert corrected[0] < unrecorded[0] - 1.0  # the fit, not yet trained on the prompt's steps, over-prices 512 rows
+    assert all(c < u for c, u in zip(corrected, unrecorded, strict=True))
+    assert prices(tiled_run(cost_residual_weight=0.3)) == corrected

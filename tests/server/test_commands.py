@@ -56,7 +56,7 @@ def test_serve_help_explains_the_engine_flags(capsys):
         ("--quantized-tiles", {None: "auto", "on": "on", "off": "off"}, ("kernel",)),
         ("--plan-headroom", {None: 0.9, "1": 1.0, "0.75": 0.75}, ("most", "0", "1.5", "-0.5")),
         ("--cost-trust-factor", {None: 1.5, "0": 0.0, "2": 2.0}, ("wide", "0.5", "-1")),
-        ("--cost-residual-weight", {None: 0.0, "0.3": 0.3, "1": 1.0}, ("some", "1.5", "-0.1", "nan")),
+        ("--cost-residual-weight", {None: 0.3, "0": 0.0, "1": 1.0}, ("some", "1.5", "-0.1", "nan")),
         ("--floor-slack", {None: "auto", "auto": "auto", "1": 1.0, "1.25": 1.25}, ("some", "0.9", "-1")),
         ("--debt-tolerance", {None: 1.25, "1": 1.0, "1.5": 1.5}, ("late", "0.9", "0", "nan")),
         ("--max-prefill-slowdown", {None: 0.0, "0": 0.0, "1.3": 1.3}, ("fast", "0.5", "-1")),
