@@ -148,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("results", nargs="+", type=Path, help="gpu_bench.json files (or .json.gz)")
     parser.add_argument("--coefficients", action="store_true", help="also print each run's fit at its end")
     parser.add_argument("--residual-weight", type=float, default=0.0, metavar="W",
-                        help="replay with SchedulerConfig.cost_residual_weight W (default: 0, off)")
+                        help="replay with SchedulerConfig.cost_residual_weight W (default: 0, the plain fit; "
+                             "the engine's default is 0.3)")
     parser.add_argument("--by-rows", action="store_true",
                         help="also print the padded count's errors by the rows' query bucket")
     args = parser.parse_args(argv)
