@@ -34,7 +34,7 @@ from benchmarks.gpu.ours import OurSide
 from benchmarks.gpu.report import markdown
 from benchmarks.gpu.workloads import FULL, QUICK, TINY, BenchParams, Prompts
 from mlx_serve import engine_setup, ragged
-from mlx_serve.commands.serve import factor_arg, floor_slack_arg, row_quantum_arg, step_target_arg
+from mlx_serve.commands.serve import factor_arg, floor_slack_arg, row_quantum_arg, step_target_arg, weight_arg
 from mlx_serve.config import AUTO_STEP_FACTOR, AUTO_STEP_FLOOR_MS
 from mlx_serve.kernels import paged_attention
 
@@ -497,7 +497,7 @@ def _add_planning_arguments(parser: argparse.ArgumentParser) -> None:
                         help="EngineConfig.debt_tolerance: decode debt only past this x what a contended step may take")
     group.add_argument("--cost-trust-factor", type=float, default=1.5,
                         help="EngineConfig.cost_trust_factor: the affine fit's trust region in rows (0: off)")
-    group.add_argument("--cost-residual-weight", type=float, default=0.3,
+    group.add_argument("--cost-residual-weight", type=weight_arg, default=0.3,
                         help="EngineConfig.cost_residual_weight: a price corrected by its rows bucket's recent misses "
                              "(0: off)")
     group.add_argument("--floor-slack", type=floor_slack_arg, default="auto",

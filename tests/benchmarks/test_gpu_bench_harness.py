@@ -228,3 +228,15 @@ def test_paged_head_rows_are_two_whole_numbers_and_paste_back():
         with pytest.raises((argparse.ArgumentTypeError, ValueError)):
             run_gpu_bench._head_rows(bad)
     assert run_gpu_bench._argument("paged_head_rows", [8192, 24576]) == "--paged-head-rows 8192,24576"
+
+
+def test_the_residual_weight_is_checked_as_serve_checks_it(capsys):
+    """`--cost-residual-weight` takes serve's weight in [0, 1], default 0.3; out of range it stops at parsing."""
+    from benchmarks.gpu import run_gpu_bench
+
+    assert run_gpu_bench.parse_args([]).cost_residual_weight == 0.3
+    assert run_gpu_bench.parse_args(["--cost-residual-weight", "0"]).cost_residual_weight == 0.0
+    for bad in ("1.5", "-0.1", "nan", "some"):
+        with pytest.raises(SystemExit):
+            run_gpu_bench.parse_args(["--cost-residual-weight", bad])
+        assert "--cost-residual-weight" in capsys.readouterr().err
