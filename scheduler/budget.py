@@ -377,7 +377,8 @@ def slack_allowance_ms(
     more likely wrong). The budget plans to it, and a stream is in decode debt only past it: where a step's fixed
     cost fills the target, a debt step cannot bring the next contended step under the target, it only delays the
     prompt (H200, 8B 4-bit: 77 debt steps beside 74 mixed ones, 0.4 s of a 2.1 s TTFT). Not where a step of
-    `config.slack_guard_rows` rows fits the target in its cheaper form (`guarded_by_rows`).
+    `config.slack_guard_rows` rows fits the target in its cheaper form (`guarded_by_rows`), and never past that
+    step's price: the slack is for a fixed cost that fills the target, which that many rows spread already.
 
     The floor step is priced compiled where the engine compiles prefill: the fixed cost the slack is for, not the
     host build of a shape not traced yet. Priced as it would run, the allowance swung with which shapes had traces:
@@ -387,12 +388,16 @@ def slack_allowance_ms(
     if config.floor_slack <= 1 or not demand:
         return target_ms
     planned = target_ms * config.plan_headroom  # what budgets are planned to: the floor is compared with it
-    if guarded_by_rows(config, model, demand, decode_lanes, planned, traced):
+    guard_ms = slack_guard_ms(config, model, demand, decode_lanes, traced)
+    if guard_ms is not None and guard_ms <= planned:  # `guarded_by_rows`
         return target_ms
     floor_ms = floor_step_ms(config, model, demand, decode_lanes, traced)
     if floor_ms is None or not 0 < floor_ms <= SLACK_WITHIN * planned:
         return target_ms
-    return max(target_ms, config.floor_slack * floor_ms / config.plan_headroom)
+    slack_ms = config.floor_slack * floor_ms
+    if guard_ms is not None:  # the slack buys at most the guard's rows: past them the fixed cost is spread already
+        slack_ms = min(slack_ms, guard_ms)
+    return max(target_ms, slack_ms / config.plan_headroom)
 
 
 def guarded_by_rows(

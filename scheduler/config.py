@@ -63,7 +63,8 @@ class SchedulerConfig:
     floor_slack: float = 1.5
     # the floor slack only where a step of this many prefill rows (in its cheaper form: compiled where the engine
     # compiles prefill) is predicted over the target: where the target admits such a step, the fixed cost does not
-    # fill it and halving buys rows (`budget.slack_allowance_ms`). 0: off (the slack wherever its floor step allows)
+    # fill it and halving buys rows (`budget.slack_allowance_ms`), and the slack allows at most that step's price.
+    # 0: off (the slack wherever its floor step allows, as far as it allows)
     slack_guard_rows: int = 512
     # a contended chunk grows, one query bucket at a time and to at most `budget.RATE_GROWTH_CAP` x what the step
     # may take, until its predicted cost a row is within this multiple of a ceiling-sized uncontended chunk's at the

@@ -59,10 +59,11 @@ def test_a_run_read_in_floor_steps_now_gets_larger_chunks_within_its_allowance()
 
 
 def test_each_state_carries_what_the_floor_slack_weighed():
-    """The allowance is the slack times the floor step's price over the plan headroom (not recorded: the default 0.9),
-    and the slack engaged because the guard's 512-row step is priced over the planned target."""
+    """The allowance is the slack times the floor step's price, at most the guard's, over the plan headroom (not
+    recorded: the default 0.9), and the slack engaged because the guard's 512-row step is priced over the planned
+    target."""
     for state in replay_run(collapsed_run()):
-        assert state.allowance_ms == pytest.approx(1.75 * state.floor_ms / 0.9)
+        assert state.allowance_ms == pytest.approx(min(1.75 * state.floor_ms, state.guard_ms) / 0.9)
         assert state.guard_ms > 16.0 * 0.9
         assert state.floor_ms == pytest.approx(cost_ms(128, True), rel=0.2)
         # 512 rows is past the trust region of the 64-row steps read last: priced at their cost a row
@@ -86,9 +87,9 @@ def test_a_setting_replayed_under_another_value_changes_the_decisions():
     assert len(without_slack) == 64
     assert not any(state.reason.endswith("+slack") for state in without_slack)
     assert all(state.allowance_ms == 16.0 for state in without_slack)
-    wider = replay_run(run, overrides={"floor_slack": 2.5})
-    assert all(w.allowance_ms > s.allowance_ms for w, s in zip(wider, replay_run(run), strict=True))
-    assert sum(state.rows for state in wider) > sum(state.rows for state in replay_run(run))
+    narrower = replay_run(run, overrides={"floor_slack": 1.25})  # 2.5 would be held at the guard's step's price
+    assert all(n.allowance_ms < s.allowance_ms for n, s in zip(narrower, replay_run(run), strict=True))
+    assert sum(state.rows for state in narrower) < sum(state.rows for state in replay_run(run))
 
 
 def test_measured_cells_are_medians_of_repeated_one_chunk_steps_beside_decode_lanes():

@@ -1,7 +1,9 @@
 """`slack_guard_rows`: the floor slack (a contended step may take `floor_slack` x the floor step's prediction) only
-where a step of that many rows, compiled where the engine compiles prefill, is predicted over the target. Where the
-target admits such a step, the fixed cost does not fill it: the slack there only came from a floor step priced
-eager (its shape untraced) and let ceiling-sized chunks run far over the target (H100 0.6B, fortieth run)."""
+where a step of that many rows, compiled where the engine compiles prefill, is predicted over the target, and to at
+most that step's price. Where the target admits such a step, the fixed cost does not fill it: the slack there only
+came from a floor step priced eager (its shape untraced) and let ceiling-sized chunks run far over the target (H100
+0.6B, fortieth run). Past the guard's rows the fixed cost is spread already: a floor priced dear let 1,024-row
+chunks run (H100 8B 4-bit, sixty-second run)."""
 
 from __future__ import annotations
 
@@ -59,13 +61,28 @@ def test_an_untraced_floor_keeps_the_slack_its_compiled_form_allows():
     assert decision.predicted_ms <= allowance
 
 
-def test_a_fixed_cost_that_fills_the_target_keeps_its_slack():
-    """An 8B 4-bit-like step (22 ms fixed, 0.02 ms a row, one form) against a 20 ms target: 512 rows (32.2 ms) do not
-    fit, so the guard changes nothing: planned to 1.5 x the floor's 23.3 ms."""
+def test_a_fixed_cost_that_fills_the_target_keeps_its_slack_up_to_the_guards_rows():
+    """An 8B 4-bit-like step (22 ms fixed, 0.02 ms a row, one form) against a 20 ms target: 512 rows (32.24 ms) do
+    not fit, so the slack stays; 1.5 x the floor's 23.28 ms is 34.92, and the guard's own step caps it at 32.24."""
     model = LinearCostModel()
-    decisions = [_decide(rows, model, 20.0) for rows in (0, 512)]
-    assert decisions[0] == decisions[1]
-    assert decisions[1].limit_ms == pytest.approx(1.5 * (22.0 + 0.02 * 64)) and decisions[1].reason.endswith("+slack")
+    loose, guarded = (_decide(rows, model, 20.0) for rows in (0, 512))
+    assert loose.limit_ms == pytest.approx(1.5 * (22.0 + 0.02 * 64)) and loose.reason.endswith("+slack")
+    assert guarded.limit_ms == pytest.approx(22.0 + 0.02 * 512) and guarded.reason.endswith("+slack")
+    assert guarded.row_budget == 512 and guarded.predicted_ms <= guarded.limit_ms
+
+
+def test_a_floor_priced_dear_buys_no_more_than_the_guards_rows():
+    """H100, 8B 4-bit beside 8 streams (sixty-second run, a slow host): eager 64-row warm-up steps of ~28 ms taught the
+    fit 3.2 ms a decode lane, so it priced the compiled floor step at ~28 ms against a 26.5 ms target; 2 x that let
+    1,024-row steps run 46-58 ms, and the streams' longest gap was 6x their median. Capped at the guard's 512-row
+    step the chunk stops at 512 rows, whatever the slack multiplies."""
+    model = LinearCostModel(fixed_ms=25.0, row_ms=0.025)  # floor (64 rows) 26.6 ms, 512 rows 37.8, 1,024 rows 50.6
+    for slack in (2.0, 3.0):
+        config = SchedulerConfig(num_blocks=4096, plan_headroom=0.9, kv_bucket=1024, floor_slack=slack)
+        allowance = slack_allowance_ms(config, model, DEMAND, LANES, 26.5, _untraced_floor)
+        assert allowance == pytest.approx((25.0 + 0.025 * 512) / 0.9)
+        decision = choose_row_budget(config, model, DEMAND, LANES, False, True, 26.5, _untraced_floor, allowance)
+        assert decision.row_budget == 512 and decision.reason.endswith("+slack")
 
 
 def test_the_guard_prices_its_rows_compiled_only_where_prefill_compiles():
@@ -85,9 +102,9 @@ def test_the_guard_prices_its_rows_compiled_only_where_prefill_compiles():
     **SMALL_STEP_COSTS,
     guard_rows=st.sampled_from([0, 128, 256, 512, 1024]),
 )
-def test_the_guard_only_ever_withdraws_the_slack(fixed_ms, row_ms, eager_ms, target_ms, guard_rows):
-    """Guarded, what a step may take is the unguarded allowance or the target; the target exactly where the guard's
-    step fits it, compiled."""
+def test_the_guard_only_ever_narrows_the_slack(fixed_ms, row_ms, eager_ms, target_ms, guard_rows):
+    """Guarded, what a step may take is the target exactly where the guard's step fits it, compiled; elsewhere the
+    unguarded allowance, at most the guard's step's price and never under the target."""
     model = LinearCostModel(fixed_ms, row_ms, eager_ms=eager_ms)
     loose = SchedulerConfig(
         num_blocks=4096, plan_headroom=1.0, kv_bucket=1024, floor_slack=1.5, slack_guard_rows=0
@@ -97,5 +114,10 @@ def test_the_guard_only_ever_withdraws_the_slack(fixed_ms, row_ms, eager_ms, tar
     )
     unguarded = slack_allowance_ms(loose, model, DEMAND, LANES, target_ms, _untraced_floor)
     allowed = slack_allowance_ms(guarded, model, DEMAND, LANES, target_ms, _untraced_floor)
-    fits = guard_rows > 0 and fixed_ms + row_ms * guard_rows <= target_ms
-    assert allowed == (target_ms if fits else unguarded)
+    guard_ms = fixed_ms + row_ms * guard_rows
+    if not guard_rows:
+        assert allowed == unguarded
+    elif guard_ms <= target_ms:
+        assert allowed == target_ms
+    else:
+        assert allowed == pytest.approx(max(target_ms, min(unguarded, guard_ms)))
