@@ -117,6 +117,8 @@ class OurSide:
         self.engine = Engine.from_model(dummy.model, dummy.tokenizer, dummy.config, config)
         self.cost_observations: list[list] = []
         self._record_cost_observations()
+        self.decode_observations: list[list] = []
+        self._record_decode_observations()
         self.host_waits = HostWaits.load()  # None: the bench runs without the host_waits.c shim preloaded
         # API_CALLS=1: every CUDA call of the contended pass at least API_CALLS_MIN_US long (default 50), timed
         # through CUPTI (`api_calls.c`): the longest gap's `api_calls` and the submissions' `submission_api_calls`
@@ -141,6 +143,23 @@ class OurSide:
             observe(shape, elapsed_ms)
 
         model.observe = recorded
+
+    def _record_decode_observations(self) -> None:
+        """Every decode-only step the step target is shown: [entries in `cost_observations` before it, decode lanes,
+        compiled, ms]. The cost model never sees them; a replay may ask what they would teach it about the fixed and
+        decode-lane costs, which prefill steps of always 8 lanes cannot tell apart (sixty-second run, 8B 4-bit)."""
+        step_target = self.engine.scheduler.step_target
+        observe = step_target.observe
+
+        def recorded(plan, outcome) -> None:
+            elapsed = outcome.elapsed_ms
+            decode_only = plan.lanes and not plan.prefill_rows and not outcome.failed and not outcome.auxiliary
+            if decode_only and isinstance(elapsed, float | int) and math.isfinite(elapsed):
+                self.decode_observations.append([len(self.cost_observations), len(plan.lanes), outcome.compiled,
+                                                 round(elapsed, 3)])  # fmt: skip
+            observe(plan, outcome)
+
+        step_target.observe = recorded
 
     def close(self) -> None:
         self.engine.shutdown()

@@ -324,6 +324,7 @@ def measure_ours(
         out["scheduler"] = status["counters"]
         out["step_target_ms"] = status["step_target_ms"]  # with auto: the one it had learned by the end
         out["cost_observations"] = side.cost_observations  # what the contended engine's cost model was shown
+        out["decode_observations"] = side.decode_observations  # its decode-only steps, placed among those
         note(f"{dummy.name} ours shared prefix", out["shared_prefix"])
     finally:
         side.close()

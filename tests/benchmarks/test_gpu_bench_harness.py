@@ -114,6 +114,12 @@ def test_contended_only_run_and_its_refusal(tmp_path):
     contended_steps = [step for step in recorded if step[1] and not step[6]]
     assert 0 < scored_from < len(shown) and len(shown) - scored_from == len(contended_steps)
     assert [sum(rows for rows, _ in chunks) for chunks, *_ in shown[scored_from:]] == [s[0] for s in contended_steps]
+    # the decode-only steps the cost model never sees, each placed after the cost observations before it
+    decoded = result["ours"]["decode_observations"]
+    assert decoded and all(0 <= at <= len(shown) and lanes > 0 and ms > 0 for at, lanes, _, ms in decoded)
+    assert [at for at, *_ in decoded] == sorted(at for at, *_ in decoded)
+    measured = [entry for entry in decoded if entry[0] >= scored_from]
+    assert len(measured) >= result["ours"]["contended"]["steps"]["decode_only_steps"]
     table = (tmp_path / "gpu_bench.md").read_text()
     assert "TTFT / its solo TTFT" in table and "mlx-lm |" in table
     assert "host ms of a step with prefill" in table
