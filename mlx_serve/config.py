@@ -53,7 +53,7 @@ class EngineConfig:
     plan_headroom: float = 0.9  # contended steps are planned to this fraction of the step target
     # a contended step may take this x the floor step's time where that exceeds the target; auto: engine_setup
     floor_slack: float | str = "auto"
-    slack_guard_rows: int = 512  # ... only where a step of this many rows does not fit the target (SchedulerConfig)
+    slack_guard_rows: int = 512  # ... only where this many rows do not fit the target, to their price (SchedulerConfig)
     max_prefill_slowdown: float = 0.0  # contended chunks grow until a long prompt runs >= 1/x its solo speed; 0: off
     plan_padding: bool = True  # budgets and the affine cost model see chunks padded as the runner pads them (CUDA)
     cost_model: str = "ema"

@@ -505,7 +505,8 @@ def _add_planning_arguments(parser: argparse.ArgumentParser) -> None:
                         help="EngineConfig.floor_slack: a step may take this x the floor step's time over the target "
                              "(auto: engine_setup.floor_slack)")
     group.add_argument("--slack-guard-rows", type=int, default=512,
-                        help="EngineConfig.slack_guard_rows: no floor slack where a step of this many rows fits (0: off)")
+                        help="EngineConfig.slack_guard_rows: no floor slack where a step of this many rows fits, "
+                        "and at most its price elsewhere (0: off)")
     group.add_argument("--warm-chunk-rows", type=int, default=0, metavar="LANES",
                         help="EngineConfig.warm_chunk_rows: at start-up an eager step of LANES decode lanes beside a "
                         "chunk of each rows bucket (0: off)")

@@ -268,8 +268,8 @@ def _add_scheduler_arguments(s: Any) -> None:
                         "checked, --checked-fill on with --row-quantum > 1, else 1.5; default: %(default)s)")
     s.add_argument("--slack-guard-rows", type=whole_number_arg(0), default=512, metavar="N",
                    help="the floor slack only where a contended step of N prefill rows (compiled, where prefill "
-                        "compiles) is predicted over the step target: where such a step fits, halving buys rows "
-                        "(0: off; default: %(default)s)")
+                        "compiles) is predicted over the step target: where such a step fits, halving buys rows; "
+                        "and the slack allows at most that step's price (0: off; default: %(default)s)")
     s.add_argument("--max-prefill-slowdown", type=_factor_or_off, default=0.0, metavar="X",
                    help="a contended chunk grows (to at most twice what a step may take) until a long prompt's "
                         "prefill runs at least 1/X of its speed alone, by the cost model (X >= 1; 0: off; "
