@@ -388,13 +388,13 @@ def slack_allowance_ms(
     if config.floor_slack <= 1 or not demand:
         return target_ms
     planned = target_ms * config.plan_headroom  # what budgets are planned to: the floor is compared with it
-    guard_ms = slack_guard_ms(config, model, demand, decode_lanes, traced)
-    if guard_ms is not None and guard_ms <= planned:  # `guarded_by_rows`
+    if guarded_by_rows(config, model, demand, decode_lanes, planned, traced):
         return target_ms
     floor_ms = floor_step_ms(config, model, demand, decode_lanes, traced)
     if floor_ms is None or not 0 < floor_ms <= SLACK_WITHIN * planned:
         return target_ms
     slack_ms = config.floor_slack * floor_ms
+    guard_ms = slack_guard_ms(config, model, demand, decode_lanes, traced)
     if guard_ms is not None:  # the slack buys at most the guard's rows: past them the fixed cost is spread already
         slack_ms = min(slack_ms, guard_ms)
     return max(target_ms, slack_ms / config.plan_headroom)
