@@ -40,10 +40,18 @@ class StepTarget:
 
     def observe(self, plan: StepPlan, outcome: StepOutcome) -> None:
         """Learn from a decode-only step's measured time (a step updated before its time is known has none)."""
-        if self.factor <= 0 or outcome.failed or outcome.auxiliary or plan.prefill_rows or not plan.lanes:
+        elapsed = decode_only_ms(plan, outcome) if self.factor > 0 else None
+        if elapsed is None:
             return
-        elapsed = outcome.elapsed_ms
-        if not (isinstance(elapsed, float | int) and math.isfinite(elapsed) and elapsed > 0):
-            return
-        self._decode_steps.append(float(elapsed))
+        self._decode_steps.append(elapsed)
         self.decode_step_ms = statistics.median(self._decode_steps)
+
+
+def decode_only_ms(plan: StepPlan, outcome: StepOutcome) -> float | None:
+    """A decode-only step's measured time; None for any other step, a failed or auxiliary one, or one with no time."""
+    if outcome.failed or outcome.auxiliary or plan.prefill_rows or not plan.lanes:
+        return None
+    elapsed = outcome.elapsed_ms
+    if not (isinstance(elapsed, float | int) and math.isfinite(elapsed) and elapsed > 0):
+        return None
+    return float(elapsed)

@@ -24,6 +24,7 @@ from mlx_serve.compiled_step import lane_bucket
 from mlx_serve.engine import Engine, EngineConfig
 from mlx_serve.memory_limits import mlx_memory_limit
 from mlx_serve.types import GenerationRequest
+from scheduler.step_target import decode_only_ms
 from tracing.events import Span, StepExecuted, StepPlanned, TokenCommitted
 from tracing.sink import MemorySink
 
@@ -152,9 +153,8 @@ class OurSide:
         observe = step_target.observe
 
         def recorded(plan, outcome) -> None:
-            elapsed = outcome.elapsed_ms
-            decode_only = plan.lanes and not plan.prefill_rows and not outcome.failed and not outcome.auxiliary
-            if decode_only and isinstance(elapsed, float | int) and math.isfinite(elapsed):
+            elapsed = decode_only_ms(plan, outcome)
+            if elapsed is not None:
                 self.decode_observations.append([len(self.cost_observations), len(plan.lanes), outcome.compiled,
                                                  round(elapsed, 3)])  # fmt: skip
             observe(plan, outcome)
