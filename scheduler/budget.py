@@ -23,7 +23,7 @@ target and nothing changes, but for one case: where the floor step is priced eag
 on a model whose host makes eager steps dear, its prediction can reach a compiled 2,040-row step's (H100, 0.6B
 beside 8 streams, fortieth run: 15.9 against 16.9 ms), and the slack then let ceiling-sized chunks run 17-35 ms
 against a 14-19 ms target. So the slack applies only where a step of `slack_guard_rows` (512) rows, compiled where
-the engine compiles prefill, is predicted over the target (`guarded_by_rows`): in those 0.6B runs 512-1,024-row
+the engine compiles prefill, is predicted over the target (`slack_guard_ms`): in those 0.6B runs 512-1,024-row
 compiled steps fit, while on 8B 4-bit (the thirtieth run's steps replayed through the cost model) at most 384 rows
 fit a 20 ms target, 128-192 typically, so its slack is unchanged. The floor step itself is now priced compiled
 where the engine compiles prefill (`slack_allowance_ms`): its eager price swung with which shapes had traces.
@@ -377,7 +377,7 @@ def slack_allowance_ms(
     more likely wrong). The budget plans to it, and a stream is in decode debt only past it: where a step's fixed
     cost fills the target, a debt step cannot bring the next contended step under the target, it only delays the
     prompt (H200, 8B 4-bit: 77 debt steps beside 74 mixed ones, 0.4 s of a 2.1 s TTFT). Not where a step of
-    `config.slack_guard_rows` rows fits the target in its cheaper form (`guarded_by_rows`), and never past that
+    `config.slack_guard_rows` rows fits the target in its cheaper form (`slack_guard_ms`), and never past that
     step's price: the slack is for a fixed cost that fills the target, which that many rows spread already.
 
     The floor step is priced compiled where the engine compiles prefill: the fixed cost the slack is for, not the
@@ -388,31 +388,16 @@ def slack_allowance_ms(
     if config.floor_slack <= 1 or not demand:
         return target_ms
     planned = target_ms * config.plan_headroom  # what budgets are planned to: the floor is compared with it
-    if guarded_by_rows(config, model, demand, decode_lanes, planned, traced):
+    guard_ms = slack_guard_ms(config, model, demand, decode_lanes, traced)
+    if guard_ms is not None and guard_ms <= planned:  # the target admits many rows: the slack is not for this step
         return target_ms
     floor_ms = floor_step_ms(config, model, demand, decode_lanes, traced)
     if floor_ms is None or not 0 < floor_ms <= SLACK_WITHIN * planned:
         return target_ms
     slack_ms = config.floor_slack * floor_ms
-    guard_ms = slack_guard_ms(config, model, demand, decode_lanes, traced)
     if guard_ms is not None:  # the slack buys at most the guard's rows: past them the fixed cost is spread already
         slack_ms = min(slack_ms, guard_ms)
     return max(target_ms, slack_ms / config.plan_headroom)
-
-
-def guarded_by_rows(
-    config: SchedulerConfig,
-    model: CostModel,
-    demand: Sequence[PrefillChunk],
-    decode_lanes: int,
-    planned_ms: float,
-    traced: Callable[[Sequence[PrefillChunk]], bool] | None,
-) -> bool:
-    """Whether a step of `config.slack_guard_rows` of the demand's rows (all of them, if fewer) is predicted within
-    `planned_ms`, compiled where the engine compiles prefill: then the target admits steps of many rows and the floor
-    slack is not for this step (0 rows: never)."""
-    predicted = slack_guard_ms(config, model, demand, decode_lanes, traced)
-    return predicted is not None and predicted <= planned_ms
 
 
 def floor_step_ms(

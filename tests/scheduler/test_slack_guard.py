@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from scheduler_helpers import SMALL_STEP_COSTS, LinearCostModel
 
 from scheduler import SchedulerConfig
-from scheduler.budget import choose_row_budget, guarded_by_rows, slack_allowance_ms
+from scheduler.budget import choose_row_budget, slack_allowance_ms, slack_guard_ms
 from scheduler.cost_models import PrefillChunk
 
 LANES = 8
@@ -88,11 +88,11 @@ def test_a_floor_priced_dear_buys_no_more_than_the_guards_rows():
 def test_the_guard_prices_its_rows_compiled_only_where_prefill_compiles():
     model = LinearCostModel(fixed_ms=6.0, row_ms=0.005, eager_ms=10.0)  # 512 rows: 8.6 ms compiled, 18.6 eager
     config = SchedulerConfig(num_blocks=4096, slack_guard_rows=512)
-    assert guarded_by_rows(config, model, DEMAND, LANES, 14.0, _untraced_floor)
-    assert not guarded_by_rows(config, model, DEMAND, LANES, 14.0, None)  # no compiled prefill: its one form
-    assert not guarded_by_rows(config, model, DEMAND, LANES, 8.0, _untraced_floor)  # 512 rows: over 8 ms
-    assert guarded_by_rows(config, model, [PrefillChunk(100, 0)], LANES, 8.0, _untraced_floor)  # all that is left fits
-    assert not guarded_by_rows(SchedulerConfig(num_blocks=4096, slack_guard_rows=0), model, DEMAND, LANES, 99.0, None)
+    assert slack_guard_ms(config, model, DEMAND, LANES, _untraced_floor) <= 14.0
+    assert slack_guard_ms(config, model, DEMAND, LANES, None) > 14.0  # no compiled prefill: its one form
+    assert slack_guard_ms(config, model, DEMAND, LANES, _untraced_floor) > 8.0  # 512 rows: over 8 ms
+    assert slack_guard_ms(config, model, [PrefillChunk(100, 0)], LANES, _untraced_floor) <= 8.0  # all that is left fits
+    assert slack_guard_ms(SchedulerConfig(num_blocks=4096, slack_guard_rows=0), model, DEMAND, LANES, None) is None
     with pytest.raises(ValueError, match="slack_guard_rows"):
         SchedulerConfig(num_blocks=16, slack_guard_rows=-1)
 
