@@ -9,6 +9,11 @@ they choose now. Which shapes had a compiled trace is approximated: a rows bucke
 ran compiled beside decode lanes. The replay follows the recorded steps, not its own choices, so it shows where a
 decision would change and ranks policies; it does not predict a run.
 
+`--from-first-pass` takes the states of every contended pass (the warm passes too: the first one starts from a
+fit that has seen only solo prefill, as a server's first long prompt beside streams does), and `--target-ms` replays
+at another step target: a run records only the target it had learned by its end, and an early pass ran at the one
+its decode steps had taught it by then.
+
 `--set NAME=VALUE` replays under another value of a recorded setting (`SETTINGS`), so a policy is ranked on every
 recorded run before it takes device time. The last column prices the chosen rows by what such steps measured: the
 median time of the recorded steps of the same shape (every run given) in the same cell (rows bucket, decode lanes,
@@ -16,12 +21,13 @@ form, `HISTORY_CELL` of history), over the states whose cell holds at least `LEA
 predicted read time alone would credit a policy whose fit under-prices its steps.
 
     python -m benchmarks.gpu.replay_budgets benchmarks/gpu/logs/gpu_bench_fortyninth_f*.json.gz [--steps]
-        [--set floor_slack=2.0]
+        [--set floor_slack=2.0] [--from-first-pass --target-ms 20]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 from collections import Counter, defaultdict
@@ -77,18 +83,20 @@ def cell_of(rows: int, decode_lanes: int, compiled: bool, history: int) -> Cell:
 
 
 def replay_run(
-    ours: dict, prompt_tokens: int = PROMPT_TOKENS, overrides: dict | None = None
+    ours: dict, prompt_tokens: int = PROMPT_TOKENS, overrides: dict | None = None, from_first_pass: bool = False,
+    target_ms: float | None = None,
 ) -> list[Replayed]:
     """Today's decision at each contended one-chunk state of one run (`ours`: a result's own side), under the
-    recorded settings with `overrides` (`SchedulerConfig` names) in their place."""
-    scored_from = ours.get("contended", {}).get("cost_observations_from", 0)
+    recorded settings with `overrides` (`SchedulerConfig` names) in their place: the measured pass's states, or
+    every pass's (`from_first_pass`); at the run's recorded step target or at `target_ms`."""
+    scored_from = 0 if from_first_pass else ours.get("contended", {}).get("cost_observations_from", 0)
     found = live_observations(ours.get("cost_observations", []), scored_from)
     recorded = {name: ours[name] for name in SETTINGS if ours.get(name) is not None}
     settings = UNRECORDED | recorded | (overrides or {})
     config = SchedulerConfig(num_blocks=1 << 20, kv_bucket=KV_BUCKET, **settings)
     model = AffineCostModel(KV_BUCKET, config.cost_trust_factor, bool(ours.get("pads_history", True)),
                             config.cost_residual_weight)  # fmt: skip
-    target_ms = ours["step_target_ms"]
+    target_ms = ours["step_target_ms"] if target_ms is None else target_ms
     traced_buckets: set[int] = set()
 
     def traced(chunks) -> bool:
@@ -173,6 +181,17 @@ def setting(text: str) -> tuple[str, object]:
     return config_override(text)
 
 
+def positive_ms(text: str) -> float:
+    """`--target-ms`: a positive, finite number of milliseconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a positive number of ms, got {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", nargs="+", type=Path, help="gpu_bench.json files (or .json.gz)")
@@ -180,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", action="store_true", help="also print every state's decision")
     parser.add_argument("--set", type=setting, action="append", default=[], metavar="NAME=VALUE",
                         help=f"replay under this value of a recorded setting ({', '.join(SETTINGS)})")
+    parser.add_argument("--from-first-pass", action="store_true",
+                        help="the states of every contended pass, the warm passes' too (default: the measured one)")
+    parser.add_argument("--target-ms", type=positive_ms, default=None,
+                        help="replay at this step target (default: the one the run had learned by its end)")
     args = parser.parse_args(argv)
     recorded = [(label_of(path), result) for path in args.results
                 for result in read_result(path).get("results", [])]  # fmt: skip
@@ -192,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         ours = result.get("ours", {})
         if not ours.get("cost_observations") or "step_target_ms" not in ours:
             continue
-        replayed = replay_run(ours, args.prompt_tokens, dict(args.set))
+        replayed = replay_run(ours, args.prompt_tokens, dict(args.set), args.from_first_pass, args.target_ms)
         for state in replayed if args.steps else ():
             print(f"{label} {state.history:>6} ran {state.ran_rows:>5} in {state.ran_ms:6.1f} ms | now "
                   f"{state.rows:>5} ({state.reason}, {state.predicted_ms or 0:.1f} of {state.allowance_ms:.1f} ms)"

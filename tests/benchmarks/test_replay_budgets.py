@@ -168,3 +168,47 @@ def test_a_run_from_before_the_residual_weight_was_recorded_replays_as_it_ran():
     assert corrected[0] < unrecorded[0] - 1.0  # the fit, not yet trained on the prompt's steps, over-prices 512 rows
     assert all(c < u for c, u in zip(corrected, unrecorded, strict=True))
     assert prices(tiled_run(cost_residual_weight=0.3)) == corrected
+
+
+def first_pass_run() -> dict:
+    """A first pass read at the floor (64-row eager steps dearer than the target: the fit had seen only solo
+    prefill, as in the sixty-second run's first warm pass), then the measured pass of `collapsed_run`."""
+    first = [observation(2040, history, False) for history in range(0, 8160, 2040)]
+    first[0][1] = 0  # the solo prefill: no decode lanes, no state
+    first += [observation(64, history, False) for history in range(8160, 12_256, 64)]
+    run = collapsed_run()
+    run["cost_observations"] = first + run["cost_observations"]
+    run["contended"] = {"cost_observations_from": len(first) + run["contended"]["cost_observations_from"]}
+    return run
+
+
+def test_from_the_first_pass_the_warm_passes_states_are_replayed_too():
+    run = first_pass_run()
+    measured = replay_run(run)
+    every = replay_run(run, from_first_pass=True)
+    assert len(measured) == 64
+    # the first pass's 3 contended solo-sized steps and 64 floor steps, the warm pass's one-chunk steps, the measured
+    assert len(every) == 3 + 64 + 32 + 64
+    assert every[-64:] == measured
+    assert [state.ran_rows for state in every[3:67]] == [64] * 64
+
+
+def test_a_replay_at_another_target_plans_to_it():
+    run = first_pass_run()
+    at_run_end = replay_run(run, from_first_pass=True)
+    lower = replay_run(run, from_first_pass=True, target_ms=12.0)
+    assert all(state.allowance_ms >= 12.0 for state in lower)
+    assert sum(state.rows for state in lower) < sum(state.rows for state in at_run_end)
+    assert replay_run(run, target_ms=16.0) == replay_run(run)  # the recorded target
+
+
+def test_the_command_refuses_a_target_that_is_no_time(tmp_path, capsys):
+    path = tmp_path / "gpu_bench.json"
+    path.write_text(json.dumps({"results": [{"shape": "8b-4bit", "ours": first_pass_run()}]}))
+    for bad in ("0", "-3", "nan", "inf", "fast"):
+        with pytest.raises(SystemExit):
+            main([str(path), "--target-ms", bad])
+        assert "positive number of ms" in capsys.readouterr().err
+    assert main([str(path), "--from-first-pass", "--target-ms", "12"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[2].startswith(f"| {tmp_path.name} | 8b-4bit | {3 + 64 + 32 + 64} | ")
