@@ -187,6 +187,15 @@ def engine_settings(args: argparse.Namespace) -> dict:
     }
 
 
+def warm_pass_summary(pass_result: dict) -> dict:
+    """A warm pass's headline figures, kept for every pass (only the last one's full record is): the first starts
+    from a fit that has seen only solo prefill, as a server's first long prompt beside streams does."""
+    steps = pass_result["steps"]
+    return {"long_ttft_s": pass_result["long_ttft_s"], "gap_ratio": pass_result["gap_ratio"],
+            "gap_max_ms": pass_result["gap_max_ms"], "mixed_steps": steps["mixed_steps"],
+            "mixed_rows_p50": steps["mixed_rows_p50"], "mixed_ms_p50": steps["mixed_ms_p50"]}  # fmt: skip
+
+
 def resolved_settings(engine) -> dict:
     """The settings as the engine resolved them (auto: by model and backend), for the record."""
     scheduler = engine.scheduler.config
@@ -308,9 +317,10 @@ def measure_ours(
         # warm-up with the same long prompt: the chunk shapes it meets are compiled (cuDNN graphs) before the run
         # that counts, as mlx-lm's were by its solo prefill of the same prompt length
         # kept: its steps train the cost model the measured run starts from
-        out["settled_traces"] = []
+        out["settled_traces"], out["warm_passes"] = [], []
         for _ in range(max(1, args.warm_passes)):  # the record of the last pass is kept
             out["contended_warm"] = side.contended(prompts, replace(p, tokens_before=4, tokens_after=4))
+            out["warm_passes"].append(warm_pass_summary(out["contended_warm"]))
             out["settled_traces"].append(side.settle_traces())  # the pass's new compiled shapes, traced while idle
         if args.keep_traces_at:
             out["kept_traces_at"] = args.keep_traces_at

@@ -17,6 +17,7 @@ def _result(ratio: float, ttft_s: float, headroom: float, slack_steps: int = 0, 
         "gap_ratio": ratio, "gap_p50_ms": 5.0, "gap_max_ms": 5.0 * ratio, "gap_max_before_ms": 9.0,
         "gap_max_from_arrival_ms": 5.0 * ratio, "long_ttft_s": ttft_s,
         "steps": {"mixed_steps": 18, "mixed_rows_p50": 1024.0, "mixed_ms_p50": 13.2, "decode_only_ms_p50": 4.4,
+                  "decode_only_steps": 22,
                   "prefill_budgets": budgets,
                   # an uncontended step (no decode lanes), two one-off steps, two others
                   "prefill_steps": [[2048, 0, 0, 30.0, 12.0, 4, True, False],
@@ -35,6 +36,7 @@ def _result(ratio: float, ttft_s: float, headroom: float, slack_steps: int = 0, 
 def test_rows_and_the_summary_by_setting(tmp_path, capsys) -> None:
     runs = {"off_1": _result(2.5, 0.22, 1.0), "off_2": _result(4.2, 0.32, 1.0, slack_steps=3),
             "on_1": _result(2.9, 0.25, 0.9), "on_2": _result(2.1, 0.24, 0.9), "big": _result(1.5, 0.25, 1.0, shape="8b")}  # fmt: skip
+    runs["on_1"]["results"][0]["ours"]["warm_passes"] = [{"long_ttft_s": 0.6}, {"long_ttft_s": 0.3}]
     runs["on_1"]["results"][0]["ours"]["contended"] |= {"cache_start_mb": 6512.2, "cache_end_mb": 6498.0,
                                                         "cache_limit_mb": 6500.0}
     paths = []
@@ -49,7 +51,10 @@ def test_rows_and_the_summary_by_setting(tmp_path, capsys) -> None:
     out = capsys.readouterr().out.splitlines()
     rows = {line.split(" | ")[0].strip("| "): line for line in out if line.startswith("| ") and "_" in line[:8]}
     assert "| **2.50** |" in rows["off_1"] and "| 4.20 |" in rows["off_2"]  # bold: within 3
-    assert "| 1.10 (0.22 / 0.20) | 0.08 |" in rows["off_1"]  # TTFT 0.22 / 0.2 s solo; warm / cold prefix
+    # TTFT 0.22 / 0.2 s solo; no warm pass recorded; warm / cold prefix
+    assert "| 1.10 (0.22 / 0.20) | - | 0.08 |" in rows["off_1"]
+    assert "| 1.25 (0.25 / 0.20) | 3.00 | 0.08 |" in rows["on_1"]  # its first warm pass read the prompt in 0.6 s
+    assert "| 18, 1,024, 13.2; 22, 4.40 |" in rows["off_1"]  # steps with prefill; decode-only steps
     # slack, stand-in and first-run steps; the slowest at the longest gap
     assert "| 3 / 1 / 1 | 1,536 eager, 21.0 |" in rows["off_2"]
     assert "| 0 / 0 / 0 |" in rows["off_1"]

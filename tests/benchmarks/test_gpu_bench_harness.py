@@ -102,6 +102,13 @@ def test_contended_only_run_and_its_refusal(tmp_path):
     assert 0 < contended["cache_limit_mb"] < contended["memory_limit_mb"]
     assert 0 <= contended["cache_end_mb"] <= contended["cache_limit_mb"] + 1
     assert len(result["ours"]["settled_traces"]) == 2  # two warm passes by default, each settled
+    # each warm pass's headline figures; the last one's are its full record's
+    first, last = result["ours"]["warm_passes"]
+    warm = result["ours"]["contended_warm"]
+    assert last == {"long_ttft_s": warm["long_ttft_s"], "gap_ratio": warm["gap_ratio"],
+                    "gap_max_ms": warm["gap_max_ms"], **{k: warm["steps"][k] for k in
+                    ("mixed_steps", "mixed_rows_p50", "mixed_ms_p50")}}  # fmt: skip
+    assert first["long_ttft_s"] > 0 and first["mixed_steps"] > 0 and first["gap_ratio"] >= 1
     assert result["ours"]["kept_traces_at"] == [1024, 16384] and result["ours"]["untraced"] == 0  # none on the CPU
     if cupti_dirs():  # API_CALLS=1: the shim built and loaded; without a driver CUPTI refuses and times nothing
         assert steps["api_calls_status"]["cupti_result"] != 0 and steps["api_calls_status"]["dropped"] == 0
