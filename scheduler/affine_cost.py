@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 from collections import deque
 from typing import NamedTuple
 
@@ -238,7 +239,7 @@ class TrustRegion:
         self.references: list[tuple[int, int, float]] = []
         self._reaches: list[int] = []
         self._stale = False
-        self._floors: dict[tuple[int, int, int, bool, int], float | None] = {}
+        self._floors: dict[tuple[int, int, int, bool, int], list[float]] = {}
 
     def record(
         self, rows: int, reach: int, elapsed_ms: float, lanes: int = 0, compiled: bool = False, width: int = 1,
@@ -267,17 +268,28 @@ class TrustRegion:
         more work (no more rows, exact KV reach, decode lanes or chunks) took. The cheapest, so a stall among them
         sets nothing. A compiled step is compared with compiled ones only (an eager one with either: a trace is
         never dearer than the graph it replays)."""
+        times = self._largest_within(rows, exact_reach, lanes, compiled, width)
+        return min(times) if times else None
+
+    def typical_ms(self, rows: int, exact_reach: int, lanes: int, compiled: bool, width: int) -> float | None:
+        """The median time of the same steps `floor_ms` takes the cheapest of: what such steps typically took (the
+        first ones a fresh fit trains on are bounded far under their time, and a cheapest would be one of those)."""
+        times = self._largest_within(rows, exact_reach, lanes, compiled, width)
+        return statistics.median(times) if times else None
+
+    def _largest_within(self, rows: int, exact_reach: int, lanes: int, compiled: bool, width: int) -> list[float]:
+        """The times of the largest remembered steps that did no more work than this step (see `floor_ms`)."""
         key = (rows, exact_reach, lanes, compiled, width)
         if key not in self._floors:
-            largest, cheapest = 0, math.inf
+            largest, times = 0, []
             for step in self.steps:
                 if (largest <= step.rows <= rows and step.exact_reach <= exact_reach and step.lanes <= lanes
                         and step.width <= width and (step.compiled or not compiled)):  # fmt: skip
                     if step.rows > largest:
-                        largest, cheapest = step.rows, step.ms
-                    elif step.ms < cheapest:
-                        cheapest = step.ms
-            self._floors[key] = cheapest if largest else None
+                        largest, times = step.rows, [step.ms]
+                    else:
+                        times.append(step.ms)
+            self._floors[key] = times
         return self._floors[key]
 
     def _rebuild(self) -> None:
@@ -363,6 +375,13 @@ class AffineCostModel:
         if fitted is not None:
             return self.residuals.corrected(shape, fitted)
         return self.baseline.predict(shape)
+
+    def measured_floor_ms(self, shape: StepShape) -> float | None:
+        """What the largest remembered steps that did no more work than `shape` typically took (their median, as
+        trained: measured, not fitted); None where none is remembered."""
+        rows, _ = extent(shape, self.kv_bucket)
+        return self.trust[shape.path].typical_ms(rows, exact_reach(shape), shape.decode_lanes, shape.compiled,
+                                                 shape.width)  # fmt: skip
 
     def _fitted(self, shape: StepShape) -> float | None:
         """The fit's price within its trust region; None until the fit answers (or if it answers nonsense)."""

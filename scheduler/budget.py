@@ -18,7 +18,12 @@ contended step may take `floor_slack` times the floor step's prediction where th
 (`slack_allowance_ms`, reason `+slack`), and decode debt counts from that allowance too. Same run's code, one
 contended run each: slack 1.25 16k TTFT 2.98x solo, gap 1.65; 1.5 TTFT 1.65x, gap 1.84. Where the floor step is
 far over the target (`SLACK_WITHIN`) the fit is more likely wrong and the target holds (unguarded, a fresh fit once
-grew a first step to 1,536 rows, 62 ms against 30). On the other shapes measured the floor is well under the
+grew a first step to 1,536 rows, 62 ms against 30), unless the steps doing no more work than the floor step were
+measured over the planned target (`floor_measured_over`): then the price is no guess. Without that, a fresh engine's
+first long prompt beside streams on an H100 (8B 4-bit, the sixty-first and sixty-second runs' first warm passes)
+read 6-10k tokens in 78-98 eager 64-row steps of 19-36 ms, each over the target; replayed with it, those states read
+in 192-512-row chunks (`replay_budgets --from-first-pass`), while of the measured passes of every recorded run (the
+twenty-fourth to the sixty-second) one changed, at a few states (8B 4-bit, forty-ninth run: 256 rows -> 384-512). On the other shapes measured the floor is well under the
 target and nothing changes, but for one case: where the floor step is priced eager (its 64-row shape has no trace)
 on a model whose host makes eager steps dear, its prediction can reach a compiled 2,040-row step's (H100, 0.6B
 beside 8 streams, fortieth run: 15.9 against 16.9 ms), and the slack then let ceiling-sized chunks run 17-35 ms
@@ -69,9 +74,9 @@ from scheduler.cost_models import CostModel, PrefillChunk, StepShape
 from scheduler.first_runs import SWAP_LEAST_SHARE
 from scheduler.traced_shapes import StandIn
 
-# the floor slack applies only where the floor step is predicted at most this far over the target: far over it, the
-# fit is more likely still wrong (H200, 8B 4-bit: a first contended step planned by a fresh fit grew to 1,536 rows,
-# 62 ms against a 30 ms target)
+# the floor slack applies only where the floor step is predicted at most this far over the target, or steps doing no
+# more work were measured over it: far over it unmeasured, the fit is more likely still wrong (H200, 8B 4-bit: a first
+# contended step planned by a fresh fit grew to 1,536 rows, 62 ms against a 30 ms target)
 SLACK_WITHIN = 1.5
 # a chunk grown for its prefill rate (`grow_for_rate`) is predicted at most this multiple of what the step may take:
 # past it, the streams' gaps, not the prompt's rate, are what users see
@@ -374,9 +379,9 @@ def slack_allowance_ms(
 ) -> float:
     """What a contended step may take: the target, or `config.floor_slack` times the floor step's prediction where
     that is more and the floor step is predicted at most `SLACK_WITHIN` times the target (far over it, the fit is
-    more likely wrong). The budget plans to it, and a stream is in decode debt only past it: where a step's fixed
-    cost fills the target, a debt step cannot bring the next contended step under the target, it only delays the
-    prompt (H200, 8B 4-bit: 77 debt steps beside 74 mixed ones, 0.4 s of a 2.1 s TTFT). Not where a step of
+    more likely wrong) or steps doing no more work were measured over the planned target (`floor_measured_over`).
+    The budget plans to it, and a stream is in decode debt only past it: where a step's fixed cost fills the target,
+    a debt step cannot bring the next contended step under the target, it only delays the prompt (H200, 8B 4-bit: 77 debt steps beside 74 mixed ones, 0.4 s of a 2.1 s TTFT). Not where a step of
     `config.slack_guard_rows` rows fits the target in its cheaper form (`slack_guard_ms`), and never past that
     step's price: the slack is for a fixed cost that fills the target, which that many rows spread already.
 
@@ -392,7 +397,9 @@ def slack_allowance_ms(
     if guard_ms is not None and guard_ms <= planned:  # the target admits many rows: the slack is not for this step
         return target_ms
     floor_ms = floor_step_ms(config, model, demand, decode_lanes, traced)
-    if floor_ms is None or not 0 < floor_ms <= SLACK_WITHIN * planned:
+    if floor_ms is None or floor_ms <= 0:
+        return target_ms
+    if floor_ms > SLACK_WITHIN * planned and not floor_measured_over(config, model, demand, decode_lanes, planned):
         return target_ms
     slack_ms = config.floor_slack * floor_ms
     if guard_ms is not None:  # the slack buys at most the guard's rows: past them the fixed cost is spread already
@@ -408,6 +415,16 @@ def floor_step_ms(
     `decode_lanes`, compiled where the engine compiles prefill."""
     rows = paid_rows(config.row_floor, decode_lanes, config)
     return predict_compiled_where_prefill_compiles(model, demand, rows, decode_lanes, traced)
+
+
+def floor_measured_over(
+    config: SchedulerConfig, model: CostModel, demand: Sequence[PrefillChunk], decode_lanes: int, limit_ms: float
+) -> bool:
+    """Whether the largest remembered steps doing no more work than the floor step, in either form, typically took
+    more than `limit_ms` (`CostModel.measured_floor_ms`): the floor's price is then measured, not a fit's guess."""
+    chunks = fill_shortest_first(demand, paid_rows(config.row_floor, decode_lanes, config))
+    measured = model.measured_floor_ms(StepShape(chunks, decode_lanes)) if chunks else None
+    return measured is not None and measured > limit_ms
 
 
 def slack_guard_ms(

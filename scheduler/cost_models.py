@@ -99,6 +99,9 @@ class CostModel(Protocol):
 
     def observe(self, shape: StepShape, elapsed_ms: float) -> None: ...
 
+    # what the largest remembered steps that did no more work than the shape typically took; None: none kept
+    def measured_floor_ms(self, shape: StepShape) -> float | None: ...
+
 
 class EmaCostModel:
     """One global ms-per-row EMA over GPU contended prefill steps."""
@@ -120,6 +123,9 @@ class EmaCostModel:
         previous = self.ms_per_row
         self.ms_per_row = sample if previous is None else previous + self.weight * (sample - previous)
         self.samples += 1
+
+    def measured_floor_ms(self, shape: StepShape) -> float | None:
+        return None  # one rate: no step is remembered
 
 
 def _band(value: float, edges: tuple[int, ...]) -> int:
@@ -165,6 +171,9 @@ class BucketedCostModel:
         else:
             self.ms_per_row[cell] += EWMA_WEIGHT * (sample - self.ms_per_row[cell])
         self.samples[cell] = min(self.samples[cell] + 1, 2**32 - 1)
+
+    def measured_floor_ms(self, shape: StepShape) -> float | None:
+        return None  # rates per cell: no step is remembered
 
     def memory_bytes(self) -> int:
         return self.ms_per_row.itemsize * len(self.ms_per_row) + self.samples.itemsize * len(self.samples)

@@ -191,14 +191,17 @@ def test_from_the_first_pass_the_warm_passes_states_are_replayed_too():
     assert len(every) == 3 + 64 + 32 + 64
     assert every[-64:] == measured
     assert [state.ran_rows for state in every[3:67]] == [64] * 64
+    # those floor steps ran over 1.5 x the planned target: measured so, the floor slack reads on in larger chunks
+    left = [state for state in every[3:67] if state.rows > 64 and state.reason.endswith("+slack")]
+    assert len(left) >= 60
 
 
 def test_a_replay_at_another_target_plans_to_it():
     run = first_pass_run()
     at_run_end = replay_run(run, from_first_pass=True)
-    lower = replay_run(run, from_first_pass=True, target_ms=12.0)
-    assert all(state.allowance_ms >= 12.0 for state in lower)
-    assert sum(state.rows for state in lower) < sum(state.rows for state in at_run_end)
+    higher = replay_run(run, from_first_pass=True, target_ms=40.0)
+    assert all(state.allowance_ms >= 40.0 for state in higher)
+    assert sum(state.rows for state in higher) > sum(state.rows for state in at_run_end)
     assert replay_run(run, target_ms=16.0) == replay_run(run)  # the recorded target
 
 

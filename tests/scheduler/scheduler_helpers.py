@@ -73,6 +73,9 @@ class LinearCostModel:
     def observe(self, shape: StepShape, elapsed_ms: float) -> None:
         pass
 
+    def measured_floor_ms(self, shape: StepShape) -> float | None:
+        return None
+
 
 def prompt_beside_a_stream(config: SchedulerConfig) -> tuple[Scheduler, StepPlan]:
     """One stream decoding (its first step took 10 ms), then a 5,000-token prompt arrives, priced by a

@@ -185,6 +185,9 @@ class Spy:
         self.taught.append(shape.compiled)
         self.model.observe(shape, elapsed_ms)
 
+    def measured_floor_ms(self, shape: StepShape) -> float | None:
+        return self.model.measured_floor_ms(shape)
+
 
 def test_a_step_is_taught_in_the_form_it_ran_in() -> None:
     """The form comes from the runner's outcome (`StepOutcome.compiled`), not from what the plan expected."""
