@@ -23,15 +23,16 @@ measured over the planned target (`floor_measured_over`): then the price is no g
 first long prompt beside streams on an H100 (8B 4-bit, the sixty-first and sixty-second runs' first warm passes)
 read 6-10k tokens in 78-98 eager 64-row steps of 19-36 ms, each over the target; replayed with it, those states read
 in 192-512-row chunks (`replay_budgets --from-first-pass`), while of the measured passes of every recorded run (the
-twenty-fourth to the sixty-second) one changed, at a few states (8B 4-bit, forty-ninth run: 256 rows -> 384-512). On the other shapes measured the floor is well under the
-target and nothing changes, but for one case: where the floor step is priced eager (its 64-row shape has no trace)
-on a model whose host makes eager steps dear, its prediction can reach a compiled 2,040-row step's (H100, 0.6B
-beside 8 streams, fortieth run: 15.9 against 16.9 ms), and the slack then let ceiling-sized chunks run 17-35 ms
-against a 14-19 ms target. So the slack applies only where a step of `slack_guard_rows` (512) rows, compiled where
-the engine compiles prefill, is predicted over the target (`slack_guard_ms`): in those 0.6B runs 512-1,024-row
-compiled steps fit, while on 8B 4-bit (the thirtieth run's steps replayed through the cost model) at most 384 rows
-fit a 20 ms target, 128-192 typically, so its slack is unchanged. The floor step itself is now priced compiled
-where the engine compiles prefill (`slack_allowance_ms`): its eager price swung with which shapes had traces.
+twenty-fourth to the sixty-second) one changed, at a few states (8B 4-bit, forty-ninth run: 256 rows -> 384-512).
+On the other shapes measured the floor is well under the target and nothing changes, but for one case: where the floor
+step is priced eager (its 64-row shape has no trace) on a model whose host makes eager steps dear, its prediction can
+reach a compiled 2,040-row step's (H100, 0.6B beside 8 streams, fortieth run: 15.9 against 16.9 ms), and the slack then
+let ceiling-sized chunks run 17-35 ms against a 14-19 ms target. So the slack applies only where a step of
+`slack_guard_rows` (512) rows, compiled where the engine compiles prefill, is predicted over the target
+(`slack_guard_ms`): in those 0.6B runs 512-1,024-row compiled steps fit, while on 8B 4-bit (the thirtieth run's steps
+replayed through the cost model) at most 384 rows fit a 20 ms target, 128-192 typically, so its slack is unchanged. The
+floor step itself is now priced compiled where the engine compiles prefill (`slack_allowance_ms`): its eager price swung
+with which shapes had traces.
 
 Where the engine runs some shapes through compiled traces (`traced_shapes.py`), each candidate is predicted in
 the form it would run now, and the largest candidate turned down only for want of a trace (over the target eager,
@@ -380,10 +381,11 @@ def slack_allowance_ms(
     """What a contended step may take: the target, or `config.floor_slack` times the floor step's prediction where
     that is more and the floor step is predicted at most `SLACK_WITHIN` times the target (far over it, the fit is
     more likely wrong) or steps doing no more work were measured over the planned target (`floor_measured_over`).
-    The budget plans to it, and a stream is in decode debt only past it: where a step's fixed cost fills the target,
-    a debt step cannot bring the next contended step under the target, it only delays the prompt (H200, 8B 4-bit: 77 debt steps beside 74 mixed ones, 0.4 s of a 2.1 s TTFT). Not where a step of
-    `config.slack_guard_rows` rows fits the target in its cheaper form (`slack_guard_ms`), and never past that
-    step's price: the slack is for a fixed cost that fills the target, which that many rows spread already.
+    The budget plans to it, and a stream is in decode debt only past it: where a step's fixed cost fills the target, a
+    debt step cannot bring the next contended step under the target, it only delays the prompt (H200, 8B 4-bit: 77 debt
+    steps beside 74 mixed ones, 0.4 s of a 2.1 s TTFT). Not where a step of `config.slack_guard_rows` rows fits the
+    target in its cheaper form (`slack_guard_ms`), and never past that step's price: the slack is for a fixed cost that
+    fills the target, which that many rows spread already.
 
     The floor step is priced compiled where the engine compiles prefill: the fixed cost the slack is for, not the
     host build of a shape not traced yet. Priced as it would run, the allowance swung with which shapes had traces:
