@@ -269,7 +269,7 @@ class TrustRegion:
         sets nothing. A compiled step is compared with compiled ones only (an eager one with either: a trace is
         never dearer than the graph it replays)."""
         times = self._largest_within(rows, exact_reach, lanes, compiled, width)
-        return min(times) if times else None
+        return times[0] if times else None
 
     def typical_ms(self, rows: int, exact_reach: int, lanes: int, compiled: bool, width: int) -> float | None:
         """The median time of the same steps `floor_ms` takes the cheapest of: what such steps typically took (the
@@ -278,7 +278,8 @@ class TrustRegion:
         return statistics.median(times) if times else None
 
     def _largest_within(self, rows: int, exact_reach: int, lanes: int, compiled: bool, width: int) -> list[float]:
-        """The times of the largest remembered steps that did no more work than this step (see `floor_ms`)."""
+        """The times of the largest remembered steps that did no more work than this step (see `floor_ms`), sorted
+        once per shape between two trained steps: every prediction asks for the cheapest."""
         key = (rows, exact_reach, lanes, compiled, width)
         if key not in self._floors:
             largest, times = 0, []
@@ -289,7 +290,7 @@ class TrustRegion:
                         largest, times = step.rows, [step.ms]
                     else:
                         times.append(step.ms)
-            self._floors[key] = times
+            self._floors[key] = sorted(times)
         return self._floors[key]
 
     def _rebuild(self) -> None:

@@ -413,10 +413,15 @@ def floor_step_ms(
     config: SchedulerConfig, model: CostModel, demand: Sequence[PrefillChunk], decode_lanes: int,
     traced: Callable[[Sequence[PrefillChunk]], bool] | None,
 ) -> float | None:  # fmt: skip
-    """The floor step's price, what the floor slack scales: `config.row_floor` rows (their row tile filled) beside
-    `decode_lanes`, compiled where the engine compiles prefill."""
-    rows = paid_rows(config.row_floor, decode_lanes, config)
+    """The floor step's price, what the floor slack scales: its rows (`floor_step_rows`) beside `decode_lanes`,
+    compiled where the engine compiles prefill."""
+    rows = floor_step_rows(config, decode_lanes)
     return predict_compiled_where_prefill_compiles(model, demand, rows, decode_lanes, traced)
+
+
+def floor_step_rows(config: SchedulerConfig, decode_lanes: int) -> int:
+    """The floor step's prefill rows: `config.row_floor`, their row tile filled (`paid_rows`)."""
+    return paid_rows(config.row_floor, decode_lanes, config)
 
 
 def floor_measured_over(
@@ -424,7 +429,7 @@ def floor_measured_over(
 ) -> bool:
     """Whether the largest remembered steps doing no more work than the floor step, in either form, typically took
     more than `limit_ms` (`CostModel.measured_floor_ms`): the floor's price is then measured, not a fit's guess."""
-    chunks = fill_shortest_first(demand, paid_rows(config.row_floor, decode_lanes, config))
+    chunks = fill_shortest_first(demand, floor_step_rows(config, decode_lanes))
     measured = model.measured_floor_ms(StepShape(chunks, decode_lanes)) if chunks else None
     return measured is not None and measured > limit_ms
 
