@@ -44,6 +44,7 @@ class EngineConfig:
     step_target_floor_ms: float = AUTO_STEP_FLOOR_MS  # with auto: the least target (a tiny model's step is noise)
     row_ceiling: int = 2048  # most rows one step carries (SCHEDULER.md)
     row_floor: int = 64  # fewest prefill rows a contended step is cut to
+    untrained_rows: int = 0  # most prefill rows of a contended step the cost model cannot price yet; 0: the ceiling
     row_quantum: int | str = "auto"  # contended steps fill their last row tile of this many rows; auto: engine_setup
     budget_midpoints: bool = True  # a halved budget grows by half again where still predicted within the target
     price_first_runs: bool = False  # a never-run shape that would overrun gives way to a smaller run one (SchedulerConfig)

@@ -47,6 +47,7 @@ def check_settings(c: EngineConfig) -> None:
     dequantize_rows(c.dequantize_rows)
     _check_count(c.trace_neighbour_shapes, "trace_neighbour_shapes")
     _check_count(c.slack_guard_rows, "slack_guard_rows")
+    _check_count(c.untrained_rows, "untrained_rows")
     _check_count(c.speculative_tokens, "speculative_tokens")
     _check_count(c.draft_kv_tokens, "draft_kv_tokens")
     if c.window_kv_tokens is not None:
@@ -162,6 +163,7 @@ def scheduler_config(
         plan_headroom=c.plan_headroom,
         floor_slack=floor_slack(c.floor_slack, quantum, c.checked_fill),
         slack_guard_rows=c.slack_guard_rows,
+        untrained_rows=c.untrained_rows,
         max_prefill_slowdown=c.max_prefill_slowdown,
         cost_model=c.cost_model,
         cost_trust_factor=c.cost_trust_factor,

@@ -71,7 +71,7 @@ from dataclasses import dataclass, replace
 
 from scheduler.buckets import query_bucket
 from scheduler.config import SchedulerConfig
-from scheduler.cost_models import CostModel, PrefillChunk, StepShape
+from scheduler.cost_models import MIN_TRAINING_ROWS, CostModel, PrefillChunk, StepShape
 from scheduler.first_runs import SWAP_LEAST_SHARE
 from scheduler.traced_shapes import StandIn
 
@@ -150,6 +150,8 @@ def choose_row_budget(
         budget = max(config.row_floor, budget // 2)
         halvings += 1
         predicted = search.predict(budget)
+    if predicted is None and config.untrained_rows:  # nothing to price by yet: a modest step, large enough to train on
+        budget = min(budget, max(config.row_floor, MIN_TRAINING_ROWS, config.untrained_rows))
     budget, predicted, held = fill_paid_rows(config, budget, predicted, decode_lanes, target_ms, search.predict,
                                              search.loses_trace)
     widened = False

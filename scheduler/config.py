@@ -19,6 +19,11 @@ class SchedulerConfig:
     max_model_len: int = 32768  # a request finishes LENGTH when its tokens reach this
     row_ceiling: int = 2048
     row_floor: int = 64
+    # a contended step the cost model cannot price yet takes at most this many prefill rows (at least `row_floor`
+    # and the fewest a step trains on, `cost_models.MIN_TRAINING_ROWS`, so the model learns its way out of the cap):
+    # a fresh engine's first steps are each a shape's first run, which trains nothing, and at the ceiling they ran
+    # 68-132 ms beside 25-30 ms decode steps (H100, sixty-third run, four a run). 0 (default until measured): ceiling
+    untrained_rows: int = 0
     # a contended step's rows (decode lanes + prefill) grow to fill their last tile of this many rows, past the
     # prediction: where GEMMs run in row tiles (MLX's CUDA quantized GEMM: 64) the rows that fill a paid-for tile are
     # the cheapest a step can add (8B 4-bit: 8 lanes + 120 rows 32 ms, 8 + 64 rows 25 ms, 8 + 56 rows 23 ms). 1: off
@@ -131,6 +136,8 @@ class SchedulerConfig:
             raise ValueError(f"checked_fill must be one of {CHECKED_FILL}, got {self.checked_fill!r}")
         if not self.floor_slack >= 1:
             raise ValueError(f"floor_slack must be >= 1, got {self.floor_slack}")
+        if self.untrained_rows < 0:
+            raise ValueError(f"untrained_rows must be >= 0, got {self.untrained_rows}")
         if self.slack_guard_rows < 0:
             raise ValueError(f"slack_guard_rows must be >= 0, got {self.slack_guard_rows}")
         if not (self.max_prefill_slowdown == 0 or self.max_prefill_slowdown >= 1):

@@ -54,7 +54,7 @@ PROMPT_TOKENS = 16_384  # the bench's long prompt
 # the recorded settings the budget reads, by their `SchedulerConfig` names
 SETTINGS = ("row_quantum", "budget_midpoints", "checked_fill", "plan_headroom",
             "cost_trust_factor", "cost_residual_weight", "floor_slack", "slack_guard_rows",
-            "max_prefill_slowdown")  # fmt: skip
+            "max_prefill_slowdown", "untrained_rows")  # fmt: skip
 # what a run made before a setting was recorded ran at (its default then), where today's default differs
 UNRECORDED = {"cost_residual_weight": 0.0}
 HISTORY_CELL = 2048  # tokens of history a measured-cost cell spans

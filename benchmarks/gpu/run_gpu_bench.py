@@ -181,6 +181,7 @@ def engine_settings(args: argparse.Namespace) -> dict:
         "cost_residual_weight": args.cost_residual_weight,
         "floor_slack": args.floor_slack,
         "slack_guard_rows": args.slack_guard_rows,
+        "untrained_rows": args.untrained_rows,
         "max_prefill_slowdown": args.max_prefill_slowdown,
         "plan_padding": args.plan_padding == "on",
         "warm_chunk_rows": args.warm_chunk_rows,
@@ -215,6 +216,7 @@ def resolved_settings(engine) -> dict:
         "cost_residual_weight": scheduler.cost_residual_weight,
         "floor_slack": scheduler.floor_slack,
         "slack_guard_rows": scheduler.slack_guard_rows,
+        "untrained_rows": scheduler.untrained_rows,
         "max_prefill_slowdown": scheduler.max_prefill_slowdown,
         "plan_kv_bucket": scheduler.kv_bucket,  # 0: planned with exact counts
         "pads_history": scheduler.pads_history,  # False: the attention read the pool
@@ -517,6 +519,9 @@ def _add_planning_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--slack-guard-rows", type=int, default=512,
                         help="EngineConfig.slack_guard_rows: no floor slack where a step of this many rows fits, "
                         "and at most its price elsewhere (0: off)")
+    group.add_argument("--untrained-rows", type=int, default=0,
+                        help="EngineConfig.untrained_rows: most prefill rows of a contended step the cost model "
+                        "cannot price yet (0: the ceiling)")
     group.add_argument("--warm-chunk-rows", type=int, default=0, metavar="LANES",
                         help="EngineConfig.warm_chunk_rows: at start-up an eager step of LANES decode lanes beside a "
                         "chunk of each rows bucket (0: off)")

@@ -270,6 +270,10 @@ def _add_scheduler_arguments(s: Any) -> None:
                    help="the floor slack only where a contended step of N prefill rows (compiled, where prefill "
                         "compiles) is predicted over the step target: where such a step fits, halving buys rows; "
                         "and the slack allows at most that step's price (0: off; default: %(default)s)")
+    s.add_argument("--untrained-rows", type=whole_number_arg(0), default=0, metavar="N",
+                   help="a contended step the cost model cannot price yet (a fresh engine's first steps, each a "
+                        "shape's first run) takes at most N prefill rows (0: up to --row-ceiling; default: "
+                        "%(default)s)")
     s.add_argument("--max-prefill-slowdown", type=_factor_or_off, default=0.0, metavar="X",
                    help="a contended chunk grows (to at most twice what a step may take) until a long prompt's "
                         "prefill runs at least 1/X of its speed alone, by the cost model (X >= 1; 0: off; "
@@ -418,7 +422,7 @@ def engine_config(args: argparse.Namespace, observer: object | None = None) -> A
         row_quantum=args.row_quantum, budget_midpoints=args.budget_midpoints == "on",
         price_first_runs=args.price_first_runs == "on",
         checked_fill=args.checked_fill, plan_headroom=args.plan_headroom, floor_slack=args.floor_slack,
-        slack_guard_rows=args.slack_guard_rows,
+        slack_guard_rows=args.slack_guard_rows, untrained_rows=args.untrained_rows,
         max_prefill_slowdown=args.max_prefill_slowdown, plan_padding=args.plan_padding == "on",
         cost_model=args.prefill_cost_model, cost_trust_factor=args.cost_trust_factor,
         cost_residual_weight=args.cost_residual_weight, max_overtakes=args.max_overtakes,

@@ -369,3 +369,28 @@ def test_prefill_chunks_riding_with_decode_lanes_stay_in_flight(tiny_qwen3, monk
         assert results[i] == reference_tokens(tiny_qwen3, prompt, 10), f"request {i}"
     assert left and all(left), "no mixed step was left in flight"
     assert learned and all(ms > 0 and ms == ms for ms in learned)  # finite, measured
+
+
+def test_a_fresh_engine_reads_a_prompt_beside_streams_in_untrained_rows_and_keeps_tokens(tiny_qwen3):
+    """`untrained_rows`: until the cost model can price a step, a contended step takes at most that many prefill
+    rows (not the ceiling); the prompt read so still gives mlx-lm's tokens."""
+    from tests.engine.reference import run_staggered
+    from tracing.events import StepPlanned
+    from tracing.sink import MemorySink
+
+    sink = MemorySink()
+    prompts = [prompt_of(n, seed=90 + n) for n in (5, 6, 600)]  # two streams, then a long prompt beside them
+    config = EngineConfig(model=str(tiny_qwen3), row_ceiling=256, row_floor=8, untrained_rows=64,
+                          step_target_ms=1e3, cost_model="ema", trace=sink, warm_up=False)  # fmt: skip
+    engine = Engine.load(config)
+    try:
+        outputs = run_staggered(engine, prompts, first=2, max_tokens=16)
+    finally:
+        engine.shutdown()
+    for index, prompt in enumerate(prompts):
+        assert outputs[index] == reference_tokens(tiny_qwen3, prompt, 16)
+    planned = [e for e in sink.events if isinstance(e, StepPlanned) and e.contended and e.row_budget]
+    untrained = [e for e in planned if e.budget_reason.startswith("contended-untrained")]
+    assert untrained, "no contended step was planned before the cost model could price one"
+    assert all(e.row_budget <= 64 for e in untrained)
+    assert any(e.row_budget > 64 for e in planned if e.predicted_ms is not None)  # priced: the cap is gone

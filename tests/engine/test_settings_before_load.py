@@ -32,6 +32,7 @@ MISSING = "/nonexistent/model-dir"
         ({"debt_tolerance": 0.5}, "debt_tolerance must be >= 1"),
         ({"trace_neighbour_shapes": -1}, "trace_neighbour_shapes must be a whole number"),
         ({"slack_guard_rows": -64}, "slack_guard_rows must be a whole number"),
+        ({"untrained_rows": -1}, "untrained_rows must be a whole number"),
         ({"chat_template": "{% for m in messages %}{{ m.content }}"}, "chat template: line 1: Unexpected end"),
         ({"chat_template": "/no/such/template.jinja"}, "is neither a file nor a Jinja template"),
         ({"adapter_path": "/a", "ane_lane": "ane"}, "--adapter-path cannot run with --ane-lane ane"),
@@ -62,9 +63,11 @@ def test_midpoint_and_slack_settings_reach_the_scheduler():
     from mlx_serve.engine_setup import scheduler_config
 
     for on in (False, True):
-        config = scheduler_config(EngineConfig(slack_guard_rows=64 * on, price_first_runs=on, price_stand_in_runs=on),
+        config = scheduler_config(EngineConfig(slack_guard_rows=64 * on, price_first_runs=on, price_stand_in_runs=on,
+                                               untrained_rows=512 * on),
                                   num_blocks=64, context_length=4096)  # fmt: skip
         assert (config.slack_guard_rows, config.price_first_runs, config.price_stand_in_runs) == (64 * on, on, on)
+        assert config.untrained_rows == 512 * on
 
 
 @pytest.mark.parametrize(

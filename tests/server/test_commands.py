@@ -44,6 +44,7 @@ def test_serve_help_explains_the_engine_flags(capsys):
         ("--checked-fill", {None: "on", "off": "off", "untraced": "untraced"}, ("maybe",)),
         ("--price-first-runs", {None: "off", "on": "on"}, ("yes",)),
         ("--slack-guard-rows", {None: 512, "0": 0, "256": 256}, ("-1", "many", "1.5")),
+        ("--untrained-rows", {None: 0, "512": 512}, ("-1", "some", "1.5")),
         ("--plan-padding", {None: "on", "off": "off"}, ("exact",)),
         ("--defer-mixed-traces", {None: "on", "off": "off"}, ("later",)),
         ("--run-idle-traces", {None: "on", "off": "off"}, ("once",)),
