@@ -14,7 +14,13 @@ import pytest
 from mlx_serve.engine import Engine, EngineConfig
 from mlx_serve.errors import ContextLengthExceeded, InvalidRequest, QueueFull
 from mlx_serve.types import GenerationRequest, SamplingParams
-from tests.engine.reference import load_reference, prompt_of, reference_prompt_logprobs, reference_tokens
+from tests.engine.reference import (
+    load_reference,
+    prompt_of,
+    reference_prompt_logprobs,
+    reference_tokens,
+    run_staggered,
+)
 
 
 @pytest.fixture(scope="module")
@@ -341,7 +347,6 @@ def test_prefill_chunks_riding_with_decode_lanes_stay_in_flight(tiny_qwen3, monk
     """A step with a prefill chunk and decode lanes is left in flight like a decode step (the host builds the next
     step meanwhile); the tokens still equal mlx-lm's, and the cost model learns each such step's measured time
     once it is read back (the update at queuing time has none)."""
-    from tests.engine.reference import run_staggered
 
     engine = Engine.load(EngineConfig(model=str(tiny_qwen3), row_ceiling=16, row_floor=1, cost_model="affine"))
     try:
@@ -374,7 +379,6 @@ def test_prefill_chunks_riding_with_decode_lanes_stay_in_flight(tiny_qwen3, monk
 def test_a_fresh_engine_reads_a_prompt_beside_streams_in_untrained_rows_and_keeps_tokens(tiny_qwen3):
     """`untrained_rows`: until the cost model can price a step, a contended step takes at most that many prefill
     rows (not the ceiling); the prompt read so still gives mlx-lm's tokens."""
-    from tests.engine.reference import run_staggered
     from tracing.events import StepPlanned
     from tracing.sink import MemorySink
 
