@@ -27,17 +27,18 @@ predicted read time alone would credit a policy whose fit under-prices its steps
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 from collections import Counter, defaultdict
 from collections.abc import Iterable
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
 from benchmarks.gpu.contended_table import label_of
 from benchmarks.gpu.replay_cost_model import live_observations, read_result
 from benchmarks.scheduler_sim import config_override
+from mlx_serve.commands.serve import positive_float_arg
 from scheduler import SchedulerConfig
 from scheduler.affine_cost import AffineCostModel
 from scheduler.buckets import KV_BUCKET, query_bucket
@@ -181,17 +182,6 @@ def setting(text: str) -> tuple[str, object]:
     return config_override(text)
 
 
-def positive_ms(text: str) -> float:
-    """`--target-ms`: a positive, finite number of milliseconds."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a positive number of ms, got {text!r}")
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", nargs="+", type=Path, help="gpu_bench.json files (or .json.gz)")
@@ -201,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"replay under this value of a recorded setting ({', '.join(SETTINGS)})")
     parser.add_argument("--from-first-pass", action="store_true",
                         help="the states of every contended pass, the warm passes' too (default: the measured one)")
-    parser.add_argument("--target-ms", type=positive_ms, default=None,
+    parser.add_argument("--target-ms", type=partial(positive_float_arg, expected="milliseconds"), default=None,
                         help="replay at this step target (default: the one the run had learned by its end)")
     args = parser.parse_args(argv)
     recorded = [(label_of(path), result) for path in args.results

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import socket
 import sys
@@ -14,10 +15,14 @@ HELP = "Serve a model over an OpenAI- and Anthropic-compatible HTTP API."
 
 
 def _number(text: str, expected: str) -> float:
+    """A finite number: float() also reads "inf" and "nan", which no flag means (inf GiB crashed the KV sizing)."""
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {expected}, not {text!r}") from None
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected {expected}, not {text!r}")
+    return value
 
 
 def positive_float_arg(text: str, expected: str = "a number") -> float:

@@ -211,7 +211,7 @@ def test_the_command_refuses_a_target_that_is_no_time(tmp_path, capsys):
     for bad in ("0", "-3", "nan", "inf", "fast"):
         with pytest.raises(SystemExit):
             main([str(path), "--target-ms", bad])
-        assert "positive number of ms" in capsys.readouterr().err
+        assert "argument --target-ms" in capsys.readouterr().err
     assert main([str(path), "--from-first-pass", "--target-ms", "12"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[2].startswith(f"| {tmp_path.name} | 8b-4bit | {3 + 64 + 32 + 64} | ")

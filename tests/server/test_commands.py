@@ -36,7 +36,7 @@ def test_serve_help_explains_the_engine_flags(capsys):
 @pytest.mark.parametrize(
     ("flag", "parsed", "bad"),
     [
-        ("--step-target-ms", {None: 500.0, "auto": "auto", "40": 40.0}, ("fast", "0", "-5")),
+        ("--step-target-ms", {None: 500.0, "auto": "auto", "40": 40.0}, ("fast", "0", "-5", "inf")),
         ("--step-target-factor", {None: 3.0, "2.5": 2.5}, ("many", "0", "-1")),
         ("--step-target-floor-ms", {None: 11.0, "0": 0.0, "8.5": 8.5}, ("low", "-1", "nan")),
         ("--row-quantum", {None: "auto", "auto": "auto", "64": 64}, ("tile", "0", "-64", "1.5")),
@@ -59,7 +59,7 @@ def test_serve_help_explains_the_engine_flags(capsys):
         ("--cost-trust-factor", {None: 1.5, "0": 0.0, "2": 2.0}, ("wide", "0.5", "-1")),
         ("--cost-residual-weight", {None: 0.3, "0": 0.0, "1": 1.0}, ("some", "1.5", "-0.1", "nan")),
         ("--floor-slack", {None: "auto", "auto": "auto", "1": 1.0, "1.25": 1.25}, ("some", "0.9", "-1")),
-        ("--debt-tolerance", {None: 1.25, "1": 1.0, "1.5": 1.5}, ("late", "0.9", "0", "nan")),
+        ("--debt-tolerance", {None: 1.25, "1": 1.0, "1.5": 1.5}, ("late", "0.9", "0", "nan", "inf")),
         ("--max-prefill-slowdown", {None: 0.0, "0": 0.0, "1.3": 1.3}, ("fast", "0.5", "-1")),
         ("--port", {None: 8080, "0": 0, "65535": 65535}, ("http", "-5", "70000", "80.5")),
         ("--block-size", {None: 16, "32": 32}, ("0", "-16", "big")),
@@ -72,8 +72,8 @@ def test_serve_help_explains_the_engine_flags(capsys):
         ("--max-overtakes", {None: 4, "0": 0}, ("-1",)),
         ("--row-ceiling", {None: 2048}, ("0",)),
         ("--max-model-len", {None: None, "4096": 4096}, ("0",)),
-        ("--memory-budget-gb", {None: None, "1.5": 1.5}, ("0", "-1")),
-        ("--drain-timeout", {None: 10.0, "0": 0.0}, ("-1", "soon")),
+        ("--memory-budget-gb", {None: None, "1.5": 1.5}, ("0", "-1", "inf", "nan")),
+        ("--drain-timeout", {None: 10.0, "0": 0.0}, ("-1", "soon", "inf")),
     ],
 )
 def test_scheduler_flags_parse_their_values_and_refuse_bad_ones(capsys, flag, parsed, bad):
