@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 
 class MlxServeError(Exception):
     status_code = 500
@@ -68,3 +71,14 @@ class QueueFull(MlxServeError):
 class EngineStopped(MlxServeError):
     status_code = 503
     error_type = "server_error"
+
+
+def parse_client_json(text: str | bytes, what: str, param: str | None = None) -> Any:
+    """JSON that a client sent, or `InvalidRequest`: json.loads also fails with a plain ValueError (a number of over
+    4,300 digits) or RecursionError (deep nesting), the client's fault as much as a syntax error is."""
+    try:
+        return json.loads(text)
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors too
+        raise InvalidRequest(f"{what} is not valid JSON: {exc}", param=param) from None
+    except RecursionError:
+        raise InvalidRequest(f"{what} is nested too deeply", param=param) from None

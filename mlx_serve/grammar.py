@@ -19,7 +19,7 @@ from llguidance import LLMatcher, LLTokenizer
 from llguidance.hf import from_tokenizer
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
-from mlx_serve.errors import InvalidRequest
+from mlx_serve.errors import InvalidRequest, parse_client_json
 
 # JSON as people read it, with whitespace fixed: "flexible" whitespace lets a weak model pad forever
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -73,10 +73,7 @@ def grammar_for_guided(body: Mapping[str, Any]) -> str | None:
     kind, (param, value) = next(iter(given.items()))
     if kind == "json":
         if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise InvalidRequest(f"{param}: not a JSON schema: {exc}", param=param) from None
+            value = parse_client_json(value, param, param)
         if not isinstance(value, Mapping):
             raise InvalidRequest(f"{param} must be a JSON schema object", param=param)
         return _json_grammar(dict(value), param)

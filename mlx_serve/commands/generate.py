@@ -123,11 +123,12 @@ def _prompt_score(entries: tuple) -> dict:
 
 def _schema_grammar(path: Path) -> str:
     """The grammar of a JSON Schema file, or InvalidRequest (a clear message and exit 1) for a bad one."""
-    from mlx_serve.errors import InvalidRequest
+    from mlx_serve.errors import InvalidRequest, parse_client_json
     from mlx_serve.grammar import grammar_for_response_format
 
     try:
-        schema = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
+        text = path.read_text()
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8
         raise InvalidRequest(f"--json-schema {path}: {exc}", param="json_schema") from None
+    schema = parse_client_json(text, f"--json-schema {path}", "json_schema")
     return grammar_for_response_format({"type": "json_schema", "json_schema": {"schema": schema}})

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from mlx_serve.commands.serve import add_answer_arguments, add_engine_arguments, whole_number_arg
+from mlx_serve.errors import InvalidRequest, parse_client_json
 
 HELP = "run an OpenAI batch file (JSONL of chat, completion, embedding or responses requests) offline"
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
@@ -64,9 +65,9 @@ def run(args: argparse.Namespace) -> int:
 def answer(client: Any, line: str) -> dict[str, Any]:
     """One output line for one input line."""
     try:
-        item = json.loads(line)
-    except json.JSONDecodeError as exc:
-        return _output(None, error=f"not JSON: {exc}")
+        item = parse_client_json(line, "the line")
+    except InvalidRequest as exc:
+        return _output(None, error=f"not JSON: {exc.message}")
     if not isinstance(item, dict):
         return _output(None, error="a line must be a JSON object")
     custom_id = item.get("custom_id")

@@ -108,7 +108,12 @@ def _openai_messages(messages: object) -> list[dict[str, Any]]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
             raise InvalidRequest(f"messages[{i}] must have role user or assistant", param=f"messages[{i}]")
+        # as Anthropic's API: only a final assistant message (a prefill to continue) may be empty
+        if message.get("content") == [] and not (i == len(messages) - 1 and message["role"] == "assistant"):
+            raise InvalidRequest(f"messages[{i}].content must not be empty", param=f"messages[{i}].content")
         out += _convert_message(message, f"messages[{i}]")
+    if not out:
+        raise InvalidRequest("messages must hold at least one message with content", param="messages")
     return out
 
 

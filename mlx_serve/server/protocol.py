@@ -12,7 +12,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mlx_serve.errors import ContextLengthExceeded, InvalidRequest, MlxServeError, ModelNotFound, Unauthorized
+from mlx_serve.errors import (
+    ContextLengthExceeded,
+    InvalidRequest,
+    MlxServeError,
+    ModelNotFound,
+    Unauthorized,
+    parse_client_json,
+)
 from mlx_serve.types import GenerationRequest, SamplingParams
 
 MAX_CHOICES = 16
@@ -58,10 +65,7 @@ class ModelInfo:
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     """The request body as a JSON object, or `InvalidRequest`."""
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"The request body is not valid JSON: {exc}") from None
+    body = parse_client_json(raw, "The request body")
     if not isinstance(body, dict):
         raise InvalidRequest(f"The request body must be a JSON object, got {type(body).__name__}")
     return body

@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_serve.errors import InvalidRequest
+from mlx_serve.errors import InvalidRequest, parse_client_json
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ def normalize_messages(messages: object) -> list[dict[str, Any]]:
 
 def _normalize_message(message: object, index: int) -> dict[str, Any]:
     param = f"messages[{index}]"
-    if not isinstance(message, dict) or message.get("role") not in ROLES:
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str) or message["role"] not in ROLES:
         raise InvalidRequest(f"{param} must be an object with a role in {sorted(ROLES)}", param=param)
     out = dict(message)
     if out["role"] == "developer":
@@ -57,11 +57,7 @@ def _template_tool_call(call: object, param: str) -> dict[str, Any]:
         raise InvalidRequest(f"{param}.tool_calls entries need function.name", param=f"{param}.tool_calls")
     arguments = function.get("arguments") or {}
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            raise InvalidRequest(f"{param} tool-call arguments are not valid JSON",
-                                 param=f"{param}.tool_calls") from None
+        arguments = parse_client_json(arguments, f"{param} tool-call arguments", f"{param}.tool_calls")
     return {**call, "function": {**function, "arguments": arguments}}
 
 

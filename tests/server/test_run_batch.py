@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from mlx_serve.cli import main
+from mlx_serve.commands.run_batch import answer
 from tests.engine.reference import load_reference, prompt_of, reference_tokens
 
 
@@ -70,3 +73,9 @@ def test_the_answer_options_are_serves(tmp_path, tiny_qwen3):
     assert plain[0]["response"]["status_code"] == 404 and named[0]["response"]["status_code"] == 200
     last, mean = (r[1]["response"]["body"]["data"][0]["embedding"] for r in (plain, named))
     assert len(last) == len(mean) and last != mean
+
+
+@pytest.mark.parametrize("line", ['{"custom_id": ' + "1" * 5000 + "}", "[" * 100_000])
+def test_a_line_json_cannot_read_is_an_error_line_not_a_crash(line):
+    result = answer(None, line)  # fails before any request is made
+    assert result["response"] is None and "not JSON" in result["error"]["message"]

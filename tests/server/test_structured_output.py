@@ -207,7 +207,7 @@ def test_guided_regex_choice_grammar_and_json_hold_on_chat_and_completions(serve
         ({"guided_regex": "(("}, "guided_regex", "the regular expression cannot be enforced"),
         ({"guided_choice": []}, "guided_choice", "a list of non-empty strings"),
         ({"guided_grammar": "start: foo"}, "guided_grammar", "the lark grammar cannot be enforced"),
-        ({"guided_json": "{not json"}, "guided_json", "not a JSON schema"),
+        ({"guided_json": "{not json"}, "guided_json", "guided_json is not valid JSON"),
         ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex", "one kind of guided decoding"),
         ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex",
          "response_format and guided decoding cannot both"),
