@@ -152,7 +152,7 @@ def parse_tool_calls(tokenizer: Any, call_texts: list[str], tools: list[dict[str
     for text in call_texts:
         try:
             parsed = tokenizer.tool_parser(text, tools)
-        except (ValueError, KeyError, TypeError) as exc:  # json errors are ValueErrors
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:  # json errors are ValueErrors
             log.warning("dropping an unparsable tool call (%s: %s)", type(exc).__name__, exc)
             continue
         for call in parsed if isinstance(parsed, list) else [parsed]:

@@ -93,6 +93,10 @@ def test_anthropic_tool_use_and_result_are_rendered_through_the_template(fake_en
 
 def test_an_unparsable_call_is_dropped(tiny_tokenizer):
     assert parse_tool_calls(tiny_tokenizer, ["{not json"], None) == []
+    # a model's output, as deep or as long as it likes: json.loads fails with RecursionError or a plain ValueError
+    deep = '{"name": "get_weather", "arguments": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    long = '{"name": "get_weather", "arguments": {"n": ' + "1" * 5000 + "}}"
+    assert parse_tool_calls(tiny_tokenizer, [deep, long], None) == []
 
 
 @given(st.lists(st.integers(min_value=1, max_value=len(CALL_TEXT) - 1), max_size=12, unique=True))
