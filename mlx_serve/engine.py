@@ -9,6 +9,7 @@ Everything else (admitting submissions, cancelling, turning tokens into events) 
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import queue
@@ -118,6 +119,7 @@ class Engine:
         self._eos_ids = frozenset(self.tokenizer.eos_token_ids)
         self._lock = threading.Lock()  # guards scheduler state read by status()/stats() from other threads
         self._submissions: queue.Queue[_Submission] = queue.Queue()
+        self._taken: collections.deque[_Submission] = collections.deque()  # drained, not yet accepted or refused
         self._arrivals = threading.Lock()  # held while a batch is queued, so the engine admits it in one step
         self._cancellations: queue.Queue[tuple[str, FinishReason]] = queue.Queue()
         self._wakeup = threading.Event()
@@ -418,8 +420,10 @@ class Engine:
         with self._arrivals:
             cancellations = _drain(self._cancellations)
             submissions = _drain(self._submissions)
-        for sub in submissions:
-            self._accept(sub)
+        self._taken.extend(submissions)
+        while self._taken:
+            self._accept(self._taken[0])
+            self._taken.popleft()
         for request_id, reason in cancellations:
             with self._lock:
                 request = self.scheduler.cancel(request_id, reason)
@@ -436,16 +440,27 @@ class Engine:
             with self._lock:
                 self.scheduler.add(sub.request)
         except Exception as exc:  # QueueFull / RequestTooLarge from the scheduler, a grammar: refuse this one only
-            self.delivery.open(sub.stream, sub.handle)
-            self.delivery.finish(rid, "error", None, error=str(exc))
+            self._refuse(sub, exc)
             return
-        self.runner.add_request(rid, sub.sampling, constraint, sub.request.prompt_ids, sub.adapter,
-                                speculate=sub.request.speculate > 0, pooling=sub.stream.request.pooling,
-                                stop_ids=sub.request.stop_token_ids)
+        try:
+            self.runner.add_request(rid, sub.sampling, constraint, sub.request.prompt_ids, sub.adapter,
+                                    speculate=sub.request.speculate > 0, pooling=sub.stream.request.pooling,
+                                    stop_ids=sub.request.stop_token_ids)
+        except Exception as exc:  # settings its sampler cannot take: this request fails, the engine serves on
+            log.exception("request %s: its sampling state could not be built", rid)
+            with self._lock:
+                self.scheduler.cancel(rid, FinishReason.ERROR)
+            self.runner.release_one(rid)
+            self._refuse(sub, exc)
+            return
         self.delivery.open(sub.stream, sub.handle)
         if self.trace.enabled:
             r = sub.request
             self.trace.emit(RequestArrived(self.trace.now(), rid, r.num_prompt_tokens, r.max_tokens, r.priority))
+
+    def _refuse(self, sub: _Submission, exc: Exception) -> None:
+        self.delivery.open(sub.stream, sub.handle)
+        self.delivery.finish(sub.request.request_id, "error", None, error=str(exc))
 
     def _step(self) -> bool:
         """Plan, queue and account one step. A step that samples is left in flight (decode lanes, and prefill
@@ -548,8 +563,9 @@ class Engine:
         self.failure, self._stopping = reason, True
         for control in _drain(self._controls):
             control.done.set_exception(EngineStopped(reason))
-        for sub in _drain(self._submissions):
-            self.delivery.open(sub.stream, sub.handle)
+        for sub in [*self._taken, *_drain(self._submissions)]:  # taken: the loop failed while admitting them
+            if not self.delivery.is_open(sub.request.request_id):
+                self.delivery.open(sub.stream, sub.handle)
         for request_id in self.delivery.open_ids():
             try:
                 self.delivery.finish(request_id, "error", None, error=reason)

@@ -44,7 +44,8 @@ class RequestSampler:
             processors.append(HoldStops(tuple(stop_ids), params.min_tokens))
         if params.bad_words:
             processors.append(BanWords(params.bad_words))
-        key = mx.random.key(params.seed) if params.seed is not None else None
+        # mx.random.key takes 0 .. 2**64 - 1; OpenAI's seeds are signed, and choice i of n takes seed + i
+        key = mx.random.key(params.seed % 2**64) if params.seed is not None else None
         return cls(params=params, processors=processors, key=key, constraint=constraint)
 
     def observe(self, start: int, inputs: mx.array) -> None:

@@ -4,6 +4,8 @@ the reason, and /health says 503."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from starlette.testclient import TestClient
 
@@ -30,5 +32,31 @@ def test_a_failed_loop_finishes_every_request_with_its_reason(tiny_qwen3):
         with TestClient(create_app(engine, ServerMetrics())) as client:
             reply = client.get("/health")
         assert reply.status_code == 503 and "a bug in publishing" in reply.json()["error"]
+    finally:
+        engine.shutdown(timeout_s=1.0)
+
+
+def test_a_loop_that_fails_while_admitting_fails_the_requests_it_had_taken(tiny_qwen3):
+    """The loop takes every queued submission at once: one that breaks admission must not strand the others taken
+    with it (they were out of the queue and not yet open, and hung)."""
+    engine = Engine.load(EngineConfig(model=str(tiny_qwen3), kv_blocks=64))
+    try:
+        accept = engine._accept
+
+        def broken(sub):
+            if sub.request.max_tokens == 7:
+                raise RuntimeError("a bug in admission")
+            accept(sub)
+
+        engine._accept = broken
+        requests = [GenerationRequest(prompt_ids=tuple(prompt_of(12, seed=s)), max_tokens=n)
+                    for s, n in enumerate((20, 7, 20))]  # fmt: skip
+        handles = engine.submit_all(requests)  # one batch: taken by one admission
+        finals: list = []
+        reader = threading.Thread(target=lambda: finals.extend(list(h)[-1] for h in handles), daemon=True)
+        reader.start()
+        reader.join(60)
+        assert len(finals) == 3, "a request taken with the broken one hangs"
+        assert all(e.finish_reason == "error" and "a bug in admission" in e.error for e in finals)
     finally:
         engine.shutdown(timeout_s=1.0)

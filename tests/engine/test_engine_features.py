@@ -113,6 +113,48 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(engine):
     assert reseeded.token_ids != alone.token_ids
 
 
+def test_any_integer_seed_samples_and_wraps_to_64_bits(engine):
+    """OpenAI's seeds are signed and choice i of n takes seed + i; MLX's keys are uint64 (a seed of -1 or 2**64
+    stopped the engine for every request)."""
+    prompt = prompt_of(15, seed=14)
+
+    def sampled(seed: int) -> tuple[int, ...]:
+        params = SamplingParams(temperature=1.0, seed=seed)
+        return tuple(_run(engine, prompt, max_tokens=12, sampling=params).token_ids)
+
+    assert sampled(-1) == sampled(2**64 - 1)
+    assert sampled(2**64 + 1234) == sampled(1234) == sampled(-(2**64) + 1234)
+    assert sampled(-1) != sampled(1234)
+
+
+def test_a_request_whose_sampler_cannot_be_built_fails_alone(tiny_qwen3, monkeypatch):
+    """An error building one request's sampling state fails that request; the scheduler lets it go (no KV, no
+    queue place) and the engine serves the others."""
+    from mlx_serve.sampling import RequestSampler
+
+    original = RequestSampler.create.__func__
+
+    def create(cls, params, *args, **kwargs):
+        if params.seed == 666:
+            raise RuntimeError("injected sampler failure")
+        return original(cls, params, *args, **kwargs)
+
+    monkeypatch.setattr(RequestSampler, "create", classmethod(create))
+    engine = Engine.load(EngineConfig(model=str(tiny_qwen3), block_size=16, kv_blocks=256))
+    try:
+        good, bad = prompt_of(20, seed=15), prompt_of(30, seed=16)
+        completions = engine.generate([GenerationRequest(prompt_ids=tuple(good), max_tokens=6),
+                                       GenerationRequest(prompt_ids=tuple(bad), max_tokens=6,
+                                                         sampling=SamplingParams(seed=666))])
+        assert list(completions[0].token_ids) == reference_tokens(tiny_qwen3, good, 6)
+        assert completions[1].finish_reason == "error" and not completions[1].token_ids
+        stats = engine.stats()
+        assert (stats["queue_depth"], stats["running"], stats["kv_blocks_used"]) == (0, 0, 0)
+        assert list(_run(engine, bad, max_tokens=4).token_ids) == reference_tokens(tiny_qwen3, bad, 4)
+    finally:
+        engine.shutdown()
+
+
 def test_pool_exhaustion_waits_or_preempts_and_keeps_reference_tokens(tiny_qwen3):
     # 10 blocks of 16 = 160 tokens of KV for 6 requests needing 64 each
     config = EngineConfig(model=str(tiny_qwen3), block_size=16, kv_blocks=10, enable_prefix_cache=False)
