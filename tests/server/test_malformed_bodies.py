@@ -3,6 +3,7 @@ never a 500, and keeps serving. Bodies are valid requests with one to three fiel
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -16,6 +17,7 @@ from mlx_serve.server import ServerMetrics, create_app
 from tests.server.fake_engine import FakeEngine
 
 MODEL = "fake-model"
+DELETED = object()
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
                                                                          "properties": {"a": {"type": "string"}}}}}]
 VALID = {
@@ -56,11 +58,11 @@ def _paths(value: Any, prefix: tuple = ()) -> Iterator[tuple]:
 
 
 def _swapped(body: dict, path: tuple, new: Any) -> dict:
-    body = json.loads(json.dumps(body))
+    body = copy.deepcopy(body)
     parent = body
     for key in path[:-1]:
         parent = parent[key]
-    if new == "<deleted>" and isinstance(parent, dict):
+    if new is DELETED:  # a field left out, or a list one item shorter
         del parent[path[-1]]
     else:
         parent[path[-1]] = new
@@ -74,7 +76,7 @@ def malformed_requests(draw: st.DrawFn) -> tuple[str, dict]:
     for _ in range(draw(st.integers(1, 3))):
         if not (paths := list(_paths(body))):
             break
-        body = _swapped(body, draw(st.sampled_from(paths)), draw(st.one_of(ODD, st.just("<deleted>"))))
+        body = _swapped(body, draw(st.sampled_from(paths)), draw(st.one_of(ODD, st.just(DELETED))))
     if "stream" in VALID[route] and draw(st.booleans()):
         body["stream"] = True
     return route, body
